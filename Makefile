@@ -1,0 +1,42 @@
+# The two commands of README's quick start, plus lint and bench.
+#   make demo   virtualenv + only what the demo needs, then the ordering sample end to end
+#   make test   virtualenv + everything and the test extras, then the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+	  { echo "idembus needs Python 3.10 or newer: run make PYTHON=python3.11 (or another 3.10+)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e '.[redis,postgres,test]'
+	touch $@
+
+$(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e '.[redis,postgres,test,lint]'
+	touch $@
+
+demo: $(VENV)/.demo
+	$(BIN)/python -m samples.ordering
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.lint
+	$(BIN)/ruff check bus handlers storage transports samples bench tests
+	$(BIN)/mypy
+
+bench: $(VENV)/.test
+	$(BIN)/python -m bench.throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,55 @@
+"""What a handler knows about the message it is handling."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Mapping
+
+from bus import headers as h
+
+#: Namespace of the uuid5 ids idembus derives (outgoing ids, idempotency keys).
+IDEMBUS_NAMESPACE = uuid.UUID("6f1c1d7e-3c53-5a0b-9a0e-3e1d2b0a9c11")
+
+
+@dataclass(frozen=True)
+class MessageContext:
+    """The incoming message's headers and ids, as seen by one handler."""
+
+    message_id: str
+    message_type: str
+    headers: Mapping[str, str]
+    handler_name: str
+    endpoint: str
+
+    @property
+    def dedup_key(self) -> str:
+        """The key under which this handler's processing of this message is recorded."""
+        return f"{self.handler_name}/{self.message_id}"
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key to pass to external systems (payment APIs...) so that a handler re-run
+        after a crash does not repeat their effect. Stable per (handler, message)."""
+        return str(uuid.uuid5(IDEMBUS_NAMESPACE, self.dedup_key))
+
+    @property
+    def correlation_id(self) -> str:
+        return self.headers.get(h.CORRELATION_ID) or self.message_id
+
+    @property
+    def conversation_id(self) -> str:
+        return self.headers.get(h.CONVERSATION_ID) or self.message_id
+
+    @property
+    def reply_to(self) -> str | None:
+        return self.headers.get(h.REPLY_TO) or None
+
+    def outgoing_id(self, index: int) -> str:
+        """Deterministic id of this handler's ``index``-th outgoing message.
+
+        Derived from the incoming id, the handler and the position, so a handler re-run
+        after a crash before commit produces the same ids, and two handlers of one event
+        never produce the same id.
+        """
+        return str(uuid.uuid5(IDEMBUS_NAMESPACE, f"{self.dedup_key}/{index}"))

@@ -1,0 +1,288 @@
+"""The endpoint: explicit wiring of a queue, a transport, a storage and handlers.
+
+::
+
+    sales = Endpoint(
+        "sales",
+        transport="amqp://guest:guest@127.0.0.1:5672//",
+        storage=MongoStorage("mongodb://127.0.0.1:27017", database="sales"),
+        handlers=[OrderHandler],
+        routes={ChargeCard: "billing"},
+    )
+    sales.run()          # blocks until SIGINT/SIGTERM or stop()
+
+Everything that can be checked without a broker is checked when the endpoint is created;
+the rest (the broker, the database) when it starts. Either way the error says what to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+from types import TracebackType
+from typing import Mapping, Sequence
+
+from bus.counters import Counters
+from bus.errors import ConfigurationError
+from bus.faults import FaultInjector
+from bus.invocation import HandlerInvoker
+from bus.messages import Command, Event, Message, is_message_type, message_name
+from bus.policies import ConflictPolicy, RetryPolicy
+from bus.processing import MessageProcessor
+from bus.registry import MessageRegistry
+from bus.routing import Router
+from bus.sending import Bus
+from bus.signals import EndpointSignals
+from handlers.base import Handler
+from handlers.registration import HandlerTable
+from storage.base import Storage
+from transports.base import Delivery, Transport
+
+log = logging.getLogger(__name__)
+
+_ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+class Endpoint:
+    """A named endpoint: consumes its queue, runs its handlers, sends through its bus.
+
+    Parameters
+    ----------
+    name:
+        The endpoint's name, also its queue and the reply address of what it sends.
+    transport:
+        A :class:`~transports.base.Transport`, or a kombu URL (default ``memory://``).
+    storage:
+        A :class:`~storage.base.Storage`; default: an embedded mongomock database.
+    handlers:
+        Handler classes (created once, without arguments) or handler instances.
+    routes:
+        Command type -> endpoint name. Commands this endpoint handles route to itself.
+    concurrency:
+        Consumer threads.
+    prefetch:
+        Messages the broker may push to each consumer ahead of processing.
+    error_queue:
+        Where bad messages and exhausted retries go.
+    retry_policy, conflict_policy:
+        Immediate retries of failing handlers; optimistic retries of lost races.
+    compact_after_dispatch:
+        Drop the stored bodies of outgoing messages once the broker confirmed them (their
+        ids stay). Turn off if the transport has no publisher confirms and you would rather
+        redispatch than risk a message the broker lost.
+    fault_injector:
+        Test hook: called at every crash point (:mod:`bus.faults`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        transport: Transport | str = "memory://",
+        storage: Storage | None = None,
+        handlers: Sequence[Handler | type[Handler]] = (),
+        routes: Mapping[type[Message], str] | None = None,
+        concurrency: int = 1,
+        prefetch: int = 16,
+        error_queue: str = "error",
+        retry_policy: RetryPolicy | None = None,
+        conflict_policy: ConflictPolicy | None = None,
+        compact_after_dispatch: bool = True,
+        fault_injector: FaultInjector | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
+            raise ConfigurationError(
+                f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'"
+            )
+        if concurrency < 1:
+            raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
+        if prefetch < 1:
+            raise ConfigurationError(f"prefetch must be at least 1, got {prefetch}")
+        if error_queue == name:
+            raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
+        self.name = name
+        self.error_queue = error_queue
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self.table = HandlerTable(handlers)
+        self.registry = MessageRegistry(self.table.message_types)
+        self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
+        self._check_routes(routes or {})
+        self.transport = _transport_from(transport)
+        self.storage = storage if storage is not None else _embedded_storage(name)
+        self.signals = EndpointSignals(name)
+        self.counters = Counters(self.signals)
+        invoker = HandlerInvoker(
+            endpoint=name,
+            router=self.router,
+            storage=self.storage,
+            signals=self.signals,
+            faults=fault_injector or FaultInjector(),
+            conflicts=conflict_policy or ConflictPolicy(),
+        )
+        self._processor = MessageProcessor(
+            endpoint=name,
+            error_queue=error_queue,
+            registry=self.registry,
+            table=self.table,
+            invoker=invoker,
+            storage=self.storage,
+            transport=self.transport,
+            signals=self.signals,
+            faults=fault_injector or FaultInjector(),
+            retries=retry_policy or RetryPolicy(),
+            compact_after_dispatch=compact_after_dispatch,
+        )
+        #: Sends and publishes at once, from outside handlers.
+        self.bus = Bus(name, self.router, self.transport.dispatch)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._activity = threading.Condition()
+        self._in_flight = 0
+
+    # -- configuration checks ----------------------------------------------------------
+
+    def _check_routes(self, routes: Mapping[type[Message], str]) -> None:
+        handled = set(self.table.message_types)
+        for command_type, destination in routes.items():
+            if destination == self.name and command_type not in handled:
+                raise ConfigurationError(
+                    f"routes send {message_name(command_type)} to {self.name!r} itself, but "
+                    f"no handler of {self.name!r} handles it; add a handler or fix the route"
+                )
+        for handler in self.table.handlers:
+            for sent in type(handler).sends:
+                if not is_message_type(sent) or not issubclass(sent, Command):
+                    raise ConfigurationError(
+                        f"{type(handler).__qualname__}.sends lists {sent!r}; list the "
+                        "Command types the handler sends (events need no route)"
+                    )
+                if not self.router.has_route(sent):
+                    raise ConfigurationError(
+                        f"{type(handler).__qualname__} sends {message_name(sent)} but "
+                        f"{self.name!r} has no route for it: add "
+                        f"routes={{{sent.__qualname__}: '<endpoint name>'}}"
+                    )
+
+    @property
+    def subscriptions(self) -> list[str]:
+        """Wire names of the event types this endpoint's handlers subscribe to."""
+        return sorted(message_name(t) for t in self.table.message_types if issubclass(t, Event))
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the storage, declare the topology and start the consumer threads."""
+        if self._threads:
+            raise RuntimeError(f"endpoint {self.name!r} is already running")
+        self.storage.verify()
+        self.transport.declare(self.name, subscriptions=self.subscriptions)
+        self.transport.declare(self.error_queue)
+        self._stop.clear()
+        for index in range(self.concurrency):
+            thread = threading.Thread(
+                target=self._consume, name=f"idembus-{self.name}-{index}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        log.info("endpoint %s started: %d consumer(s), subscribed to %s", self.name,
+                 self.concurrency, ", ".join(self.subscriptions) or "nothing")
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop taking messages, let the ones in progress finish; True if all threads ended."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        stopped = not any(thread.is_alive() for thread in self._threads)
+        if stopped:
+            self._threads = []
+        return stopped
+
+    def run(self) -> None:
+        """Start and block until ``stop()``, SIGINT or SIGTERM; then stop gracefully."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, lambda *_: self._stop.set())
+        self.start()
+        try:
+            self._stop.wait()
+        finally:
+            self.stop()
+
+    def close(self) -> None:
+        """Stop, then release the transport's and the storage's connections."""
+        self.stop()
+        self.transport.close()
+        self.storage.close()
+
+    def __enter__(self) -> Endpoint:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- consuming ----------------------------------------------------------------------
+
+    def _consume(self) -> None:
+        try:
+            self.transport.consume(self.name, self._on_delivery, stop=self._stop,
+                                   prefetch=self.prefetch)
+        except Exception:
+            log.exception("a consumer of endpoint %s stopped", self.name)
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        with self._activity:
+            self._in_flight += 1
+        try:
+            self._processor(delivery)
+        finally:
+            with self._activity:
+                self._in_flight -= 1
+                self._activity.notify_all()
+
+    def is_idle(self) -> bool:
+        """True when no message is being processed and none waits in the queue."""
+        with self._activity:
+            busy = self._in_flight > 0
+        return not busy and self.transport.pending(self.name) == 0
+
+    def wait_for_activity(self, timeout: float) -> None:
+        """Block until a message finishes processing here, or ``timeout`` passes."""
+        with self._activity:
+            self._activity.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
+
+def _with_own_commands(
+    name: str, routes: Mapping[type[Message], str], handled: Sequence[type[Message]]
+) -> dict[type[Message], str]:
+    merged = {t: name for t in handled if issubclass(t, Command)}
+    merged.update(routes)
+    return merged
+
+
+def _transport_from(transport: Transport | str) -> Transport:
+    if isinstance(transport, Transport):
+        return transport
+    if isinstance(transport, str):
+        from transports.kombu import KombuTransport
+
+        return KombuTransport(transport)
+    raise ConfigurationError(
+        f"transport must be a Transport or a kombu URL such as 'memory://', got {transport!r}"
+    )
+
+
+def _embedded_storage(name: str) -> Storage:
+    from storage.mongo import MongoStorage
+
+    return MongoStorage.embedded(database=name)

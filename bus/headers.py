@@ -1,0 +1,38 @@
+"""Header names of the wire format (README, "Wire format").
+
+Every header is a string. A JSON message published by any client with at least
+``MESSAGE_ID`` and ``MESSAGE_TYPE`` is processed exactly like one sent by idembus.
+"""
+
+from __future__ import annotations
+
+import enum
+
+MESSAGE_ID = "idembus.message_id"
+MESSAGE_TYPE = "idembus.message_type"
+CORRELATION_ID = "idembus.correlation_id"
+CONVERSATION_ID = "idembus.conversation_id"
+CAUSATION_ID = "idembus.causation_id"
+REPLY_TO = "idembus.reply_to"
+ORIGINATING_ENDPOINT = "idembus.originating_endpoint"
+TIME_SENT = "idembus.time_sent"
+INTENT = "idembus.intent"
+
+# Written when a message is moved to the error queue.
+EXCEPTION_TYPE = "idembus.exception.type"
+EXCEPTION_MESSAGE = "idembus.exception.message"
+STACK_TRACE = "idembus.exception.stack_trace"
+FAILED_QUEUE = "idembus.failed_queue"
+TIME_OF_FAILURE = "idembus.time_of_failure"
+IMMEDIATE_ATTEMPTS = "idembus.attempts.immediate"
+DELAYED_ATTEMPTS = "idembus.attempts.delayed"
+
+CONTENT_TYPE = "application/json"
+
+
+class Intent(str, enum.Enum):
+    """Why a message was put on the wire."""
+
+    SEND = "send"
+    PUBLISH = "publish"
+    REPLY = "reply"

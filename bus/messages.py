@@ -1,0 +1,69 @@
+"""Message base classes and their wire names.
+
+Messages are pydantic v2 models. Commands ask one endpoint to do something and are
+*sent*; events state that something happened and are *published* to every subscriber.
+Each message type has a stable name used on the wire: the class name unless the class
+says otherwise with the ``name`` keyword::
+
+    class PlaceOrder(Command, name="sales.PlaceOrder"):
+        order_id: str
+
+Nothing is registered by defining a class; endpoints learn their types from the handlers
+and routes they are given.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from bus.errors import ConfigurationError
+
+#: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
+_WIRE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+class Message(BaseModel):
+    """Base of every message; derive from :class:`Command` or :class:`Event` instead."""
+
+    __message_name__: ClassVar[str]
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        wire_name = name or cls.__name__
+        if not _WIRE_NAME.match(wire_name):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: message name {wire_name!r} must start with a letter or '_'"
+                " and contain only letters, digits, '_', '-' and '.'"
+            )
+        cls.__message_name__ = wire_name
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        # ``name`` was consumed by __init_subclass__; pydantic passes class keywords here too.
+        super().__pydantic_init_subclass__(**kwargs)
+
+
+class Command(Message):
+    """A request for one endpoint to act; sent with ``bus.send``."""
+
+
+class Event(Message):
+    """A fact other endpoints may react to; published with ``bus.publish``."""
+
+
+def message_name(message_type: type[Message] | Message) -> str:
+    """Return the wire name of a message type (or of a message's type)."""
+    cls = message_type if isinstance(message_type, type) else type(message_type)
+    return cls.__message_name__
+
+
+def is_message_type(candidate: object) -> bool:
+    """True for concrete message classes: subclasses of Command or Event."""
+    return (
+        isinstance(candidate, type)
+        and issubclass(candidate, (Command, Event))
+        and candidate not in (Command, Event)
+    )

@@ -1,0 +1,128 @@
+"""The life of one delivery: decode, handle, dispatch, acknowledge.
+
+For each handler of the message type: invoke it (exactly once per handler and message id,
+see :mod:`bus.invocation`), dispatch the outgoing messages it committed or had committed
+before, and only when every handler is done acknowledge the delivery. Bad input and
+handlers that keep failing go to the error queue with the reason; nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bus import headers as h
+from bus.decoding import decode
+from bus.envelope import Envelope
+from bus.errors import MessageError
+from bus.faults import CrashPoint, FaultInjector
+from bus.invocation import HandlerInvoker, Outcome
+from bus.messages import Message
+from bus.policies import RetryPolicy
+from bus.recoverability import failure_headers
+from bus.registry import MessageRegistry
+from bus.signals import EndpointSignals
+from handlers.registration import HandlerBinding, HandlerTable
+from storage.base import Storage
+from transports.base import Delivery, Transport
+
+log = logging.getLogger(__name__)
+
+
+class MessageProcessor:
+    """Processes deliveries of one endpoint; safe to call from several threads."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        error_queue: str,
+        registry: MessageRegistry,
+        table: HandlerTable,
+        invoker: HandlerInvoker,
+        storage: Storage,
+        transport: Transport,
+        signals: EndpointSignals,
+        faults: FaultInjector,
+        retries: RetryPolicy,
+        compact_after_dispatch: bool,
+    ) -> None:
+        self._endpoint = endpoint
+        self._error_queue = error_queue
+        self._registry = registry
+        self._table = table
+        self._invoker = invoker
+        self._storage = storage
+        self._transport = transport
+        self._signals = signals
+        self._faults = faults
+        self._retries = retries
+        self._compact = compact_after_dispatch
+
+    def __call__(self, delivery: Delivery) -> None:
+        headers = delivery.headers
+        details = {"message_id": headers.get(h.MESSAGE_ID), "message_type": headers.get(h.MESSAGE_TYPE)}
+        self._signals.emit("received", **details)
+        try:
+            message = decode(headers, delivery.body, delivery.content_type, self._registry)
+        except MessageError as error:
+            self._dead_letter(delivery, error, attempts=0)
+            return
+        for binding in self._table.bindings_for(type(message)):
+            failure = self._handle(binding, message, delivery)
+            if failure is not None:
+                error, attempts = failure
+                self._dead_letter(delivery, error, attempts=attempts)
+                return
+        self._faults.reached(CrashPoint.AFTER_DISPATCH, headers[h.MESSAGE_ID])
+        delivery.ack()
+
+    def _handle(
+        self, binding: HandlerBinding, message: Message, delivery: Delivery
+    ) -> tuple[Exception, int] | None:
+        """Invoke and dispatch with immediate retries; return the last error if all failed."""
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                outcome = self._invoker.invoke(binding, message, delivery.headers)
+                self._faults.reached(CrashPoint.AFTER_COMMIT, delivery.headers[h.MESSAGE_ID])
+                self._dispatch(outcome)
+                return None
+            except Exception as error:
+                details = {"message_id": delivery.headers[h.MESSAGE_ID],
+                           "message_type": delivery.headers[h.MESSAGE_TYPE],
+                           "handler": binding.handler_name, "error": error}
+                self._signals.emit("failed", attempt=attempts, **details)
+                if not self._retries.should_retry(error, attempts):
+                    return error, attempts
+                log.info("%s failed on %s (attempt %d), retrying: %r", binding.handler_name,
+                         details["message_id"], attempts, error)
+                self._signals.emit("retried", attempt=attempts, **details)
+
+    def _dispatch(self, outcome: Outcome) -> None:
+        for envelope in outcome.outgoing:
+            self._transport.dispatch(envelope)
+            self._signals.emit("dispatched", message_id=envelope.message_id,
+                               message_type=envelope.message_type, envelope=envelope)
+        if not outcome.outgoing:
+            return
+        if outcome.duplicate:
+            self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing))
+        if self._compact:
+            self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key)
+
+    def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
+        """Forward the delivery, byte for byte, to the error queue; then acknowledge it."""
+        headers = failure_headers(
+            delivery.headers, error, queue=delivery.queue, immediate_attempts=attempts
+        )
+        self._transport.send(Envelope(
+            headers=headers,
+            body=delivery.body.decode("utf-8", "surrogateescape"),
+            destination=self._error_queue,
+        ))
+        log.warning("moved %s from %s to %s: %s", delivery.headers.get(h.MESSAGE_ID, "a message"),
+                    delivery.queue, self._error_queue, headers[h.EXCEPTION_MESSAGE])
+        self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error)
+        delivery.ack()

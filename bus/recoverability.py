@@ -1,0 +1,31 @@
+"""The failure headers a message carries into the error queue."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from typing import Mapping
+
+from bus import headers as h
+from bus.errors import MessageError
+
+#: Longest stack trace kept in a header; AMQP frames must hold all headers.
+_MAX_STACK_TRACE = 8000
+
+
+def failure_headers(
+    original: Mapping[str, str], error: BaseException, *, queue: str, immediate_attempts: int
+) -> dict[str, str]:
+    """The original headers plus the story of the failure (README, "Wire format")."""
+    reason = error.reason if isinstance(error, MessageError) else str(error)
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return {
+        **original,
+        h.EXCEPTION_TYPE: f"{type(error).__module__}.{type(error).__qualname__}",
+        h.EXCEPTION_MESSAGE: reason,
+        h.STACK_TRACE: trace[-_MAX_STACK_TRACE:],
+        h.FAILED_QUEUE: queue,
+        h.TIME_OF_FAILURE: datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        h.IMMEDIATE_ATTEMPTS: str(immediate_attempts),
+        h.DELAYED_ATTEMPTS: "0",
+    }

@@ -1,0 +1,151 @@
+"""The Bus API: ``send``, ``publish`` and ``reply``.
+
+One class serves both places a bus is used. ``endpoint.bus`` sends at once, with fresh ids.
+Inside a handler, ``self.bus`` *records*: the endpoint commits the recorded messages with
+the aggregate's state and dispatches them only afterwards; their ids are derived from the
+incoming message so a re-run produces the same ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Callable, Mapping
+
+from bus import headers as h
+from bus.context import MessageContext
+from bus.envelope import Envelope
+from bus.errors import RoutingError
+from bus.messages import Command, Event, Message, message_name
+from bus.routing import Router
+
+Emit = Callable[[Envelope], None]
+
+
+class Bus:
+    """Sends commands, publishes events and replies.
+
+    Parameters
+    ----------
+    endpoint:
+        Name (and queue) of the endpoint this bus speaks for; used as the reply address.
+    router:
+        Where commands go.
+    emit:
+        What to do with each finished envelope: dispatch it, or record it.
+    origin:
+        The message being handled, inside a handler; ``None`` outside handlers.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        router: Router,
+        emit: Emit,
+        origin: MessageContext | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        self._router = router
+        self._emit = emit
+        self._origin = origin
+        self._count = 0
+
+    def send(
+        self,
+        command: Command,
+        *,
+        to: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> str:
+        """Send a command to the one endpoint that handles it; return its message id.
+
+        ``to`` overrides the route; ``message_id`` lets a caller outside handlers make a
+        retried send deduplicate (e.g. an id taken from an HTTP request).
+        """
+        if not isinstance(command, Command):
+            raise TypeError(
+                f"send() takes a Command, got {type(command).__qualname__}; "
+                "publish events with publish()"
+            )
+        destination = to or self._router.destination_for(type(command))
+        return self._put(command, h.Intent.SEND, destination, headers, message_id)
+
+    def publish(
+        self,
+        event: Event,
+        *,
+        headers: Mapping[str, str] | None = None,
+        message_id: str | None = None,
+    ) -> str:
+        """Publish an event to every endpoint subscribed to its type; return its id."""
+        if not isinstance(event, Event):
+            raise TypeError(
+                f"publish() takes an Event, got {type(event).__qualname__}; "
+                "send commands with send()"
+            )
+        return self._put(event, h.Intent.PUBLISH, None, headers, message_id)
+
+    def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
+        """Reply to the sender of the message being handled; return the reply's id."""
+        if self._origin is None:
+            raise RoutingError("reply() works only inside a handler, in answer to a message")
+        if not isinstance(message, Message):
+            raise TypeError(f"reply() takes a message, got {type(message).__qualname__}")
+        destination = self._origin.reply_to
+        if destination is None:
+            raise RoutingError(
+                f"cannot reply to {self._origin.message_type} {self._origin.message_id}: "
+                f"it carries no {h.REPLY_TO} header"
+            )
+        return self._put(message, h.Intent.REPLY, destination, headers, None)
+
+    def _put(
+        self,
+        message: Message,
+        intent: h.Intent,
+        destination: str | None,
+        extra: Mapping[str, str] | None,
+        message_id: str | None,
+    ) -> str:
+        envelope = Envelope(
+            headers=self._headers(message, intent, extra, message_id),
+            body=message.model_dump_json(),
+            destination=destination,
+        )
+        self._emit(envelope)
+        return envelope.message_id
+
+    def _headers(
+        self,
+        message: Message,
+        intent: h.Intent,
+        extra: Mapping[str, str] | None,
+        message_id: str | None,
+    ) -> dict[str, str]:
+        origin = self._origin
+        if message_id is None:
+            message_id = origin.outgoing_id(self._count) if origin else str(uuid.uuid4())
+        self._count += 1
+        result = {key: str(value) for key, value in (extra or {}).items()}
+        reserved = [key for key in result if key.startswith("idembus.")]
+        if reserved:
+            raise ValueError(f"headers starting with 'idembus.' are reserved: {reserved}")
+        result.update({
+            h.MESSAGE_ID: message_id,
+            h.MESSAGE_TYPE: message_name(message),
+            h.INTENT: intent.value,
+            h.ORIGINATING_ENDPOINT: self._endpoint,
+            h.REPLY_TO: self._endpoint,
+            h.TIME_SENT: datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        })
+        if origin is None:
+            result[h.CONVERSATION_ID] = message_id
+            result[h.CORRELATION_ID] = message_id
+        else:
+            result[h.CONVERSATION_ID] = origin.conversation_id
+            result[h.CAUSATION_ID] = origin.message_id
+            result[h.CORRELATION_ID] = (
+                origin.message_id if intent is h.Intent.REPLY else origin.correlation_id
+            )
+        return result

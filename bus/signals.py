@@ -1,0 +1,59 @@
+"""Per-endpoint blinker signals: observation only, never control flow.
+
+Every signal is sent with the endpoint name as sender and keyword arguments
+``message_id``, ``message_type`` and, where a handler is involved, ``handler``.
+``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
+Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from blinker import Signal
+
+log = logging.getLogger(__name__)
+
+SIGNAL_NAMES = (
+    "received",       # a delivery arrived
+    "handled",        # a handler committed its effects for the first time
+    "duplicate",      # a handler found the message already processed
+    "redispatched",   # a duplicate's stored outgoing messages were sent again
+    "dispatched",     # one outgoing message reached the broker
+    "conflict",       # a commit lost an optimistic race and will be retried
+    "failed",         # a handler attempt raised
+    "retried",        # a failed handler is tried again
+    "dead_lettered",  # the message went to the error queue
+    "outside_window", # a message sent before the oldest one its aggregate still remembers
+)
+
+
+class EndpointSignals:
+    """The signals of one endpoint; ``endpoint.signals.handled.connect(receiver)``."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        for name in SIGNAL_NAMES:
+            setattr(self, name, Signal(name))
+
+    received: Signal
+    handled: Signal
+    duplicate: Signal
+    redispatched: Signal
+    dispatched: Signal
+    conflict: Signal
+    failed: Signal
+    retried: Signal
+    dead_lettered: Signal
+    outside_window: Signal
+
+    def emit(self, name: str, **details: Any) -> None:
+        """Send signal ``name``; a receiver's exception is logged, never propagated."""
+        signal: Signal = getattr(self, name)
+        if not signal.receivers:
+            return
+        try:
+            signal.send(self.endpoint, **details)
+        except Exception:
+            log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)

@@ -1,0 +1,128 @@
+"""Handler base classes and the ``@handles`` decorator.
+
+Users subclass :class:`Handler` for stateless work or :class:`AggregateHandler` to change
+one aggregate's state per message::
+
+    class OrderHandler(AggregateHandler[Order]):
+        def aggregate_id(self, message: PlaceOrder) -> str:
+            return message.order_id
+
+        @handles
+        def place(self, message: PlaceOrder) -> None:
+            self.state.status = "placed"
+            self.bus.publish(OrderPlaced(order_id=message.order_id))
+
+The endpoint copies the handler object for every message (a shallow copy: dependencies
+given to ``__init__`` are shared) and sets ``bus``, ``context`` and, for aggregates,
+``state`` on the copy before calling the method.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Callable, ClassVar, Generic, TypeVar, overload
+
+from pydantic import BaseModel
+
+from bus.context import MessageContext
+from bus.messages import Message
+from bus.sending import Bus
+from handlers.errors import HandlerDefinitionError
+
+StateT = TypeVar("StateT", bound=BaseModel)
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Attribute set by ``@handles`` on handler methods: the explicit message types, if any.
+HANDLES_ATTRIBUTE = "__idembus_handles__"
+
+
+class Handler:
+    """Base of stateless handlers. Decorate each handling method with :func:`handles`.
+
+    Deduplication is recorded per (handler name, message id); the name defaults to the
+    class name. Renaming the class or ``handler_name`` makes duplicates of messages handled
+    before the rename look new.
+    """
+
+    #: Stable name scoping deduplication; ``None`` means the class name.
+    handler_name: ClassVar[str | None] = None
+    #: Command types this handler sends; the endpoint checks at start that each has a route.
+    sends: ClassVar[tuple[type[Message], ...]] = ()
+
+    #: The message-scoped bus: records what the handler sends, publishes and replies.
+    bus: Bus
+    #: Headers and ids of the message being handled.
+    context: MessageContext
+
+    @classmethod
+    def name(cls) -> str:
+        """The name deduplication is scoped by."""
+        return cls.handler_name or cls.__name__
+
+
+class AggregateHandler(Handler, Generic[StateT]):
+    """Base of handlers that change one aggregate per message.
+
+    Subclass with the state type, ``AggregateHandler[Order]``, and implement
+    :meth:`aggregate_id`. The endpoint loads the state, sets ``self.state``, runs the
+    method and commits the new state together with the outgoing messages. A method may
+    change ``self.state`` in place or assign a new one.
+    """
+
+    #: Storage name of this aggregate type; ``None`` means the state class's name.
+    aggregate_type: ClassVar[str | None] = None
+    #: The pydantic model of the state, taken from ``AggregateHandler[State]``.
+    state_type: ClassVar[type[BaseModel]]
+
+    state: StateT
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is AggregateHandler:
+                (state_type,) = typing.get_args(base)
+                if isinstance(state_type, type) and issubclass(state_type, BaseModel):
+                    cls.state_type = state_type
+
+    def aggregate_id(self, message: Any) -> str:
+        """Return the id of the aggregate ``message`` is about. Must be overridden."""
+        raise NotImplementedError
+
+    def new_state(self, aggregate_id: str, message: Any) -> StateT:
+        """State of an aggregate that does not exist yet; by default ``State()``."""
+        return typing.cast(StateT, self.state_type())
+
+    @classmethod
+    def storage_name(cls) -> str:
+        return cls.aggregate_type or cls.state_type.__name__
+
+
+@overload
+def handles(function: F) -> F: ...
+
+
+@overload
+def handles(*message_types: type[Message]) -> Callable[[F], F]: ...
+
+
+def handles(*args: Any) -> Any:
+    """Mark a handler method.
+
+    Bare, ``@handles`` takes the message type(s) from the annotation of the method's
+    message parameter (``PlaceOrder`` or ``PlaceOrder | CancelOrder``); with arguments,
+    ``@handles(PlaceOrder, CancelOrder)`` names them.
+    """
+    if len(args) == 1 and callable(args[0]) and not isinstance(args[0], type):
+        setattr(args[0], HANDLES_ATTRIBUTE, ())
+        return args[0]
+    for candidate in args:
+        if not isinstance(candidate, type):
+            raise HandlerDefinitionError(
+                f"@handles takes message classes, got {candidate!r}"
+            )
+
+    def mark(function: F) -> F:
+        setattr(function, HANDLES_ATTRIBUTE, tuple(args))
+        return function
+
+    return mark

@@ -1,0 +1,9 @@
+"""Errors about handler classes (the tree is drawn in :mod:`bus.errors`)."""
+
+from __future__ import annotations
+
+from bus.errors import ConfigurationError
+
+
+class HandlerDefinitionError(ConfigurationError):
+    """A handler class cannot be used as written; the message says what to change."""

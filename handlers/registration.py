@@ -1,0 +1,192 @@
+"""Turning handler classes into a validated table: message type -> handler bindings.
+
+Everything that can be wrong with a handler is found here, when the endpoint is created,
+and reported with what to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Iterable, Union
+
+from bus.messages import Message, is_message_type, message_name
+from handlers.base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
+from handlers.errors import HandlerDefinitionError
+
+
+@dataclass(frozen=True)
+class HandlerBinding:
+    """One handler method bound to one message type."""
+
+    handler: Handler
+    method_name: str
+    message_type: type[Message]
+
+    @property
+    def handler_name(self) -> str:
+        return type(self.handler).name()
+
+    @property
+    def is_aggregate(self) -> bool:
+        return isinstance(self.handler, AggregateHandler)
+
+    @property
+    def aggregate_type(self) -> str | None:
+        handler = self.handler
+        return type(handler).storage_name() if isinstance(handler, AggregateHandler) else None
+
+
+class HandlerTable:
+    """The handlers of one endpoint, by message type."""
+
+    def __init__(self, handlers: Iterable[Handler | type[Handler]]) -> None:
+        self._bindings: dict[type[Message], list[HandlerBinding]] = {}
+        names: dict[str, type[Handler]] = {}
+        for given in handlers:
+            handler = _instantiate(given)
+            cls = type(handler)
+            other = names.get(cls.name())
+            if other is not None:
+                raise HandlerDefinitionError(
+                    f"two handlers are named {cls.name()!r} ({_qualified(other)} and "
+                    f"{_qualified(cls)}); deduplication is scoped by this name, so set a "
+                    "distinct handler_name on one of them"
+                )
+            names[cls.name()] = cls
+            for binding in _bindings_of(handler):
+                self._add(binding)
+
+    def _add(self, binding: HandlerBinding) -> None:
+        existing = self._bindings.setdefault(binding.message_type, [])
+        for other in existing:
+            if binding.is_aggregate and other.aggregate_type == binding.aggregate_type:
+                raise HandlerDefinitionError(
+                    f"{_qualified(type(other.handler))} and {_qualified(type(binding.handler))}"
+                    f" both change aggregate {binding.aggregate_type!r} on "
+                    f"{message_name(binding.message_type)}; let one handler handle it"
+                )
+        existing.append(binding)
+
+    def bindings_for(self, message_type: type[Message]) -> list[HandlerBinding]:
+        return self._bindings.get(message_type, [])
+
+    @property
+    def message_types(self) -> list[type[Message]]:
+        return list(self._bindings)
+
+    @property
+    def handlers(self) -> list[Handler]:
+        seen: dict[int, Handler] = {}
+        for bindings in self._bindings.values():
+            for binding in bindings:
+                seen.setdefault(id(binding.handler), binding.handler)
+        return list(seen.values())
+
+
+def _instantiate(given: Handler | type[Handler]) -> Handler:
+    if isinstance(given, type):
+        if not issubclass(given, Handler):
+            raise HandlerDefinitionError(
+                f"{given!r} is not a handler: subclass handlers.Handler or AggregateHandler"
+            )
+        try:
+            return given()
+        except TypeError as exc:
+            raise HandlerDefinitionError(
+                f"{_qualified(given)}() cannot be created without arguments ({exc}); "
+                "pass an instance instead, e.g. handlers=[MyHandler(dependency)]"
+            ) from exc
+    if not isinstance(given, Handler):
+        raise HandlerDefinitionError(
+            f"{given!r} is not a handler: subclass handlers.Handler or AggregateHandler"
+        )
+    return given
+
+
+def _bindings_of(handler: Handler) -> list[HandlerBinding]:
+    cls = type(handler)
+    if isinstance(handler, AggregateHandler):
+        _check_aggregate(cls)
+    bindings: list[HandlerBinding] = []
+    seen: dict[type[Message], str] = {}
+    for attribute, function in _handling_methods(cls):
+        for message_type in _message_types(cls, attribute, function):
+            if message_type in seen:
+                raise HandlerDefinitionError(
+                    f"{_qualified(cls)}.{seen[message_type]} and .{attribute} both handle "
+                    f"{message_name(message_type)}; keep one"
+                )
+            seen[message_type] = attribute
+            bindings.append(HandlerBinding(handler, attribute, message_type))
+    if not bindings:
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)} handles nothing: decorate its handling methods with @handles"
+        )
+    return bindings
+
+
+def _handling_methods(cls: type) -> list[tuple[str, Any]]:
+    found = []
+    for attribute in dir(cls):
+        function = inspect.getattr_static(cls, attribute, None)
+        if callable(function) and hasattr(function, HANDLES_ATTRIBUTE):
+            found.append((attribute, function))
+    return found
+
+
+def _message_types(cls: type, attribute: str, function: Any) -> list[type[Message]]:
+    declared = getattr(function, HANDLES_ATTRIBUTE)
+    if not declared:
+        declared = _annotated_types(cls, attribute, function)
+    for message_type in declared:
+        if not is_message_type(message_type):
+            raise HandlerDefinitionError(
+                f"{_qualified(cls)}.{attribute} handles {message_type!r}, which is not a "
+                "message type: derive it from bus.Command or bus.Event"
+            )
+    return list(declared)
+
+
+def _annotated_types(cls: type, attribute: str, function: Any) -> tuple[Any, ...]:
+    parameters = list(inspect.signature(function).parameters.values())[1:]
+    where = f"{_qualified(cls)}.{attribute}"
+    if not parameters:
+        raise HandlerDefinitionError(f"{where} must take the message as its parameter")
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception as exc:
+        raise HandlerDefinitionError(f"{where}: cannot resolve its annotations ({exc})") from exc
+    annotation = hints.get(parameters[0].name)
+    if annotation is None:
+        raise HandlerDefinitionError(
+            f"{where}: annotate its message parameter (message: PlaceOrder) or name the "
+            "types with @handles(PlaceOrder)"
+        )
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
+    if not hasattr(cls, "state_type"):
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)} needs its state type: class {cls.__name__}"
+            "(AggregateHandler[MyState]) where MyState is a pydantic model"
+        )
+    if cls.aggregate_id is AggregateHandler.aggregate_id:
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)} must implement aggregate_id(self, message) -> str"
+        )
+    required = [name for name, field in cls.state_type.model_fields.items() if field.is_required()]
+    if required and cls.new_state is AggregateHandler.new_state:
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)}: {cls.state_type.__name__} has required fields {required}; "
+            "give them defaults or implement new_state(self, aggregate_id, message)"
+        )
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

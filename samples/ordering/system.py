@@ -1,0 +1,167 @@
+"""Wiring of the ordering sample and the report computed from its stores."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from bus import Endpoint
+from bus.faults import FaultInjector
+from bus.testing import wait_until_idle
+from samples.ordering.billing import BillingHandler, FakePaymentGateway
+from samples.ordering.messages import PlaceOrder
+from samples.ordering.sales import Order, OrderHandler
+from samples.ordering.shipping import Shipment, ShippingHandler
+from storage.base import INBOX, Storage
+from storage.mongo import MongoStorage
+from transports.base import Transport
+from transports.kombu import KombuTransport
+
+
+@dataclass
+class OrderingSystem:
+    """The three endpoints of the sample, their stores and the payment gateway."""
+
+    sales: Endpoint
+    billing: Endpoint
+    shipping: Endpoint
+    gateway: FakePaymentGateway
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [self.sales, self.billing, self.shipping]
+
+    def start(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.start()
+
+    def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
+
+
+def build(
+    transport: Callable[[], Transport] | str = "memory://",
+    *,
+    namespace: str | None = None,
+    storage: Callable[[str], Storage] = MongoStorage.embedded,
+    fault_injector: FaultInjector | None = None,
+    concurrency: int = 2,
+) -> OrderingSystem:
+    """Create Sales, Billing and Shipping; queue names carry ``namespace`` so that runs
+    sharing a broker do not see each other's messages."""
+    suffix = f"-{namespace}" if namespace else ""
+    make_transport = (lambda: KombuTransport(transport)) if isinstance(transport, str) else transport
+    gateway = FakePaymentGateway()
+
+    def endpoint(name: str, handler: object) -> Endpoint:
+        return Endpoint(
+            f"{name}{suffix}",
+            transport=make_transport(),
+            storage=storage(f"{name}{suffix}"),
+            handlers=[handler],  # type: ignore[list-item]
+            error_queue=f"error{suffix}",
+            concurrency=concurrency,
+            fault_injector=fault_injector,
+        )
+
+    return OrderingSystem(
+        sales=endpoint("sales", OrderHandler),
+        billing=endpoint("billing", BillingHandler(gateway)),
+        shipping=endpoint("shipping", ShippingHandler),
+        gateway=gateway,
+    )
+
+
+@dataclass(frozen=True)
+class Report:
+    """Figures read from the stores after a run."""
+
+    orders: int
+    placed: int
+    billed: int
+    shipped: int
+    charges: int
+    duplicates_injected: int
+    duplicates_detected: int
+    redispatched: int
+    lost: int
+    double_effects: int
+
+    def line(self) -> str:
+        return " ".join(f"{name}={value}" for name, value in vars(self).items())
+
+    @property
+    def ok(self) -> bool:
+        expected = self.orders
+        return (
+            self.lost == 0 and self.double_effects == 0
+            and self.placed == self.billed == self.shipped == self.charges == expected
+        )
+
+
+def place_orders(system: OrderingSystem, orders: int, duplicates: int, *,
+                 seed: int = 0) -> list[str]:
+    """Send ``orders`` PlaceOrder commands, ``duplicates`` of them twice with the same id."""
+    rng = random.Random(seed)
+    order_ids = [f"order-{index}" for index in range(orders)]
+    twice = set(rng.sample(range(orders), duplicates))
+    for index, order_id in enumerate(order_ids):
+        command = PlaceOrder(order_id=order_id, customer=f"customer-{index % 17}",
+                             amount_cents=rng.randint(100, 100_000))
+        message_id = str(uuid.UUID(int=rng.getrandbits(128)))
+        system.sales.bus.send(command, message_id=message_id)
+        if index in twice:
+            system.sales.bus.send(command, message_id=message_id)
+    return order_ids
+
+
+def report(system: OrderingSystem, order_ids: list[str], duplicates_injected: int) -> Report:
+    """Read what happened from the stores (not from what the senders think they sent)."""
+    orders = {r.aggregate_id: r.state or {} for r in system.sales.storage.records("Order")}
+    shipments = {r.aggregate_id: r.state or {} for r in system.shipping.storage.records("Shipment")}
+    billed = [r for r in system.billing.storage.records(INBOX)
+              if r.aggregate_id.startswith(BillingHandler.name() + "/")]
+    charges = system.gateway.charges
+    charged_orders = {charge.order_id for charge in charges}
+    expected = set(order_ids)
+    complete = {
+        order_id for order_id in expected
+        if orders.get(order_id, {}).get("status") == "placed"
+        and order_id in charged_orders
+        and shipments.get(order_id, {}).get("shipped")
+    }
+    double_effects = (
+        sum(max(0, state.get("times_placed", 0) - 1) for state in orders.values())
+        + sum(max(0, state.get("times_shipped", 0) - 1) for state in shipments.values())
+        + (len(charges) - len(charged_orders))
+        + sum(1 for order_id in orders if order_id not in expected)
+    )
+    counts = [endpoint.counters.snapshot() for endpoint in system.endpoints]
+    return Report(
+        orders=len(order_ids),
+        placed=sum(1 for state in orders.values() if state.get("status") == "placed"),
+        billed=len(billed),
+        shipped=sum(1 for state in shipments.values() if state.get("shipped")),
+        charges=len(charges),
+        duplicates_injected=duplicates_injected,
+        duplicates_detected=sum(c["duplicate"] for c in counts),
+        redispatched=sum(c["redispatched"] for c in counts),
+        lost=len(expected - complete),
+        double_effects=double_effects,
+    )
+
+
+def run(system: OrderingSystem, orders: int, duplicates: int, *, seed: int = 0,
+        timeout: float = 600.0) -> Report:
+    """Start the system, place the orders, wait for quiescence and report."""
+    system.start()
+    order_ids = place_orders(system, orders, duplicates, seed=seed)
+    wait_until_idle(system.endpoints, timeout=timeout)
+    return report(system, order_ids, duplicates)
+
+
+# Keep the aggregate state types importable from here for readers of the report.
+__all__ = ["Order", "OrderingSystem", "Report", "Shipment", "build", "report", "run"]

@@ -1,0 +1,133 @@
+"""The storage contract.
+
+A backend keeps one record per aggregate: its state, a version, and the messages it has
+processed, each with the outgoing messages its handler produced. The whole contract is
+three calls:
+
+``load(aggregate_type, aggregate_id)``
+    Return the record, or an empty one at version 0 if the aggregate does not exist.
+
+``commit(loaded, key=..., state=..., outgoing=...)``
+    In **one atomic conditional write**, store the new state, bump the version and record
+    ``key`` (the handler-scoped incoming message id) with its outgoing messages. The write
+    succeeds only if the aggregate is still at ``loaded.version`` and ``key`` is not yet
+    recorded. Creating an aggregate (``loaded.version == 0``) is an insert, so two creators
+    race like two updaters. When the write is refused the backend looks again and raises
+    :class:`~storage.errors.AlreadyProcessed` (with the stored outgoing messages) if ``key``
+    is now recorded, or :class:`~storage.errors.ConcurrencyConflict` otherwise. No lock,
+    no pre-check query, no multi-document transaction.
+
+``mark_dispatched(aggregate_type, aggregate_id, key)``
+    The outgoing messages of ``key`` were confirmed by the broker: drop their bodies and
+    keep their ids. A later duplicate of ``key`` then redispatches nothing.
+
+The processed list of each aggregate keeps the newest ``processed_window`` entries. A
+duplicate that arrives after its entry left the window is processed again; README says so.
+Stateless handlers use the same records: one per (handler, message id) in the aggregate
+type :data:`INBOX`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+from bus.envelope import Envelope
+from storage.errors import AlreadyProcessed, ConcurrencyConflict
+
+#: Aggregate type under which stateless handlers keep their inbox records.
+INBOX = "idembus_inbox"
+
+#: How many processed entries an aggregate keeps unless told otherwise.
+DEFAULT_PROCESSED_WINDOW = 100
+
+
+@dataclass(frozen=True)
+class ProcessedMessage:
+    """One processed message of an aggregate, with what its handler sent."""
+
+    key: str
+    outgoing: tuple[Envelope, ...]
+    outgoing_ids: tuple[str, ...]
+    dispatched: bool = False
+    #: When the handler's effects were committed (UTC).
+    at: datetime.datetime | None = None
+
+
+@dataclass(frozen=True)
+class AggregateRecord:
+    """An aggregate as loaded: ``version == 0`` means it does not exist yet."""
+
+    aggregate_type: str
+    aggregate_id: str
+    version: int = 0
+    state: Mapping[str, Any] | None = None
+    processed: Mapping[str, ProcessedMessage] = field(default_factory=dict)
+
+    @property
+    def exists(self) -> bool:
+        return self.version > 0
+
+    def window_start(self, window: int) -> datetime.datetime | None:
+        """When the oldest remembered message was processed, if the window is full.
+
+        A message sent before that time and not in ``processed`` may be a duplicate whose
+        entry was already forgotten.
+        """
+        if len(self.processed) < window:
+            return None
+        times = [entry.at for entry in self.processed.values() if entry.at is not None]
+        return min(times) if times else None
+
+
+class Storage(ABC):
+    """Base class of storage backends; see the module docstring for the contract."""
+
+    def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
+        if processed_window < 1:
+            raise ValueError(f"processed_window must be at least 1, got {processed_window}")
+        self.processed_window = processed_window
+
+    @abstractmethod
+    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
+        """Return the aggregate's record, or an empty record at version 0."""
+
+    @abstractmethod
+    def commit(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+    ) -> None:
+        """Store state and ``key -> outgoing`` in one conditional write.
+
+        Raises ``AlreadyProcessed`` or ``ConcurrencyConflict`` when the write is refused.
+        """
+
+    @abstractmethod
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        """Forget the bodies of ``key``'s outgoing messages, keeping their ids."""
+
+    @abstractmethod
+    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        """Every stored record of one aggregate type, for reports and tools (not per message)."""
+
+    def verify(self) -> None:
+        """Check at start-up that the backend is reachable; raise ``StorageUnavailable``."""
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    def _refusal(self, aggregate_type: str, aggregate_id: str, key: str) -> Exception:
+        """Explain a refused conditional write by looking at the record again."""
+        current = self.load(aggregate_type, aggregate_id)
+        entry = current.processed.get(key)
+        if entry is not None:
+            return AlreadyProcessed(key, entry.outgoing)
+        return ConcurrencyConflict(
+            f"{aggregate_type} {aggregate_id!r} moved past the loaded version while {key} ran"
+        )

@@ -1,0 +1,83 @@
+"""In-memory storage: the contract without a database, for unit tests and the handler
+test helper. Thread-safe; raises exactly the errors the real backends raise."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import threading
+from typing import Any, Iterator, Mapping, Sequence
+
+from bus.envelope import Envelope
+from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage
+
+
+class MemoryStorage(Storage):
+    """Keeps every aggregate record in a dict guarded by one lock."""
+
+    def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
+        super().__init__(processed_window=processed_window)
+        self._records: dict[tuple[str, str], AggregateRecord] = {}
+        self._lock = threading.Lock()
+
+    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
+        with self._lock:
+            record = self._records.get((aggregate_type, aggregate_id))
+        if record is None:
+            return AggregateRecord(aggregate_type, aggregate_id)
+        # Callers may mutate what they get; the stored record must not change with it.
+        return copy.deepcopy(record)
+
+    def commit(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+    ) -> None:
+        address = (loaded.aggregate_type, loaded.aggregate_id)
+        entry = ProcessedMessage(
+            key=key,
+            outgoing=tuple(outgoing),
+            outgoing_ids=tuple(envelope.message_id for envelope in outgoing),
+            at=datetime.datetime.now(datetime.timezone.utc),
+        )
+        with self._lock:
+            current = self._records.get(address)
+            current_version = current.version if current else 0
+            accepted = current_version == loaded.version and (
+                current is None or key not in current.processed
+            )
+            if accepted:
+                processed = dict(current.processed) if current else {}
+                processed[key] = entry
+                for stale in list(processed)[: max(0, len(processed) - self.processed_window)]:
+                    del processed[stale]
+                self._records[address] = AggregateRecord(
+                    loaded.aggregate_type,
+                    loaded.aggregate_id,
+                    version=current_version + 1,
+                    state=copy.deepcopy(dict(state)) if state is not None else None,
+                    processed=processed,
+                )
+                return
+        raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        address = (aggregate_type, aggregate_id)
+        with self._lock:
+            record = self._records.get(address)
+            if record is None or key not in record.processed:
+                return
+            entry = record.processed[key]
+            processed = dict(record.processed)
+            processed[key] = ProcessedMessage(key, (), entry.outgoing_ids, True, entry.at)
+            self._records[address] = AggregateRecord(
+                aggregate_type, aggregate_id, record.version, record.state, processed
+            )
+
+    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        with self._lock:
+            chosen = [r for (t, _), r in self._records.items() if t == aggregate_type]
+        return iter(copy.deepcopy(chosen))

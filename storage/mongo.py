@@ -1,0 +1,181 @@
+"""MongoDB storage over pymongo: one document per aggregate, one conditional write per message.
+
+Features
+========
+* Document per aggregate, in a collection named after the aggregate type::
+
+      {_id: <aggregate id>, version: <int>, state: {...},
+       processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>}, ...]}
+
+* Commit of an existing aggregate: ``update_one`` matching ``_id``, the loaded ``version``
+  and ``processed.key != key``; ``$set`` state and version, ``$push`` the entry with
+  ``$slice`` keeping the newest ``processed_window`` entries.
+* Creation: ``insert_one``; a duplicate-key error is a lost race like any other.
+* No transactions, sessions or replica set needed; documents are the unit of atomicity,
+  so sharding by ``_id`` needs nothing more.
+
+mongomock
+=========
+mongomock (the embedded default) is not thread-safe: four threads doing guarded conditional
+updates were seen to apply one message up to four times. Given a mongomock client, this
+backend serialises every operation behind one lock. mongomock also scans whole collections
+on every query, so keep its data modest; measure speed on a real server.
+
+Connection String
+=================
+``MongoStorage("mongodb://host:27017/?replicaSet=rs0", database="sales")``, a
+``pymongo.MongoClient``, or ``MongoStorage.embedded("sales")`` for mongomock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+from typing import Any, ContextManager, Iterator, Mapping, Sequence
+
+import pymongo
+import pymongo.errors
+
+from bus.envelope import Envelope
+from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage
+from storage.errors import StorageUnavailable
+
+
+def is_mongomock(client: Any) -> bool:
+    """True when ``client`` is a mongomock client (not safe for concurrent use)."""
+    return type(client).__module__.split(".")[0] == "mongomock"
+
+
+class MongoStorage(Storage):
+    """Storage backend for MongoDB (pymongo) and mongomock."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        database: str = "idembus",
+        processed_window: int = DEFAULT_PROCESSED_WINDOW,
+    ) -> None:
+        super().__init__(processed_window=processed_window)
+        self._owns_client = isinstance(client, str)
+        if isinstance(client, str):
+            client = pymongo.MongoClient(client, serverSelectionTimeoutMS=5000, tz_aware=True)
+        self.client = client
+        self.database = client[database]
+        # Re-entrant: a refused commit reloads the record while still holding the guard.
+        self._guard: ContextManager[Any] = (
+            threading.RLock() if is_mongomock(client) else contextlib.nullcontext()
+        )
+
+    @classmethod
+    def embedded(
+        cls, database: str = "idembus", *, processed_window: int = DEFAULT_PROCESSED_WINDOW
+    ) -> MongoStorage:
+        """An in-process mongomock database: the embedded default of ``make demo``."""
+        import mongomock
+
+        return cls(mongomock.MongoClient(), database=database, processed_window=processed_window)
+
+    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
+        with self._guard, _translated():
+            document = self.database[aggregate_type].find_one({"_id": aggregate_id})
+        if document is None:
+            return AggregateRecord(aggregate_type, aggregate_id)
+        return _record_from(aggregate_type, document)
+
+    def commit(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+    ) -> None:
+        entry = {
+            "key": key,
+            "outgoing": [envelope.to_record() for envelope in outgoing],
+            "ids": [envelope.message_id for envelope in outgoing],
+            "dispatched": False,
+            "at": datetime.datetime.now(datetime.timezone.utc),
+        }
+        collection = self.database[loaded.aggregate_type]
+        new_state = dict(state) if state is not None else None
+        with self._guard, _translated():
+            if not loaded.exists:
+                try:
+                    collection.insert_one(
+                        {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
+                         "processed": [entry]}
+                    )
+                    return
+                except pymongo.errors.DuplicateKeyError:
+                    pass
+            else:
+                result = collection.update_one(
+                    {"_id": loaded.aggregate_id, "version": loaded.version,
+                     "processed.key": {"$ne": key}},
+                    {"$set": {"state": new_state, "version": loaded.version + 1},
+                     "$push": {"processed": {"$each": [entry],
+                                             "$slice": -self.processed_window}}},
+                )
+                if result.matched_count == 1:
+                    return
+            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        with self._guard, _translated():
+            self.database[aggregate_type].update_one(
+                {"_id": aggregate_id, "processed.key": key},
+                {"$set": {"processed.$.outgoing": [], "processed.$.dispatched": True}},
+            )
+
+    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        with self._guard, _translated():
+            documents = list(self.database[aggregate_type].find())
+        return (_record_from(aggregate_type, document) for document in documents)
+
+    def verify(self) -> None:
+        with self._guard, _translated():
+            self.client.admin.command("ping")
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.client.close()
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    try:
+        yield
+    except (pymongo.errors.ConnectionFailure, pymongo.errors.ServerSelectionTimeoutError) as exc:
+        raise StorageUnavailable(f"MongoDB is unreachable: {exc}") from exc
+    except pymongo.errors.OperationFailure as exc:
+        raise StorageUnavailable(f"MongoDB refused the operation: {exc}") from exc
+
+
+def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateRecord:
+    processed = {
+        entry["key"]: ProcessedMessage(
+            key=entry["key"],
+            outgoing=tuple(Envelope.from_record(o) for o in entry.get("outgoing", ())),
+            outgoing_ids=tuple(entry.get("ids", ())),
+            dispatched=bool(entry.get("dispatched", False)),
+            at=_utc(entry.get("at")),
+        )
+        for entry in document.get("processed", ())
+    }
+    return AggregateRecord(
+        aggregate_type,
+        document["_id"],
+        version=document["version"],
+        state=document.get("state"),
+        processed=processed,
+    )
+
+
+def _utc(moment: datetime.datetime | None) -> datetime.datetime | None:
+    """Stored times are UTC; some clients (mongomock, tz_aware=False) return them naive."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=datetime.timezone.utc)
+    return moment

@@ -1,0 +1,165 @@
+"""Shared fixtures: brokers, unique names, endpoints that clean up after themselves.
+
+Real services are used where a test names them. Locally an unreachable service skips its
+tests with the reason; under ``CI=true`` it fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, Callable, Iterator
+from urllib.parse import urlparse
+
+import kombu.transport.memory
+import pytest
+
+from bus import Endpoint
+from storage.memory import MemoryStorage
+from storage.mongo import MongoStorage
+from transports.kombu import KombuTransport
+
+AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+REDIS_URL = os.environ.get("IDEMBUS_REDIS_URL", "redis://127.0.0.1:6379/0")
+MONGODB_URL = os.environ.get("IDEMBUS_MONGODB_URL")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+_DEFAULT_PORTS = {"amqp": 5672, "redis": 6379, "mongodb": 27017, "postgresql": 5432}
+
+
+def require_service(url: str, what: str) -> None:
+    """Skip (locally) or fail (under CI=true) unless something listens at ``url``."""
+    parsed = urlparse(url)
+    host = parsed.hostname or "127.0.0.1"
+    port = parsed.port or _DEFAULT_PORTS.get(parsed.scheme, 0)
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        reason = f"{what} is not reachable at {host}:{port} ({exc})"
+        if IN_CI:
+            pytest.fail(f"{reason}; under CI=true every service must be up")
+        pytest.skip(reason)
+
+
+TRANSPORT_URLS = [
+    pytest.param("memory://", id="memory"),
+    pytest.param(AMQP_URL, id="amqp", marks=pytest.mark.amqp),
+    pytest.param(REDIS_URL, id="redis", marks=pytest.mark.redis),
+]
+
+
+@pytest.fixture(params=TRANSPORT_URLS)
+def transport_url(request: pytest.FixtureRequest) -> str:
+    url: str = request.param
+    if url.startswith("amqp"):
+        require_service(url, "RabbitMQ")
+    elif url.startswith("redis"):
+        require_service(url, "Redis")
+    return url
+
+
+@pytest.fixture
+def unique() -> str:
+    """A suffix that keeps this test's queues and exchanges apart from every other's."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memory_broker() -> Iterator[None]:
+    """kombu's memory:// keeps its broker at class level and never resets it."""
+    yield
+    kombu.transport.memory.Channel.queues.clear()
+    kombu.transport.memory.Channel.events.clear()
+    kombu.transport.memory.Transport.global_state.clear()
+
+
+@pytest.fixture
+def make_transport(transport_url: str, unique: str) -> Iterator[Callable[..., KombuTransport]]:
+    """Transports on the parametrised broker, with this test's own exchange."""
+    created: list[KombuTransport] = []
+
+    def make(**options: Any) -> KombuTransport:
+        options.setdefault("exchange", f"test-events-{unique}")
+        transport = KombuTransport(transport_url, **options)
+        created.append(transport)
+        return transport
+
+    yield make
+    for transport in created:
+        transport.close()
+
+
+@pytest.fixture
+def queue_name(unique: str, transport_url: str) -> Iterator[Callable[[str], str]]:
+    """``queue_name("sales")`` -> a queue name unique to this test, deleted afterwards."""
+    names: list[str] = []
+
+    def name(prefix: str) -> str:
+        names.append(f"{prefix}-{unique}")
+        return names[-1]
+
+    yield name
+    if not transport_url.startswith("memory"):
+        cleaner = KombuTransport(transport_url)
+        for queue in names:
+            cleaner.delete_queue(queue)
+        cleaner.close()
+
+
+@pytest.fixture
+def make_endpoint(
+    make_transport: Callable[..., KombuTransport], queue_name: Callable[[str], str]
+) -> Iterator[Callable[..., Endpoint]]:
+    """Endpoints on the parametrised broker with unique queue names; closed afterwards.
+
+    ``make_endpoint("sales", handlers=[...], routes=...)``: the endpoint is named
+    ``sales-<unique>``; its error queue is ``error-<unique>``; storage defaults to the
+    embedded mongomock.
+    """
+    endpoints: list[Endpoint] = []
+
+    def make(name: str, **options: Any) -> Endpoint:
+        options.setdefault("transport", make_transport())
+        options.setdefault("error_queue", queue_name("error"))
+        endpoint = Endpoint(queue_name(name), **options)
+        endpoints.append(endpoint)
+        return endpoint
+
+    yield make
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+STORAGE_KINDS = [
+    pytest.param("memory", id="memory-storage"),
+    pytest.param("mongomock", id="mongomock"),
+    pytest.param("mongodb", id="mongodb", marks=pytest.mark.mongodb),
+]
+
+
+@pytest.fixture(params=STORAGE_KINDS)
+def storage_factory(request: pytest.FixtureRequest, unique: str) -> Iterator[Callable[..., Any]]:
+    """Factories of fresh storages of each backend: ``storage_factory(processed_window=3)``."""
+    kind: str = request.param
+    if kind == "mongodb":
+        if not MONGODB_URL:
+            pytest.skip("set IDEMBUS_MONGODB_URL to run the storage contract on a real MongoDB")
+        require_service(MONGODB_URL, "MongoDB")
+    created: list[Any] = []
+
+    def make(**options: Any) -> Any:
+        if kind == "memory":
+            storage: Any = MemoryStorage(**options)
+        elif kind == "mongomock":
+            storage = MongoStorage.embedded(f"test-{unique}", **options)
+        else:
+            storage = MongoStorage(MONGODB_URL, database=f"idembus-test-{unique}", **options)
+        created.append(storage)
+        return storage
+
+    yield make
+    for storage in created:
+        if kind == "mongodb":
+            storage.client.drop_database(storage.database.name)
+        storage.close()

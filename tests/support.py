@@ -1,0 +1,73 @@
+"""Message types, handlers and waiting helpers shared by the tests."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from pydantic import BaseModel
+
+from bus import Command, Endpoint, Event
+from handlers import AggregateHandler, Handler, handles
+
+
+class Deposit(Command, name="test.Deposit"):
+    account: str
+    amount: int
+
+
+class Deposited(Event, name="test.Deposited"):
+    account: str
+    amount: int
+
+
+class Account(BaseModel):
+    balance: int = 0
+    deposits: int = 0
+
+
+class AccountHandler(AggregateHandler[Account]):
+    """Adds each deposit to its account and publishes Deposited."""
+
+    def aggregate_id(self, message: Deposit) -> str:
+        return message.account
+
+    @handles
+    def deposit(self, message: Deposit) -> None:
+        self.state.balance += message.amount
+        self.state.deposits += 1
+        self.bus.publish(Deposited(account=message.account, amount=message.amount))
+
+
+class Ledger(Handler):
+    """A stateless downstream handler whose effect (an entry) must happen once per event."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+
+    @handles
+    def record(self, message: Deposited) -> None:
+        with self._lock:
+            self.entries.append((self.context.message_id, message.account, message.amount))
+
+
+class SignalCounter:
+    """Counts one signal of an endpoint and lets a test wait for a count."""
+
+    def __init__(self, endpoint: Endpoint, name: str) -> None:
+        self.count = 0
+        self.details: list[dict[str, Any]] = []
+        self._condition = threading.Condition()
+        getattr(endpoint.signals, name).connect(self._on_signal, weak=False)
+
+    def _on_signal(self, sender: object, **details: Any) -> None:
+        with self._condition:
+            self.count += 1
+            self.details.append(details)
+            self._condition.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 15.0) -> bool:
+        """True once the signal was sent ``count`` times; False after ``timeout``."""
+        with self._condition:
+            return self._condition.wait_for(lambda: self.count >= count, timeout)

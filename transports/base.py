@@ -1,0 +1,141 @@
+"""The transport contract.
+
+A transport moves envelopes between endpoint queues. It must:
+
+* ``declare(queue, subscriptions)`` — create a durable queue and bind it to the event
+  types in ``subscriptions``. This method must be idempotent: every endpoint calls it on
+  every start.
+* ``send(envelope)`` — put a message on the queue ``envelope.destination``;
+  ``publish(envelope)`` — deliver an event to every queue subscribed to its type. Both
+  return once the broker has the message (after the publisher confirm, where the
+  transport has confirms).
+* ``consume(queue, on_delivery, stop=...)`` — block, calling ``on_delivery`` once per
+  message, until ``stop`` is set. The callback settles each delivery with ``ack()`` or
+  ``requeue()``. If the callback raises instead, the transport requeues the delivery —
+  what the broker does when a consumer dies — and keeps consuming.
+* ``get(queue)`` — take one message, if any (tools and tests); ``pending(queue)`` — how
+  many messages wait; ``close()``.
+
+Capability flags say what the broker offers natively; the endpoint compensates for what
+it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, Collection, Mapping
+
+from bus.envelope import Envelope
+from bus.headers import Intent
+
+log = logging.getLogger(__name__)
+
+
+class Delivery(ABC):
+    """A received message, settled once with :meth:`ack` or :meth:`requeue`."""
+
+    def __init__(
+        self,
+        *,
+        queue: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        content_type: str | None,
+        redelivered: bool,
+    ) -> None:
+        self.queue = queue
+        self.headers = headers
+        self.body = body
+        self.content_type = content_type
+        self.redelivered = redelivered
+        self.settled = False
+
+    def ack(self) -> None:
+        """Remove the message from its queue for good."""
+        self._settle(self._ack)
+
+    def requeue(self) -> None:
+        """Give the message back to the broker for redelivery."""
+        self._settle(self._requeue)
+
+    def _settle(self, action: Callable[[], None]) -> None:
+        if self.settled:
+            raise RuntimeError(f"delivery from {self.queue!r} was already settled")
+        action()
+        self.settled = True
+
+    @abstractmethod
+    def _ack(self) -> None: ...
+
+    @abstractmethod
+    def _requeue(self) -> None: ...
+
+
+OnDelivery = Callable[[Delivery], None]
+
+
+class Transport(ABC):
+    """Base class of transports; see the module docstring for the contract."""
+
+    #: The broker can hold a message back until a given time.
+    native_delay: ClassVar[bool] = False
+
+    #: ``send`` and ``publish`` return only after the broker confirmed the message.
+    publisher_confirms: bool = False
+
+    @abstractmethod
+    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
+        """Create ``queue`` and bind it to each event type name in ``subscriptions``."""
+
+    @abstractmethod
+    def send(self, envelope: Envelope) -> None:
+        """Put ``envelope`` on the queue ``envelope.destination``."""
+
+    @abstractmethod
+    def publish(self, envelope: Envelope) -> None:
+        """Deliver the event ``envelope`` to every queue subscribed to its type."""
+
+    @abstractmethod
+    def consume(
+        self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event, prefetch: int = 1
+    ) -> None:
+        """Call ``on_delivery`` for each message of ``queue`` until ``stop`` is set."""
+
+    @abstractmethod
+    def get(self, queue: str) -> Delivery | None:
+        """Take one message from ``queue`` without waiting, or return ``None``."""
+
+    @abstractmethod
+    def pending(self, queue: str) -> int:
+        """Number of messages ready in ``queue`` (0 if it does not exist)."""
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+    def dispatch(self, envelope: Envelope) -> None:
+        """Send or publish ``envelope`` according to its intent."""
+        if envelope.intent is Intent.PUBLISH:
+            self.publish(envelope)
+        else:
+            self.send(envelope)
+
+    @staticmethod
+    def deliver(delivery: Delivery, on_delivery: OnDelivery) -> None:
+        """Run the callback; requeue the delivery if it escaped unsettled by raising."""
+        try:
+            on_delivery(delivery)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            # An Exception here is a bug worth a traceback; anything else (a simulated
+            # crash in tests) is expected and only noted.
+            log.log(
+                logging.ERROR if isinstance(exc, Exception) else logging.DEBUG,
+                "processing a message from %r stopped abruptly; requeued",
+                delivery.queue,
+                exc_info=isinstance(exc, Exception),
+            )
+            if not delivery.settled:
+                delivery.requeue()
