@@ -163,7 +163,7 @@ class Endpoint:
                     raise ConfigurationError(
                         f"{type(handler).__qualname__} sends {message_name(sent)} but "
                         f"{self.name!r} has no route for it: add "
-                        f"routes={{{sent.__qualname__}: '<endpoint name>'}}"
+                        f"routes={{{sent.__name__}: '<endpoint name>'}}"
                     )
 
     @property

@@ -39,7 +39,7 @@ class Router:
                 return destination
         raise RoutingError(
             f"no route for command {message_name(command_type)}: add "
-            f"routes={{{command_type.__qualname__}: '<endpoint name>'}} to the Endpoint, "
+            f"routes={{{command_type.__name__}: '<endpoint name>'}} to the Endpoint, "
             "or pass to='<endpoint name>' to send()"
         )
 

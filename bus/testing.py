@@ -1,14 +1,132 @@
-"""Helpers for tests and samples that run endpoints in one process."""
+"""Helpers for testing handlers and for running endpoints inside one process.
+
+``handle(handler, message)`` runs one handler on one message through the real
+invocation path (deduplication and commit included) on in-memory storage, without a
+broker, and returns what it sent, published and replied, and the state it left::
+
+    result = handle(OrderHandler, PlaceOrder(order_id="o-1"))
+    assert result.published == [OrderPlaced(order_id="o-1")]
+    assert result.state == Order(status="placed")
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Iterable
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
+from pydantic import BaseModel
+
+from bus import headers as h
 from bus.endpoint import Endpoint
+from bus.envelope import Envelope
+from bus.faults import FaultInjector
+from bus.invocation import HandlerInvoker
+from bus.messages import Command, Message, is_message_type, message_name
+from bus.policies import ConflictPolicy
+from bus.routing import Router
+from bus.signals import EndpointSignals
+from handlers.base import AggregateHandler, Handler
+from handlers.registration import HandlerTable
+from storage.base import AggregateRecord
+from storage.memory import MemoryStorage
 
 #: Consecutive idle observations required before endpoints count as quiescent.
 _SETTLED_ROUNDS = 3
+_SEED_KEY = "bus.testing/initial-state"
+
+
+@dataclass(frozen=True)
+class HandlerResult:
+    """What one handler run left behind."""
+
+    envelopes: tuple[Envelope, ...]
+    state: BaseModel | None
+
+    @property
+    def sent(self) -> list[Message]:
+        return self._of(h.Intent.SEND)
+
+    @property
+    def published(self) -> list[Message]:
+        return self._of(h.Intent.PUBLISH)
+
+    @property
+    def replied(self) -> list[Message]:
+        return self._of(h.Intent.REPLY)
+
+    def _of(self, intent: h.Intent) -> list[Message]:
+        known = _known_message_types()
+        return [
+            known[envelope.message_type].model_validate_json(envelope.body)
+            for envelope in self.envelopes if envelope.intent is intent
+        ]
+
+
+def handle(
+    handler: Handler | type[Handler],
+    message: Message,
+    *,
+    state: BaseModel | None = None,
+    headers: Mapping[str, str] | None = None,
+    routes: Mapping[type[Message], str] | None = None,
+    endpoint: str = "test",
+) -> HandlerResult:
+    """Run ``handler`` on ``message`` without a broker; see the module docstring.
+
+    ``state`` is the aggregate's state before the message (default: a new aggregate);
+    ``headers`` are added to the incoming message's; commands without a route in
+    ``routes`` go to a queue named after their type.
+    """
+    table = HandlerTable([handler])
+    bindings = table.bindings_for(type(message))
+    if not bindings:
+        raise ValueError(f"{handler!r} does not handle {message_name(message)}")
+    (binding,) = bindings
+    storage = MemoryStorage()
+    address = None
+    if isinstance(binding.handler, AggregateHandler):
+        address = (type(binding.handler).storage_name(), binding.handler.aggregate_id(message))
+        if state is not None:
+            storage.commit(AggregateRecord(*address), key=_SEED_KEY,
+                           state=state.model_dump(mode="json"), outgoing=())
+    elif state is not None:
+        raise ValueError("state is only for aggregate handlers")
+    invoker = HandlerInvoker(
+        endpoint=endpoint,
+        router=_TestRouter({**{t: endpoint for t in table.message_types
+                               if issubclass(t, Command)}, **(routes or {})}),
+        storage=storage,
+        signals=EndpointSignals(endpoint),
+        faults=FaultInjector(),
+        conflicts=ConflictPolicy(attempts=1),
+    )
+    incoming = {h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: message_name(message),
+                h.REPLY_TO: "test-sender", **(headers or {})}
+    outcome = invoker.invoke(binding, message, incoming)
+    final_state = None
+    if address is not None and isinstance(binding.handler, AggregateHandler):
+        final_state = binding.handler.state_type.model_validate(storage.load(*address).state)
+    return HandlerResult(outcome.outgoing, final_state)
+
+
+class _TestRouter(Router):
+    def destination_for(self, command_type: type[Message]) -> str:
+        if self.has_route(command_type):
+            return super().destination_for(command_type)
+        return message_name(command_type)
+
+
+def _known_message_types() -> dict[str, type[Message]]:
+    found: dict[str, type[Message]] = {}
+    pending: list[type[Any]] = [Message]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if is_message_type(cls):
+            found.setdefault(message_name(cls), cls)
+    return found
 
 
 def wait_until_idle(endpoints: Iterable[Endpoint], *, timeout: float = 30.0,

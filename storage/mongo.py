@@ -60,7 +60,10 @@ class MongoStorage(Storage):
         super().__init__(processed_window=processed_window)
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
-            client = pymongo.MongoClient(client, serverSelectionTimeoutMS=5000, tz_aware=True)
+            # Fail a start-up check in seconds, not pymongo's 30, unless the URL says otherwise.
+            options = {} if "serverselectiontimeoutms" in client.lower() else {
+                "serverSelectionTimeoutMS": 5000}
+            client = pymongo.MongoClient(client, tz_aware=True, **options)
         self.client = client
         self.database = client[database]
         # Re-entrant: a refused commit reloads the record while still holding the guard.

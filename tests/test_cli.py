@@ -1,0 +1,93 @@
+"""`idembus run package.module:endpoint` runs an endpoint until SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from bus import ConfigurationError
+from bus.cli import load_endpoint
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+APP = textwrap.dedent('''
+    from bus import Endpoint
+    from handlers import Handler, handles
+    from storage.memory import MemoryStorage
+    from tests.support import Deposit
+
+
+    class Announce(Handler):
+        @handles
+        def on(self, message: Deposit) -> None:
+            print("handled", message.account, flush=True)
+
+
+    def make() -> Endpoint:
+        endpoint = Endpoint("cli-app", storage=MemoryStorage(), handlers=[Announce])
+        endpoint.transport.declare(endpoint.name)
+        endpoint.bus.send(Deposit(account="from-cli", amount=1))  # waits in memory://
+        return endpoint
+
+    not_an_endpoint = 42
+''')
+
+
+@pytest.fixture
+def app_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    (tmp_path / "cli_app.py").write_text(APP)
+    return tmp_path
+
+
+def idembus(*args: str, cwd: pathlib.Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "bus.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_run_handles_messages_and_stops_with_exit_0_on_sigterm(app_dir):
+    process = idembus("run", "cli_app:make", cwd=app_dir)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline().strip() == "handled from-cli"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+    finally:
+        process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize(
+    ("reference", "complaint"),
+    [
+        ("cli_app", "is not of the form package.module:endpoint"),
+        ("missing_module:x", "cannot import 'missing_module'"),
+        ("cli_app:nothing", "module 'cli_app' has no attribute 'nothing'"),
+        ("cli_app:not_an_endpoint", "is a int, not an Endpoint"),
+    ],
+)
+def test_run_explains_a_bad_reference_and_exits_2(app_dir, reference, complaint):
+    process = idembus("run", reference, cwd=app_dir)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 2
+    assert complaint in stderr
+
+
+def test_load_endpoint_refuses_what_is_not_an_endpoint(app_dir, monkeypatch):
+    monkeypatch.chdir(app_dir)
+    monkeypatch.syspath_prepend(str(app_dir))
+    with pytest.raises(ConfigurationError, match="not an Endpoint"):
+        load_endpoint("cli_app:not_an_endpoint")
+
+
+def test_the_idembus_command_is_installed():
+    script = pathlib.Path(sys.executable).parent / "idembus"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    assert "run" in done.stdout

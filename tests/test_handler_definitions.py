@@ -1,0 +1,227 @@
+"""Everything wrong with a handler class is reported when the endpoint is created."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from bus import Command, Endpoint, Event
+from handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
+from handlers.registration import HandlerTable
+from storage.memory import MemoryStorage
+
+
+class Open(Command, name="hd.Open"):
+    account: str
+
+
+class Close(Command, name="hd.Close"):
+    account: str
+
+
+class Opened(Event, name="hd.Opened"):
+    account: str
+
+
+class AccountState(BaseModel):
+    open: bool = False
+
+
+class Accounts(AggregateHandler[AccountState]):
+    def aggregate_id(self, message: Open | Close) -> str:
+        return message.account
+
+    @handles
+    def open(self, message: Open | Close) -> None:
+        self.state.open = isinstance(message, Open)
+
+
+def table(*handlers):
+    return HandlerTable(handlers)
+
+
+def test_one_method_annotated_with_a_union_handles_each_member():
+    bindings = table(Accounts)
+    assert {b.message_type for b in bindings.bindings_for(Open) + bindings.bindings_for(Close)} == {
+        Open, Close}
+    assert bindings.bindings_for(Open)[0].aggregate_type == "AccountState"
+
+
+def test_explicit_types_in_handles_take_the_place_of_annotations():
+    class Audit(Handler):
+        @handles(Open, Opened)
+        def note(self, message):  # no annotation needed
+            pass
+
+    assert {b.message_type for b in table(Audit).bindings_for(Open)} == {Open}
+    assert table(Audit).bindings_for(Opened)[0].handler_name == "Audit"
+
+
+class NotAMessage(BaseModel):
+    x: int
+
+
+def test_a_handler_for_something_that_is_not_a_message_type_fails_with_the_fix():
+    class Wrong(Handler):
+        @handles
+        def on(self, message: NotAMessage) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="not a message type: derive it from bus.Command"):
+        table(Wrong)
+
+
+def test_a_handler_without_any_handles_method_fails():
+    class Idle(Handler):
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="handles nothing: decorate"):
+        table(Idle)
+
+
+def test_an_unannotated_handles_method_asks_for_an_annotation():
+    class Vague(Handler):
+        @handles
+        def on(self, message):
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="annotate its message parameter"):
+        table(Vague)
+
+
+def test_two_methods_of_one_class_handling_one_type_fail():
+    class Twice(Handler):
+        @handles
+        def first(self, message: Open) -> None:
+            pass
+
+        @handles
+        def second(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="both handle hd.Open"):
+        table(Twice)
+
+
+def test_two_aggregate_handlers_of_one_aggregate_type_claiming_one_message_type_fail():
+    class MoreAccounts(AggregateHandler[AccountState]):
+        handler_name = "MoreAccounts"
+
+        def aggregate_id(self, message: Open) -> str:
+            return message.account
+
+        @handles
+        def also_open(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="both change aggregate 'AccountState' on hd.Open"):
+        table(Accounts, MoreAccounts)
+
+
+def test_two_handlers_of_different_aggregates_may_handle_one_message_type():
+    class Other(BaseModel):
+        seen: int = 0
+
+    class Counting(AggregateHandler[Other]):
+        def aggregate_id(self, message: Open) -> str:
+            return message.account
+
+        @handles
+        def count(self, message: Open) -> None:
+            self.state.seen += 1
+
+    assert len(table(Accounts, Counting).bindings_for(Open)) == 2
+
+
+def test_two_handlers_with_one_name_fail_because_the_name_scopes_deduplication():
+    class First(Handler):
+        handler_name = "same"
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    class Second(Handler):
+        handler_name = "same"
+
+        @handles
+        def on(self, message: Close) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="two handlers are named 'same'"):
+        table(First, Second)
+
+
+def test_an_aggregate_handler_without_a_state_type_fails():
+    class Stateless(AggregateHandler):  # type: ignore[type-arg]
+        def aggregate_id(self, message: Open) -> str:
+            return message.account
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match=r"needs its state type: class Stateless\(AggregateHandler\[MyState\]\)"):
+        table(Stateless)
+
+
+def test_an_aggregate_handler_without_aggregate_id_fails():
+    class Anonymous(AggregateHandler[AccountState]):
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match="must implement aggregate_id"):
+        table(Anonymous)
+
+
+def test_a_state_with_required_fields_needs_new_state():
+    class Strict(BaseModel):
+        owner: str
+
+    class NeedsOwner(AggregateHandler[Strict]):
+        def aggregate_id(self, message: Open) -> str:
+            return message.account
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match=r"required fields \['owner'\].*new_state"):
+        table(NeedsOwner)
+
+    class GivesOwner(NeedsOwner):
+        def new_state(self, aggregate_id: str, message: Open) -> Strict:
+            return Strict(owner=aggregate_id)
+
+    assert table(GivesOwner).bindings_for(Open)
+
+
+def test_a_handler_class_that_needs_arguments_asks_for_an_instance():
+    class WithGateway(Handler):
+        def __init__(self, gateway: object) -> None:
+            self.gateway = gateway
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(HandlerDefinitionError, match=r"pass an instance instead"):
+        table(WithGateway)
+    assert table(WithGateway(object())).bindings_for(Open)
+
+
+def test_something_that_is_not_a_handler_fails():
+    with pytest.raises(HandlerDefinitionError, match="is not a handler"):
+        table(object)
+    with pytest.raises(HandlerDefinitionError, match="is not a handler"):
+        table(lambda message: None)
+
+
+def test_the_endpoint_reports_handler_errors_when_it_is_created():
+    class Idle(Handler):
+        pass
+
+    with pytest.raises(HandlerDefinitionError, match="handles nothing"):
+        Endpoint("accounts", storage=MemoryStorage(), handlers=[Idle])

@@ -1,0 +1,67 @@
+"""bus.testing.handle: unit-testing a handler without a broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus import Command, Event
+from bus.testing import handle
+from handlers import Handler, handles
+from tests.support import Account, AccountHandler, Deposit, Deposited
+
+
+class Ask(Command, name="th.Ask"):
+    question: str
+
+
+class Answer(Event, name="th.Answer"):
+    text: str
+
+
+class Escalate(Command, name="th.Escalate"):
+    question: str
+
+
+class Oracle(Handler):
+    @handles
+    def on(self, message: Ask) -> None:
+        self.bus.reply(Answer(text=message.question.upper()))
+        self.bus.send(Escalate(question=message.question))
+
+
+def test_handle_reports_what_an_aggregate_handler_published_and_the_state_it_left():
+    result = handle(AccountHandler, Deposit(account="a", amount=5))
+    assert result.published == [Deposited(account="a", amount=5)]
+    assert result.sent == [] and result.replied == []
+    assert result.state == Account(balance=5, deposits=1)
+
+
+def test_handle_starts_from_the_given_state():
+    result = handle(AccountHandler, Deposit(account="a", amount=5),
+                    state=Account(balance=10, deposits=3))
+    assert result.state == Account(balance=15, deposits=4)
+
+
+def test_handle_reports_replies_and_sends_with_their_destinations():
+    result = handle(Oracle, Ask(question="why"), routes={Escalate: "humans"})
+    assert result.replied == [Answer(text="WHY")]
+    assert result.sent == [Escalate(question="why")]
+    destinations = [e.destination for e in result.envelopes]
+    assert destinations == ["test-sender", "humans"]
+
+
+def test_handle_refuses_a_message_the_handler_does_not_handle_and_state_for_stateless():
+    with pytest.raises(ValueError, match="does not handle th.Ask"):
+        handle(AccountHandler, Ask(question="?"))
+    with pytest.raises(ValueError, match="only for aggregate handlers"):
+        handle(Oracle, Ask(question="?"), state=Account())
+
+
+def test_handle_lets_the_handlers_exception_through():
+    class Broken(Handler):
+        @handles
+        def on(self, message: Ask) -> None:
+            raise LookupError("no oracle today")
+
+    with pytest.raises(LookupError, match="no oracle today"):
+        handle(Broken, Ask(question="?"))
