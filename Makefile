@@ -32,7 +32,7 @@ test: $(VENV)/.test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.lint
-	$(BIN)/ruff check bus handlers storage transports samples bench tests
+	$(BIN)/ruff check --target-version py310 --line-length 100 --select E,F,W,I,UP,B --ignore UP042,B027 bus handlers storage transports samples bench tests
 	$(BIN)/mypy
 
 bench: $(VENV)/.test

@@ -13,7 +13,8 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from bus.errors import BusError, ConfigurationError
 

@@ -21,8 +21,8 @@ import logging
 import re
 import signal
 import threading
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Mapping, Sequence
 
 from bus.counters import Counters
 from bus.errors import ConfigurationError
@@ -265,7 +265,7 @@ class Endpoint:
 def _with_own_commands(
     name: str, routes: Mapping[type[Message], str], handled: Sequence[type[Message]]
 ) -> dict[type[Message], str]:
-    merged = {t: name for t in handled if issubclass(t, Command)}
+    merged: dict[type[Message], str] = {t: name for t in handled if issubclass(t, Command)}
     merged.update(routes)
     return merged
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from bus import headers as h
 from bus.context import MessageContext

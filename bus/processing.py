@@ -60,8 +60,8 @@ class MessageProcessor:
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
-        details = {"message_id": headers.get(h.MESSAGE_ID), "message_type": headers.get(h.MESSAGE_TYPE)}
-        self._signals.emit("received", **details)
+        self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
+                           message_type=headers.get(h.MESSAGE_TYPE))
         try:
             message = decode(headers, delivery.body, delivery.content_type, self._registry)
         except MessageError as error:
@@ -70,8 +70,8 @@ class MessageProcessor:
         for binding in self._table.bindings_for(type(message)):
             failure = self._handle(binding, message, delivery)
             if failure is not None:
-                error, attempts = failure
-                self._dead_letter(delivery, error, attempts=attempts)
+                last_error, attempts = failure
+                self._dead_letter(delivery, last_error, attempts=attempts)
                 return
         self._faults.reached(CrashPoint.AFTER_DISPATCH, headers[h.MESSAGE_ID])
         delivery.ack()

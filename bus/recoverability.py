@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import traceback
-from typing import Mapping
+from collections.abc import Mapping
 
 from bus import headers as h
 from bus.errors import MessageError

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from bus.errors import ConfigurationError, UnknownMessageType
 from bus.messages import Message, is_message_type, message_name

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from bus.errors import ConfigurationError, RoutingError
 from bus.messages import Command, Event, Message, message_name
@@ -34,7 +34,7 @@ class Router:
     def destination_for(self, command_type: type[Message]) -> str:
         """The queue for ``command_type`` (or a routed base class of it)."""
         for candidate in command_type.__mro__:
-            destination = self._routes.get(candidate)  # type: ignore[arg-type]
+            destination = self._routes.get(candidate)
             if destination is not None:
                 return destination
         raise RoutingError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from bus import headers as h
 from bus.context import MessageContext

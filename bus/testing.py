@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from pydantic import BaseModel
 

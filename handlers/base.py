@@ -20,7 +20,8 @@ given to ``__init__`` are shared) and sets ``bus``, ``context`` and, for aggrega
 from __future__ import annotations
 
 import typing
-from typing import Any, Callable, ClassVar, Generic, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from pydantic import BaseModel
 
@@ -98,7 +99,7 @@ class AggregateHandler(Handler, Generic[StateT]):
 
 
 @overload
-def handles(function: F) -> F: ...
+def handles(function: F, /) -> F: ...
 
 
 @overload

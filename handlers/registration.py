@@ -9,8 +9,9 @@ from __future__ import annotations
 import inspect
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Union
+from typing import Any, Union
 
 from bus.messages import Message, is_message_type, message_name
 from handlers.base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
@@ -109,7 +110,7 @@ def _instantiate(given: Handler | type[Handler]) -> Handler:
 def _bindings_of(handler: Handler) -> list[HandlerBinding]:
     cls = type(handler)
     if isinstance(handler, AggregateHandler):
-        _check_aggregate(cls)
+        _check_aggregate(type(handler))
     bindings: list[HandlerBinding] = []
     seen: dict[type[Message], str] = {}
     for attribute, function in _handling_methods(cls):

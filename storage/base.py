@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import datetime
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from bus.envelope import Envelope
 from storage.errors import AlreadyProcessed, ConcurrencyConflict

@@ -6,7 +6,7 @@ backend alike.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from bus.envelope import Envelope
 from bus.errors import BusError

@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 import datetime
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from bus.envelope import Envelope
 from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage

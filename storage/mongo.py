@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-from typing import Any, ContextManager, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pymongo
 import pymongo.errors
@@ -61,13 +63,13 @@ class MongoStorage(Storage):
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             # Fail a start-up check in seconds, not pymongo's 30, unless the URL says otherwise.
-            options = {} if "serverselectiontimeoutms" in client.lower() else {
+            options: dict[str, Any] = {} if "serverselectiontimeoutms" in client.lower() else {
                 "serverSelectionTimeoutMS": 5000}
             client = pymongo.MongoClient(client, tz_aware=True, **options)
         self.client = client
         self.database = client[database]
         # Re-entrant: a refused commit reloads the record while still holding the guard.
-        self._guard: ContextManager[Any] = (
+        self._guard: AbstractContextManager[Any] = (
             threading.RLock() if is_mongomock(client) else contextlib.nullcontext()
         )
 

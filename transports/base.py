@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import ClassVar
 
 from bus.envelope import Envelope
 from bus.headers import Intent

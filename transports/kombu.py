@@ -29,10 +29,9 @@ Options
 from __future__ import annotations
 
 import logging
-import socket
 import threading
-import time
-from typing import Any, Callable, Collection, Iterator, Mapping, TypeVar
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import kombu
 import kombu.exceptions
@@ -45,8 +44,6 @@ from transports.base import Delivery, OnDelivery, Transport
 from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 _MEMORY_POLLING_INTERVAL = 0.005
 #: How long one wait for deliveries lasts before the stop flag is looked at again.
@@ -79,8 +76,8 @@ class KombuTransport(Transport):
         self.publisher_confirms = bool(options.get("confirm_publish"))
         self._transport_options = options
         try:
-            kombu.Connection(url, transport_options=options).transport_cls  # noqa: B018
-            kombu.Connection(url).transport  # noqa: B018 - resolves the scheme, raises if unknown
+            # Resolves the scheme and loads its driver; nothing connects yet.
+            kombu.Connection(url, transport_options=options).transport  # noqa: B018
         except (KeyError, ImportError, ValueError) as exc:
             raise ConfigurationError(
                 f"transport URL {url!r} cannot be used: {exc}. Use a kombu URL such as "
@@ -155,30 +152,37 @@ class KombuTransport(Transport):
     ) -> None:
         failures = 0
         while not stop.is_set():
-            connection = self._connect()
             try:
-                def on_message(message: kombu.Message) -> None:
-                    self.deliver(_KombuDelivery(queue, message), on_delivery)
-
+                connection = self._connect()
+            except TransportUnavailable as exc:
+                failures = self._pause_after_failure(queue, exc, failures, stop)
+                continue
+            try:
                 with connection.Consumer(
                     [Queue(queue, durable=True, no_declare=True)],
-                    on_message=on_message,
+                    on_message=lambda message: self.deliver(_KombuDelivery(queue, message),
+                                                            on_delivery),
                     prefetch_count=prefetch,
                 ):
                     failures = 0
                     while not stop.is_set():
                         try:
                             connection.drain_events(timeout=_DRAIN_TIMEOUT)
-                        except socket.timeout:
+                        except TimeoutError:
                             continue
             except (*connection.connection_errors, *connection.channel_errors) as exc:
-                delay = _RECONNECT_DELAYS[min(failures, len(_RECONNECT_DELAYS) - 1)]
-                failures += 1
-                log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs",
-                            queue, self.url, exc, delay)
-                stop.wait(delay)
+                failures = self._pause_after_failure(queue, exc, failures, stop)
             finally:
                 self._release(connection)
+
+    def _pause_after_failure(
+        self, queue: str, error: BaseException, failures: int, stop: threading.Event
+    ) -> int:
+        delay = _RECONNECT_DELAYS[min(failures, len(_RECONNECT_DELAYS) - 1)]
+        log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs",
+                    queue, self.url, error, delay)
+        stop.wait(delay)
+        return failures + 1
 
     def get(self, queue: str) -> Delivery | None:
         with self._channel() as channel:

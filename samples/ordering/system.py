@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from bus import Endpoint
 from bus.faults import FaultInjector
@@ -53,13 +53,15 @@ def build(
     """Create Sales, Billing and Shipping; queue names carry ``namespace`` so that runs
     sharing a broker do not see each other's messages."""
     suffix = f"-{namespace}" if namespace else ""
-    make_transport = (lambda: KombuTransport(transport)) if isinstance(transport, str) else transport
+    if isinstance(transport, str):
+        url = transport
+        transport = lambda: KombuTransport(url)  # noqa: E731
     gateway = FakePaymentGateway()
 
     def endpoint(name: str, handler: object) -> Endpoint:
         return Endpoint(
             f"{name}{suffix}",
-            transport=make_transport(),
+            transport=transport(),
             storage=storage(f"{name}{suffix}"),
             handlers=[handler],  # type: ignore[list-item]
             error_queue=f"error{suffix}",
