@@ -3,9 +3,9 @@
 Messages are pydantic v2 models. Commands ask one endpoint to do something and are
 *sent*; events state that something happened and are *published* to every subscriber.
 Each message type has a stable name used on the wire: the class name unless the class
-says otherwise with the ``name`` keyword::
+says otherwise with the ``message_name`` keyword::
 
-    class PlaceOrder(Command, name="sales.PlaceOrder"):
+    class PlaceOrder(Command, message_name="sales.PlaceOrder"):
         order_id: str
 
 Nothing is registered by defining a class; endpoints learn their types from the handlers
@@ -30,9 +30,11 @@ class Message(BaseModel):
 
     __message_name__: ClassVar[str]
 
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(
+        cls, *, message_name: str | None = None, name: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init_subclass__(**kwargs)
-        wire_name = name or cls.__name__
+        wire_name = message_name or name or cls.__name__
         if not _WIRE_NAME.match(wire_name):
             raise ConfigurationError(
                 f"{cls.__qualname__}: message name {wire_name!r} must start with a letter or '_'"
@@ -41,8 +43,10 @@ class Message(BaseModel):
         cls.__message_name__ = wire_name
 
     @classmethod
-    def __pydantic_init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
-        # ``name`` was consumed by __init_subclass__; pydantic passes class keywords here too.
+    def __pydantic_init_subclass__(
+        cls, *, message_name: str | None = None, name: str | None = None, **kwargs: Any
+    ) -> None:
+        # __init_subclass__ consumed the name; pydantic passes class keywords here too.
         super().__pydantic_init_subclass__(**kwargs)
 
 

@@ -28,7 +28,7 @@ class MessageRegistry:
                 f"two message types share the wire name {name!r}: "
                 f"{known.__module__}.{known.__qualname__} and "
                 f"{message_type.__module__}.{message_type.__qualname__}; give one of them "
-                "another name with class ...(Command, name='...')"
+                "another name with class ...(Command, message_name='...')"
             )
         self._by_name[name] = message_type
 

@@ -11,12 +11,12 @@ from bus import Command, Endpoint, Event
 from handlers import AggregateHandler, Handler, handles
 
 
-class Deposit(Command, name="test.Deposit"):
+class Deposit(Command, message_name="test.Deposit"):
     account: str
     amount: int
 
 
-class Deposited(Event, name="test.Deposited"):
+class Deposited(Event, message_name="test.Deposited"):
     account: str
     amount: int
 

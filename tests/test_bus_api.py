@@ -12,11 +12,11 @@ from bus.envelope import Envelope
 from bus.routing import Router
 
 
-class Ship(Command, name="api.Ship"):
+class Ship(Command, message_name="api.Ship"):
     order_id: str
 
 
-class Shipped(Event, name="api.Shipped"):
+class Shipped(Event, message_name="api.Shipped"):
     order_id: str
 
 

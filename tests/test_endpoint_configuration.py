@@ -14,11 +14,11 @@ from transports.errors import TransportUnavailable
 from transports.kombu import KombuTransport
 
 
-class Refund(Command, name="cfg.Refund"):
+class Refund(Command, message_name="cfg.Refund"):
     order_id: str
 
 
-class Refunded(Event, name="cfg.Refunded"):
+class Refunded(Event, message_name="cfg.Refunded"):
     order_id: str
 
 

@@ -11,15 +11,15 @@ from handlers.registration import HandlerTable
 from storage.memory import MemoryStorage
 
 
-class Open(Command, name="hd.Open"):
+class Open(Command, message_name="hd.Open"):
     account: str
 
 
-class Close(Command, name="hd.Close"):
+class Close(Command, message_name="hd.Close"):
     account: str
 
 
-class Opened(Event, name="hd.Opened"):
+class Opened(Event, message_name="hd.Opened"):
     account: str
 
 

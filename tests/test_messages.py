@@ -6,7 +6,7 @@ from bus.registry import MessageRegistry
 from bus.errors import UnknownMessageType
 
 
-class PlaceOrder(Command, name="sales.PlaceOrder"):
+class PlaceOrder(Command, message_name="sales.PlaceOrder"):
     order_id: str
 
 
@@ -18,12 +18,12 @@ class RushOrder(PlaceOrder):
     pass
 
 
-def test_a_message_type_is_named_on_the_wire_by_its_name_keyword():
+def test_a_message_type_is_named_on_the_wire_by_its_message_name_keyword():
     assert message_name(PlaceOrder) == "sales.PlaceOrder"
     assert message_name(PlaceOrder(order_id="1")) == "sales.PlaceOrder"
 
 
-def test_a_message_type_without_a_name_keyword_uses_its_class_name_not_its_import_path():
+def test_a_message_type_without_a_message_name_keyword_uses_its_class_name_not_its_import_path():
     assert message_name(OrderPlaced) == "OrderPlaced"
 
 
@@ -33,12 +33,12 @@ def test_a_subclass_does_not_inherit_its_parents_wire_name():
 
 def test_a_wire_name_with_topic_wildcards_is_refused_at_class_definition():
     with pytest.raises(ConfigurationError, match="message name 'sales.#'"):
-        class Bad(Command, name="sales.#"):
+        class Bad(Command, message_name="sales.#"):
             pass
 
 
 def test_pydantic_class_keywords_still_work_beside_the_name():
-    class Frozen(Event, name="frozen.Thing", frozen=True):
+    class Frozen(Event, message_name="frozen.Thing", frozen=True):
         value: int
 
     assert message_name(Frozen) == "frozen.Thing"
@@ -55,7 +55,7 @@ def test_only_concrete_command_and_event_subclasses_are_message_types():
 
 
 def test_two_types_with_one_wire_name_cannot_share_a_registry():
-    class Twin(Command, name="sales.PlaceOrder"):
+    class Twin(Command, message_name="sales.PlaceOrder"):
         pass
 
     with pytest.raises(ConfigurationError, match="share the wire name 'sales.PlaceOrder'"):

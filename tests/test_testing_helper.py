@@ -10,15 +10,15 @@ from handlers import Handler, handles
 from tests.support import Account, AccountHandler, Deposit, Deposited
 
 
-class Ask(Command, name="th.Ask"):
+class Ask(Command, message_name="th.Ask"):
     question: str
 
 
-class Answer(Event, name="th.Answer"):
+class Answer(Event, message_name="th.Answer"):
     text: str
 
 
-class Escalate(Command, name="th.Escalate"):
+class Escalate(Command, message_name="th.Escalate"):
     question: str
 
 

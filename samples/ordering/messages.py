@@ -5,23 +5,23 @@ from __future__ import annotations
 from bus import Command, Event
 
 
-class PlaceOrder(Command, name="sales.PlaceOrder"):
+class PlaceOrder(Command, message_name="sales.PlaceOrder"):
     order_id: str
     customer: str
     amount_cents: int
 
 
-class OrderPlaced(Event, name="sales.OrderPlaced"):
+class OrderPlaced(Event, message_name="sales.OrderPlaced"):
     order_id: str
     customer: str
     amount_cents: int
 
 
-class OrderBilled(Event, name="billing.OrderBilled"):
+class OrderBilled(Event, message_name="billing.OrderBilled"):
     order_id: str
     charge_id: str
     amount_cents: int
 
 
-class OrderShipped(Event, name="shipping.OrderShipped"):
+class OrderShipped(Event, message_name="shipping.OrderShipped"):
     order_id: str
