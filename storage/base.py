@@ -19,7 +19,8 @@ three calls:
 
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
     The outgoing messages of ``key`` were confirmed by the broker: drop their bodies and
-    keep their ids. A later duplicate of ``key`` then redispatches nothing.
+    keep their ids. A later duplicate of ``key`` then redispatches nothing. Neither the
+    version nor the state changes, so this never makes a concurrent commit conflict.
 
 The processed list of each aggregate keeps the newest ``processed_window`` entries. A
 duplicate that arrives after its entry left the window is processed again; README says so.

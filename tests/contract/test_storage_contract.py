@@ -1,0 +1,456 @@
+"""The storage contract (storage/base.py), run against every backend.
+
+Each test takes the ``storage_factory`` fixture of tests/conftest.py, so the same checks
+run on the in-memory backend, on mongomock and, when IDEMBUS_MONGODB_URL is set, on a real
+MongoDB server.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from bus import headers as h
+from bus.envelope import Envelope
+from storage.base import AggregateRecord, Storage
+from storage.errors import AlreadyProcessed, ConcurrencyConflict
+
+StorageFactory = Callable[..., Storage]
+
+ACCOUNT = "Account"
+
+
+def envelope(
+    message_type: str = "test.Deposited",
+    *,
+    intent: h.Intent = h.Intent.PUBLISH,
+    body: str | None = None,
+    destination: str | None = None,
+) -> Envelope:
+    """An outgoing message as a handler would have recorded it, with a fresh id."""
+    message_id = str(uuid.uuid4())
+    return Envelope(
+        headers={
+            h.MESSAGE_ID: message_id,
+            h.MESSAGE_TYPE: message_type,
+            h.INTENT: intent.value,
+        },
+        body=body if body is not None else f'{{"id": "{message_id}"}}',
+        destination=destination,
+    )
+
+
+def commit(
+    storage: Storage,
+    loaded: AggregateRecord,
+    key: str,
+    state: Mapping[str, Any] | None = None,
+    outgoing: Sequence[Envelope] = (),
+) -> None:
+    storage.commit(loaded, key=key, state=state if state is not None else {}, outgoing=outgoing)
+
+
+def created(
+    storage: Storage, aggregate_id: str, key: str = "Seed/m0", **state: Any
+) -> AggregateRecord:
+    """Create an aggregate with one processed message and return it as loaded afterwards."""
+    commit(storage, storage.load(ACCOUNT, aggregate_id), key, state or {"balance": 0})
+    return storage.load(ACCOUNT, aggregate_id)
+
+
+# -- load and commit ----------------------------------------------------------------------
+
+
+def test_loading_a_missing_aggregate_returns_an_empty_record_at_version_0(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+
+    record = storage.load(ACCOUNT, "nobody")
+
+    assert record.aggregate_type == ACCOUNT
+    assert record.aggregate_id == "nobody"
+    assert record.version == 0
+    assert not record.exists
+    assert record.state is None
+    assert dict(record.processed) == {}
+
+
+def test_committing_a_new_aggregate_creates_it_at_version_1_with_its_processed_entry(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    event = envelope()
+    command = envelope("test.Notify", intent=h.Intent.SEND, destination="mailer")
+
+    commit(storage, storage.load(ACCOUNT, "a"), "AccountHandler/m1",
+           {"balance": 5, "owner": {"name": "Ann"}}, [event, command])
+    record = storage.load(ACCOUNT, "a")
+
+    assert record.version == 1
+    assert record.exists
+    assert dict(record.state or {}) == {"balance": 5, "owner": {"name": "Ann"}}
+    assert list(record.processed) == ["AccountHandler/m1"]
+    entry = record.processed["AccountHandler/m1"]
+    assert entry.key == "AccountHandler/m1"
+    assert entry.outgoing == (event, command)
+    assert entry.outgoing[1].destination == "mailer"
+    assert entry.outgoing[1].intent is h.Intent.SEND
+    assert entry.outgoing_ids == (event.message_id, command.message_id)
+    assert entry.dispatched is False
+    assert entry.at is not None and entry.at.utcoffset() is not None
+
+
+def test_committing_an_existing_aggregate_bumps_its_version_and_replaces_its_state(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    loaded = created(storage, "a", balance=5)
+
+    commit(storage, loaded, "AccountHandler/m2", {"balance": 12})
+    record = storage.load(ACCOUNT, "a")
+
+    assert record.version == 2
+    assert dict(record.state or {}) == {"balance": 12}
+    assert set(record.processed) == {"Seed/m0", "AccountHandler/m2"}
+
+
+# -- duplicates -----------------------------------------------------------------------------
+
+
+def test_committing_a_key_again_from_the_stale_loaded_record_raises_already_processed(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    stored = [envelope(), envelope()]
+    empty = storage.load(ACCOUNT, "a")
+    commit(storage, empty, "AccountHandler/m1", {"balance": 5}, stored)
+
+    with pytest.raises(AlreadyProcessed) as refused:
+        commit(storage, empty, "AccountHandler/m1", {"balance": 10}, [envelope()])
+
+    assert refused.value.key == "AccountHandler/m1"
+    assert refused.value.outgoing == tuple(stored)
+    record = storage.load(ACCOUNT, "a")
+    assert record.version == 1
+    assert dict(record.state or {}) == {"balance": 5}
+
+
+def test_committing_a_key_again_from_a_fresh_load_raises_already_processed(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    stored = [envelope()]
+    loaded = created(storage, "a", balance=1)
+    commit(storage, loaded, "AccountHandler/m1", {"balance": 5}, stored)
+    fresh = storage.load(ACCOUNT, "a")
+
+    with pytest.raises(AlreadyProcessed) as refused:
+        commit(storage, fresh, "AccountHandler/m1", {"balance": 10}, [envelope()])
+
+    assert refused.value.outgoing == tuple(stored)
+    record = storage.load(ACCOUNT, "a")
+    assert record.version == 2
+    assert dict(record.state or {}) == {"balance": 5}
+
+
+def test_two_creators_with_different_keys_race_and_the_second_gets_a_concurrency_conflict(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    first = storage.load(ACCOUNT, "a")
+    second = storage.load(ACCOUNT, "a")
+    commit(storage, first, "AccountHandler/m1", {"balance": 1})
+
+    with pytest.raises(ConcurrencyConflict):
+        commit(storage, second, "AccountHandler/m2", {"balance": 2})
+
+    record = storage.load(ACCOUNT, "a")
+    assert record.version == 1
+    assert dict(record.state or {}) == {"balance": 1}
+    assert list(record.processed) == ["AccountHandler/m1"]
+
+
+def test_two_creators_with_the_same_key_race_and_the_second_gets_already_processed(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    first = storage.load(ACCOUNT, "a")
+    second = storage.load(ACCOUNT, "a")
+    winner = [envelope()]
+    commit(storage, first, "AccountHandler/m1", {"balance": 1}, winner)
+
+    with pytest.raises(AlreadyProcessed) as refused:
+        commit(storage, second, "AccountHandler/m1", {"balance": 2}, [envelope()])
+
+    assert refused.value.outgoing == tuple(winner)
+    assert storage.load(ACCOUNT, "a").version == 1
+
+
+def test_a_stale_version_on_update_raises_concurrency_conflict_and_changes_nothing(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    stale = created(storage, "a", balance=1)
+    commit(storage, stale, "AccountHandler/m2", {"balance": 2}, [envelope()])
+    before = storage.load(ACCOUNT, "a")
+
+    with pytest.raises(ConcurrencyConflict):
+        commit(storage, stale, "AccountHandler/m3", {"balance": 3}, [envelope()])
+
+    after = storage.load(ACCOUNT, "a")
+    assert after.version == before.version == 2
+    assert after.state == before.state
+    assert after.processed == before.processed
+    assert "AccountHandler/m3" not in after.processed
+
+
+def test_deduplication_is_scoped_per_key_so_two_handlers_may_record_one_message_id(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    commit(storage, storage.load(ACCOUNT, "a"), "HandlerA/m1", {"balance": 1}, [envelope()])
+
+    commit(storage, storage.load(ACCOUNT, "a"), "HandlerB/m1", {"balance": 2}, [envelope()])
+
+    record = storage.load(ACCOUNT, "a")
+    assert record.version == 2
+    assert set(record.processed) == {"HandlerA/m1", "HandlerB/m1"}
+
+
+# -- the processed window ----------------------------------------------------------------
+
+
+def test_the_processed_list_keeps_only_the_newest_window_entries(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory(processed_window=3)
+    for number in range(1, 6):
+        commit(storage, storage.load(ACCOUNT, "a"), f"H/m{number}", {"balance": number})
+
+    record = storage.load(ACCOUNT, "a")
+
+    assert record.version == 5
+    assert set(record.processed) == {"H/m3", "H/m4", "H/m5"}
+
+
+def test_a_key_that_left_the_processed_window_can_be_committed_again(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory(processed_window=3)
+    for number in range(1, 5):
+        commit(storage, storage.load(ACCOUNT, "a"), f"H/m{number}", {"balance": number})
+    loaded = storage.load(ACCOUNT, "a")
+    assert "H/m1" not in loaded.processed
+
+    commit(storage, loaded, "H/m1", {"balance": 100})
+
+    record = storage.load(ACCOUNT, "a")
+    assert record.version == 5
+    assert dict(record.state or {}) == {"balance": 100}
+    assert set(record.processed) == {"H/m3", "H/m4", "H/m1"}
+    with pytest.raises(AlreadyProcessed):
+        commit(storage, record, "H/m4", {"balance": 0})
+
+
+def test_a_processed_window_below_1_is_refused(storage_factory: StorageFactory) -> None:
+    with pytest.raises(ValueError, match="processed_window"):
+        storage_factory(processed_window=0)
+    with pytest.raises(ValueError, match="processed_window"):
+        storage_factory(processed_window=-3)
+
+
+# -- mark_dispatched -----------------------------------------------------------------------
+
+
+def test_mark_dispatched_drops_the_bodies_keeps_the_ids_and_sets_dispatched(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    sent = [envelope(), envelope()]
+    other = [envelope()]
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, sent)
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m2", {"balance": 2}, other)
+
+    storage.mark_dispatched(ACCOUNT, "a", "H/m1")
+
+    record = storage.load(ACCOUNT, "a")
+    entry = record.processed["H/m1"]
+    assert entry.outgoing == ()
+    assert entry.outgoing_ids == tuple(e.message_id for e in sent)
+    assert entry.dispatched is True
+    # Only that key changed: no version bump to race with, the other entry untouched.
+    assert record.version == 2
+    assert dict(record.state or {}) == {"balance": 2}
+    assert record.processed["H/m2"].outgoing == tuple(other)
+    assert record.processed["H/m2"].dispatched is False
+
+
+def test_a_duplicate_after_mark_dispatched_carries_no_outgoing_messages(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, [envelope()])
+    storage.mark_dispatched(ACCOUNT, "a", "H/m1")
+
+    with pytest.raises(AlreadyProcessed) as refused:
+        commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 2}, [envelope()])
+
+    assert refused.value.outgoing == ()
+
+
+def test_mark_dispatched_of_an_unknown_aggregate_or_key_changes_nothing(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    stored = [envelope()]
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, stored)
+    before = storage.load(ACCOUNT, "a")
+
+    storage.mark_dispatched(ACCOUNT, "nobody", "H/m1")
+    storage.mark_dispatched(ACCOUNT, "a", "H/unknown")
+    storage.mark_dispatched("Order", "a", "H/m1")
+
+    assert storage.load(ACCOUNT, "nobody").version == 0
+    assert storage.load("Order", "a").version == 0
+    after = storage.load(ACCOUNT, "a")
+    assert after == before
+    assert after.processed["H/m1"].outgoing == tuple(stored)
+    assert list(storage.records("Order")) == []
+
+
+# -- records -----------------------------------------------------------------------------
+
+
+def test_records_yields_every_stored_record_of_one_aggregate_type_only(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory()
+    for aggregate_id, balance in (("a", 1), ("b", 2), ("c", 3)):
+        loaded = storage.load(ACCOUNT, aggregate_id)
+        commit(storage, loaded, f"H/{aggregate_id}", {"balance": balance})
+    commit(storage, storage.load(ACCOUNT, "b"), "H/b2", {"balance": 20})
+    commit(storage, storage.load("Order", "a"), "H/o1", {"total": 9})
+
+    accounts = {record.aggregate_id: record for record in storage.records(ACCOUNT)}
+    orders = list(storage.records("Order"))
+
+    assert sorted(accounts) == ["a", "b", "c"]
+    assert {i: dict(r.state or {}) for i, r in accounts.items()} == {
+        "a": {"balance": 1}, "b": {"balance": 20}, "c": {"balance": 3}}
+    assert {i: r.version for i, r in accounts.items()} == {"a": 1, "b": 2, "c": 1}
+    assert all(r.aggregate_type == ACCOUNT for r in accounts.values())
+    assert [(r.aggregate_type, r.aggregate_id, dict(r.state or {})) for r in orders] == [
+        ("Order", "a", {"total": 9})]
+    assert list(storage.records("Nothing")) == []
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+THREADS = 8
+ROUNDS = 20
+
+
+@pytest.fixture
+def eager_thread_switching() -> Iterator[None]:
+    """Make the interpreter switch threads every few bytecodes instead of every 5 ms.
+
+    Without this, a commit is short enough to run within one time slice and an unguarded
+    mongomock passes these tests by luck; with it, an unguarded mongomock lets several of
+    the racing commits through in most rounds.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+@dataclass
+class Race:
+    """What each racing thread got: "ok", "duplicate", "conflict" or an unexpected error."""
+
+    outcomes: list[str]
+    #: The outgoing messages each thread committed (winner) or was handed back (duplicates).
+    outgoing: list[tuple[Envelope, ...]]
+
+    @property
+    def winner(self) -> int:
+        return self.outcomes.index("ok")
+
+
+def race(storage: Storage, loaded: AggregateRecord, keys: Sequence[str]) -> Race:
+    """Commit ``keys[i]`` from thread ``i``, every thread against ``loaded``, started together."""
+    barrier = threading.Barrier(len(keys))
+    result = Race([""] * len(keys), [()] * len(keys))
+
+    def attempt(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            outgoing = (envelope(),)
+            commit(storage, loaded, keys[index], {"balance": index}, outgoing)
+            result.outcomes[index], result.outgoing[index] = "ok", outgoing
+        except AlreadyProcessed as duplicate:
+            result.outcomes[index], result.outgoing[index] = "duplicate", duplicate.outgoing
+        except ConcurrencyConflict:
+            result.outcomes[index] = "conflict"
+        except BaseException as error:  # reported through the outcome, not lost in a thread
+            result.outcomes[index] = f"unexpected {error!r}"
+
+    threads = [threading.Thread(target=attempt, args=(i,), daemon=True) for i in range(len(keys))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a committing thread hung"
+    return result
+
+
+@pytest.mark.usefixtures("eager_thread_switching")
+@pytest.mark.parametrize("existing", [False, True], ids=["creating", "updating"])
+def test_threads_committing_the_same_key_against_one_loaded_record_succeed_exactly_once(
+    storage_factory: StorageFactory, existing: bool
+) -> None:
+    storage = storage_factory()
+    for round_number in range(ROUNDS):
+        aggregate_id = f"same-key-{round_number}"
+        loaded = created(storage, aggregate_id) if existing else storage.load(ACCOUNT, aggregate_id)
+
+        result = race(storage, loaded, ["H/m1"] * THREADS)
+
+        assert sorted(result.outcomes) == ["duplicate"] * (THREADS - 1) + ["ok"], (
+            round_number, result.outcomes)
+        stored = result.outgoing[result.winner]
+        assert all(outgoing == stored for outgoing in result.outgoing), round_number
+        record = storage.load(ACCOUNT, aggregate_id)
+        assert record.version == loaded.version + 1
+        assert dict(record.state or {}) == {"balance": result.winner}
+        assert record.processed["H/m1"].outgoing == stored
+
+
+@pytest.mark.usefixtures("eager_thread_switching")
+@pytest.mark.parametrize("existing", [False, True], ids=["creating", "updating"])
+def test_threads_committing_different_keys_against_one_loaded_version_succeed_exactly_once(
+    storage_factory: StorageFactory, existing: bool
+) -> None:
+    storage = storage_factory()
+    keys = [f"H/m{index}" for index in range(THREADS)]
+    for round_number in range(ROUNDS):
+        aggregate_id = f"different-keys-{round_number}"
+        loaded = created(storage, aggregate_id) if existing else storage.load(ACCOUNT, aggregate_id)
+
+        result = race(storage, loaded, keys)
+
+        assert sorted(result.outcomes) == ["conflict"] * (THREADS - 1) + ["ok"], (
+            round_number, result.outcomes)
+        record = storage.load(ACCOUNT, aggregate_id)
+        assert record.version == loaded.version + 1
+        assert dict(record.state or {}) == {"balance": result.winner}
+        assert set(record.processed) == set(loaded.processed) | {keys[result.winner]}

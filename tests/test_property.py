@@ -1,0 +1,261 @@
+"""The whole guarantee as a property, at the processing level (no broker, no threads).
+
+Any interleaving of deliveries, duplicates and crashes ends with the same aggregate states
+and the same sent messages (same ids, same bodies) as one clean run.
+
+The endpoint's real processor (``Endpoint._processor``, a ``MessageProcessor``) is driven
+directly by a test loop that plays the broker: a queue of deliveries, each settled by the
+processor; a crash (``SimulatedCrash`` raised by a fault injector) leaves the delivery
+unsettled, ``Transport.deliver`` requeues it, and the loop puts it back at a later position
+of the queue, as a broker redelivers a message whose consumer died.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from bus import Endpoint
+from bus import headers as h
+from bus.envelope import Envelope
+from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from bus.messages import message_name
+from storage.base import Storage
+from storage.memory import MemoryStorage
+from storage.mongo import MongoStorage
+from tests.support import Account, AccountHandler, Deposit, Deposited
+from transports.base import Delivery, OnDelivery, Transport
+
+QUEUE = "accounts"
+ERROR_QUEUE = "accounts-error"
+#: Crashes injected per chaotic run at most, so that every run terminates.
+MAX_CRASHES = 12
+
+
+class RecordingDelivery(Delivery):
+    """A delivery whose settlement is only recorded."""
+
+    def __init__(self, message: DepositMessage, *, redelivered: bool) -> None:
+        super().__init__(queue=QUEUE, headers=message.headers, body=message.body,
+                         content_type=h.CONTENT_TYPE, redelivered=redelivered)
+        self.message = message
+        self.acked = False
+        self.requeued = False
+
+    def _ack(self) -> None:
+        self.acked = True
+
+    def _requeue(self) -> None:
+        self.requeued = True
+
+
+class RecordingTransport(Transport):
+    """Records what the endpoint dispatches; the test loop plays the broker's queue."""
+
+    def __init__(self) -> None:
+        self.dispatched: list[Envelope] = []
+        self.dead_letters: list[Envelope] = []
+
+    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def send(self, envelope: Envelope) -> None:
+        if envelope.destination == ERROR_QUEUE:
+            self.dead_letters.append(envelope)
+        else:
+            self.dispatched.append(envelope)
+
+    def publish(self, envelope: Envelope) -> None:
+        self.dispatched.append(envelope)
+
+    def consume(self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event,
+                prefetch: int = 1) -> None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def get(self, queue: str) -> Delivery | None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def pending(self, queue: str) -> int:
+        return 0
+
+
+class ArmedCrash(FaultInjector):
+    """Crashes at the one point it was armed with for the current delivery, if reached."""
+
+    def __init__(self) -> None:
+        self.armed: CrashPoint | None = None
+        self.fired = False
+
+    def arm(self, point: CrashPoint | None) -> None:
+        self.armed, self.fired = point, False
+
+    def reached(self, point: CrashPoint, message_id: str) -> None:
+        if point is self.armed and not self.fired:
+            self.fired = True
+            raise SimulatedCrash(f"simulated crash {point.value} of {message_id}")
+
+
+@dataclass(frozen=True)
+class DepositMessage:
+    """One incoming Deposit as it sits on the wire: every copy has the same id and body."""
+
+    message_id: str
+    account: str
+    amount: int
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return {h.MESSAGE_ID: self.message_id, h.MESSAGE_TYPE: message_name(Deposit),
+                h.INTENT: h.Intent.SEND.value}
+
+    @property
+    def body(self) -> bytes:
+        return Deposit(account=self.account, amount=self.amount).model_dump_json().encode()
+
+
+@dataclass
+class RunResult:
+    states: dict[str, dict[str, object]]
+    dispatched: list[Envelope]
+    crashes: int = 0
+    deliveries: int = 0
+
+
+@st.composite
+def messages(draw: st.DrawFn) -> list[DepositMessage]:
+    accounts = [f"acc-{index}" for index in range(draw(st.integers(1, 3)))]
+    count = draw(st.integers(1, 8))
+    return [
+        DepositMessage(f"deposit-{index}", draw(st.sampled_from(accounts)),
+                       draw(st.integers(1, 20)))
+        for index in range(count)
+    ]
+
+
+@st.composite
+def schedules(draw: st.DrawFn, sent: list[DepositMessage]) -> list[int]:
+    """Indexes into ``sent``: each message 1..3 times (duplicates), in any order."""
+    copies = [index for index, _ in enumerate(sent) for _ in range(draw(st.integers(1, 3)))]
+    return list(draw(st.permutations(copies)))
+
+
+STORAGES: list[object] = [
+    pytest.param(lambda: MemoryStorage(), id="memory"),
+    pytest.param(lambda: MongoStorage.embedded(f"property-{uuid.uuid4().hex}"), id="mongomock"),
+]
+
+CRASH_POINTS = st.none() | st.sampled_from(list(CrashPoint))
+
+
+def run(
+    sent: list[DepositMessage],
+    order: list[int],
+    *,
+    make_storage: Callable[[], Storage],
+    compact: bool,
+    data: st.DataObject | None = None,
+) -> RunResult:
+    """Deliver ``sent[i]`` for each i of ``order`` to a fresh endpoint until all are acked.
+
+    With ``data``, each delivery may crash at a drawn point; the crashed delivery goes
+    back into the queue at a drawn later position, as the broker's redelivery.
+    """
+    transport = RecordingTransport()
+    injector = ArmedCrash()
+    endpoint = Endpoint(QUEUE, transport=transport, storage=make_storage(),
+                        handlers=[AccountHandler], error_queue=ERROR_QUEUE,
+                        compact_after_dispatch=compact, fault_injector=injector)
+    queue: list[tuple[DepositMessage, bool]] = [(sent[index], False) for index in order]
+    result = RunResult(states={}, dispatched=transport.dispatched)
+    try:
+        while queue:
+            message, redelivered = queue.pop(0)
+            delivery = RecordingDelivery(message, redelivered=redelivered)
+            crash_at = None
+            if data is not None and result.crashes < MAX_CRASHES:
+                crash_at = data.draw(CRASH_POINTS, label=f"crash point of {message.message_id}")
+            injector.arm(crash_at)
+            result.deliveries += 1
+
+            Transport.deliver(delivery, endpoint._processor)
+
+            if injector.fired:
+                # Died mid-way: never acknowledged, handed back to the broker.
+                assert not delivery.acked, f"{message.message_id} was acked, then crashed"
+                assert delivery.requeued
+                assert data is not None
+                result.crashes += 1
+                position = data.draw(st.integers(0, len(queue)),
+                                     label=f"redelivery position of {message.message_id}")
+                queue.insert(position, (message, True))
+            else:
+                assert delivery.acked and not delivery.requeued, (
+                    f"{message.message_id} was not acked although nothing crashed")
+        assert transport.dead_letters == []
+        result.states = {
+            record.aggregate_id: dict(record.state or {})
+            for record in endpoint.storage.records(AccountHandler.storage_name())
+        }
+    finally:
+        endpoint.close()
+    return result
+
+
+def bodies_by_id(envelopes: list[Envelope]) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = defaultdict(set)
+    for envelope in envelopes:
+        found[envelope.message_id].add(envelope.body)
+    return dict(found)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "keep-bodies"])
+@pytest.mark.parametrize("make_storage", STORAGES)
+@settings(max_examples=60, deadline=None)
+@given(sent=messages(), data=st.data())
+def test_any_interleaving_of_duplicates_and_crashes_ends_as_one_clean_run(
+    make_storage: Callable[[], Storage], compact: bool, sent: list[DepositMessage],
+    data: st.DataObject,
+) -> None:
+    # Given distinct deposits over a few accounts, and a delivery schedule in which each
+    # deposit arrives one to three times, in any order, any delivery possibly crashing
+    # before commit, after commit or after dispatch (and then redelivered later);
+    order = data.draw(schedules(sent), label="delivery order")
+
+    # When one endpoint processes them cleanly (each once, no crash) and another, on fresh
+    # storage, processes the chaotic schedule,
+    clean = run(sent, list(range(len(sent))), make_storage=make_storage, compact=compact)
+    chaotic = run(sent, order, make_storage=make_storage, compact=compact, data=data)
+    event(f"crashes: {chaotic.crashes}")  # shown by --hypothesis-show-statistics
+    event(f"duplicate deliveries: {len(order) - len(sent)}")
+
+    # Then the accounts end in the same state, which is the sum of their deposits,
+    totals: dict[str, Account] = defaultdict(Account)
+    for message in sent:
+        totals[message.account].balance += message.amount
+        totals[message.account].deposits += 1
+    assert clean.states == {account: state.model_dump() for account, state in totals.items()}
+    assert chaotic.states == clean.states
+
+    # and the same messages were sent: every id of the clean run at least once (crashes
+    # and duplicates may send one again, always with that id), no other id, and under
+    # each id the one body of the clean run.
+    clean_bodies = bodies_by_id(clean.dispatched)
+    chaotic_bodies = bodies_by_id(chaotic.dispatched)
+    assert len(clean.dispatched) == len(sent) == len(clean_bodies)
+    assert set(chaotic_bodies) == set(clean_bodies)
+    for message_id, bodies in chaotic_bodies.items():
+        assert bodies == clean_bodies[message_id], message_id
+    assert all(envelope.intent is h.Intent.PUBLISH for envelope in chaotic.dispatched)
+    events = {(e.account, e.amount) for e in map(Deposited.model_validate_json,
+                                                 (envelope.body for envelope in clean.dispatched))}
+    assert events == {(message.account, message.amount) for message in sent}
+
+    # Every delivery of the schedule was processed to its ack, plus one per crash.
+    assert chaotic.deliveries == len(order) + chaotic.crashes
