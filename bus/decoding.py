@@ -11,7 +11,7 @@ from bus.errors import InvalidMessage, MalformedMessage
 from bus.messages import Message
 from bus.registry import MessageRegistry
 
-_JSON_CONTENT_TYPES = (None, "", h.CONTENT_TYPE)
+_JSON_MEDIA_TYPES = ("", h.CONTENT_TYPE)
 
 
 def decode(
@@ -22,7 +22,8 @@ def decode(
     Raises ``MalformedMessage``, ``UnknownMessageType`` or ``InvalidMessage`` with a
     reason a person can act on.
     """
-    if content_type not in _JSON_CONTENT_TYPES:
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type not in _JSON_MEDIA_TYPES:  # parameters such as charset do not matter
         raise MalformedMessage(f"content type {content_type!r} is not {h.CONTENT_TYPE}")
     for required in (h.MESSAGE_ID, h.MESSAGE_TYPE):
         if not headers.get(required):

@@ -20,6 +20,8 @@ class Envelope:
     headers: Mapping[str, str]
     body: str
     destination: str | None = None
+    #: Only a dead-lettered copy of a foreign message carries anything but JSON.
+    content_type: str = h.CONTENT_TYPE
 
     @property
     def message_id(self) -> str:

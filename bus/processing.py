@@ -120,6 +120,7 @@ class MessageProcessor:
             headers=headers,
             body=delivery.body.decode("utf-8", "surrogateescape"),
             destination=self._error_queue,
+            content_type=delivery.content_type or h.CONTENT_TYPE,
         ))
         log.warning("moved %s from %s to %s: %s", delivery.headers.get(h.MESSAGE_ID, "a message"),
                     delivery.queue, self._error_queue, headers[h.EXCEPTION_MESSAGE])

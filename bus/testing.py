@@ -134,7 +134,11 @@ def wait_until_idle(endpoints: Iterable[Endpoint], *, timeout: float = 30.0,
                     interval: float = 0.02) -> None:
     """Return once every endpoint's queue is empty and nothing is being processed,
     observed several times in a row (a message one endpoint is sending to another is
-    seen on the next look). Raises ``TimeoutError`` after ``timeout`` seconds."""
+    seen on the next look). Raises ``TimeoutError`` after ``timeout`` seconds.
+
+    A heuristic for tests and samples: a broker does not count messages it already pushed
+    to a consumer that has not started on them yet, so wait for a deciding signal first
+    where a test must be sure."""
     chosen = list(endpoints)
     deadline = time.monotonic() + timeout
     settled = 0

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import kombu.transport.memory
@@ -87,6 +88,8 @@ def make_transport(transport_url: str, unique: str) -> Iterator[Callable[..., Ko
 
     yield make
     for transport in created:
+        if not transport_url.startswith("memory"):
+            transport.delete_exchange()
         transport.close()
 
 

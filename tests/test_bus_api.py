@@ -6,7 +6,8 @@ import uuid
 
 import pytest
 
-from bus import Bus, Command, Event, RoutingError, headers as h
+from bus import Bus, Command, Event, RoutingError
+from bus import headers as h
 from bus.context import MessageContext
 from bus.envelope import Envelope
 from bus.routing import Router

@@ -67,7 +67,8 @@ def test_a_handler_for_something_that_is_not_a_message_type_fails_with_the_fix()
         def on(self, message: NotAMessage) -> None:
             pass
 
-    with pytest.raises(HandlerDefinitionError, match="not a message type: derive it from bus.Command"):
+    with pytest.raises(HandlerDefinitionError,
+                       match="not a message type: derive it from bus.Command"):
         table(Wrong)
 
 
@@ -115,7 +116,8 @@ def test_two_aggregate_handlers_of_one_aggregate_type_claiming_one_message_type_
         def also_open(self, message: Open) -> None:
             pass
 
-    with pytest.raises(HandlerDefinitionError, match="both change aggregate 'AccountState' on hd.Open"):
+    with pytest.raises(HandlerDefinitionError,
+                       match="both change aggregate 'AccountState' on hd.Open"):
         table(Accounts, MoreAccounts)
 
 
@@ -162,7 +164,8 @@ def test_an_aggregate_handler_without_a_state_type_fails():
         def on(self, message: Open) -> None:
             pass
 
-    with pytest.raises(HandlerDefinitionError, match=r"needs its state type: class Stateless\(AggregateHandler\[MyState\]\)"):
+    expected = r"needs its state type: class Stateless\(AggregateHandler\[MyState\]\)"
+    with pytest.raises(HandlerDefinitionError, match=expected):
         table(Stateless)
 
 

@@ -1,9 +1,10 @@
+import pydantic
 import pytest
 
 from bus import Command, ConfigurationError, Event, message_name
+from bus.errors import UnknownMessageType
 from bus.messages import is_message_type
 from bus.registry import MessageRegistry
-from bus.errors import UnknownMessageType
 
 
 class PlaceOrder(Command, message_name="sales.PlaceOrder"):
@@ -42,7 +43,7 @@ def test_pydantic_class_keywords_still_work_beside_the_name():
         value: int
 
     assert message_name(Frozen) == "frozen.Thing"
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         Frozen(value=1).value = 2  # type: ignore[misc]
 
 

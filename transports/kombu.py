@@ -39,7 +39,6 @@ from kombu import Exchange, Queue, binding
 
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
-from bus.headers import CONTENT_TYPE
 from transports.base import Delivery, OnDelivery, Transport
 from transports.errors import TransportUnavailable
 
@@ -125,7 +124,7 @@ class KombuTransport(Transport):
                 exchange=exchange,
                 routing_key=routing_key,
                 headers=dict(envelope.headers),
-                content_type=CONTENT_TYPE,
+                content_type=envelope.content_type,
                 content_encoding="utf-8",
                 delivery_mode=2,
                 declare=declare,
@@ -160,8 +159,9 @@ class KombuTransport(Transport):
             try:
                 with connection.Consumer(
                     [Queue(queue, durable=True, no_declare=True)],
-                    on_message=lambda message: self.deliver(_KombuDelivery(queue, message),
-                                                            on_delivery),
+                    on_message=lambda message: self.deliver(
+                        _KombuDelivery(queue, message, native_requeue=self._is_amqp),
+                        on_delivery),
                     prefetch_count=prefetch,
                 ):
                     failures = 0
@@ -209,6 +209,12 @@ class KombuTransport(Transport):
             channel.queue_delete(queue=queue)
         self._declared.discard(queue)
 
+    def delete_exchange(self) -> None:
+        """Delete this transport's events exchange (tests and samples clean up with this)."""
+        with self._channel() as channel:
+            self._events(channel).delete()
+        self._declared.discard(self._events.name)
+
     # -- connections ------------------------------------------------------------------
 
     def _connect(self) -> kombu.Connection:
@@ -254,7 +260,8 @@ class _ChannelScope:
 
 
 class _KombuDelivery(Delivery):
-    def __init__(self, queue: str, message: kombu.Message, *, settled: bool = False) -> None:
+    def __init__(self, queue: str, message: kombu.Message, *, settled: bool = False,
+                 native_requeue: bool = True) -> None:
         super().__init__(
             queue=queue,
             headers=_text_headers(message.headers or {}),
@@ -264,12 +271,29 @@ class _KombuDelivery(Delivery):
         )
         self._message = message
         self.settled = settled
+        self._native_requeue = native_requeue
 
     def _ack(self) -> None:
         self._message.ack()
 
     def _requeue(self) -> None:
-        self._message.requeue()
+        if self._native_requeue:
+            self._message.requeue()
+            return
+        # kombu's virtual transports (memory://, redis://) route a requeued message through
+        # its exchange again, which would copy an event into every subscribed queue. Put it
+        # back on the queue it came from instead, then let the original go.
+        message = self._message
+        kombu.Producer(message.channel).publish(
+            message.body,
+            exchange="",
+            routing_key=self.queue,
+            headers=message.headers,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            delivery_mode=2,
+        )
+        message.ack()
 
 
 def _text_headers(headers: Mapping[str, Any]) -> dict[str, str]:
