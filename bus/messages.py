@@ -30,11 +30,9 @@ class Message(BaseModel):
 
     __message_name__: ClassVar[str]
 
-    def __init_subclass__(
-        cls, *, message_name: str | None = None, name: str | None = None, **kwargs: Any
-    ) -> None:
+    def __init_subclass__(cls, *, message_name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        wire_name = message_name or name or cls.__name__
+        wire_name = message_name or cls.__name__
         if not _WIRE_NAME.match(wire_name):
             raise ConfigurationError(
                 f"{cls.__qualname__}: message name {wire_name!r} must start with a letter or '_'"
@@ -43,9 +41,7 @@ class Message(BaseModel):
         cls.__message_name__ = wire_name
 
     @classmethod
-    def __pydantic_init_subclass__(
-        cls, *, message_name: str | None = None, name: str | None = None, **kwargs: Any
-    ) -> None:
+    def __pydantic_init_subclass__(cls, *, message_name: str | None = None, **kwargs: Any) -> None:
         # __init_subclass__ consumed the name; pydantic passes class keywords here too.
         super().__pydantic_init_subclass__(**kwargs)
 

@@ -68,3 +68,11 @@ def test_the_registry_resolves_known_names_and_explains_unknown_ones():
     assert registry.resolve("sales.PlaceOrder") is PlaceOrder
     with pytest.raises(UnknownMessageType, match="'nope'.*OrderPlaced, sales.PlaceOrder"):
         registry.resolve("nope")
+
+
+def test_the_wire_name_keyword_is_message_name_because_name_breaks_python_3_10():
+    # On Python 3.10, ABCMeta.__new__ takes `name` positionally: a class keyword `name=`
+    # collides with it. `message_name=` is the one keyword idembus reads.
+    with pytest.raises(TypeError):
+        class Old(Command, name="x.Old"):  # type: ignore[call-arg]
+            pass
