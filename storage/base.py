@@ -60,7 +60,10 @@ class ProcessedMessage:
 
 @dataclass(frozen=True)
 class AggregateRecord:
-    """An aggregate as loaded: ``version == 0`` means it does not exist yet."""
+    """An aggregate as loaded: ``version == 0`` means it does not exist yet.
+
+    ``processed`` is ordered from the oldest remembered message to the newest.
+    """
 
     aggregate_type: str
     aggregate_id: str
@@ -78,10 +81,9 @@ class AggregateRecord:
         A message sent before that time and not in ``processed`` may be a duplicate whose
         entry was already forgotten.
         """
-        if len(self.processed) < window:
+        if len(self.processed) < window or not self.processed:
             return None
-        times = [entry.at for entry in self.processed.values() if entry.at is not None]
-        return min(times) if times else None
+        return next(iter(self.processed.values())).at
 
 
 class Storage(ABC):

@@ -26,8 +26,11 @@ class MemoryStorage(Storage):
             record = self._records.get((aggregate_type, aggregate_id))
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
-        # Callers may mutate what they get; the stored record must not change with it.
-        return copy.deepcopy(record)
+        # The state is the one mutable part a caller could change; entries are immutable.
+        return AggregateRecord(
+            aggregate_type, aggregate_id, record.version,
+            copy.deepcopy(record.state), dict(record.processed),
+        )
 
     def commit(
         self,

@@ -237,7 +237,25 @@ def test_the_processed_list_keeps_only_the_newest_window_entries(
     record = storage.load(ACCOUNT, "a")
 
     assert record.version == 5
-    assert set(record.processed) == {"H/m3", "H/m4", "H/m5"}
+    assert list(record.processed) == ["H/m3", "H/m4", "H/m5"]  # oldest first
+
+
+def test_the_window_starts_when_the_oldest_remembered_message_was_processed(
+    storage_factory: StorageFactory,
+) -> None:
+    storage = storage_factory(processed_window=3)
+    for number in range(1, 3):
+        commit(storage, storage.load(ACCOUNT, "a"), f"H/m{number}", {"balance": number})
+    assert storage.load(ACCOUNT, "a").window_start(3) is None  # not full: nothing forgotten
+
+    for number in range(3, 6):
+        commit(storage, storage.load(ACCOUNT, "a"), f"H/m{number}", {"balance": number})
+    record = storage.load(ACCOUNT, "a")
+
+    times = [entry.at for entry in record.processed.values()]
+    assert all(t is not None and t.tzinfo is not None for t in times)
+    assert times == sorted(times)  # type: ignore[type-var]
+    assert record.window_start(3) == times[0] == record.processed["H/m3"].at
 
 
 def test_a_key_that_left_the_processed_window_can_be_committed_again(
