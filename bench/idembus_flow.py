@@ -1,0 +1,125 @@
+"""The idembus side: Sales (PlaceOrder -> OrderPlaced) and Billing (OrderPlaced ->
+OrderBilled) as two endpoints of one consumer thread each, defaults otherwise.
+
+N PlaceOrder commands are queued for Sales before either endpoint starts; the clock runs
+from Sales' first delivery until Billing has handled N OrderPlaced events. Nobody
+subscribes to OrderBilled, so the broker drops it after confirming it, as in the raw loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import (
+    MEMORY_POLLING_INTERVAL,
+    PREFETCH,
+    FlowClock,
+    orders,
+    timeout_for,
+    unique_suffix,
+)
+from bus.endpoint import Endpoint
+from samples.ordering.billing import BillingHandler, FakePaymentGateway
+from samples.ordering.sales import OrderHandler
+from storage.base import Storage
+from storage.memory import MemoryStorage
+from storage.mongo import MongoStorage
+from transports.kombu import KombuTransport
+
+#: Storage backends measured, by the name printed in the table.
+STORAGES: dict[str, Callable[[str], Storage]] = {
+    "mongomock": lambda database: MongoStorage.embedded(database),
+    "memory": lambda database: MemoryStorage(),
+}
+
+TransportFactory = Callable[..., KombuTransport]
+
+
+@dataclass
+class Flow:
+    """The two endpoints of one run, their exchange and the clock watching them."""
+
+    sales: Endpoint
+    billing: Endpoint
+    #: Sales' transport, kept with its kombu type for the clean-up.
+    transport: KombuTransport
+    exchange: str
+    clock: FlowClock
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, Endpoint]:
+        return self.sales, self.billing
+
+
+def build_flow(url: str, storage: str, count: int, *, confirm: bool,
+               transport: TransportFactory = KombuTransport) -> Flow:
+    """Create both endpoints on fresh queues, declare them and hook up the clock."""
+    suffix = unique_suffix()
+    exchange = f"bench.events.{suffix}"
+    polling = MEMORY_POLLING_INTERVAL if url.startswith("memory://") else None
+
+    def endpoint(name: str, handler: Any, kombu_transport: KombuTransport) -> Endpoint:
+        return Endpoint(
+            f"bench-{name}-{suffix}",
+            transport=kombu_transport,
+            storage=STORAGES[storage](f"bench-{name}-{suffix}"),
+            handlers=[handler],
+            error_queue=f"bench-error-{suffix}",
+            concurrency=1,
+            prefetch=PREFETCH,
+        )
+
+    sales_transport, billing_transport = (
+        transport(url, exchange=exchange, confirm_publish=confirm, polling_interval=polling)
+        for _ in range(2)
+    )
+    flow = Flow(endpoint("sales", OrderHandler, sales_transport),
+                endpoint("billing", BillingHandler(FakePaymentGateway()), billing_transport),
+                sales_transport, exchange, FlowClock(count))
+    for each in flow.endpoints:
+        each.transport.declare(each.name, subscriptions=each.subscriptions)
+    flow.sales.signals.received.connect(lambda sender, **_: flow.clock.start(), weak=False)
+    flow.billing.signals.handled.connect(lambda sender, **_: flow.clock.finish_one(),
+                                         weak=False)
+    return flow
+
+
+def preload(flow: Flow, count: int) -> None:
+    """Queue ``count`` PlaceOrder commands for Sales while no endpoint runs."""
+    for command in orders(count):
+        flow.sales.bus.send(command)
+
+
+def check(flow: Flow, count: int) -> None:
+    """Fail loudly if the run did something other than what it was meant to time."""
+    for each in flow.endpoints:
+        counts = each.counters.snapshot()
+        if counts["handled"] != count or counts["dead_lettered"] or counts["duplicate"]:
+            raise RuntimeError(f"{each.name} did not handle {count} messages cleanly: {counts}")
+
+
+def cleanup(flow: Flow) -> None:
+    """Delete the run's queues and exchange (memory:// keeps them at class level too)."""
+    transport = flow.transport
+    for queue in (flow.sales.name, flow.billing.name, flow.sales.error_queue):
+        transport.delete_queue(queue)
+    transport.delete_exchange()
+
+
+def run(url: str, storage: str, count: int, *, confirm: bool = True,
+        transport: TransportFactory = KombuTransport) -> float:
+    """One timed run; returns the seconds taken for 2 x ``count`` handled messages."""
+    flow = build_flow(url, storage, count, confirm=confirm, transport=transport)
+    try:
+        preload(flow, count)
+        flow.billing.start()
+        flow.sales.start()
+        seconds = flow.clock.wait(timeout_for(2 * count))
+    finally:
+        for each in flow.endpoints:
+            each.close()
+        cleanup(flow)
+    check(flow, count)
+    return seconds

@@ -1,0 +1,246 @@
+"""Throughput of the Sales -> Billing flow, as a ratio to a raw kombu loop.
+
+What is measured
+================
+N PlaceOrder commands wait in Sales' queue; Sales handles each (Order aggregate, one
+conditional commit) and publishes OrderPlaced; Billing handles each (stateless inbox
+record, a fake payment gateway) and publishes OrderBilled. The rate is 2N handled
+messages over the time from Sales' first delivery to Billing's Nth handled message.
+
+Against what
+============
+:mod:`bench.raw_flow`: two bare kombu consume -> publish -> ack loops doing the same broker
+work (same messages, topology, prefetch, persistence, confirm setting, separate publishing
+connections, one thread per queue) and nothing else; see its docstring. The ratio
+idembus / raw is the price of idempotent handling on this machine with this broker; the
+absolute figures are not portable, the ratio is the figure to track.
+
+Each variant runs ``--rounds`` times (default 3) in one process, in a rotating order after
+an untimed warm-up; the table shows the **median** of the rounds and every round.
+Two storages are measured: the embedded default (mongomock, which is slow and serialised
+behind one lock per database: it shows what ``make demo`` users get; it scans whole
+collections, so its rate depends on N) and MemoryStorage (which shows the bus' own
+overhead apart from mongomock).
+
+Run ``python -m bench.throughput`` (``make bench``); ``--help`` lists the options.
+Results also go to ``bench/results/throughput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import kombu
+
+from bench import idembus_flow, raw_flow
+from bench.common import (
+    TRANSPORT_URLS,
+    Measurement,
+    display_url,
+    kombu_options,
+    unreachable_reason,
+)
+from bench.profiling import profile_run
+from transports.kombu import KombuTransport
+
+RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+WARM_UP_ORDERS = 100
+
+Runner = Callable[[str, int], float]
+#: variant key -> (label in the table, runner)
+Variants = dict[str, tuple[str, Runner]]
+
+
+def variants(storages: Sequence[str], *, confirm: bool) -> Variants:
+    chosen: Variants = {"raw": ("raw kombu loop", _raw_runner(confirm))}
+    labels = {"mongomock": "idembus + mongomock (default)", "memory": "idembus + MemoryStorage"}
+    for storage in storages:
+        chosen[_variant_key(storage)] = (labels[storage], _idembus_runner(storage, confirm))
+    return chosen
+
+
+def _variant_key(storage: str) -> str:
+    return "idembus" if storage == "mongomock" else f"idembus_{storage}storage"
+
+
+def _raw_runner(confirm: bool) -> Runner:
+    return lambda url, count: raw_flow.run(url, count, confirm=confirm)
+
+
+def _idembus_runner(storage: str, confirm: bool) -> Runner:
+    return lambda url, count: idembus_flow.run(url, storage, count, confirm=confirm)
+
+
+def measure(url: str, orders: int, rounds: int, chosen: Variants) -> dict[str, Measurement]:
+    """Warm up, then run every variant ``rounds`` times in rotating order."""
+    for _, runner in chosen.values():
+        runner(url, min(WARM_UP_ORDERS, orders))
+    results = {key: Measurement(key, 2 * orders) for key in chosen}
+    keys = list(chosen)
+    for round_index in range(rounds):
+        shift = round_index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            results[key].seconds.append(chosen[key][1](url, orders))
+            print(f"  round {round_index + 1}: {chosen[key][0]:<30} "
+                  f"{results[key].rates[-1]:>9.0f} msgs/s", flush=True)
+    return results
+
+
+def confirms(url: str, wanted: bool) -> bool:
+    """The confirm setting both sides use; refuses to run if they would differ."""
+    idembus = KombuTransport(url, confirm_publish=wanted).publisher_confirms
+    raw = bool(kombu_options(url, confirm=wanted).get("confirm_publish"))
+    if idembus != raw:
+        raise SystemExit(f"confirm settings differ on {url}: idembus {idembus}, raw {raw}")
+    return raw
+
+
+def print_table(name: str, orders: int, results: dict[str, Measurement],
+                chosen: Variants) -> None:
+    raw = results["raw"].median
+    print(f"\n{name}: {orders} orders = {2 * orders} messages per run, median of "
+          f"{len(results['raw'].seconds)} rounds")
+    print(f"{'variant':<31} {'msgs/s':>9} {'x raw':>7}  rounds (msgs/s)")
+    for key, measurement in results.items():
+        rounds = " ".join(f"{rate:.0f}" for rate in measurement.rates)
+        print(f"{chosen[key][0]:<31} {measurement.median:>9.0f} "
+              f"{measurement.median / raw:>7.3f}  {rounds}")
+    if "idembus" in results:
+        print("(mongomock scans a whole collection per query: its rate falls as N grows)")
+
+
+def summary(report: dict[str, Any]) -> str:
+    """``bench: memory_idembus=... memory_raw=... memory_ratio=... amqp_...`` and then the
+    MemoryStorage figures."""
+    fields: list[str] = []
+    extra: list[str] = []
+    for name, entry in report["transports"].items():
+        medians = {key: v["median_msgs_per_s"] for key, v in entry.get("variants", {}).items()}
+        ratios = entry.get("ratios", {})
+        for key, target in (("idembus", fields), ("idembus_memorystorage", extra)):
+            suffix = key.removeprefix("idembus")
+            target.append(f"{name}_idembus{suffix}={_figure(medians.get(key), '.0f')}")
+            if key == "idembus":
+                target.append(f"{name}_raw={_figure(medians.get('raw'), '.0f')}")
+            target.append(f"{name}_ratio{suffix}={_figure(ratios.get(key), '.3f')}")
+    return "bench: " + " ".join(fields + extra)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def transport_report(url: str, results: dict[str, Measurement] | None,
+                     skipped: str | None, confirm: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"url": display_url(url), "skipped": skipped}
+    if results is None:
+        return entry
+    raw = results["raw"].median
+    entry["confirm_publish"] = confirms(url, confirm)
+    entry["variants"] = {key: m.as_json() for key, m in results.items()}
+    entry["ratios"] = {key: round(m.median / raw, 4) for key, m in results.items()
+                       if key != "raw"}
+    return entry
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results written to {path}")
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    chosen = variants(args.storages, confirm=args.confirm)
+    report: dict[str, Any] = {
+        "generated": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "python": platform.python_version(), "kombu": kombu.__version__,
+        "orders": args.messages, "messages_per_run": 2 * args.messages,
+        "rounds": args.rounds, "statistic": "median", "confirms_requested": args.confirm,
+        "transports": {},
+    }
+    for name in args.transports:
+        url = TRANSPORT_URLS[name]
+        reason = unreachable_reason(url)
+        results = None
+        if reason:
+            print(f"\n{name}: skipped: {reason}")
+        else:
+            print(f"\n{name}: {display_url(url)}; publisher confirms on both sides: "
+                  f"{_confirm_text(confirms(url, args.confirm), args.confirm)}")
+            results = measure(url, args.messages, args.rounds, chosen)
+            print_table(name, args.messages, results, chosen)
+        report["transports"][name] = transport_report(url, results, reason, args.confirm)
+    return report
+
+
+def _confirm_text(used: bool, wanted: bool) -> str:
+    if used:
+        return "on"
+    return "off (the broker has none)" if wanted else "off (--no-confirms)"
+
+
+def profile(args: argparse.Namespace) -> None:
+    for name in args.transports:
+        url = TRANSPORT_URLS[name]
+        reason = unreachable_reason(url)
+        if reason:
+            print(f"\nprofile on {name} skipped: {reason}")
+            continue
+        for storage in args.storages:
+            profile_run(url, storage, args.messages, confirm=args.confirm)
+
+
+def _names(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.throughput",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--messages", type=int, default=2000, metavar="N",
+                        help="PlaceOrder commands per run; 2N messages are handled (2000)")
+    parser.add_argument("--transports", type=_names(list(TRANSPORT_URLS)),
+                        default=list(TRANSPORT_URLS), help="memory,amqp (both)")
+    parser.add_argument("--storages", type=_names(list(idembus_flow.STORAGES)),
+                        default=list(idembus_flow.STORAGES), help="mongomock,memory (both)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per variant (3)")
+    parser.add_argument("--no-confirms", dest="confirm", action="store_false",
+                        help="publish without waiting for confirms, on both sides")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: run the idembus flow once under cProfile per transport "
+                             "and storage and print the top 25 cumulative entries")
+    parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file ({RESULTS})")
+    args = parser.parse_args(argv)
+    if args.messages < 1 or args.rounds < 1:
+        parser.error("--messages and --rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.profile:
+        profile(args)
+        return 0
+    report = bench(args)
+    print()
+    print(summary(report))
+    write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
