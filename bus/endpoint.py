@@ -110,16 +110,21 @@ class Endpoint:
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
         self._check_routes(routes or {})
+        if storage is not None and not isinstance(storage, Storage):
+            raise ConfigurationError(
+                f"storage must be a storage.Storage such as MongoStorage(...), got {storage!r}"
+            )
         self.transport = _transport_from(transport)
         self.storage = storage if storage is not None else _embedded_storage(name)
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
+        faults = fault_injector or FaultInjector()
         invoker = HandlerInvoker(
             endpoint=name,
             router=self.router,
             storage=self.storage,
             signals=self.signals,
-            faults=fault_injector or FaultInjector(),
+            faults=faults,
             conflicts=conflict_policy or ConflictPolicy(),
         )
         self._processor = MessageProcessor(
@@ -131,7 +136,7 @@ class Endpoint:
             storage=self.storage,
             transport=self.transport,
             signals=self.signals,
-            faults=fault_injector or FaultInjector(),
+            faults=faults,
             retries=retry_policy or RetryPolicy(),
             compact_after_dispatch=compact_after_dispatch,
         )

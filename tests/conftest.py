@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -166,3 +167,19 @@ def storage_factory(request: pytest.FixtureRequest, unique: str) -> Iterator[Cal
         if kind == "mongodb":
             storage.client.drop_database(storage.database.name)
         storage.close()
+
+
+@pytest.fixture
+def eager_thread_switching() -> Iterator[None]:
+    """Make the interpreter switch threads every few bytecodes instead of every 5 ms.
+
+    Without this, a commit is short enough to run within one time slice and an unguarded
+    mongomock passes race tests by luck; with it, an unguarded mongomock lets several of
+    the racing commits through in most rounds.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)

@@ -8,7 +8,6 @@ operation behind one re-entrant lock; a real pymongo client (thread-safe) gets n
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -26,18 +25,6 @@ from storage.errors import AlreadyProcessed
 from storage.mongo import MongoStorage, is_mongomock
 
 _RLOCK_TYPE = type(threading.RLock())
-
-
-@pytest.fixture
-def eager_thread_switching() -> Iterator[None]:
-    """Switch threads every few bytecodes: without this, each commit fits in one time slice
-    and an unguarded mongomock would pass the stress test by luck."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @pytest.fixture

@@ -7,10 +7,9 @@ MongoDB server.
 
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,22 +372,6 @@ def test_records_yields_every_stored_record_of_one_aggregate_type_only(
 
 THREADS = 8
 ROUNDS = 20
-
-
-@pytest.fixture
-def eager_thread_switching() -> Iterator[None]:
-    """Make the interpreter switch threads every few bytecodes instead of every 5 ms.
-
-    Without this, a commit is short enough to run within one time slice and an unguarded
-    mongomock passes these tests by luck; with it, an unguarded mongomock lets several of
-    the racing commits through in most rounds.
-    """
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @dataclass
