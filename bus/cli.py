@@ -1,6 +1,7 @@
 """The ``idembus`` command.
 
     idembus run package.module:endpoint [--concurrency N]
+    idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~bus.endpoint.Endpoint`, or a function returning one, in an
 importable module; it runs until SIGINT or SIGTERM and then stops gracefully.
@@ -55,11 +56,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run one endpoint until SIGINT/SIGTERM")
     run.add_argument("endpoint", help="package.module:endpoint")
     run.add_argument("--concurrency", type=int, help="consumer threads (the endpoint's own)")
+    migrate = commands.add_parser(
+        "migrate", help="create the endpoint's storage schema (tables, indexes) and exit")
+    migrate.add_argument("endpoint", help="package.module:endpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         endpoint = load_endpoint(args.endpoint)
+        if args.command == "migrate":
+            endpoint.storage.migrate()
+            print(f"{endpoint.name}: {type(endpoint.storage).__name__} schema is in place")
+            endpoint.close()
+            return 0
         if args.concurrency is not None:
             if args.concurrency < 1:
                 raise ConfigurationError("--concurrency must be at least 1")

@@ -75,7 +75,7 @@ class HandlerInvoker:
         details = {"message_id": context.message_id, "message_type": context.message_type,
                    "handler": binding.handler_name}
         for attempt in range(self._conflicts.attempts):
-            loaded = self._storage.load(aggregate_type, aggregate_id)
+            loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
             if previous is None:
                 if attempt == 0:

@@ -4,8 +4,10 @@ A backend keeps one record per aggregate: its state, a version, and the messages
 processed, each with the outgoing messages its handler produced. The whole contract is
 three calls:
 
-``load(aggregate_type, aggregate_id)``
-    Return the record, or an empty one at version 0 if the aggregate does not exist.
+``load(aggregate_type, aggregate_id, key)``
+    Return the record, or an empty one at version 0 if the aggregate does not exist. Its
+    ``processed`` holds the entry of ``key`` if that message was processed; backends that
+    keep the history inside the record (MongoDB, memory) return every remembered entry.
 
 ``commit(loaded, key=..., state=..., outgoing=...)``
     In **one atomic conditional write**, store the new state, bump the version and record
@@ -22,8 +24,10 @@ three calls:
     keep their ids. A later duplicate of ``key`` then redispatches nothing. Neither the
     version nor the state changes, so this never makes a concurrent commit conflict.
 
-The processed list of each aggregate keeps the newest ``processed_window`` entries. A
-duplicate that arrives after its entry left the window is processed again; README says so.
+A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
+the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
+(``processed_window`` is ``None``). A duplicate that arrives after its entry was forgotten is
+processed again; README says so.
 Stateless handlers use the same records: one per (handler, message id) in the aggregate
 type :data:`INBOX`.
 """
@@ -75,13 +79,13 @@ class AggregateRecord:
     def exists(self) -> bool:
         return self.version > 0
 
-    def window_start(self, window: int) -> datetime.datetime | None:
+    def window_start(self, window: int | None) -> datetime.datetime | None:
         """When the oldest remembered message was processed, if the window is full.
 
         A message sent before that time and not in ``processed`` may be a duplicate whose
         entry was already forgotten.
         """
-        if len(self.processed) < window or not self.processed:
+        if window is None or len(self.processed) < window or not self.processed:
             return None
         return next(iter(self.processed.values())).at
 
@@ -89,14 +93,18 @@ class AggregateRecord:
 class Storage(ABC):
     """Base class of storage backends; see the module docstring for the contract."""
 
-    def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
-        if processed_window < 1:
+    def __init__(self, *, processed_window: int | None = DEFAULT_PROCESSED_WINDOW) -> None:
+        if processed_window is not None and processed_window < 1:
             raise ValueError(f"processed_window must be at least 1, got {processed_window}")
+        #: How many processed entries each aggregate remembers; ``None``: not bounded by count.
         self.processed_window = processed_window
 
     @abstractmethod
-    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
-        """Return the aggregate's record, or an empty record at version 0."""
+    def load(
+        self, aggregate_type: str, aggregate_id: str, key: str | None = None
+    ) -> AggregateRecord:
+        """Return the aggregate's record (version 0 if it does not exist), with the
+        processed entry of ``key`` if there is one."""
 
     @abstractmethod
     def commit(
@@ -120,6 +128,9 @@ class Storage(ABC):
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         """Every stored record of one aggregate type, for reports and tools (not per message)."""
 
+    def migrate(self) -> None:
+        """Create what the backend needs (tables, indexes). Idempotent; ``idembus migrate``."""
+
     def verify(self) -> None:
         """Check at start-up that the backend is reachable; raise ``StorageUnavailable``."""
 
@@ -128,7 +139,7 @@ class Storage(ABC):
 
     def _refusal(self, aggregate_type: str, aggregate_id: str, key: str) -> Exception:
         """Explain a refused conditional write by looking at the record again."""
-        current = self.load(aggregate_type, aggregate_id)
+        current = self.load(aggregate_type, aggregate_id, key)
         entry = current.processed.get(key)
         if entry is not None:
             return AlreadyProcessed(key, entry.outgoing)

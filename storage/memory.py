@@ -21,7 +21,9 @@ class MemoryStorage(Storage):
         self._records: dict[tuple[str, str], AggregateRecord] = {}
         self._lock = threading.Lock()
 
-    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
+    def load(
+        self, aggregate_type: str, aggregate_id: str, key: str | None = None
+    ) -> AggregateRecord:
         with self._lock:
             record = self._records.get((aggregate_type, aggregate_id))
         if record is None:
@@ -56,7 +58,8 @@ class MemoryStorage(Storage):
             if accepted:
                 processed = dict(current.processed) if current else {}
                 processed[key] = entry
-                for stale in list(processed)[: max(0, len(processed) - self.processed_window)]:
+                window = self.processed_window or len(processed)
+                for stale in list(processed)[: max(0, len(processed) - window)]:
                     del processed[stale]
                 self._records[address] = AggregateRecord(
                     loaded.aggregate_type,

@@ -52,6 +52,9 @@ def is_mongomock(client: Any) -> bool:
 class MongoStorage(Storage):
     """Storage backend for MongoDB (pymongo) and mongomock."""
 
+    #: Documents must stay bounded, so the window always has a size here.
+    processed_window: int
+
     def __init__(
         self,
         client: Any,
@@ -82,7 +85,9 @@ class MongoStorage(Storage):
 
         return cls(mongomock.MongoClient(), database=database, processed_window=processed_window)
 
-    def load(self, aggregate_type: str, aggregate_id: str) -> AggregateRecord:
+    def load(
+        self, aggregate_type: str, aggregate_id: str, key: str | None = None
+    ) -> AggregateRecord:
         with self._guard, _translated():
             document = self.database[aggregate_type].find_one({"_id": aggregate_id})
         if document is None:
@@ -121,8 +126,7 @@ class MongoStorage(Storage):
                     {"_id": loaded.aggregate_id, "version": loaded.version,
                      "processed.key": {"$ne": key}},
                     {"$set": {"state": new_state, "version": loaded.version + 1},
-                     "$push": {"processed": {"$each": [entry],
-                                             "$slice": -self.processed_window}}},
+                     "$push": {"processed": {"$each": [entry], "$slice": -self.processed_window}}},
                 )
                 if result.matched_count == 1:
                     return

@@ -20,10 +20,12 @@ import pytest
 from bus import Endpoint
 from storage.memory import MemoryStorage
 from storage.mongo import MongoStorage
+from storage.postgres import PostgresStorage
 from transports.kombu import KombuTransport
 
 AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS_URL = os.environ.get("IDEMBUS_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_URL = os.environ.get("IDEMBUS_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 MONGODB_URL = os.environ.get("IDEMBUS_MONGODB_URL")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -139,6 +141,7 @@ STORAGE_KINDS = [
     pytest.param("memory", id="memory-storage"),
     pytest.param("mongomock", id="mongomock"),
     pytest.param("mongodb", id="mongodb", marks=pytest.mark.mongodb),
+    pytest.param("postgres", id="postgres", marks=pytest.mark.postgres),
 ]
 
 
@@ -150,6 +153,8 @@ def storage_factory(request: pytest.FixtureRequest, unique: str) -> Iterator[Cal
         if not MONGODB_URL:
             pytest.skip("set IDEMBUS_MONGODB_URL to run the storage contract on a real MongoDB")
         require_service(MONGODB_URL, "MongoDB")
+    if kind == "postgres":
+        require_service(POSTGRES_URL, "PostgreSQL")
     created: list[Any] = []
 
     def make(**options: Any) -> Any:
@@ -157,6 +162,12 @@ def storage_factory(request: pytest.FixtureRequest, unique: str) -> Iterator[Cal
             storage: Any = MemoryStorage(**options)
         elif kind == "mongomock":
             storage = MongoStorage.embedded(f"test-{unique}", **options)
+        elif kind == "postgres":
+            if "processed_window" in options:
+                pytest.skip("PostgreSQL keeps a row per processed message: no count window")
+            storage = PostgresStorage(POSTGRES_URL, table_prefix=f"t{unique}_{len(created)}",
+                                      **options)
+            storage.verify()
         else:
             storage = MongoStorage(MONGODB_URL, database=f"idembus-test-{unique}", **options)
         created.append(storage)
@@ -166,6 +177,8 @@ def storage_factory(request: pytest.FixtureRequest, unique: str) -> Iterator[Cal
     for storage in created:
         if kind == "mongodb":
             storage.client.drop_database(storage.database.name)
+        if kind == "postgres":
+            storage.drop_tables()
         storage.close()
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus import ConflictPolicy, RetryPolicy, headers as h
+from bus import ConflictPolicy, RetryPolicy
+from bus import headers as h
 from storage.errors import ConcurrencyConflict
 from storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter

@@ -30,6 +30,8 @@ from bus.messages import message_name
 from storage.base import Storage
 from storage.memory import MemoryStorage
 from storage.mongo import MongoStorage
+from storage.postgres import PostgresStorage
+from tests.conftest import POSTGRES_URL, require_service
 from tests.support import Account, AccountHandler, Deposit, Deposited
 from transports.base import Delivery, OnDelivery, Transport
 
@@ -146,9 +148,18 @@ def schedules(draw: st.DrawFn, sent: list[DepositMessage]) -> list[int]:
     return list(draw(st.permutations(copies)))
 
 
+def postgres_storage() -> Storage:
+    """Tables of their own for one run; ``run`` drops them afterwards."""
+    require_service(POSTGRES_URL, "PostgreSQL")
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=f"prop{uuid.uuid4().hex[:12]}")
+    storage.verify()
+    return storage
+
+
 STORAGES: list[object] = [
     pytest.param(lambda: MemoryStorage(), id="memory"),
     pytest.param(lambda: MongoStorage.embedded(f"property-{uuid.uuid4().hex}"), id="mongomock"),
+    pytest.param(postgres_storage, id="postgres", marks=pytest.mark.postgres),
 ]
 
 CRASH_POINTS = st.none() | st.sampled_from(list(CrashPoint))
@@ -204,6 +215,8 @@ def run(
             for record in endpoint.storage.records(AccountHandler.storage_name())
         }
     finally:
+        if isinstance(endpoint.storage, PostgresStorage):
+            endpoint.storage.drop_tables()
         endpoint.close()
     return result
 

@@ -66,6 +66,20 @@ def created(
 # -- load and commit ----------------------------------------------------------------------
 
 
+def remembered(storage: Storage, aggregate_id: str, *keys: str) -> dict[str, Any]:
+    """The processed entries of ``keys`` that the storage remembers for one account.
+
+    Loads once per key: the contract promises only the entry of the key asked about
+    (PostgreSQL keeps the history outside the record).
+    """
+    found: dict[str, Any] = {}
+    for key in keys:
+        entry = storage.load(ACCOUNT, aggregate_id, key).processed.get(key)
+        if entry is not None:
+            found[key] = entry
+    return found
+
+
 def test_loading_a_missing_aggregate_returns_an_empty_record_at_version_0(
     storage_factory: StorageFactory,
 ) -> None:
@@ -95,8 +109,8 @@ def test_committing_a_new_aggregate_creates_it_at_version_1_with_its_processed_e
     assert record.version == 1
     assert record.exists
     assert dict(record.state or {}) == {"balance": 5, "owner": {"name": "Ann"}}
-    assert list(record.processed) == ["AccountHandler/m1"]
-    entry = record.processed["AccountHandler/m1"]
+    assert list(remembered(storage, "a", "AccountHandler/m1")) == ["AccountHandler/m1"]
+    entry = remembered(storage, "a", "AccountHandler/m1")["AccountHandler/m1"]
     assert entry.key == "AccountHandler/m1"
     assert entry.outgoing == (event, command)
     assert entry.outgoing[1].destination == "mailer"
@@ -117,7 +131,8 @@ def test_committing_an_existing_aggregate_bumps_its_version_and_replaces_its_sta
 
     assert record.version == 2
     assert dict(record.state or {}) == {"balance": 12}
-    assert set(record.processed) == {"Seed/m0", "AccountHandler/m2"}
+    assert set(remembered(storage, "a", "Seed/m0", "AccountHandler/m2")) == {
+        "Seed/m0", "AccountHandler/m2"}
 
 
 # -- duplicates -----------------------------------------------------------------------------
@@ -173,7 +188,8 @@ def test_two_creators_with_different_keys_race_and_the_second_gets_a_concurrency
     record = storage.load(ACCOUNT, "a")
     assert record.version == 1
     assert dict(record.state or {}) == {"balance": 1}
-    assert list(record.processed) == ["AccountHandler/m1"]
+    assert list(remembered(storage, "a", "AccountHandler/m1", "AccountHandler/m2")) == [
+        "AccountHandler/m1"]
 
 
 def test_two_creators_with_the_same_key_race_and_the_second_gets_already_processed(
@@ -207,7 +223,7 @@ def test_a_stale_version_on_update_raises_concurrency_conflict_and_changes_nothi
     assert after.version == before.version == 2
     assert after.state == before.state
     assert after.processed == before.processed
-    assert "AccountHandler/m3" not in after.processed
+    assert remembered(storage, "a", "AccountHandler/m3") == {}
 
 
 def test_deduplication_is_scoped_per_key_so_two_handlers_may_record_one_message_id(
@@ -220,7 +236,8 @@ def test_deduplication_is_scoped_per_key_so_two_handlers_may_record_one_message_
 
     record = storage.load(ACCOUNT, "a")
     assert record.version == 2
-    assert set(record.processed) == {"HandlerA/m1", "HandlerB/m1"}
+    assert set(remembered(storage, "a", "HandlerA/m1", "HandlerB/m1")) == {
+        "HandlerA/m1", "HandlerB/m1"}
 
 
 # -- the processed window ----------------------------------------------------------------
@@ -298,15 +315,16 @@ def test_mark_dispatched_drops_the_bodies_keeps_the_ids_and_sets_dispatched(
     storage.mark_dispatched(ACCOUNT, "a", "H/m1")
 
     record = storage.load(ACCOUNT, "a")
-    entry = record.processed["H/m1"]
+    entries = remembered(storage, "a", "H/m1", "H/m2")
+    entry = entries["H/m1"]
     assert entry.outgoing == ()
     assert entry.outgoing_ids == tuple(e.message_id for e in sent)
     assert entry.dispatched is True
     # Only that key changed: no version bump to race with, the other entry untouched.
     assert record.version == 2
     assert dict(record.state or {}) == {"balance": 2}
-    assert record.processed["H/m2"].outgoing == tuple(other)
-    assert record.processed["H/m2"].dispatched is False
+    assert entries["H/m2"].outgoing == tuple(other)
+    assert entries["H/m2"].dispatched is False
 
 
 def test_a_duplicate_after_mark_dispatched_carries_no_outgoing_messages(
@@ -338,7 +356,7 @@ def test_mark_dispatched_of_an_unknown_aggregate_or_key_changes_nothing(
     assert storage.load("Order", "a").version == 0
     after = storage.load(ACCOUNT, "a")
     assert after == before
-    assert after.processed["H/m1"].outgoing == tuple(stored)
+    assert remembered(storage, "a", "H/m1")["H/m1"].outgoing == tuple(stored)
     assert list(storage.records("Order")) == []
 
 
@@ -433,7 +451,7 @@ def test_threads_committing_the_same_key_against_one_loaded_record_succeed_exact
         record = storage.load(ACCOUNT, aggregate_id)
         assert record.version == loaded.version + 1
         assert dict(record.state or {}) == {"balance": result.winner}
-        assert record.processed["H/m1"].outgoing == stored
+        assert remembered(storage, aggregate_id, "H/m1")["H/m1"].outgoing == stored
 
 
 @pytest.mark.usefixtures("eager_thread_switching")
@@ -454,4 +472,6 @@ def test_threads_committing_different_keys_against_one_loaded_version_succeed_ex
         record = storage.load(ACCOUNT, aggregate_id)
         assert record.version == loaded.version + 1
         assert dict(record.state or {}) == {"balance": result.winner}
-        assert set(record.processed) == set(loaded.processed) | {keys[result.winner]}
+        seeded = {"Seed/m0"} if existing else set()
+        assert set(remembered(storage, aggregate_id, "Seed/m0", *keys)) == seeded | {
+            keys[result.winner]}

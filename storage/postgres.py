@@ -1,0 +1,269 @@
+"""PostgreSQL storage over psycopg 3 and a connection pool (the ``[postgres]`` extra).
+
+Features
+========
+* Two tables (``<prefix>_aggregates`` and ``<prefix>_processed``)::
+
+      aggregates (aggregate_type, aggregate_id) -> version, state jsonb
+      processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
+                                                       dispatched, processed_at
+
+* A commit is one transaction: insert the processed row — unique per aggregate and
+  (handler, message id), with the outgoing messages — then update the aggregate row where
+  the version is the one loaded (or insert it, for a new aggregate). A unique violation on the processed row means
+  the message was handled: ``AlreadyProcessed`` with the stored outgoing messages. An update
+  that matches nothing, or a duplicate aggregate row, is a lost race: ``ConcurrencyConflict``.
+  A consumer racing on the same message waits on the unique index for the other's commit
+  instead of spinning.
+* Loading reads the aggregate row and the processed row of the incoming message in one
+  query. Stateless handlers' inbox records are processed rows alone.
+* Processed rows are kept (``processed_window`` is ``None``); their expiry is configurable in
+  a later release.
+* The schema is created idempotently at start (``verify``) or by ``idembus migrate``;
+  concurrent creators serialise on an advisory lock.
+
+Connection String
+=================
+``PostgresStorage("postgresql://user@host:5432/dbname")`` (any libpq conninfo).
+
+Options
+=======
+``table_prefix``   prefix of the two tables (``idembus``); one per endpoint sharing a database
+``pool_size``      most connections the pool opens (10)
+``connect_timeout`` seconds to wait for a connection at start before failing (5)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from bus.envelope import Envelope
+from bus.errors import ConfigurationError
+from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage
+from storage.errors import ConcurrencyConflict, StorageUnavailable
+
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+#: Key of the advisory lock that serialises schema creation (an arbitrary constant).
+_SCHEMA_LOCK = 0x1DE3B05
+
+
+class PostgresStorage(Storage):
+    """Storage backend for PostgreSQL; see the module docstring."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        table_prefix: str = "idembus",
+        pool_size: int = 10,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(processed_window=None)
+        if not _IDENTIFIER.match(table_prefix):
+            raise ConfigurationError(
+                f"table_prefix {table_prefix!r} must be lower-case letters, digits and '_'"
+            )
+        self.conninfo = conninfo
+        self._aggregates = f"{table_prefix}_aggregates"
+        self._processed = f"{table_prefix}_processed"
+        self._connect_timeout = connect_timeout
+        self._pool = ConnectionPool(
+            conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
+            kwargs={"autocommit": True}, name=f"idembus-{table_prefix}",
+        )
+        self._opened = False
+        self._opening = threading.Lock()
+
+    # -- schema and life cycle ----------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create the tables and index if they do not exist. Safe to run concurrently."""
+        with self._connection() as connection, connection.transaction():
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._aggregates} (
+                    aggregate_type text NOT NULL,
+                    aggregate_id text NOT NULL,
+                    version bigint NOT NULL,
+                    state jsonb,
+                    PRIMARY KEY (aggregate_type, aggregate_id)
+                )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._processed} (
+                    aggregate_type text NOT NULL,
+                    aggregate_id text NOT NULL,
+                    key text NOT NULL,
+                    outgoing jsonb NOT NULL,
+                    outgoing_ids jsonb NOT NULL,
+                    dispatched boolean NOT NULL DEFAULT false,
+                    processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                    PRIMARY KEY (aggregate_type, aggregate_id, key)
+                )""")
+
+    def verify(self) -> None:
+        """Open the pool, fail clearly if the database is unreachable, create the schema."""
+        self.migrate()
+
+    def close(self) -> None:
+        with self._opening:
+            if self._opened:
+                self._pool.close()
+                self._opened = False
+
+    def drop_tables(self) -> None:
+        """Drop both tables and everything in them (tests and samples clean up with this)."""
+        with self._connection() as connection:
+            connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}")
+
+    # -- the contract -------------------------------------------------------------------
+
+    def load(
+        self, aggregate_type: str, aggregate_id: str, key: str | None = None
+    ) -> AggregateRecord:
+        with self._connection() as connection:
+            if aggregate_type == INBOX:
+                row = connection.execute(
+                    f"SELECT 1, NULL::jsonb, key, outgoing, outgoing_ids, dispatched, "
+                    f"processed_at FROM {self._processed} "
+                    "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
+                    (INBOX, aggregate_id, key or aggregate_id),
+                ).fetchone()
+            else:
+                row = connection.execute(
+                    f"""SELECT a.version, a.state, p.key, p.outgoing, p.outgoing_ids,
+                               p.dispatched, p.processed_at
+                        FROM (SELECT 1) AS one
+                        LEFT JOIN {self._aggregates} a
+                               ON a.aggregate_type = %s AND a.aggregate_id = %s
+                        LEFT JOIN {self._processed} p
+                               ON p.aggregate_type = %s AND p.aggregate_id = %s AND p.key = %s""",
+                    (aggregate_type, aggregate_id, aggregate_type, aggregate_id, key),
+                ).fetchone()
+        if row is None:
+            return AggregateRecord(aggregate_type, aggregate_id)
+        version, state, found_key, outgoing, outgoing_ids, dispatched, at = row
+        processed = {}
+        if found_key is not None:
+            processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
+        return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed)
+
+    def commit(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+    ) -> None:
+        try:
+            with self._connection() as connection, connection.transaction():
+                connection.execute(
+                    f"INSERT INTO {self._processed} "
+                    "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids) "
+                    "VALUES (%s, %s, %s, %s, %s)",
+                    (loaded.aggregate_type, loaded.aggregate_id, key,
+                     Jsonb([envelope.to_record() for envelope in outgoing]),
+                     Jsonb([envelope.message_id for envelope in outgoing])),
+                )
+                if loaded.aggregate_type != INBOX:
+                    self._write_aggregate(connection, loaded, state)
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.table_name == self._processed:
+                raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key) from None
+            raise ConcurrencyConflict(
+                f"{loaded.aggregate_type} {loaded.aggregate_id!r} was created meanwhile"
+            ) from None
+
+    def _write_aggregate(
+        self, connection: psycopg.Connection[Any], loaded: AggregateRecord,
+        state: Mapping[str, Any] | None,
+    ) -> None:
+        document = Jsonb(dict(state)) if state is not None else None
+        if not loaded.exists:
+            connection.execute(
+                f"INSERT INTO {self._aggregates} (aggregate_type, aggregate_id, version, state) "
+                "VALUES (%s, %s, 1, %s)",
+                (loaded.aggregate_type, loaded.aggregate_id, document),
+            )
+            return
+        updated = connection.execute(
+            f"UPDATE {self._aggregates} SET state = %s, version = version + 1 "
+            "WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s",
+            (document, loaded.aggregate_type, loaded.aggregate_id, loaded.version),
+        )
+        if updated.rowcount != 1:
+            raise ConcurrencyConflict(
+                f"{loaded.aggregate_type} {loaded.aggregate_id!r} moved past version "
+                f"{loaded.version}"
+            )
+
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"UPDATE {self._processed} SET outgoing = '[]'::jsonb, dispatched = true "
+                "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s AND NOT dispatched",
+                (aggregate_type, aggregate_id, key),
+            )
+
+    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        with self._connection() as connection:
+            if aggregate_type == INBOX:
+                rows = connection.execute(
+                    f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at "
+                    f"FROM {self._processed} WHERE aggregate_type = %s",
+                    (INBOX,),
+                ).fetchall()
+                return iter([
+                    AggregateRecord(INBOX, row[0], 1, None, {row[0]: _entry(*row)})
+                    for row in rows
+                ])
+            rows = connection.execute(
+                f"SELECT aggregate_id, version, state FROM {self._aggregates} "
+                "WHERE aggregate_type = %s",
+                (aggregate_type,),
+            ).fetchall()
+        return iter([AggregateRecord(aggregate_type, r[0], r[1], r[2]) for r in rows])
+
+    # -- connections --------------------------------------------------------------------
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled autocommit connection; driver failures become ``StorageUnavailable``."""
+        try:
+            if not self._opened:
+                with self._opening:
+                    if not self._opened:
+                        self._pool.open(wait=True, timeout=self._connect_timeout)
+                        self._opened = True
+            with self._pool.connection() as connection:
+                yield connection
+        except (PoolTimeout, psycopg.OperationalError) as exc:
+            raise StorageUnavailable(
+                f"PostgreSQL at {_redacted(self.conninfo)} is unreachable: {exc}"
+            ) from exc
+
+
+def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
+           at: Any) -> ProcessedMessage:
+    return ProcessedMessage(
+        key=key,
+        outgoing=tuple(Envelope.from_record(record) for record in outgoing or ()),
+        outgoing_ids=tuple(outgoing_ids or ()),
+        dispatched=bool(dispatched),
+        at=at,
+    )
+
+
+def _redacted(conninfo: str) -> str:
+    """The conninfo without its password, for error messages."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", re.sub(r"password=\S+", "password=***",
+                                                          conninfo))
