@@ -10,9 +10,9 @@ Features
 
 * A commit is one transaction: insert the processed row — unique per aggregate and
   (handler, message id), with the outgoing messages — then update the aggregate row where
-  the version is the one loaded (or insert it, for a new aggregate). A unique violation on the processed row means
-  the message was handled: ``AlreadyProcessed`` with the stored outgoing messages. An update
-  that matches nothing, or a duplicate aggregate row, is a lost race: ``ConcurrencyConflict``.
+  the version is the one loaded (or insert it, for a new aggregate). A unique violation on
+  the processed row means the message was handled: ``AlreadyProcessed`` with the stored
+  outgoing messages. An update that matches nothing, or a duplicate aggregate row, is a lost race: ``ConcurrencyConflict``.
   A consumer racing on the same message waits on the unique index for the other's commit
   instead of spinning.
 * Loading reads the aggregate row and the processed row of the incoming message in one
