@@ -8,13 +8,13 @@ Features
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
                                                        dispatched, processed_at
 
-* A commit is one transaction: insert the processed row — unique per aggregate and
-  (handler, message id), with the outgoing messages — then update the aggregate row where
-  the version is the one loaded (or insert it, for a new aggregate). A unique violation on
-  the processed row means the message was handled: ``AlreadyProcessed`` with the stored
-  outgoing messages. An update that matches nothing, or a duplicate aggregate row, is a lost race: ``ConcurrencyConflict``.
-  A consumer racing on the same message waits on the unique index for the other's commit
-  instead of spinning.
+* A commit is one transaction: insert the processed row (unique per aggregate and
+  handler-scoped message id, with the outgoing messages), then update the aggregate row
+  where the version is the one loaded, or insert it for a new aggregate. A unique
+  violation on the processed row means the message was handled: ``AlreadyProcessed`` with
+  the stored outgoing messages. An update that matches nothing, or a duplicate aggregate
+  row, is a lost race: ``ConcurrencyConflict``. A consumer racing on the same message waits
+  on the unique index for the other's commit instead of spinning.
 * Loading reads the aggregate row and the processed row of the incoming message in one
   query. Stateless handlers' inbox records are processed rows alone.
 * Processed rows are kept (``processed_window`` is ``None``); their expiry is configurable in
