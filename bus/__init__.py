@@ -22,13 +22,14 @@ from bus.errors import (
     UnknownMessageType,
 )
 from bus.messages import Command, Event, Message, message_name
-from bus.policies import ConflictPolicy, RetryPolicy
+from bus.policies import Backoff, ConflictPolicy, RetryPolicy
 from bus.sending import Bus
 
 if TYPE_CHECKING:
     from bus.endpoint import Endpoint
 
 __all__ = [
+    "Backoff",
     "Bus",
     "BusError",
     "Command",

@@ -29,7 +29,7 @@ from bus.errors import ConfigurationError
 from bus.faults import FaultInjector
 from bus.invocation import HandlerInvoker
 from bus.messages import Command, Event, Message, is_message_type, message_name
-from bus.policies import ConflictPolicy, RetryPolicy
+from bus.policies import Backoff, ConflictPolicy, RetryPolicy
 from bus.processing import MessageProcessor
 from bus.registry import MessageRegistry
 from bus.routing import Router
@@ -68,6 +68,9 @@ class Endpoint:
         Where bad messages and exhausted retries go.
     retry_policy, conflict_policy:
         Immediate retries of failing handlers; optimistic retries of lost races.
+    outage_backoff:
+        Waits between attempts while the database or broker is unreachable; a message
+        waiting out an outage keeps its place and its retries.
     compact_after_dispatch:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
@@ -90,6 +93,7 @@ class Endpoint:
         retry_policy: RetryPolicy | None = None,
         conflict_policy: ConflictPolicy | None = None,
         compact_after_dispatch: bool = True,
+        outage_backoff: Backoff | None = None,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -118,6 +122,7 @@ class Endpoint:
         self.storage = storage if storage is not None else _embedded_storage(name)
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
+        self._stop = threading.Event()
         faults = fault_injector or FaultInjector()
         invoker = HandlerInvoker(
             endpoint=name,
@@ -139,10 +144,11 @@ class Endpoint:
             faults=faults,
             retries=retry_policy or RetryPolicy(),
             compact_after_dispatch=compact_after_dispatch,
+            stopping=self._stop,
+            outage_backoff=outage_backoff,
         )
         #: Sends and publishes at once, from outside handlers.
         self.bus = Bus(name, self.router, self.transport.dispatch)
-        self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0

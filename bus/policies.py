@@ -1,4 +1,5 @@
-"""Retry policies: immediate retries of failing handlers, optimistic retries of lost races."""
+"""Retry policies: immediate retries of failing handlers, optimistic retries of lost races,
+and the backoff while a broker or database is unreachable."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ class ConflictPolicy:
     def pause(self, attempt: int) -> None:
         """Full jitter: a random wait below an exponentially growing cap."""
         time.sleep(random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt)))
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Growing waits between attempts to reach infrastructure that is down.
+
+    Outages are not the message's fault: they never use up a message's retries.
+    """
+
+    delays: tuple[float, ...] = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+    def __post_init__(self) -> None:
+        if not self.delays or any(delay < 0 for delay in self.delays):
+            raise ValueError(f"backoff delays must be non-negative, got {self.delays}")
+
+    def delay(self, failures: int) -> float:
+        """The wait after ``failures`` consecutive failures (the last delay repeats)."""
+        return self.delays[min(failures, len(self.delays) - 1)]

@@ -9,6 +9,7 @@ handlers that keep failing go to the error queue with the reason; nothing is los
 from __future__ import annotations
 
 import logging
+import threading
 
 from bus import headers as h
 from bus.decoding import decode
@@ -17,13 +18,15 @@ from bus.errors import MessageError
 from bus.faults import CrashPoint, FaultInjector
 from bus.invocation import HandlerInvoker, Outcome
 from bus.messages import Message
-from bus.policies import RetryPolicy
+from bus.policies import Backoff, RetryPolicy
 from bus.recoverability import failure_headers
 from bus.registry import MessageRegistry
 from bus.signals import EndpointSignals
 from handlers.registration import HandlerBinding, HandlerTable
 from storage.base import Storage
+from storage.errors import StorageUnavailable
 from transports.base import Delivery, Transport
+from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class MessageProcessor:
         faults: FaultInjector,
         retries: RetryPolicy,
         compact_after_dispatch: bool,
+        stopping: threading.Event,
+        outage_backoff: Backoff | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._error_queue = error_queue
@@ -57,6 +62,8 @@ class MessageProcessor:
         self._faults = faults
         self._retries = retries
         self._compact = compact_after_dispatch
+        self._stopping = stopping
+        self._outage_backoff = outage_backoff or Backoff()
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
@@ -79,8 +86,14 @@ class MessageProcessor:
     def _handle(
         self, binding: HandlerBinding, message: Message, delivery: Delivery
     ) -> tuple[Exception, int] | None:
-        """Invoke and dispatch with immediate retries; return the last error if all failed."""
+        """Invoke and dispatch with immediate retries; return the last error if all failed.
+
+        While the database or the broker is unreachable the message keeps its place: the
+        attempt is repeated with backoff, retries are not used up, and when the endpoint
+        stops meanwhile the delivery goes back to the broker.
+        """
         attempts = 0
+        outages = 0
         while True:
             attempts += 1
             try:
@@ -88,6 +101,15 @@ class MessageProcessor:
                 self._faults.reached(CrashPoint.AFTER_COMMIT, delivery.headers[h.MESSAGE_ID])
                 self._dispatch(outcome)
                 return None
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                attempts -= 1
+                if self._stopping.is_set():
+                    raise
+                delay = self._outage_backoff.delay(outages)
+                outages += 1
+                log.warning("%s cannot process %s (%s); trying again in %.1fs",
+                            binding.handler_name, delivery.headers[h.MESSAGE_ID], outage, delay)
+                self._stopping.wait(delay)
             except Exception as error:
                 details = {"message_id": delivery.headers[h.MESSAGE_ID],
                            "message_type": delivery.headers[h.MESSAGE_TYPE],

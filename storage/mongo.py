@@ -157,10 +157,10 @@ class MongoStorage(Storage):
 def _translated() -> Iterator[None]:
     try:
         yield
-    except (pymongo.errors.ConnectionFailure, pymongo.errors.ServerSelectionTimeoutError) as exc:
+    # ConnectionFailure covers timeouts, lost connections and a primary stepping down;
+    # other errors are the operation's own and take the message's normal error path.
+    except pymongo.errors.ConnectionFailure as exc:
         raise StorageUnavailable(f"MongoDB is unreachable: {exc}") from exc
-    except pymongo.errors.OperationFailure as exc:
-        raise StorageUnavailable(f"MongoDB refused the operation: {exc}") from exc
 
 
 def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateRecord:

@@ -246,7 +246,7 @@ class PostgresStorage(Storage):
                         self._opened = True
             with self._pool.connection() as connection:
                 yield connection
-        except (PoolTimeout, psycopg.OperationalError) as exc:
+        except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise StorageUnavailable(
                 f"PostgreSQL at {_redacted(self.conninfo)} is unreachable: {exc}"
             ) from exc

@@ -26,6 +26,7 @@ Options
 ``confirm_publish``  wait for publisher confirms where the broker has them (``True``)
 ``polling_interval`` seconds between polls of virtual transports (memory:// 5 ms, redis:// 0.1 s)
 ``transport_options`` passed to kombu unchanged
+``reconnect_backoff`` waits between attempts to reconnect a consumer (bus.policies.Backoff)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kombu import Exchange, Queue, binding
 
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
+from bus.policies import Backoff
 from transports.base import Delivery, OnDelivery, Transport
 from transports.errors import TransportUnavailable
 
@@ -52,7 +54,6 @@ log = logging.getLogger(__name__)
 _DEFAULT_POLLING_INTERVALS = {"memory": 0.005, "redis": 0.1, "rediss": 0.1}
 #: How long one wait for deliveries lasts before the stop flag is looked at again.
 _DRAIN_TIMEOUT = 0.1
-_RECONNECT_DELAYS = (0.1, 0.5, 1.0, 2.0, 5.0)
 
 
 class KombuTransport(Transport):
@@ -66,8 +67,10 @@ class KombuTransport(Transport):
         confirm_publish: bool = True,
         polling_interval: float | None = None,
         transport_options: Mapping[str, Any] | None = None,
+        reconnect_backoff: Backoff | None = None,
     ) -> None:
         self.url = url
+        self._reconnect_backoff = reconnect_backoff or Backoff()
         options = dict(transport_options or {})
         scheme = url.split("://", 1)[0] if "://" in url else url
         if polling_interval is None:
@@ -93,6 +96,11 @@ class KombuTransport(Transport):
         self._connections: list[kombu.Connection] = []
         self._connections_lock = threading.Lock()
         self._declared: set[str] = set()
+
+    @property
+    def exchange_name(self) -> str:
+        """Name of the topic exchange events are published to."""
+        return str(self._events.name)
 
     # -- topology ---------------------------------------------------------------------
 
@@ -183,7 +191,7 @@ class KombuTransport(Transport):
     def _pause_after_failure(
         self, queue: str, error: BaseException, failures: int, stop: threading.Event
     ) -> int:
-        delay = _RECONNECT_DELAYS[min(failures, len(_RECONNECT_DELAYS) - 1)]
+        delay = self._reconnect_backoff.delay(failures)
         log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs",
                     queue, self.url, error, delay)
         stop.wait(delay)
