@@ -1,10 +1,13 @@
 """The ``idembus`` command.
 
-    idembus run package.module:endpoint [--concurrency N]
+    idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
     idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~bus.endpoint.Endpoint`, or a function returning one, in an
-importable module; it runs until SIGINT or SIGTERM and then stops gracefully.
+importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
+progress and exits; with ``--workers N`` it supervises N processes of the endpoint
+(:mod:`bus.supervisor`). Exit status: 0 after a clean stop, 1 if messages in progress had to
+be abandoned (they are redelivered), 2 for a configuration error.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bus.errors import BusError, ConfigurationError
+from bus.supervisor import EXIT_CONFIGURATION, Supervisor
 
 
 def load_endpoint(reference: str) -> Any:
@@ -49,35 +53,82 @@ def load_endpoint(reference: str) -> Any:
     return target
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="idembus", description="Run idembus endpoints.")
-    parser.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run one endpoint until SIGINT/SIGTERM")
+    run = commands.add_parser("run", parents=[common],
+                              help="run one endpoint until SIGINT/SIGTERM")
     run.add_argument("endpoint", help="package.module:endpoint")
-    run.add_argument("--concurrency", type=int, help="consumer threads (the endpoint's own)")
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes consuming the endpoint's queue (1)")
+    run.add_argument("--concurrency", type=int,
+                     help="consumer threads per process (the endpoint's own setting)")
+    run.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds to finish messages in progress after SIGTERM (30)")
     migrate = commands.add_parser(
-        "migrate", help="create the endpoint's storage schema (tables, indexes) and exit")
+        "migrate", parents=[common],
+        help="create the endpoint's storage schema (tables, indexes) and exit")
     migrate.add_argument("endpoint", help="package.module:endpoint")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     try:
-        endpoint = load_endpoint(args.endpoint)
         if args.command == "migrate":
-            endpoint.storage.migrate()
-            print(f"{endpoint.name}: {type(endpoint.storage).__name__} schema is in place")
-            endpoint.close()
-            return 0
-        if args.concurrency is not None:
-            if args.concurrency < 1:
-                raise ConfigurationError("--concurrency must be at least 1")
-            endpoint.concurrency = args.concurrency
-        endpoint.run()
+            return _migrate(args.endpoint)
+        return _run(args)
     except BusError as exc:
         print(f"idembus: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIGURATION
+
+
+def _migrate(reference: str) -> int:
+    endpoint = load_endpoint(reference)
+    try:
+        endpoint.storage.migrate()
+        print(f"{endpoint.name}: {type(endpoint.storage).__name__} schema is in place")
+    finally:
+        endpoint.close()
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ConfigurationError("--workers must be at least 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigurationError("--concurrency must be at least 1")
+    endpoint = load_endpoint(args.endpoint)
+    if args.workers == 1:
+        if args.concurrency is not None:
+            endpoint.concurrency = args.concurrency
+        try:
+            return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
+        finally:
+            endpoint.close()
+    try:
+        if endpoint.process_local:
+            raise ConfigurationError(
+                f"--workers {args.workers} needs a broker and a database that several "
+                f"processes can share; {endpoint.name!r} uses "
+                f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
+                "and memory:// or mongomock live inside one process. Use RabbitMQ or Redis "
+                "and PostgreSQL or MongoDB, or --concurrency for threads."
+            )
+    finally:
+        endpoint.close()
+    worker_arguments = ["--log-level", args.log_level,
+                        "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.concurrency is not None:
+        worker_arguments += ["--concurrency", str(args.concurrency)]
+    supervisor = Supervisor(args.endpoint, workers=args.workers,
+                            worker_arguments=worker_arguments,
+                            shutdown_timeout=args.shutdown_timeout + 5.0)
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -211,8 +211,10 @@ class Endpoint:
             self._threads = []
         return stopped
 
-    def run(self) -> None:
-        """Start and block until ``stop()``, SIGINT or SIGTERM; then stop gracefully."""
+    def run(self, *, shutdown_timeout: float = 30.0) -> bool:
+        """Start and block until ``stop()``, SIGINT or SIGTERM; then stop gracefully:
+        take no new message, finish the ones in progress. Returns False if they did not
+        finish within ``shutdown_timeout`` seconds (the broker will redeliver them)."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, lambda *_: self._stop.set())
@@ -220,7 +222,8 @@ class Endpoint:
         try:
             self._stop.wait()
         finally:
-            self.stop()
+            stopped = self.stop(timeout=shutdown_timeout)
+        return stopped
 
     def close(self) -> None:
         """Stop, then release the transport's and the storage's connections."""
@@ -267,6 +270,12 @@ class Endpoint:
         """Block until a message finishes processing here, or ``timeout`` passes."""
         with self._activity:
             self._activity.wait(timeout)
+
+    @property
+    def process_local(self) -> bool:
+        """True if the transport or the storage lives inside this process, so that other
+        processes cannot share the endpoint's queue or data (memory://, mongomock)."""
+        return self.transport.process_local or self.storage.process_local
 
     @property
     def running(self) -> bool:

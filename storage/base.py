@@ -93,6 +93,9 @@ class AggregateRecord:
 class Storage(ABC):
     """Base class of storage backends; see the module docstring for the contract."""
 
+    #: The data lives inside this process (several worker processes cannot share it).
+    process_local: bool = False
+
     def __init__(self, *, processed_window: int | None = DEFAULT_PROCESSED_WINDOW) -> None:
         if processed_window is not None and processed_window < 1:
             raise ValueError(f"processed_window must be at least 1, got {processed_window}")

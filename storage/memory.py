@@ -16,6 +16,8 @@ from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMes
 class MemoryStorage(Storage):
     """Keeps every aggregate record in a dict guarded by one lock."""
 
+    process_local = True
+
     def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
         super().__init__(processed_window=processed_window)
         self._records: dict[tuple[str, str], AggregateRecord] = {}

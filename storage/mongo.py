@@ -72,8 +72,9 @@ class MongoStorage(Storage):
         self.client = client
         self.database = client[database]
         # Re-entrant: a refused commit reloads the record while still holding the guard.
+        self.process_local = is_mongomock(client)
         self._guard: AbstractContextManager[Any] = (
-            threading.RLock() if is_mongomock(client) else contextlib.nullcontext()
+            threading.RLock() if self.process_local else contextlib.nullcontext()
         )
 
     @classmethod

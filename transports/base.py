@@ -86,6 +86,9 @@ class Transport(ABC):
     #: ``send`` and ``publish`` return only after the broker confirmed the message.
     publisher_confirms: bool = False
 
+    #: The broker lives inside this process (several worker processes cannot share it).
+    process_local: bool = False
+
     @abstractmethod
     def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
         """Create ``queue`` and bind it to each event type name in ``subscriptions``."""

@@ -78,6 +78,7 @@ class KombuTransport(Transport):
         if polling_interval is not None:
             options.setdefault("polling_interval", polling_interval)
         self._is_amqp = scheme in ("amqp", "amqps", "pyamqp")
+        self.process_local = scheme == "memory"
         if confirm_publish and self._is_amqp:
             options.setdefault("confirm_publish", True)
         self.publisher_confirms = bool(options.get("confirm_publish"))

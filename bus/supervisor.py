@@ -1,0 +1,133 @@
+"""Worker processes of one endpoint: ``idembus run package.module:endpoint --workers N``.
+
+The supervisor starts N ``idembus run`` processes of the same endpoint, which compete for
+its queue, and restarts any that dies (with backoff when they keep dying). SIGTERM or
+SIGINT is passed on to every worker; each stops taking messages, finishes the ones in
+flight and exits. Workers that are still busy after the shutdown timeout are killed; their
+unacknowledged messages are redelivered by the broker and deduplicated as usual.
+
+Exit status: 0 after a clean stop; 1 if a worker had to be killed; 2 if a worker reports a
+configuration error (restarting would not help).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bus.policies import Backoff
+
+log = logging.getLogger(__name__)
+
+#: Exit status of ``idembus run`` for a configuration error.
+EXIT_CONFIGURATION = 2
+#: A worker that lived this long before dying is restarted without delay.
+_HEALTHY_AFTER = 30.0
+_POLL_INTERVAL = 0.2
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    quick_deaths: int = 0
+    #: When to (re)start it; ``None`` while it runs. 0: at once.
+    restart_at: float | None = 0.0
+
+
+class Supervisor:
+    """Runs and watches ``workers`` processes of the endpoint named by ``reference``."""
+
+    def __init__(
+        self,
+        reference: str,
+        *,
+        workers: int,
+        worker_arguments: Sequence[str] = (),
+        shutdown_timeout: float = 30.0,
+        restart_backoff: Backoff | None = None,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        self.reference = reference
+        self.shutdown_timeout = shutdown_timeout
+        self._arguments = list(worker_arguments)
+        self._backoff = restart_backoff or Backoff((0.5, 1.0, 2.0, 5.0, 10.0))
+        self._workers = [_Worker(index) for index in range(workers)]
+        self._stopping = threading.Event()
+
+    def run(self) -> int:
+        """Supervise until SIGTERM/SIGINT; return the exit status (see module docstring)."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self._stopping.set())
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            for worker in self._workers:
+                if worker.process is None:
+                    if worker.restart_at is not None and now >= worker.restart_at:
+                        self._spawn(worker)
+                    continue
+                status = worker.process.poll()
+                if status is None:
+                    continue
+                if status == EXIT_CONFIGURATION:
+                    log.error("worker %d reported a configuration error; stopping", worker.index)
+                    self._stop_all()
+                    return EXIT_CONFIGURATION
+                self._schedule_restart(worker, status, now)
+            self._stopping.wait(_POLL_INTERVAL)
+        return self._stop_all()
+
+    def stop(self) -> None:
+        """Ask ``run`` to stop the workers and return (as SIGTERM does)."""
+        self._stopping.set()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running workers."""
+        return [w.process.pid for w in self._workers if w.process and w.process.poll() is None]
+
+    def _spawn(self, worker: _Worker) -> None:
+        command = [sys.executable, "-m", "bus.cli", "run", self.reference, *self._arguments]
+        environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index)}
+        worker.process = subprocess.Popen(command, env=environment)
+        worker.started_at = time.monotonic()
+        worker.restart_at = None
+        log.info("worker %d started: pid %d", worker.index, worker.process.pid)
+
+    def _schedule_restart(self, worker: _Worker, status: int, now: float) -> None:
+        assert worker.process is not None
+        lived = now - worker.started_at
+        worker.quick_deaths = 0 if lived >= _HEALTHY_AFTER else worker.quick_deaths + 1
+        delay = 0.0 if worker.quick_deaths == 0 else self._backoff.delay(worker.quick_deaths - 1)
+        log.warning("worker %d (pid %d) exited with status %s after %.1fs; restarting in %.1fs",
+                    worker.index, worker.process.pid, status, lived, delay)
+        worker.process = None
+        worker.restart_at = now + delay
+
+    def _stop_all(self) -> int:
+        running = [w.process for w in self._workers if w.process and w.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.shutdown_timeout
+        killed = False
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not stop within %.0fs; killing it",
+                          process.pid, self.shutdown_timeout)
+                process.kill()
+                process.wait()
+                killed = True
+        # A worker still starting up when SIGTERM came dies of it: it held no message.
+        clean = (0, -signal.SIGTERM)
+        return 1 if killed or any(p.returncode not in clean for p in running) else 0

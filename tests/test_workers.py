@@ -1,0 +1,244 @@
+"""`idembus run --workers N`, graceful shutdown on SIGTERM, and killed workers."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO
+
+import psycopg
+import pytest
+
+from bus.routing import Router
+from bus.sending import Bus
+from storage.postgres import PostgresStorage
+from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
+from tests.support import Deposit
+from transports.kombu import KombuTransport
+
+pytestmark = [pytest.mark.amqp, pytest.mark.postgres]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+APP = textwrap.dedent('''
+    import os
+    import time
+
+    from bus import Endpoint
+    from handlers import AggregateHandler, handles
+    from storage.postgres import PostgresStorage
+    from tests.support import Account, Deposit
+
+
+    class Accounts(AggregateHandler[Account]):
+        def aggregate_id(self, message: Deposit) -> str:
+            return message.account
+
+        @handles
+        def deposit(self, message: Deposit) -> None:
+            seconds = float(os.environ.get("APP_HANDLER_SECONDS", "0"))
+            if seconds:
+                print("started", message.account, flush=True)
+                time.sleep(seconds)  # work that takes a while
+            self.state.balance += message.amount
+            self.state.deposits += 1
+            if seconds:
+                print("finished", message.account, flush=True)
+
+
+    def make() -> Endpoint:
+        return Endpoint(
+            os.environ["APP_QUEUE"],
+            transport=os.environ["APP_TRANSPORT"],
+            storage=PostgresStorage(os.environ["APP_POSTGRES"],
+                                    table_prefix=os.environ["APP_PREFIX"]),
+            handlers=[Accounts],
+            error_queue=os.environ["APP_ERROR_QUEUE"],
+            prefetch=4,
+        )
+''')
+
+
+class LineWatcher:
+    """Reads a process's stream in a thread (closing it at the end); lets a test wait for
+    lines."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        with stream:
+            for line in stream:
+                with self._changed:
+                    self.lines.append(line.rstrip("\n"))
+                    self._changed.notify_all()
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 30.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: sum(text in line for line in self.lines) >= count, timeout)
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+
+@dataclass
+class Running:
+    """An ``idembus run`` process and what it prints."""
+
+    process: subprocess.Popen[str]
+    out: LineWatcher
+    err: LineWatcher
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.out.join()
+        self.err.join()
+
+
+@dataclass
+class App:
+    directory: pathlib.Path
+    queue: str
+    error_queue: str
+    prefix: str
+    transport: KombuTransport
+    running: list[Running] = field(default_factory=list)
+
+    def environment(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), "APP_QUEUE": self.queue,
+                "APP_ERROR_QUEUE": self.error_queue, "APP_PREFIX": self.prefix,
+                "APP_TRANSPORT": AMQP_URL, "APP_POSTGRES": POSTGRES_URL, **extra}
+
+    def start(self, *arguments: str, **extra: str) -> Running:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bus.cli", "run", "worker_app:make", *arguments],
+            cwd=self.directory, env=self.environment(**extra), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        assert process.stdout is not None and process.stderr is not None
+        started = Running(process, LineWatcher(process.stdout), LineWatcher(process.stderr))
+        self.running.append(started)
+        return started
+
+    def send(self, deposit: Deposit, message_id: str | None = None) -> str:
+        bus = Bus("test-sender", Router({Deposit: self.queue}), self.transport.dispatch)
+        return bus.send(deposit, message_id=message_id)
+
+    def accounts(self) -> dict[str, dict[str, int]]:
+        with psycopg.connect(POSTGRES_URL) as connection:
+            rows = connection.execute(
+                f"SELECT aggregate_id, state FROM {self.prefix}_aggregates").fetchall()
+        return {row[0]: row[1] for row in rows}
+
+
+@pytest.fixture
+def app(tmp_path: pathlib.Path) -> Iterator[App]:
+    require_service(AMQP_URL, "RabbitMQ")
+    require_service(POSTGRES_URL, "PostgreSQL")
+    (tmp_path / "worker_app.py").write_text(APP)
+    suffix = uuid.uuid4().hex[:10]
+    transport = KombuTransport(AMQP_URL)
+    made = App(tmp_path, f"workers-{suffix}", f"workers-error-{suffix}", f"wk{suffix}",
+               transport)
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=made.prefix)
+    storage.migrate()
+    transport.declare(made.queue)
+    yield made
+    for running in made.running:
+        running.stop()
+    for queue in (made.queue, made.error_queue):
+        transport.delete_queue(queue)
+    transport.close()
+    storage.drop_tables()
+    storage.close()
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll another process's effects (there is no event to wait on across processes)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def children(pid: int) -> list[int]:
+    text = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
+
+
+def test_sigterm_lets_the_message_in_progress_finish_then_exits_0(app):
+    # Given one worker busy with a deposit that takes a second
+    worker = app.start("--shutdown-timeout", "20", APP_HANDLER_SECONDS="1")
+    app.send(Deposit(account="a", amount=5))
+    assert worker.out.wait_for("started a")
+
+    # When it is told to stop
+    worker.process.send_signal(signal.SIGTERM)
+
+    # Then it finishes the deposit, acknowledges it and exits 0
+    assert worker.process.wait(timeout=30) == 0
+    assert worker.out.wait_for("finished a", timeout=5)
+    assert app.accounts() == {"a": {"balance": 5, "deposits": 1}}
+    assert app.transport.pending(app.queue) == 0
+
+
+def test_several_workers_share_a_queue_survive_kills_and_apply_each_deposit_once(app):
+    # Given three worker processes of one endpoint
+    supervisor = app.start("--workers", "3", "--log-level", "INFO")
+    log = supervisor.err
+    assert log.wait_for("started: 1 consumer(s)", count=3), log.lines[-20:]
+
+    # When 300 deposits arrive, 20% of them twice, while a worker is killed twice
+    rng = random.Random(4)
+    sent: dict[str, tuple[str, int]] = {}
+    for number in range(300):
+        account = f"acct-{number % 7}"
+        message_id = str(uuid.uuid4())
+        sent[message_id] = (account, number)
+        app.send(Deposit(account=account, amount=number), message_id=message_id)
+        if rng.random() < 0.2:
+            app.send(Deposit(account=account, amount=number), message_id=message_id)
+        if number in (100, 200):
+            kills = 1 if number == 100 else 2
+            os.kill(rng.choice(children(supervisor.process.pid)), signal.SIGKILL)
+            # the next kill must find the replacement, not the dead worker
+            assert log.wait_for("exited with status -9", count=kills), log.lines[-20:]
+            assert log.wait_for("started: 1 consumer(s)", count=3 + kills), log.lines[-20:]
+
+    # Then every deposit is applied exactly once
+    expected: dict[str, dict[str, int]] = {}
+    for account, amount in sent.values():
+        state = expected.setdefault(account, {"balance": 0, "deposits": 0})
+        state["balance"] += amount
+        state["deposits"] += 1
+    assert wait_until(lambda: app.accounts() == expected), app.accounts()
+    assert wait_until(lambda: app.transport.pending(app.queue) == 0)
+    assert app.transport.pending(app.error_queue) == 0
+
+    # And the killed workers were replaced, and SIGTERM stops them all with status 0
+    assert len(children(supervisor.process.pid)) == 3
+    supervisor.process.send_signal(signal.SIGTERM)
+    assert supervisor.process.wait(timeout=60) == 0, log.lines[-30:]
+
+
+def test_workers_refuse_a_broker_or_database_that_lives_inside_one_process(app):
+    done = app.start("--workers", "2", APP_TRANSPORT="memory://")
+    assert done.process.wait(timeout=60) == 2
+    assert done.err.wait_for("memory:// or mongomock live inside one process", timeout=5)
