@@ -22,7 +22,10 @@ three calls:
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
     The outgoing messages of ``key`` were confirmed by the broker: drop their bodies and
     keep their ids. A later duplicate of ``key`` then redispatches nothing. Neither the
-    version nor the state changes, so this never makes a concurrent commit conflict.
+    version nor the state changes, so this never makes a concurrent commit conflict. A
+    backend may apply marks later, in batches (``flush()`` waits for them): a mark that is
+    lost only means a late duplicate sends its messages again, which downstream
+    deduplicates.
 
 A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
 the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
@@ -130,6 +133,9 @@ class Storage(ABC):
     @abstractmethod
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         """Every stored record of one aggregate type, for reports and tools (not per message)."""
+
+    def flush(self) -> None:
+        """Apply every ``mark_dispatched`` made so far (backends that batch them)."""
 
     def migrate(self) -> None:
         """Create what the backend needs (tables, indexes). Idempotent; ``idembus migrate``."""

@@ -17,6 +17,9 @@ Features
   on the unique index for the other's commit instead of spinning.
 * Loading reads the aggregate row and the processed row of the incoming message in one
   query. Stateless handlers' inbox records are processed rows alone.
+* ``mark_dispatched`` is applied in batches, one statement every 50 ms at most, by a
+  background thread: a per-message UPDATE cost a quarter of the throughput. A mark lost in
+  a crash only means a late duplicate re-sends its messages, which downstream deduplicates.
 * Processed rows are kept (``processed_window`` is ``None``); their expiry is configurable in
   a later release.
 * The schema is created idempotently at start (``verify``) or by ``idembus migrate``;
@@ -49,6 +52,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
 from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage
+from storage.batching import Batcher
 from storage.errors import ConcurrencyConflict, StorageUnavailable
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
@@ -82,6 +86,8 @@ class PostgresStorage(Storage):
         )
         self._opened = False
         self._opening = threading.Lock()
+        self._marks: Batcher[tuple[str, str, str]] = Batcher(
+            self._write_marks, name=f"idembus-{table_prefix}-marks")
 
     # -- schema and life cycle ----------------------------------------------------------
 
@@ -114,6 +120,7 @@ class PostgresStorage(Storage):
         self.migrate()
 
     def close(self) -> None:
+        self._marks.close()
         with self._opening:
             if self._opened:
                 self._pool.close()
@@ -121,6 +128,7 @@ class PostgresStorage(Storage):
 
     def drop_tables(self) -> None:
         """Drop both tables and everything in them (tests and samples clean up with this)."""
+        self._marks.flush()
         with self._connection() as connection:
             connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}")
 
@@ -207,11 +215,21 @@ class PostgresStorage(Storage):
             )
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        self._marks.add((aggregate_type, aggregate_id, key))
+
+    def flush(self) -> None:
+        self._marks.flush()
+
+    def _write_marks(self, marks: list[tuple[str, str, str]]) -> None:
+        types, ids, keys = (list(column) for column in zip(*marks, strict=True))
         with self._connection() as connection:
             connection.execute(
-                f"UPDATE {self._processed} SET outgoing = '[]'::jsonb, dispatched = true "
-                "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s AND NOT dispatched",
-                (aggregate_type, aggregate_id, key),
+                f"""UPDATE {self._processed} AS p
+                    SET outgoing = '[]'::jsonb, dispatched = true
+                    FROM unnest(%s::text[], %s::text[], %s::text[]) AS m(t, i, k)
+                    WHERE p.aggregate_type = m.t AND p.aggregate_id = m.i AND p.key = m.k
+                      AND NOT p.dispatched""",
+                (types, ids, keys),
             )
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:

@@ -313,6 +313,7 @@ def test_mark_dispatched_drops_the_bodies_keeps_the_ids_and_sets_dispatched(
     commit(storage, storage.load(ACCOUNT, "a"), "H/m2", {"balance": 2}, other)
 
     storage.mark_dispatched(ACCOUNT, "a", "H/m1")
+    storage.flush()
 
     record = storage.load(ACCOUNT, "a")
     entries = remembered(storage, "a", "H/m1", "H/m2")
@@ -333,6 +334,7 @@ def test_a_duplicate_after_mark_dispatched_carries_no_outgoing_messages(
     storage = storage_factory()
     commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, [envelope()])
     storage.mark_dispatched(ACCOUNT, "a", "H/m1")
+    storage.flush()
 
     with pytest.raises(AlreadyProcessed) as refused:
         commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 2}, [envelope()])
@@ -351,6 +353,7 @@ def test_mark_dispatched_of_an_unknown_aggregate_or_key_changes_nothing(
     storage.mark_dispatched(ACCOUNT, "nobody", "H/m1")
     storage.mark_dispatched(ACCOUNT, "a", "H/unknown")
     storage.mark_dispatched("Order", "a", "H/m1")
+    storage.flush()
 
     assert storage.load(ACCOUNT, "nobody").version == 0
     assert storage.load("Order", "a").version == 0
