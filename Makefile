@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench torture clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -19,6 +19,10 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
 	$(PIP) install -e '.[redis,postgres,test]'
+	touch $@
+
+$(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e '.[redis,postgres,test,bench]'
 	touch $@
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
@@ -35,8 +39,14 @@ lint: $(VENV)/.lint
 	$(BIN)/ruff check --target-version py310 --line-length 100 --select E,F,W,I,UP,B --ignore UP042,B027 bus handlers storage transports samples bench tests
 	$(BIN)/mypy
 
-bench: $(VENV)/.test
+bench: $(VENV)/.bench
 	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.postgres
+
+# The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
+# reduced one): worker processes killed every ~2 s, RabbitMQ restarted once.
+torture: $(VENV)/.test
+	$(BIN)/python -m samples.torture --orders 10000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
