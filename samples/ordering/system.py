@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from bus import Endpoint
 from bus.faults import FaultInjector
 from bus.testing import wait_until_idle
+from samples.ordering.audit import audit
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.sales import Order, OrderHandler
 from samples.ordering.shipping import Shipment, ShippingHandler
-from storage.base import INBOX, Storage
+from storage.base import Storage
 from storage.mongo import MongoStorage
 from transports.base import Transport
 from transports.kombu import KombuTransport
@@ -104,55 +105,48 @@ class Report:
         )
 
 
+def order_commands(orders: int, duplicates: int, *,
+                   seed: int = 0) -> Iterator[tuple[PlaceOrder, str, bool]]:
+    """The orders of a run, ``order-0`` .. ``order-<orders-1>``: each PlaceOrder with its
+    message id, and whether it is to be sent twice (``duplicates`` of them are)."""
+    rng = random.Random(seed)
+    twice = set(rng.sample(range(orders), duplicates))
+    for index in range(orders):
+        command = PlaceOrder(order_id=f"order-{index}", customer=f"customer-{index % 17}",
+                             amount_cents=rng.randint(100, 100_000))
+        message_id = str(uuid.UUID(int=rng.getrandbits(128)))
+        yield command, message_id, index in twice
+
+
 def place_orders(system: OrderingSystem, orders: int, duplicates: int, *,
                  seed: int = 0) -> list[str]:
     """Send ``orders`` PlaceOrder commands, ``duplicates`` of them twice with the same id."""
-    rng = random.Random(seed)
-    order_ids = [f"order-{index}" for index in range(orders)]
-    twice = set(rng.sample(range(orders), duplicates))
-    for index, order_id in enumerate(order_ids):
-        command = PlaceOrder(order_id=order_id, customer=f"customer-{index % 17}",
-                             amount_cents=rng.randint(100, 100_000))
-        message_id = str(uuid.UUID(int=rng.getrandbits(128)))
+    order_ids: list[str] = []
+    for command, message_id, twice in order_commands(orders, duplicates, seed=seed):
+        order_ids.append(command.order_id)
         system.sales.bus.send(command, message_id=message_id)
-        if index in twice:
+        if twice:
             system.sales.bus.send(command, message_id=message_id)
     return order_ids
 
 
 def report(system: OrderingSystem, order_ids: list[str], duplicates_injected: int) -> Report:
     """Read what happened from the stores (not from what the senders think they sent)."""
-    orders = {r.aggregate_id: r.state or {} for r in system.sales.storage.records("Order")}
-    shipments = {r.aggregate_id: r.state or {} for r in system.shipping.storage.records("Shipment")}
-    billed = [r for r in system.billing.storage.records(INBOX)
-              if r.aggregate_id.startswith(BillingHandler.name() + "/")]
-    charges = system.gateway.charges
-    charged_orders = {charge.order_id for charge in charges}
-    expected = set(order_ids)
-    complete = {
-        order_id for order_id in expected
-        if orders.get(order_id, {}).get("status") == "placed"
-        and order_id in charged_orders
-        and shipments.get(order_id, {}).get("shipped")
-    }
-    double_effects = (
-        sum(max(0, state.get("times_placed", 0) - 1) for state in orders.values())
-        + sum(max(0, state.get("times_shipped", 0) - 1) for state in shipments.values())
-        + (len(charges) - len(charged_orders))
-        + sum(1 for order_id in orders if order_id not in expected)
-    )
+    stores = audit(sales=system.sales.storage, billing=system.billing.storage,
+                   shipping=system.shipping.storage, charges=system.gateway.charges,
+                   order_ids=order_ids)
     counts = [endpoint.counters.snapshot() for endpoint in system.endpoints]
     return Report(
         orders=len(order_ids),
-        placed=sum(1 for state in orders.values() if state.get("status") == "placed"),
-        billed=len(billed),
-        shipped=sum(1 for state in shipments.values() if state.get("shipped")),
-        charges=len(charges),
+        placed=stores.placed,
+        billed=stores.billed,
+        shipped=stores.shipped,
+        charges=stores.charges,
         duplicates_injected=duplicates_injected,
         duplicates_detected=sum(c["duplicate"] for c in counts),
         redispatched=sum(c["redispatched"] for c in counts),
-        lost=len(expected - complete),
-        double_effects=double_effects,
+        lost=stores.lost,
+        double_effects=stores.double_effects,
     )
 
 
@@ -166,4 +160,5 @@ def run(system: OrderingSystem, orders: int, duplicates: int, *, seed: int = 0,
 
 
 # Keep the aggregate state types importable from here for readers of the report.
-__all__ = ["Order", "OrderingSystem", "Report", "Shipment", "build", "report", "run"]
+__all__ = ["Order", "OrderingSystem", "Report", "Shipment", "build", "order_commands",
+           "place_orders", "report", "run"]

@@ -1,0 +1,186 @@
+"""The ordering sample as worker processes on a shared broker and PostgreSQL.
+
+Endpoint factories for ``idembus run``: the same Sales, Billing and Shipping endpoints as
+:mod:`samples.ordering.system`, with the same handlers, but on a broker and a database that
+several processes share, and with a payment gateway whose charges live in PostgreSQL::
+
+    export ORDERING_TRANSPORT=amqp://guest:guest@127.0.0.1:5672//
+    export ORDERING_POSTGRES=postgresql://postgres@127.0.0.1:5432/test
+    export ORDERING_NAMESPACE=shop1
+    idembus run samples.ordering.deployment:sales --workers 3 &
+    idembus run samples.ordering.deployment:billing --workers 3 &
+    idembus run samples.ordering.deployment:shipping --workers 3 &
+
+Environment
+===========
+``ORDERING_TRANSPORT``  kombu URL of the broker (default ``amqp://guest:guest@127.0.0.1:5672//``)
+``ORDERING_POSTGRES``   libpq URL of the database (default
+                        ``postgresql://postgres@127.0.0.1:5432/test``)
+``ORDERING_NAMESPACE``  keeps deployments that share a broker and a database apart
+                        (default ``ordering``): lower-case letters, digits and ``_``,
+                        starting with a letter, at most 24 characters
+
+Names derived from the namespace ``ns``
+=======================================
+* queues ``sales-ns``, ``billing-ns``, ``shipping-ns`` and the error queue ``error-ns``;
+* the events exchange ``idembus.events-ns`` (so that another deployment's Billing does not
+  receive this one's ``OrderPlaced``);
+* the tables ``ns_sales_*``, ``ns_billing_*``, ``ns_shipping_*`` (:class:`PostgresStorage`
+  with the table prefix ``ns_<endpoint>``) and the gateway's ``ns_charges``.
+
+Each endpoint creates its tables when it starts and the gateway its table on first use;
+:meth:`Deployment.migrate` creates them all at once, :meth:`Deployment.drop` removes the
+tables, queues and exchange.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from bus import Endpoint
+from handlers import Handler
+from samples.ordering.billing import BillingHandler
+from samples.ordering.gateway import PostgresPaymentGateway
+from samples.ordering.sales import OrderHandler
+from samples.ordering.shipping import ShippingHandler
+from storage.postgres import PostgresStorage
+from transports.kombu import KombuTransport
+
+DEFAULT_TRANSPORT = "amqp://guest:guest@127.0.0.1:5672//"
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+DEFAULT_NAMESPACE = "ordering"
+#: The endpoints of the sample, in the order messages flow through them.
+ENDPOINTS = ("sales", "billing", "shipping")
+
+_NAMESPACE = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where one deployment of the sample lives; every name is derived from ``namespace``."""
+
+    transport_url: str = DEFAULT_TRANSPORT
+    postgres_url: str = DEFAULT_POSTGRES
+    namespace: str = DEFAULT_NAMESPACE
+    #: Consumer threads of each endpoint process (``idembus run --concurrency`` overrides).
+    concurrency: int = 1
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE.match(self.namespace):
+            raise ValueError(
+                f"namespace {self.namespace!r} must be lower-case letters, digits and '_', "
+                "starting with a letter, at most 24 characters"
+            )
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Deployment:
+        """The deployment named by ``ORDERING_*`` variables (see the module docstring)."""
+        return cls(
+            transport_url=environ.get("ORDERING_TRANSPORT") or DEFAULT_TRANSPORT,
+            postgres_url=environ.get("ORDERING_POSTGRES") or DEFAULT_POSTGRES,
+            namespace=environ.get("ORDERING_NAMESPACE") or DEFAULT_NAMESPACE,
+        )
+
+    def environment(self) -> dict[str, str]:
+        """The ``ORDERING_*`` variables that make the factories build this deployment."""
+        return {"ORDERING_TRANSPORT": self.transport_url,
+                "ORDERING_POSTGRES": self.postgres_url,
+                "ORDERING_NAMESPACE": self.namespace}
+
+    # -- names ---------------------------------------------------------------------------
+
+    def queue(self, endpoint: str) -> str:
+        """The queue (and endpoint name) of ``endpoint``: ``sales``, ``billing``..."""
+        return f"{endpoint}-{self.namespace}"
+
+    @property
+    def error_queue(self) -> str:
+        return f"error-{self.namespace}"
+
+    @property
+    def queues(self) -> list[str]:
+        """Every queue of the deployment, the error queue last."""
+        return [self.queue(name) for name in ENDPOINTS] + [self.error_queue]
+
+    @property
+    def exchange(self) -> str:
+        return f"idembus.events-{self.namespace}"
+
+    # -- parts ---------------------------------------------------------------------------
+
+    def transport(self) -> KombuTransport:
+        return KombuTransport(self.transport_url, exchange=self.exchange)
+
+    def storage(self, endpoint: str) -> PostgresStorage:
+        return PostgresStorage(self.postgres_url, table_prefix=f"{self.namespace}_{endpoint}")
+
+    def gateway(self) -> PostgresPaymentGateway:
+        return PostgresPaymentGateway(self.postgres_url, table=f"{self.namespace}_charges")
+
+    def endpoint(self, name: str, handler: Handler | type[Handler]) -> Endpoint:
+        """The endpoint ``name`` with one handler, on this deployment's broker and tables."""
+        return Endpoint(
+            self.queue(name),
+            transport=self.transport(),
+            storage=self.storage(name),
+            handlers=[handler],
+            error_queue=self.error_queue,
+            concurrency=self.concurrency,
+        )
+
+    # -- schema --------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create every table of the deployment (idempotent)."""
+        for name in ENDPOINTS:
+            storage = self.storage(name)
+            try:
+                storage.migrate()
+            finally:
+                storage.close()
+        gateway = self.gateway()
+        try:
+            gateway.migrate()
+        finally:
+            gateway.close()
+
+    def drop(self) -> None:
+        """Delete the queues and the exchange, and drop every table of the deployment."""
+        transport = self.transport()
+        try:
+            for queue in self.queues:
+                transport.delete_queue(queue)
+            transport.delete_exchange()
+        finally:
+            transport.close()
+        for name in ENDPOINTS:
+            storage = self.storage(name)
+            try:
+                storage.drop_tables()
+            finally:
+                storage.close()
+        gateway = self.gateway()
+        try:
+            gateway.drop_table()
+        finally:
+            gateway.close()
+
+
+def sales() -> Endpoint:
+    """``idembus run samples.ordering.deployment:sales``: the Order aggregate."""
+    return Deployment.from_environment().endpoint("sales", OrderHandler)
+
+
+def billing() -> Endpoint:
+    """``idembus run samples.ordering.deployment:billing``: charges through the gateway."""
+    deployment = Deployment.from_environment()
+    gateway = deployment.gateway()  # same charge() as FakePaymentGateway, kept in PostgreSQL
+    return deployment.endpoint("billing", BillingHandler(gateway))  # type: ignore[arg-type]
+
+
+def shipping() -> Endpoint:
+    """``idembus run samples.ordering.deployment:shipping``: the Shipment aggregate."""
+    return Deployment.from_environment().endpoint("shipping", ShippingHandler)
