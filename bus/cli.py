@@ -6,8 +6,9 @@
 ``endpoint`` names an :class:`~bus.endpoint.Endpoint`, or a function returning one, in an
 importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
 progress and exits; with ``--workers N`` it supervises N processes of the endpoint
-(:mod:`bus.supervisor`). Exit status: 0 after a clean stop, 1 if messages in progress had to
-be abandoned (they are redelivered), 2 for a configuration error.
+(:mod:`bus.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
+be abandoned (they are redelivered) or the broker or database cannot be reached (try again);
+2 for a configuration error (trying again would not help).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from bus.errors import BusError, ConfigurationError
-from bus.supervisor import EXIT_CONFIGURATION, Supervisor
+from bus.supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
+from storage.errors import StorageUnavailable
+from transports.errors import TransportUnavailable
+
+#: Exit status when the broker or database cannot be reached: worth trying again later.
+EXIT_UNAVAILABLE = 1
 
 
 def load_endpoint(reference: str) -> Any:
@@ -82,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":
             return _migrate(args.endpoint)
         return _run(args)
+    except (StorageUnavailable, TransportUnavailable) as exc:
+        print(f"idembus: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except BusError as exc:
         print(f"idembus: {exc}", file=sys.stderr)
         return EXIT_CONFIGURATION
@@ -106,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.workers == 1:
         if args.concurrency is not None:
             endpoint.concurrency = args.concurrency
+        stop_when_orphaned(endpoint.request_stop)
         try:
             return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
         finally:

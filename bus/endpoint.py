@@ -217,13 +217,17 @@ class Endpoint:
         finish within ``shutdown_timeout`` seconds (the broker will redeliver them)."""
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, lambda *_: self._stop.set())
+                signal.signal(signum, lambda *_: self.request_stop())
         self.start()
         try:
             self._stop.wait()
         finally:
             stopped = self.stop(timeout=shutdown_timeout)
         return stopped
+
+    def request_stop(self) -> None:
+        """Ask a running endpoint to stop gracefully, as SIGTERM does; returns at once."""
+        self._stop.set()
 
     def close(self) -> None:
         """Stop, then release the transport's and the storage's connections."""

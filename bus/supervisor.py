@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from bus.policies import Backoff
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: Exit status of ``idembus run`` for a configuration error.
 EXIT_CONFIGURATION = 2
+#: Environment variable telling a worker which process supervises it.
+SUPERVISOR_PID = "IDEMBUS_SUPERVISOR_PID"
 #: A worker that lived this long before dying is restarted without delay.
 _HEALTHY_AFTER = 30.0
 _POLL_INTERVAL = 0.2
@@ -97,7 +99,8 @@ class Supervisor:
 
     def _spawn(self, worker: _Worker) -> None:
         command = [sys.executable, "-m", "bus.cli", "run", self.reference, *self._arguments]
-        environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index)}
+        environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index),
+                       SUPERVISOR_PID: str(os.getpid())}
         worker.process = subprocess.Popen(command, env=environment)
         worker.started_at = time.monotonic()
         worker.restart_at = None
@@ -131,3 +134,19 @@ class Supervisor:
         # A worker still starting up when SIGTERM came dies of it: it held no message.
         clean = (0, -signal.SIGTERM)
         return 1 if killed or any(p.returncode not in clean for p in running) else 0
+
+
+def stop_when_orphaned(request_stop: Callable[[], None], *, interval: float = 1.0) -> None:
+    """In a worker: call ``request_stop`` once its supervisor is gone (killed with SIGKILL,
+    say), so that no worker keeps consuming without anyone to stop it. No-op elsewhere."""
+    supervisor = os.environ.get(SUPERVISOR_PID)
+    if not supervisor:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(supervisor):
+            time.sleep(interval)
+        log.warning("supervisor %s is gone; stopping this worker", supervisor)
+        request_stop()
+
+    threading.Thread(target=watch, name="idembus-orphan-watch", daemon=True).start()

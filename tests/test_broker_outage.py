@@ -1,5 +1,5 @@
 """A broker that is unreachable for a few seconds, as during a RabbitMQ restart: publishers
-and worker processes must come back by themselves once it is reachable again.
+and worker processes come back by themselves once it is reachable again.
 
 Found by the torture test (``samples/torture``, ``rabbitmqctl stop_app`` / ``start_app``);
 reproduced here for one client at a time through a TCP proxy that a test cuts and
@@ -46,12 +46,6 @@ def proxy_url(proxy: TcpProxy) -> str:
     return parsed._replace(netloc=f"{credentials}@127.0.0.1:{proxy.port}").geturl()
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "transports/kombu.py keeps a thread's producer after its connection died: kombu then "
-    "raises AttributeError ('NoneType' object has no attribute 'transport_options'), and "
-    "_publish's except clause itself raises AttributeError reading "
-    "producer.connection.connection_errors, so the dead producer is never dropped and "
-    "every later publish of that thread fails"))
 def test_a_publisher_cut_off_from_the_broker_publishes_again_once_it_is_back(proxy, unique):
     # Given a bus sending through a transport whose broker connection runs through a proxy
     queue = f"outage-{unique}"
@@ -111,10 +105,6 @@ def stop_gracefully(running: Running) -> None:
 
 
 @pytest.mark.postgres
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bus/cli.py turns TransportUnavailable at start-up (a BusError) into exit status 2, which "
-    "bus/supervisor.py takes for a configuration error: it stops every worker of the "
-    "endpoint and exits 2, although the same worker started fine before the outage"))
 def test_a_worker_restarted_while_the_broker_is_unreachable_does_not_stop_its_endpoint(
     app, proxy
 ):

@@ -103,8 +103,14 @@ class Running:
     err: LineWatcher
 
     def stop(self) -> None:
+        """SIGTERM first (a supervisor killed outright would leave its workers to notice
+        alone that it is gone), SIGKILL if that does not end it."""
         if self.process.poll() is None:
-            self.process.kill()
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         self.process.wait()
         self.out.join()
         self.err.join()
@@ -242,3 +248,19 @@ def test_workers_refuse_a_broker_or_database_that_lives_inside_one_process(app):
     done = app.start("--workers", "2", APP_TRANSPORT="memory://")
     assert done.process.wait(timeout=60) == 2
     assert done.err.wait_for("memory:// or mongomock live inside one process", timeout=5)
+
+
+def test_workers_stop_by_themselves_when_their_supervisor_is_killed(app):
+    # Given a supervisor of two workers
+    supervisor = app.start("--workers", "2")
+    assert supervisor.err.wait_for("started: 1 consumer(s)", count=2), supervisor.err.lines[-20:]
+    workers = children(supervisor.process.pid)
+
+    # When the supervisor is killed outright
+    supervisor.process.kill()
+    supervisor.process.wait()
+
+    # Then its workers notice and exit instead of consuming unsupervised
+    assert wait_until(lambda: not any(pathlib.Path(f"/proc/{pid}").exists() for pid in workers),
+                      timeout=30), workers
+    assert supervisor.err.wait_for("is gone; stopping this worker", count=2)

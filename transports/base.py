@@ -30,6 +30,7 @@ from typing import ClassVar
 
 from bus.envelope import Envelope
 from bus.headers import Intent
+from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class Transport(ABC):
         try:
             on_delivery(delivery)
         except (KeyboardInterrupt, SystemExit):
+            raise
+        except TransportUnavailable as exc:
+            # The delivery's own connection is gone: nothing to settle, the broker redelivers.
+            log.warning("%s", exc)
             raise
         except BaseException as exc:
             # An Exception here is a bug worth a traceback; anything else (a simulated

@@ -31,9 +31,10 @@ Options
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import kombu
@@ -131,7 +132,10 @@ class KombuTransport(Transport):
 
     def _publish(self, envelope: Envelope, *, exchange: str, routing_key: str,
                  declare: list[Any]) -> None:
-        producer = self._producer()
+        connection, producer = self._producer()
+        # After its connection died for good, kombu's producer raises AttributeError (it has
+        # no connection left); that is an outage too.
+        outage: tuple[type[BaseException], ...] = (*_broker_errors(connection), AttributeError)
         try:
             producer.publish(
                 envelope.body.encode("utf-8", "surrogateescape"),
@@ -145,18 +149,20 @@ class KombuTransport(Transport):
                 retry=True,
                 retry_policy={"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5},
             )
-        except (*producer.connection.connection_errors, *producer.connection.channel_errors,
-                kombu.exceptions.OperationalError) as exc:
-            self._local.__dict__.pop("producer", None)
+        except outage as exc:
+            del self._local.publisher
+            self._release(connection)
             raise TransportUnavailable(f"publish to {self.url} failed: {exc}") from exc
 
-    def _producer(self) -> kombu.Producer:
-        producer = getattr(self._local, "producer", None)
-        if producer is None:
+    def _producer(self) -> tuple[kombu.Connection, kombu.Producer]:
+        """This thread's publishing connection and producer; new after a failure."""
+        publisher: tuple[kombu.Connection, kombu.Producer] | None = getattr(
+            self._local, "publisher", None)
+        if publisher is None:
             connection = self._connect()
-            producer = kombu.Producer(connection.default_channel)
-            self._local.producer = producer
-        return producer
+            publisher = (connection, kombu.Producer(connection.default_channel))
+            self._local.publisher = publisher
+        return publisher
 
     # -- consuming --------------------------------------------------------------------
 
@@ -170,12 +176,12 @@ class KombuTransport(Transport):
             except TransportUnavailable as exc:
                 failures = self._pause_after_failure(queue, exc, failures, stop)
                 continue
+            outage: tuple[type[BaseException], ...] = (
+                *_broker_errors(connection), TransportUnavailable)
             try:
                 with connection.Consumer(
                     [Queue(queue, durable=True, no_declare=True)],
-                    on_message=lambda message: self.deliver(
-                        _KombuDelivery(queue, message, native_requeue=self._is_amqp),
-                        on_delivery),
+                    on_message=self._delivering(queue, on_delivery, connection),
                     prefetch_count=prefetch,
                 ):
                     failures = 0
@@ -184,10 +190,22 @@ class KombuTransport(Transport):
                             connection.drain_events(timeout=_DRAIN_TIMEOUT)
                         except TimeoutError:
                             continue
-            except (*connection.connection_errors, *connection.channel_errors) as exc:
+            except outage as exc:
                 failures = self._pause_after_failure(queue, exc, failures, stop)
             finally:
                 self._release(connection)
+
+    def _delivering(self, queue: str, on_delivery: OnDelivery,
+                    connection: kombu.Connection) -> Callable[[kombu.Message], None]:
+        """The kombu callback that hands each message of ``queue`` to ``on_delivery``."""
+        outage = _broker_errors(connection)
+
+        def on_message(message: kombu.Message) -> None:
+            delivery = _KombuDelivery(queue, message, outage=outage,
+                                      native_requeue=self._is_amqp)
+            self.deliver(delivery, on_delivery)
+
+        return on_message
 
     def _pause_after_failure(
         self, queue: str, error: BaseException, failures: int, stop: threading.Event
@@ -275,7 +293,8 @@ class _ChannelScope:
 
 class _KombuDelivery(Delivery):
     def __init__(self, queue: str, message: kombu.Message, *, settled: bool = False,
-                 native_requeue: bool = True) -> None:
+                 native_requeue: bool = True,
+                 outage: tuple[type[BaseException], ...] = ()) -> None:
         super().__init__(
             queue=queue,
             headers=_text_headers(message.headers or {}),
@@ -286,11 +305,28 @@ class _KombuDelivery(Delivery):
         self._message = message
         self.settled = settled
         self._native_requeue = native_requeue
+        #: What the delivery's connection raises once it is gone.
+        self._outage = outage
 
     def _ack(self) -> None:
-        self._message.ack()
+        with self._outage_translated("acknowledge"):
+            self._message.ack()
 
     def _requeue(self) -> None:
+        with self._outage_translated("requeue"):
+            self._requeue_on_its_queue()
+
+    @contextlib.contextmanager
+    def _outage_translated(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except self._outage as exc:
+            raise TransportUnavailable(
+                f"could not {action} a message of {self.queue!r} ({exc}); its connection is "
+                "gone, so the broker delivers it again"
+            ) from exc
+
+    def _requeue_on_its_queue(self) -> None:
         if self._native_requeue:
             self._message.requeue()
             return
@@ -308,6 +344,12 @@ class _KombuDelivery(Delivery):
             delivery_mode=2,
         )
         message.ack()
+
+
+def _broker_errors(connection: kombu.Connection) -> tuple[type[BaseException], ...]:
+    """What a lost or refused connection raises, for this connection's kombu transport."""
+    return (*connection.connection_errors, *connection.channel_errors,
+            kombu.exceptions.OperationalError)
 
 
 def _text_headers(headers: Mapping[str, Any]) -> dict[str, str]:
