@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 from handlers import Handler, handles
 from samples.ordering.messages import OrderBilled, OrderPlaced
@@ -45,8 +46,15 @@ class FakePaymentGateway:
             return list(self._by_key.values())
 
 
+class PaymentGateway(Protocol):
+    """What Billing needs of a payment service (the fake one, or the PostgreSQL-backed one
+    of :mod:`samples.ordering.gateway`)."""
+
+    def charge(self, order_id: str, amount_cents: int, *, idempotency_key: str) -> Charge: ...
+
+
 class BillingHandler(Handler):
-    def __init__(self, gateway: FakePaymentGateway) -> None:
+    def __init__(self, gateway: PaymentGateway) -> None:
         self.gateway = gateway
 
     @handles

@@ -178,7 +178,7 @@ def billing() -> Endpoint:
     """``idembus run samples.ordering.deployment:billing``: charges through the gateway."""
     deployment = Deployment.from_environment()
     gateway = deployment.gateway()  # same charge() as FakePaymentGateway, kept in PostgreSQL
-    return deployment.endpoint("billing", BillingHandler(gateway))  # type: ignore[arg-type]
+    return deployment.endpoint("billing", BillingHandler(gateway))
 
 
 def shipping() -> Endpoint:

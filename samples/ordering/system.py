@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from bus import Endpoint
 from bus.faults import FaultInjector
 from bus.testing import wait_until_idle
+from handlers import Handler
 from samples.ordering.audit import audit
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.messages import PlaceOrder
@@ -59,12 +60,12 @@ def build(
         transport = lambda: KombuTransport(url)  # noqa: E731
     gateway = FakePaymentGateway()
 
-    def endpoint(name: str, handler: object) -> Endpoint:
+    def endpoint(name: str, handler: Handler | type[Handler]) -> Endpoint:
         return Endpoint(
             f"{name}{suffix}",
             transport=transport(),
             storage=storage(f"{name}{suffix}"),
-            handlers=[handler],  # type: ignore[list-item]
+            handlers=[handler],
             error_queue=f"error{suffix}",
             concurrency=concurrency,
             fault_injector=fault_injector,
