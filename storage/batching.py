@@ -29,6 +29,7 @@ class Batcher(Generic[T]):
         self._pending: list[T] = []
         self._changed = threading.Condition()
         self._writing = 0
+        self._urgent = False
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -46,6 +47,7 @@ class Batcher(Generic[T]):
     def flush(self) -> None:
         """Return once everything added so far was written (or dropped after a failure)."""
         with self._changed:
+            self._urgent = True
             self._changed.notify_all()
             self._changed.wait_for(lambda: not self._pending and not self._writing)
 
@@ -62,8 +64,10 @@ class Batcher(Generic[T]):
         while True:
             with self._changed:
                 self._changed.wait_for(
-                    lambda: self._closed or len(self._pending) >= self._size, self._interval)
+                    lambda: self._closed or self._urgent or len(self._pending) >= self._size,
+                    self._interval)
                 batch, self._pending = self._pending, []
+                self._urgent = False
                 self._writing += 1
                 closed = self._closed
             try:

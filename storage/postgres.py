@@ -8,13 +8,14 @@ Features
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
                                                        dispatched, processed_at
 
-* A commit is one transaction: insert the processed row (unique per aggregate and
-  handler-scoped message id, with the outgoing messages), then update the aggregate row
-  where the version is the one loaded, or insert it for a new aggregate. A unique
-  violation on the processed row means the message was handled: ``AlreadyProcessed`` with
-  the stored outgoing messages. An update that matches nothing, or a duplicate aggregate
-  row, is a lost race: ``ConcurrencyConflict``. A consumer racing on the same message waits
-  on the unique index for the other's commit instead of spinning.
+* A commit is one atomic statement (a data-modifying CTE, in autocommit): update the
+  aggregate row where the version is the one loaded (or insert it for a new aggregate,
+  ``ON CONFLICT DO NOTHING``) and, only if that changed a row, insert the processed row,
+  unique per aggregate and handler-scoped message id, with the outgoing messages. Both
+  happen or neither. A unique violation on the processed row, or a write that changed
+  nothing, is explained by looking again: ``AlreadyProcessed`` with the stored outgoing
+  messages if the message is recorded, ``ConcurrencyConflict`` otherwise. One statement
+  instead of BEGIN, INSERT, UPDATE, COMMIT saved three round trips per message.
 * Loading reads the aggregate row and the processed row of the incoming message in one
   query. Stateless handlers' inbox records are processed rows alone.
 * ``mark_dispatched`` is applied in batches, one statement every 50 ms at most, by a
@@ -53,7 +54,7 @@ from bus.envelope import Envelope
 from bus.errors import ConfigurationError
 from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage
 from storage.batching import Batcher
-from storage.errors import ConcurrencyConflict, StorageUnavailable
+from storage.errors import StorageUnavailable
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 #: Key of the advisory lock that serialises schema creation (an arbitrary constant).
@@ -86,6 +87,20 @@ class PostgresStorage(Storage):
         )
         self._opened = False
         self._opening = threading.Lock()
+        # A commit is one statement, atomic on its own: the aggregate's conditional update
+        # (or insert) and the processed row succeed or fail together, in one round trip.
+        record = (f"INSERT INTO {self._processed} "
+                  "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids) ")
+        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s)"
+        self._update_and_record = (
+            f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1"
+            " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
+            f"{record} SELECT %s, %s, %s, %s, %s FROM changed")
+        self._create_and_record = (
+            f"WITH changed AS (INSERT INTO {self._aggregates}"
+            " (aggregate_type, aggregate_id, version, state) VALUES (%s, %s, 1, %s)"
+            " ON CONFLICT DO NOTHING RETURNING 1) "
+            f"{record} SELECT %s, %s, %s, %s, %s FROM changed")
         self._marks: Batcher[tuple[str, str, str]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
@@ -172,47 +187,25 @@ class PostgresStorage(Storage):
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
     ) -> None:
-        try:
-            with self._connection() as connection, connection.transaction():
-                connection.execute(
-                    f"INSERT INTO {self._processed} "
-                    "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids) "
-                    "VALUES (%s, %s, %s, %s, %s)",
-                    (loaded.aggregate_type, loaded.aggregate_id, key,
-                     Jsonb([envelope.to_record() for envelope in outgoing]),
-                     Jsonb([envelope.message_id for envelope in outgoing])),
-                )
-                if loaded.aggregate_type != INBOX:
-                    self._write_aggregate(connection, loaded, state)
-        except psycopg.errors.UniqueViolation as exc:
-            if exc.diag.table_name == self._processed:
-                raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key) from None
-            raise ConcurrencyConflict(
-                f"{loaded.aggregate_type} {loaded.aggregate_id!r} was created meanwhile"
-            ) from None
-
-    def _write_aggregate(
-        self, connection: psycopg.Connection[Any], loaded: AggregateRecord,
-        state: Mapping[str, Any] | None,
-    ) -> None:
+        entry = (loaded.aggregate_type, loaded.aggregate_id, key,
+                 Jsonb([envelope.to_record() for envelope in outgoing]),
+                 Jsonb([envelope.message_id for envelope in outgoing]))
         document = Jsonb(dict(state)) if state is not None else None
-        if not loaded.exists:
-            connection.execute(
-                f"INSERT INTO {self._aggregates} (aggregate_type, aggregate_id, version, state) "
-                "VALUES (%s, %s, 1, %s)",
-                (loaded.aggregate_type, loaded.aggregate_id, document),
-            )
-            return
-        updated = connection.execute(
-            f"UPDATE {self._aggregates} SET state = %s, version = version + 1 "
-            "WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s",
-            (document, loaded.aggregate_type, loaded.aggregate_id, loaded.version),
-        )
-        if updated.rowcount != 1:
-            raise ConcurrencyConflict(
-                f"{loaded.aggregate_type} {loaded.aggregate_id!r} moved past version "
-                f"{loaded.version}"
-            )
+        try:
+            with self._connection() as connection:
+                if loaded.aggregate_type == INBOX:
+                    written = connection.execute(self._insert_inbox, entry).rowcount
+                elif loaded.exists:
+                    written = connection.execute(self._update_and_record, (
+                        document, loaded.aggregate_type, loaded.aggregate_id, loaded.version,
+                        *entry)).rowcount
+                else:
+                    written = connection.execute(self._create_and_record, (
+                        loaded.aggregate_type, loaded.aggregate_id, document, *entry)).rowcount
+        except psycopg.errors.UniqueViolation:
+            written = 0  # the processed row exists: the message was handled
+        if written != 1:
+            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         self._marks.add((aggregate_type, aggregate_id, key))

@@ -84,3 +84,14 @@ def test_flush_and_close_without_items_return_at_once():
     batcher: Batcher[int] = Batcher(Sink().write, name="m")
     batcher.flush()
     batcher.close()
+
+
+def test_flush_does_not_wait_for_the_interval():
+    sink = Sink()
+    batcher: Batcher[int] = Batcher(sink.write, name="m", interval=3600)
+    batcher.add(1)
+    finished = threading.Event()
+    threading.Thread(target=lambda: (batcher.flush(), finished.set()), daemon=True).start()
+    assert finished.wait(10), "flush waited for the hour-long interval"
+    assert sink.items == [1]
+    batcher.close()
