@@ -191,7 +191,7 @@ class Endpoint:
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)
-        self._stop.clear()
+        # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
                 target=self._consume, name=f"idembus-{self.name}-{index}", daemon=True
@@ -209,6 +209,7 @@ class Endpoint:
         stopped = not any(thread.is_alive() for thread in self._threads)
         if stopped:
             self._threads = []
+            self._stop.clear()  # ready to start again
         return stopped
 
     def run(self, *, shutdown_timeout: float = 30.0) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from bus import Command, ConfigurationError, Endpoint, Event, RoutingError
@@ -149,3 +151,26 @@ def test_starting_twice_is_refused(make_endpoint):
     service.start()
     with pytest.raises(RuntimeError, match="already running"):
         service.start()
+
+
+def test_a_stop_requested_while_starting_is_honoured(make_endpoint):
+    # Given an endpoint asked to stop before it has even started (SIGTERM during start-up)
+    service = make_endpoint("cfg", handlers=[AccountHandler])
+    service.request_stop()
+
+    # When it runs, it stops at once instead of forgetting the request
+    done = threading.Event()
+    runner = threading.Thread(target=lambda: (service.run(), done.set()), daemon=True)
+    runner.start()
+    assert done.wait(15), "run() ignored the stop requested before start"
+    assert not service.running
+
+
+def test_an_endpoint_can_start_again_after_a_stop(make_endpoint):
+    service = make_endpoint("cfg", handlers=[AccountHandler])
+    handled = SignalCounter(service, "handled")
+    service.start()
+    assert service.stop()
+    service.start()
+    service.bus.send(Deposit(account="a", amount=1))
+    assert handled.wait_for(1)
