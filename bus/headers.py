@@ -17,6 +17,9 @@ REPLY_TO = "idembus.reply_to"
 ORIGINATING_ENDPOINT = "idembus.originating_endpoint"
 TIME_SENT = "idembus.time_sent"
 INTENT = "idembus.intent"
+#: ISO 8601 UTC time before which the message must not be delivered (deferred messages,
+#: delayed retries).
+DELIVER_AT = "idembus.deliver_at"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

@@ -27,6 +27,12 @@ three calls:
     lost only means a late duplicate sends its messages again, which downstream
     deduplicates.
 
+It also keeps **delayed messages** for transports that cannot hold them back themselves
+(memory://, Redis): ``schedule(envelope, due)`` stores one, ``claim_due(now)`` hands the
+due ones to one poller at a time (a claim is a lease: if that poller dies, another claims
+them again once the lease ran out), ``forget_scheduled`` removes what was dispatched.
+Delivery is at least once, and a message dispatched twice keeps its id.
+
 A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
 the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
 (``processed_window`` is ``None``). A duplicate that arrives after its entry was forgotten is
@@ -99,6 +105,10 @@ class Storage(ABC):
     #: The data lives inside this process (several worker processes cannot share it).
     process_local: bool = False
 
+    #: How long a processed message is remembered at least; ``None``: not limited by time
+    #: (by count, or kept). The endpoint checks at start that it outlasts the retry path.
+    retention: datetime.timedelta | None = None
+
     def __init__(self, *, processed_window: int | None = DEFAULT_PROCESSED_WINDOW) -> None:
         if processed_window is not None and processed_window < 1:
             raise ValueError(f"processed_window must be at least 1, got {processed_window}")
@@ -133,6 +143,21 @@ class Storage(ABC):
     @abstractmethod
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         """Every stored record of one aggregate type, for reports and tools (not per message)."""
+
+    @abstractmethod
+    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+        """Keep ``envelope`` until ``due`` (UTC). Idempotent per (message id, destination)."""
+
+    @abstractmethod
+    def claim_due(
+        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    ) -> list[Envelope]:
+        """Up to ``limit`` scheduled envelopes due at ``now`` (oldest due first) that no
+        live claim holds; each is held for ``lease`` seconds."""
+
+    @abstractmethod
+    def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
+        """Remove scheduled envelopes (after they were dispatched)."""
 
     def flush(self) -> None:
         """Apply every ``mark_dispatched`` made so far (backends that batch them)."""

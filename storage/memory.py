@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import datetime
 import threading
+from dataclasses import dataclass
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ class MemoryStorage(Storage):
     def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
         super().__init__(processed_window=processed_window)
         self._records: dict[tuple[str, str], AggregateRecord] = {}
+        self._scheduled: dict[tuple[str, str | None], _Scheduled] = {}
         self._lock = threading.Lock()
 
     def load(
@@ -90,3 +92,33 @@ class MemoryStorage(Storage):
         with self._lock:
             chosen = [r for (t, _), r in self._records.items() if t == aggregate_type]
         return iter(copy.deepcopy(chosen))
+
+    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+        with self._lock:
+            self._scheduled.setdefault(
+                (envelope.message_id, envelope.destination), _Scheduled(envelope, due))
+
+    def claim_due(
+        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    ) -> list[Envelope]:
+        with self._lock:
+            due = sorted(
+                (entry for entry in self._scheduled.values()
+                 if entry.due <= now and (entry.leased_until is None or entry.leased_until <= now)),
+                key=lambda entry: entry.due,
+            )[:limit]
+            for entry in due:
+                entry.leased_until = now + datetime.timedelta(seconds=lease)
+            return [entry.envelope for entry in due]
+
+    def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
+        with self._lock:
+            for envelope in envelopes:
+                self._scheduled.pop((envelope.message_id, envelope.destination), None)
+
+
+@dataclass
+class _Scheduled:
+    envelope: Envelope
+    due: datetime.datetime
+    leased_until: datetime.datetime | None = None

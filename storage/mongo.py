@@ -11,6 +11,8 @@ Features
   and ``processed.key != key``; ``$set`` state and version, ``$push`` the entry with
   ``$slice`` keeping the newest ``processed_window`` entries.
 * Creation: ``insert_one``; a duplicate-key error is a lost race like any other.
+* Delayed messages wait in the collection ``idembus_scheduled``; pollers claim due ones with
+  ``find_one_and_update`` (a lease), so only one dispatches each while it lives.
 * No transactions, sessions or replica set needed; documents are the unit of atomicity,
   so sharding by ``_id`` needs nothing more.
 
@@ -42,6 +44,9 @@ import pymongo.errors
 from bus.envelope import Envelope
 from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage
 from storage.errors import StorageUnavailable
+
+#: Collection of delayed messages waiting for their time (transports without native delay).
+SCHEDULED = "idembus_scheduled"
 
 
 def is_mongomock(client: Any) -> bool:
@@ -145,9 +150,53 @@ class MongoStorage(Storage):
             documents = list(self.database[aggregate_type].find())
         return (_record_from(aggregate_type, document) for document in documents)
 
+    # -- delayed messages ---------------------------------------------------------------
+
+    @property
+    def _scheduled(self) -> Any:
+        return self.database[SCHEDULED]
+
+    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+        with self._guard, _translated():
+            self._scheduled.update_one(
+                {"_id": _scheduled_id(envelope)},
+                {"$setOnInsert": {"envelope": envelope.to_record(), "due": due,
+                                  "leased_until": None}},
+                upsert=True,
+            )
+
+    def claim_due(
+        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    ) -> list[Envelope]:
+        until = now + datetime.timedelta(seconds=lease)
+        claimed: list[Envelope] = []
+        with self._guard, _translated():
+            while len(claimed) < limit:
+                document = self._scheduled.find_one_and_update(
+                    {"due": {"$lte": now},
+                     "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]},
+                    {"$set": {"leased_until": until}},
+                    sort=[("due", pymongo.ASCENDING)],
+                )
+                if document is None:
+                    break
+                claimed.append(Envelope.from_record(document["envelope"]))
+        return claimed
+
+    def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
+        if not envelopes:
+            return
+        with self._guard, _translated():
+            self._scheduled.delete_many({"_id": {"$in": [_scheduled_id(e) for e in envelopes]}})
+
+    def migrate(self) -> None:
+        with self._guard, _translated():
+            self._scheduled.create_index([("due", pymongo.ASCENDING)])
+
     def verify(self) -> None:
         with self._guard, _translated():
             self.client.admin.command("ping")
+        self.migrate()
 
     def close(self) -> None:
         if self._owns_client:
@@ -162,6 +211,10 @@ def _translated() -> Iterator[None]:
     # other errors are the operation's own and take the message's normal error path.
     except pymongo.errors.ConnectionFailure as exc:
         raise StorageUnavailable(f"MongoDB is unreachable: {exc}") from exc
+
+
+def _scheduled_id(envelope: Envelope) -> str:
+    return f"{envelope.message_id}|{envelope.destination or ''}"
 
 
 def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateRecord:

@@ -21,6 +21,8 @@ Features
 * ``mark_dispatched`` is applied in batches, one statement every 50 ms at most, by a
   background thread: a per-message UPDATE cost a quarter of the throughput. A mark lost in
   a crash only means a late duplicate re-sends its messages, which downstream deduplicates.
+* Delayed messages wait in ``<prefix>_scheduled``; pollers claim due rows with
+  ``FOR UPDATE SKIP LOCKED`` and a lease.
 * Processed rows are kept (``processed_window`` is ``None``); their expiry is configurable in
   a later release.
 * The schema is created idempotently at start (``verify``) or by ``idembus migrate``;
@@ -39,6 +41,7 @@ Options
 
 from __future__ import annotations
 
+import datetime
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -80,6 +83,7 @@ class PostgresStorage(Storage):
         self.conninfo = conninfo
         self._aggregates = f"{table_prefix}_aggregates"
         self._processed = f"{table_prefix}_processed"
+        self._scheduled = f"{table_prefix}_scheduled"
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
@@ -129,6 +133,17 @@ class PostgresStorage(Storage):
                     processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
                     PRIMARY KEY (aggregate_type, aggregate_id, key)
                 )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._scheduled} (
+                    message_id text NOT NULL,
+                    destination text NOT NULL,
+                    envelope jsonb NOT NULL,
+                    due timestamptz NOT NULL,
+                    leased_until timestamptz,
+                    PRIMARY KEY (message_id, destination)
+                )""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
 
     def verify(self) -> None:
         """Open the pool, fail clearly if the database is unreachable, create the schema."""
@@ -145,7 +160,8 @@ class PostgresStorage(Storage):
         """Drop both tables and everything in them (tests and samples clean up with this)."""
         self._marks.flush()
         with self._connection() as connection:
-            connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}")
+            connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
+                               f"{self._scheduled}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -223,6 +239,40 @@ class PostgresStorage(Storage):
                     WHERE p.aggregate_type = m.t AND p.aggregate_id = m.i AND p.key = m.k
                       AND NOT p.dispatched""",
                 (types, ids, keys),
+            )
+
+    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"INSERT INTO {self._scheduled} (message_id, destination, envelope, due) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (envelope.message_id, envelope.destination or "", Jsonb(envelope.to_record()),
+                 due),
+            )
+
+    def claim_due(
+        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    ) -> list[Envelope]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"""UPDATE {self._scheduled} SET leased_until = %s
+                    WHERE (message_id, destination) IN (
+                        SELECT message_id, destination FROM {self._scheduled}
+                        WHERE due <= %s AND (leased_until IS NULL OR leased_until <= %s)
+                        ORDER BY due LIMIT %s FOR UPDATE SKIP LOCKED)
+                    RETURNING envelope, due""",
+                (now + datetime.timedelta(seconds=lease), now, now, limit),
+            ).fetchall()
+        return [Envelope.from_record(row[0]) for row in sorted(rows, key=lambda row: row[1])]
+
+    def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
+        if not envelopes:
+            return
+        with self._connection() as connection:
+            connection.execute(
+                f"DELETE FROM {self._scheduled} WHERE (message_id, destination) IN "
+                "(SELECT * FROM unnest(%s::text[], %s::text[]))",
+                ([e.message_id for e in envelopes], [e.destination or "" for e in envelopes]),
             )
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:

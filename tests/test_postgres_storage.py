@@ -94,7 +94,7 @@ def test_migrate_creates_the_tables_and_can_run_concurrently_and_again(prefix):
     # Then all succeed, and a second migration changes nothing
     assert errors == []
     storages[0].migrate()
-    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed"}
+    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed", f"{prefix}_scheduled"}
     for storage in storages:
         storage.close()
 
@@ -158,4 +158,4 @@ def test_idembus_migrate_creates_the_schema_from_the_command_line(prefix, tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert "PostgresStorage schema is in place" in done.stdout
-    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed"}
+    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed", f"{prefix}_scheduled"}

@@ -5,7 +5,10 @@ A transport moves envelopes between endpoint queues. It must:
 * ``declare(queue, subscriptions)`` — create a durable queue and bind it to the event
   types in ``subscriptions``. This method must be idempotent: every endpoint calls it on
   every start.
-* ``send(envelope)`` — put a message on the queue ``envelope.destination``;
+* ``send(envelope)`` — put a message on the queue ``envelope.destination``; if the
+  transport has ``native_delay`` and the envelope carries a future ``idembus.deliver_at``,
+  the broker holds it back until then (the endpoint keeps delayed messages in its storage
+  for transports without native delay);
   ``publish(envelope)`` — deliver an event to every queue subscribed to its type. Both
   return once the broker has the message (after the publisher confirm, where the
   transport has confirms).
