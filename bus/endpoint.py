@@ -24,7 +24,9 @@ import threading
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
+from bus.breaker import BreakerPolicy, CircuitBreaker
 from bus.counters import Counters
+from bus.dispatching import DelayedDeliveries, Dispatcher
 from bus.errors import ConfigurationError
 from bus.faults import FaultInjector
 from bus.invocation import HandlerInvoker
@@ -67,10 +69,16 @@ class Endpoint:
     error_queue:
         Where bad messages and exhausted retries go.
     retry_policy, conflict_policy:
-        Immediate retries of failing handlers; optimistic retries of lost races.
+        Immediate and delayed retries of failing handlers (a handler class may set its own
+        ``retry_policy``); optimistic retries of lost races.
     outage_backoff:
         Waits between attempts while the database or broker is unreachable; a message
         waiting out an outage keeps its place and its retries.
+    breaker_policy:
+        After how many failed messages in a row consumers pause, and for how long.
+    delayed_poll_interval:
+        Seconds between looks for due deferred messages in the storage (transports
+        without native delay).
     compact_after_dispatch:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
@@ -94,6 +102,8 @@ class Endpoint:
         conflict_policy: ConflictPolicy | None = None,
         compact_after_dispatch: bool = True,
         outage_backoff: Backoff | None = None,
+        breaker_policy: BreakerPolicy | None = None,
+        delayed_poll_interval: float = 0.5,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -120,10 +130,13 @@ class Endpoint:
             )
         self.transport = _transport_from(transport)
         self.storage = storage if storage is not None else _embedded_storage(name)
+        self.retry_policy = retry_policy or RetryPolicy()
+        self._check_retention()
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
         self._stop = threading.Event()
         faults = fault_injector or FaultInjector()
+        dispatcher = Dispatcher(self.transport, self.storage)
         invoker = HandlerInvoker(
             endpoint=name,
             router=self.router,
@@ -139,16 +152,21 @@ class Endpoint:
             table=self.table,
             invoker=invoker,
             storage=self.storage,
-            transport=self.transport,
+            dispatcher=dispatcher,
             signals=self.signals,
             faults=faults,
-            retries=retry_policy or RetryPolicy(),
+            retries=self.retry_policy,
+            breaker=CircuitBreaker(breaker_policy or BreakerPolicy()),
             compact_after_dispatch=compact_after_dispatch,
             stopping=self._stop,
             outage_backoff=outage_backoff,
         )
-        #: Sends and publishes at once, from outside handlers.
-        self.bus = Bus(name, self.router, self.transport.dispatch)
+        #: Sends and publishes from outside handlers, at once (or when deferred, later).
+        self.bus = Bus(name, self.router, dispatcher.dispatch)
+        # Without native delay on the broker, deferred messages wait in the storage.
+        self._delayed = None if self.transport.native_delay else DelayedDeliveries(
+            self.transport, self.storage, name=f"idembus-{name}-delayed",
+            interval=delayed_poll_interval)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
@@ -177,6 +195,23 @@ class Endpoint:
                         f"routes={{{sent.__name__}: '<endpoint name>'}}"
                     )
 
+    def _check_retention(self) -> None:
+        """Deduplication must remember a message for longer than it can keep coming back."""
+        retention = self.storage.retention
+        if retention is None:
+            return
+        policies = [self.retry_policy] + [
+            type(h).retry_policy for h in self.table.handlers if type(h).retry_policy]
+        longest = max(policy.longest_path for policy in policies if policy is not None)
+        if retention.total_seconds() <= longest:
+            raise ConfigurationError(
+                f"{type(self.storage).__name__} remembers processed messages for "
+                f"{retention.total_seconds():.0f}s, but a failing message can come back "
+                f"{longest:.0f}s after its first attempt (delayed retries): its duplicates "
+                "would then be processed again. Keep them longer (retention=...) or shorten "
+                "the delayed retries (RetryPolicy(delayed=...))."
+            )
+
     @property
     def subscriptions(self) -> list[str]:
         """Wire names of the event types this endpoint's handlers subscribe to."""
@@ -191,6 +226,8 @@ class Endpoint:
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)
+        if self._delayed is not None:
+            self._delayed.start()
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
@@ -206,6 +243,8 @@ class Endpoint:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout)
+        if self._delayed is not None:
+            self._delayed.stop(timeout)
         stopped = not any(thread.is_alive() for thread in self._threads)
         if stopped:
             self._threads = []

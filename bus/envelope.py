@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bus import headers as h
@@ -35,9 +36,22 @@ class Envelope:
     def intent(self) -> h.Intent:
         return h.Intent(self.headers.get(h.INTENT, h.Intent.SEND.value))
 
+    @property
+    def deliver_at(self) -> datetime.datetime | None:
+        """When the message may be delivered, if it was deferred."""
+        return parse_utc(self.headers.get(h.DELIVER_AT))
+
+    def with_headers(self, changes: Mapping[str, str]) -> Envelope:
+        """A copy with ``changes`` applied to the headers."""
+        return replace(self, headers={**self.headers, **changes})
+
     def to_record(self) -> dict[str, Any]:
         """Plain JSON-compatible form kept by storage backends."""
-        return {"headers": dict(self.headers), "body": self.body, "destination": self.destination}
+        record: dict[str, Any] = {"headers": dict(self.headers), "body": self.body,
+                                  "destination": self.destination}
+        if self.content_type != h.CONTENT_TYPE:
+            record["content_type"] = self.content_type
+        return record
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Envelope:
@@ -46,4 +60,29 @@ class Envelope:
             headers=dict(record["headers"]),
             body=record["body"],
             destination=record.get("destination"),
+            content_type=record.get("content_type", h.CONTENT_TYPE),
         )
+
+
+def utc_now() -> datetime.datetime:
+    """The current time, timezone-aware UTC: every time idembus stores or sends."""
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def format_utc(moment: datetime.datetime) -> str:
+    """ISO 8601 in UTC, the form of every time header."""
+    if moment.tzinfo is None:
+        raise ValueError(f"{moment!r} has no time zone; use an aware datetime (UTC)")
+    return moment.astimezone(datetime.timezone.utc).isoformat()
+
+
+def parse_utc(text: str | None) -> datetime.datetime | None:
+    """A time header as an aware datetime (a zone-less time is taken as UTC); ``None`` if
+    absent or unreadable."""
+    if not text:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

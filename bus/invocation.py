@@ -9,14 +9,13 @@ race reloads and runs the handler again on the fresh state (bounded, with jitter
 from __future__ import annotations
 
 import copy
-import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from bus import headers as h
 from bus.context import MessageContext
-from bus.envelope import Envelope
+from bus.envelope import Envelope, parse_utc
 from bus.faults import CrashPoint, FaultInjector
 from bus.messages import Message
 from bus.policies import ConflictPolicy
@@ -111,7 +110,7 @@ class HandlerInvoker:
         window_start = loaded.window_start(self._storage.processed_window)
         if window_start is None:
             return
-        sent = _parse_time(headers.get(h.TIME_SENT))
+        sent = parse_utc(headers.get(h.TIME_SENT))
         if sent is not None and sent < window_start:
             self._signals.emit("outside_window", **details)
 
@@ -156,12 +155,3 @@ class HandlerInvoker:
         getattr(handler, binding.method_name)(message)
         return None, outgoing
 
-
-def _parse_time(text: str | None) -> datetime.datetime | None:
-    if not text:
-        return None
-    try:
-        moment = datetime.datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

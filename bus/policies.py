@@ -14,12 +14,17 @@ from bus.errors import MessageError, RoutingError
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Immediate retries of a failing handler before its message goes to the error queue.
+    """What happens when a handler raises: ``immediate_retries`` retries at once; then, if
+    they all failed, the message comes back after each of the ``delayed`` waits (seconds),
+    with its immediate retries each time; then it goes to the error queue.
 
-    Exceptions of the ``unrecoverable`` types skip the retries: no attempt could fix them.
+    Exceptions of the ``unrecoverable`` types skip every retry: no attempt could fix them.
+    Set on an endpoint (``Endpoint(retry_policy=...)``) or on one handler class
+    (``retry_policy = RetryPolicy(...)``).
     """
 
     immediate_retries: int = 5
+    delayed: tuple[float, ...] = (10.0, 20.0, 30.0)
     unrecoverable: tuple[type[BaseException], ...] = field(
         default=(MessageError, RoutingError, pydantic.ValidationError)
     )
@@ -27,9 +32,23 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.immediate_retries < 0:
             raise ValueError(f"immediate_retries cannot be negative, got {self.immediate_retries}")
+        if any(delay <= 0 for delay in self.delayed):
+            raise ValueError(f"delayed retries must wait a positive time, got {self.delayed}")
 
     def should_retry(self, error: BaseException, attempts: int) -> bool:
+        """Try again at once after ``attempts`` attempts failed with ``error``?"""
         return not isinstance(error, self.unrecoverable) and attempts <= self.immediate_retries
+
+    def delay_after(self, error: BaseException, rounds: int) -> float | None:
+        """The wait before delayed round ``rounds + 1``, or ``None``: give up."""
+        if isinstance(error, self.unrecoverable) or rounds >= len(self.delayed):
+            return None
+        return self.delayed[rounds]
+
+    @property
+    def longest_path(self) -> float:
+        """Seconds from the first attempt to the last, at the least."""
+        return float(sum(self.delayed))
 
 
 @dataclass(frozen=True)

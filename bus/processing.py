@@ -2,18 +2,26 @@
 
 For each handler of the message type: invoke it (exactly once per handler and message id,
 see :mod:`bus.invocation`), dispatch the outgoing messages it committed or had committed
-before, and only when every handler is done acknowledge the delivery. Bad input and
-handlers that keep failing go to the error queue with the reason; nothing is lost.
+before, and only when every handler is done acknowledge the delivery.
+
+When a handler keeps raising, its retry policy decides: immediate retries, then delayed
+rounds (the message comes back later with the same id, so handlers that already succeeded
+find it processed), then the error queue with the reason. Bad input goes to the error queue
+at once. Nothing is lost.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
+from dataclasses import dataclass
 
 from bus import headers as h
+from bus.breaker import CircuitBreaker
 from bus.decoding import decode
-from bus.envelope import Envelope
+from bus.dispatching import Dispatcher
+from bus.envelope import Envelope, format_utc, utc_now
 from bus.errors import MessageError
 from bus.faults import CrashPoint, FaultInjector
 from bus.invocation import HandlerInvoker, Outcome
@@ -25,10 +33,19 @@ from bus.signals import EndpointSignals
 from handlers.registration import HandlerBinding, HandlerTable
 from storage.base import Storage
 from storage.errors import StorageUnavailable
-from transports.base import Delivery, Transport
+from transports.base import Delivery
 from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A handler that raised on every immediate attempt."""
+
+    error: Exception
+    attempts: int
+    policy: RetryPolicy
 
 
 class MessageProcessor:
@@ -43,10 +60,11 @@ class MessageProcessor:
         table: HandlerTable,
         invoker: HandlerInvoker,
         storage: Storage,
-        transport: Transport,
+        dispatcher: Dispatcher,
         signals: EndpointSignals,
         faults: FaultInjector,
         retries: RetryPolicy,
+        breaker: CircuitBreaker,
         compact_after_dispatch: bool,
         stopping: threading.Event,
         outage_backoff: Backoff | None = None,
@@ -57,10 +75,11 @@ class MessageProcessor:
         self._table = table
         self._invoker = invoker
         self._storage = storage
-        self._transport = transport
+        self._dispatcher = dispatcher
         self._signals = signals
         self._faults = faults
         self._retries = retries
+        self._breaker = breaker
         self._compact = compact_after_dispatch
         self._stopping = stopping
         self._outage_backoff = outage_backoff or Backoff()
@@ -77,21 +96,22 @@ class MessageProcessor:
         for binding in self._table.bindings_for(type(message)):
             failure = self._handle(binding, message, delivery)
             if failure is not None:
-                last_error, attempts = failure
-                self._dead_letter(delivery, last_error, attempts=attempts)
+                self._after_failure(delivery, failure)
                 return
         self._faults.reached(CrashPoint.AFTER_DISPATCH, headers[h.MESSAGE_ID])
         delivery.ack()
+        self._breaker.succeeded()
 
     def _handle(
         self, binding: HandlerBinding, message: Message, delivery: Delivery
-    ) -> tuple[Exception, int] | None:
-        """Invoke and dispatch with immediate retries; return the last error if all failed.
+    ) -> _Failure | None:
+        """Invoke and dispatch with immediate retries; the failure if every attempt raised.
 
         While the database or the broker is unreachable the message keeps its place: the
         attempt is repeated with backoff, retries are not used up, and when the endpoint
         stops meanwhile the delivery goes back to the broker.
         """
+        policy = type(binding.handler).retry_policy or self._retries
         attempts = 0
         outages = 0
         while True:
@@ -115,15 +135,52 @@ class MessageProcessor:
                            "message_type": delivery.headers[h.MESSAGE_TYPE],
                            "handler": binding.handler_name, "error": error}
                 self._signals.emit("failed", attempt=attempts, **details)
-                if not self._retries.should_retry(error, attempts):
-                    return error, attempts
+                if not policy.should_retry(error, attempts):
+                    return _Failure(error, attempts, policy)
                 log.info("%s failed on %s (attempt %d), retrying: %r", binding.handler_name,
                          details["message_id"], attempts, error)
-                self._signals.emit("retried", attempt=attempts, **details)
+                self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
+
+    def _after_failure(self, delivery: Delivery, failure: _Failure) -> None:
+        """Schedule the next delayed round, or give up; then let the breaker weigh in."""
+        rounds = _delayed_rounds(delivery)
+        delay = failure.policy.delay_after(failure.error, rounds)
+        if delay is None:
+            self._dead_letter(delivery, failure.error, attempts=failure.attempts)
+        else:
+            self._retry_later(delivery, failure.error, rounds + 1, delay)
+        if isinstance(failure.error, failure.policy.unrecoverable):
+            return  # the message's own fault: says nothing about the dependencies
+        pause = self._breaker.failed()
+        if pause:
+            log.warning("%d messages in a row failed; %s pauses %.1fs before the next",
+                        self._breaker.policy.threshold, self._endpoint, pause)
+            self._signals.emit("paused", message_id=delivery.headers.get(h.MESSAGE_ID),
+                               message_type=delivery.headers.get(h.MESSAGE_TYPE),
+                               seconds=pause)
+            self._stopping.wait(pause)
+
+    def _retry_later(self, delivery: Delivery, error: Exception, round_number: int,
+                     delay: float) -> None:
+        """Put the message back on its queue, same id, delivered after ``delay`` seconds."""
+        due = utc_now() + datetime.timedelta(seconds=delay)
+        self._dispatcher.dispatch(Envelope(
+            headers={**delivery.headers, h.DELAYED_ATTEMPTS: str(round_number),
+                     h.DELIVER_AT: format_utc(due)},
+            body=delivery.body.decode("utf-8", "surrogateescape"),
+            destination=delivery.queue,
+            content_type=delivery.content_type or h.CONTENT_TYPE,
+        ))
+        log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
+                 delivery.headers.get(h.MESSAGE_ID), round_number, delay, error)
+        self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), kind="delayed",
+                           attempt=round_number, error=error, delay=delay)
+        delivery.ack()
 
     def _dispatch(self, outcome: Outcome) -> None:
         for envelope in outcome.outgoing:
-            self._transport.dispatch(envelope)
+            self._dispatcher.dispatch(envelope)
             self._signals.emit("dispatched", message_id=envelope.message_id,
                                message_type=envelope.message_type, envelope=envelope)
         if not outcome.outgoing:
@@ -136,9 +193,10 @@ class MessageProcessor:
     def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
         """Forward the delivery, byte for byte, to the error queue; then acknowledge it."""
         headers = failure_headers(
-            delivery.headers, error, queue=delivery.queue, immediate_attempts=attempts
+            delivery.headers, error, queue=delivery.queue, immediate_attempts=attempts,
+            delayed_attempts=_delayed_rounds(delivery),
         )
-        self._transport.send(Envelope(
+        self._dispatcher.dispatch(Envelope(
             headers=headers,
             body=delivery.body.decode("utf-8", "surrogateescape"),
             destination=self._error_queue,
@@ -149,3 +207,11 @@ class MessageProcessor:
         self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error)
         delivery.ack()
+
+
+def _delayed_rounds(delivery: Delivery) -> int:
+    """How many delayed rounds the message has been through (0 on its first delivery)."""
+    try:
+        return max(0, int(delivery.headers.get(h.DELAYED_ATTEMPTS) or 0))
+    except ValueError:
+        return 0

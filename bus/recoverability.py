@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import datetime
 import traceback
 from collections.abc import Mapping
 
 from bus import headers as h
+from bus.envelope import format_utc, utc_now
 from bus.errors import MessageError
 
 #: Longest stack trace kept in a header; AMQP frames must hold all headers.
@@ -14,7 +14,8 @@ _MAX_STACK_TRACE = 8000
 
 
 def failure_headers(
-    original: Mapping[str, str], error: BaseException, *, queue: str, immediate_attempts: int
+    original: Mapping[str, str], error: BaseException, *, queue: str, immediate_attempts: int,
+    delayed_attempts: int = 0,
 ) -> dict[str, str]:
     """The original headers plus the story of the failure (README, "Wire format")."""
     reason = error.reason if isinstance(error, MessageError) else str(error)
@@ -25,7 +26,7 @@ def failure_headers(
         h.EXCEPTION_MESSAGE: reason,
         h.STACK_TRACE: trace[-_MAX_STACK_TRACE:],
         h.FAILED_QUEUE: queue,
-        h.TIME_OF_FAILURE: datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        h.TIME_OF_FAILURE: format_utc(utc_now()),
         h.IMMEDIATE_ATTEMPTS: str(immediate_attempts),
-        h.DELAYED_ATTEMPTS: "0",
+        h.DELAYED_ATTEMPTS: str(delayed_attempts),
     }

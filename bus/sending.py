@@ -1,4 +1,4 @@
-"""The Bus API: ``send``, ``publish`` and ``reply``.
+"""The Bus API: ``send``, ``publish``, ``reply`` and ``defer``.
 
 One class serves both places a bus is used. ``endpoint.bus`` sends at once, with fresh ids.
 Inside a handler, ``self.bus`` *records*: the endpoint commits the recorded messages with
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 from bus import headers as h
 from bus.context import MessageContext
-from bus.envelope import Envelope
+from bus.envelope import Envelope, format_utc, utc_now
 from bus.errors import RoutingError
 from bus.messages import Command, Event, Message, message_name
 from bus.routing import Router
@@ -57,11 +57,13 @@ class Bus:
         to: str | None = None,
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
+        deliver_at: datetime.datetime | None = None,
     ) -> str:
         """Send a command to the one endpoint that handles it; return its message id.
 
         ``to`` overrides the route; ``message_id`` lets a caller outside handlers make a
-        retried send deduplicate (e.g. an id taken from an HTTP request).
+        retried send deduplicate (e.g. an id taken from an HTTP request); ``deliver_at``
+        (an aware datetime) holds the command back until then.
         """
         if not isinstance(command, Command):
             raise TypeError(
@@ -69,7 +71,26 @@ class Bus:
                 "publish events with publish()"
             )
         destination = to or self._router.destination_for(type(command))
-        return self._put(command, h.Intent.SEND, destination, headers, message_id)
+        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at)
+
+    def defer(
+        self,
+        command: Command,
+        delay: float | datetime.timedelta,
+        *,
+        to: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
+        """Send a command that is delivered ``delay`` (seconds or a timedelta) from now.
+
+        Inside a handler "now" is when the handler ran: a re-run after a crash keeps the
+        recorded time, and the message keeps its derived id.
+        """
+        seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
+        if seconds < 0:
+            raise ValueError(f"delay cannot be negative, got {delay!r}")
+        return self.send(command, to=to, headers=headers,
+                         deliver_at=utc_now() + datetime.timedelta(seconds=seconds))
 
     def publish(
         self,
@@ -107,12 +128,13 @@ class Bus:
         destination: str | None,
         extra: Mapping[str, str] | None,
         message_id: str | None,
+        deliver_at: datetime.datetime | None = None,
     ) -> str:
-        envelope = Envelope(
-            headers=self._headers(message, intent, extra, message_id),
-            body=message.model_dump_json(),
-            destination=destination,
-        )
+        headers = self._headers(message, intent, extra, message_id)
+        if deliver_at is not None:
+            headers[h.DELIVER_AT] = format_utc(deliver_at)
+        envelope = Envelope(headers=headers, body=message.model_dump_json(),
+                            destination=destination)
         self._emit(envelope)
         return envelope.message_id
 
@@ -137,7 +159,7 @@ class Bus:
             h.INTENT: intent.value,
             h.ORIGINATING_ENDPOINT: self._endpoint,
             h.REPLY_TO: self._endpoint,
-            h.TIME_SENT: datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            h.TIME_SENT: format_utc(utc_now()),
         })
         if origin is None:
             result[h.CONVERSATION_ID] = message_id

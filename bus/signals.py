@@ -23,9 +23,10 @@ SIGNAL_NAMES = (
     "dispatched",     # one outgoing message reached the broker
     "conflict",       # a commit lost an optimistic race and will be retried
     "failed",         # a handler attempt raised
-    "retried",        # a failed handler is tried again
+    "retried",        # a failed handler is tried again (kind: "immediate" or "delayed")
     "dead_lettered",  # the message went to the error queue
     "outside_window", # a message sent before the oldest one its aggregate still remembers
+    "paused",         # the circuit breaker holds a consumer back (seconds)
 )
 
 
@@ -47,6 +48,7 @@ class EndpointSignals:
     retried: Signal
     dead_lettered: Signal
     outside_window: Signal
+    paused: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

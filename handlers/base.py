@@ -19,6 +19,7 @@ given to ``__init__`` are shared) and sets ``bus``, ``context`` and, for aggrega
 
 from __future__ import annotations
 
+import datetime
 import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar, overload
@@ -26,7 +27,8 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 from pydantic import BaseModel
 
 from bus.context import MessageContext
-from bus.messages import Message
+from bus.messages import Command, Message
+from bus.policies import RetryPolicy
 from bus.sending import Bus
 from handlers.errors import HandlerDefinitionError
 
@@ -49,6 +51,8 @@ class Handler:
     handler_name: ClassVar[str | None] = None
     #: Command types this handler sends; the endpoint checks at start that each has a route.
     sends: ClassVar[tuple[type[Message], ...]] = ()
+    #: This handler's retries; ``None``: the endpoint's ``retry_policy``.
+    retry_policy: ClassVar[RetryPolicy | None] = None
 
     #: The message-scoped bus: records what the handler sends, publishes and replies.
     bus: Bus
@@ -96,6 +100,12 @@ class AggregateHandler(Handler, Generic[StateT]):
     @classmethod
     def storage_name(cls) -> str:
         return cls.aggregate_type or cls.state_type.__name__
+
+    def request_timeout(self, message: Command, delay: float | datetime.timedelta) -> str:
+        """Have ``message`` (a command) delivered to this endpoint after ``delay``: a
+        saga-style timeout, handled like any other message, exactly once. Handle its type
+        in this class to get back to this aggregate."""
+        return self.bus.defer(message, delay, to=self.context.endpoint)
 
 
 @overload

@@ -49,6 +49,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus import headers as h
 from bus.envelope import Envelope
 from storage.errors import AlreadyProcessed, ConcurrencyConflict
 
@@ -144,16 +145,26 @@ class Storage(ABC):
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         """Every stored record of one aggregate type, for reports and tools (not per message)."""
 
-    @abstractmethod
     def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
-        """Keep ``envelope`` until ``due`` (UTC). Idempotent per (message id, destination)."""
+        """Keep ``envelope`` until ``due`` (an aware datetime). Idempotent per
+        :func:`scheduled_key`: the same message deferred again for another time (the next
+        delayed retry) is a new entry, even while the previous one is being forgotten."""
+        self._schedule(envelope, _aware(due, "due"))
 
-    @abstractmethod
     def claim_due(
         self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
     ) -> list[Envelope]:
         """Up to ``limit`` scheduled envelopes due at ``now`` (oldest due first) that no
         live claim holds; each is held for ``lease`` seconds."""
+        return self._claim_due(_aware(now, "now"), limit=limit, lease=lease)
+
+    @abstractmethod
+    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None: ...
+
+    @abstractmethod
+    def _claim_due(
+        self, now: datetime.datetime, *, limit: int, lease: float
+    ) -> list[Envelope]: ...
 
     @abstractmethod
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
@@ -180,3 +191,16 @@ class Storage(ABC):
         return ConcurrencyConflict(
             f"{aggregate_type} {aggregate_id!r} moved past the loaded version while {key} ran"
         )
+
+
+def _aware(moment: datetime.datetime, name: str) -> datetime.datetime:
+    """``moment`` if it carries a time zone; a naive time is ambiguous (local or UTC?)."""
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise ValueError(f"{name} must be an aware datetime (UTC), got naive {moment!r}")
+    return moment
+
+
+def scheduled_key(envelope: Envelope) -> tuple[str, str, str]:
+    """What identifies a delayed message: its id, destination and ``idembus.deliver_at``."""
+    return (envelope.message_id, envelope.destination or "",
+            envelope.headers.get(h.DELIVER_AT, ""))

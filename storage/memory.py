@@ -6,12 +6,18 @@ from __future__ import annotations
 import copy
 import datetime
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from bus.envelope import Envelope
-from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage
+from bus.envelope import Envelope, utc_now
+from storage.base import (
+    DEFAULT_PROCESSED_WINDOW,
+    AggregateRecord,
+    ProcessedMessage,
+    Storage,
+    scheduled_key,
+)
 
 
 class MemoryStorage(Storage):
@@ -19,10 +25,17 @@ class MemoryStorage(Storage):
 
     process_local = True
 
-    def __init__(self, *, processed_window: int = DEFAULT_PROCESSED_WINDOW) -> None:
+    def __init__(
+        self,
+        *,
+        processed_window: int = DEFAULT_PROCESSED_WINDOW,
+        retention: datetime.timedelta | None = None,
+    ) -> None:
         super().__init__(processed_window=processed_window)
+        #: Processed entries older than this are forgotten (at the aggregate's next commit).
+        self.retention = retention
         self._records: dict[tuple[str, str], AggregateRecord] = {}
-        self._scheduled: dict[tuple[str, str | None], _Scheduled] = {}
+        self._scheduled: dict[tuple[str, str, str], _Scheduled] = {}
         self._lock = threading.Lock()
 
     def load(
@@ -51,7 +64,7 @@ class MemoryStorage(Storage):
             key=key,
             outgoing=tuple(outgoing),
             outgoing_ids=tuple(envelope.message_id for envelope in outgoing),
-            at=datetime.datetime.now(datetime.timezone.utc),
+            at=utc_now(),
         )
         with self._lock:
             current = self._records.get(address)
@@ -65,6 +78,10 @@ class MemoryStorage(Storage):
                 window = self.processed_window or len(processed)
                 for stale in list(processed)[: max(0, len(processed) - window)]:
                     del processed[stale]
+                if self.retention is not None:
+                    horizon = utc_now() - self.retention
+                    processed = {k: e for k, e in processed.items()
+                                 if e.at is None or e.at >= horizon}
                 self._records[address] = AggregateRecord(
                     loaded.aggregate_type,
                     loaded.aggregate_id,
@@ -93,13 +110,13 @@ class MemoryStorage(Storage):
             chosen = [r for (t, _), r in self._records.items() if t == aggregate_type]
         return iter(copy.deepcopy(chosen))
 
-    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
         with self._lock:
             self._scheduled.setdefault(
-                (envelope.message_id, envelope.destination), _Scheduled(envelope, due))
+                scheduled_key(envelope), _Scheduled(envelope, due))
 
-    def claim_due(
-        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    def _claim_due(
+        self, now: datetime.datetime, *, limit: int, lease: float
     ) -> list[Envelope]:
         with self._lock:
             due = sorted(
@@ -114,7 +131,7 @@ class MemoryStorage(Storage):
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
         with self._lock:
             for envelope in envelopes:
-                self._scheduled.pop((envelope.message_id, envelope.destination), None)
+                self._scheduled.pop(scheduled_key(envelope), None)
 
 
 @dataclass

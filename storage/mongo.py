@@ -41,8 +41,14 @@ from typing import Any
 import pymongo
 import pymongo.errors
 
-from bus.envelope import Envelope
-from storage.base import DEFAULT_PROCESSED_WINDOW, AggregateRecord, ProcessedMessage, Storage
+from bus.envelope import Envelope, utc_now
+from storage.base import (
+    DEFAULT_PROCESSED_WINDOW,
+    AggregateRecord,
+    ProcessedMessage,
+    Storage,
+    scheduled_key,
+)
 from storage.errors import StorageUnavailable
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
@@ -113,7 +119,7 @@ class MongoStorage(Storage):
             "outgoing": [envelope.to_record() for envelope in outgoing],
             "ids": [envelope.message_id for envelope in outgoing],
             "dispatched": False,
-            "at": datetime.datetime.now(datetime.timezone.utc),
+            "at": utc_now(),
         }
         collection = self.database[loaded.aggregate_type]
         new_state = dict(state) if state is not None else None
@@ -153,26 +159,26 @@ class MongoStorage(Storage):
     # -- delayed messages ---------------------------------------------------------------
 
     @property
-    def _scheduled(self) -> Any:
+    def _delayed_messages(self) -> Any:
         return self.database[SCHEDULED]
 
-    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
         with self._guard, _translated():
-            self._scheduled.update_one(
+            self._delayed_messages.update_one(
                 {"_id": _scheduled_id(envelope)},
                 {"$setOnInsert": {"envelope": envelope.to_record(), "due": due,
                                   "leased_until": None}},
                 upsert=True,
             )
 
-    def claim_due(
-        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    def _claim_due(
+        self, now: datetime.datetime, *, limit: int, lease: float
     ) -> list[Envelope]:
         until = now + datetime.timedelta(seconds=lease)
         claimed: list[Envelope] = []
         with self._guard, _translated():
             while len(claimed) < limit:
-                document = self._scheduled.find_one_and_update(
+                document = self._delayed_messages.find_one_and_update(
                     {"due": {"$lte": now},
                      "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]},
                     {"$set": {"leased_until": until}},
@@ -187,11 +193,12 @@ class MongoStorage(Storage):
         if not envelopes:
             return
         with self._guard, _translated():
-            self._scheduled.delete_many({"_id": {"$in": [_scheduled_id(e) for e in envelopes]}})
+            self._delayed_messages.delete_many(
+                {"_id": {"$in": [_scheduled_id(envelope) for envelope in envelopes]}})
 
     def migrate(self) -> None:
         with self._guard, _translated():
-            self._scheduled.create_index([("due", pymongo.ASCENDING)])
+            self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
 
     def verify(self) -> None:
         with self._guard, _translated():
@@ -214,7 +221,7 @@ def _translated() -> Iterator[None]:
 
 
 def _scheduled_id(envelope: Envelope) -> str:
-    return f"{envelope.message_id}|{envelope.destination or ''}"
+    return "|".join(scheduled_key(envelope))
 
 
 def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateRecord:

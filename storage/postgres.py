@@ -55,7 +55,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
-from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage
+from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage, scheduled_key
 from storage.batching import Batcher
 from storage.errors import StorageUnavailable
 
@@ -137,10 +137,11 @@ class PostgresStorage(Storage):
                 CREATE TABLE IF NOT EXISTS {self._scheduled} (
                     message_id text NOT NULL,
                     destination text NOT NULL,
+                    deliver_at text NOT NULL,
                     envelope jsonb NOT NULL,
                     due timestamptz NOT NULL,
                     leased_until timestamptz,
-                    PRIMARY KEY (message_id, destination)
+                    PRIMARY KEY (message_id, destination, deliver_at)
                 )""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
@@ -241,23 +242,23 @@ class PostgresStorage(Storage):
                 (types, ids, keys),
             )
 
-    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
         with self._connection() as connection:
             connection.execute(
-                f"INSERT INTO {self._scheduled} (message_id, destination, envelope, due) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (envelope.message_id, envelope.destination or "", Jsonb(envelope.to_record()),
-                 due),
+                f"INSERT INTO {self._scheduled} "
+                "(message_id, destination, deliver_at, envelope, due) "
+                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (*scheduled_key(envelope), Jsonb(envelope.to_record()), due),
             )
 
-    def claim_due(
-        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+    def _claim_due(
+        self, now: datetime.datetime, *, limit: int, lease: float
     ) -> list[Envelope]:
         with self._connection() as connection:
             rows = connection.execute(
                 f"""UPDATE {self._scheduled} SET leased_until = %s
-                    WHERE (message_id, destination) IN (
-                        SELECT message_id, destination FROM {self._scheduled}
+                    WHERE (message_id, destination, deliver_at) IN (
+                        SELECT message_id, destination, deliver_at FROM {self._scheduled}
                         WHERE due <= %s AND (leased_until IS NULL OR leased_until <= %s)
                         ORDER BY due LIMIT %s FOR UPDATE SKIP LOCKED)
                     RETURNING envelope, due""",
@@ -268,11 +269,13 @@ class PostgresStorage(Storage):
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
         if not envelopes:
             return
+        ids, destinations, times = (
+            list(column) for column in zip(*map(scheduled_key, envelopes), strict=True))
         with self._connection() as connection:
             connection.execute(
-                f"DELETE FROM {self._scheduled} WHERE (message_id, destination) IN "
-                "(SELECT * FROM unnest(%s::text[], %s::text[]))",
-                ([e.message_id for e in envelopes], [e.destination or "" for e in envelopes]),
+                f"DELETE FROM {self._scheduled} WHERE (message_id, destination, deliver_at) IN "
+                "(SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
+                (ids, destinations, times),
             )
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:

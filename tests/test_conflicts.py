@@ -24,7 +24,7 @@ def test_a_handler_that_always_loses_the_race_ends_in_the_error_queue(make_endpo
     accounts = make_endpoint(
         "accounts", handlers=[AccountHandler], storage=AlwaysMovedOn(),
         conflict_policy=ConflictPolicy(attempts=3, base_delay=0.0),
-        retry_policy=RetryPolicy(immediate_retries=1),
+        retry_policy=RetryPolicy(immediate_retries=1, delayed=()),
     )
     conflicts = SignalCounter(accounts, "conflict")
     dead = SignalCounter(accounts, "dead_lettered")

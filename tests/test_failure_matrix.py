@@ -412,7 +412,8 @@ def test_f_a_handler_that_always_fails_sends_the_message_to_the_error_queue_unto
 ) -> None:
     # Given a handler that changes state and publishes, then always fails
     flaky = FlakyAccounts(failures=1_000)
-    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, handlers=[flaky])
+    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, handlers=[flaky],
+                                                    retry_policy=RetryPolicy(delayed=()))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     start(accounts, downstream)
     deposit = Deposit(account="zoë-€", amount=5)
@@ -453,7 +454,7 @@ def test_f_immediate_retries_follow_the_retry_policy(make_endpoint: MakeEndpoint
     # Given an endpoint allowed one immediate retry, and a handler that always fails
     flaky = FlakyAccounts(failures=1_000)
     accounts = make_endpoint("accounts", handlers=[flaky],
-                             retry_policy=RetryPolicy(immediate_retries=1))
+                             retry_policy=RetryPolicy(immediate_retries=1, delayed=()))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     accounts.start()
 

@@ -29,10 +29,8 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
-from typing import ClassVar
 
 from bus.envelope import Envelope
-from bus.headers import Intent
 from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
@@ -84,8 +82,8 @@ OnDelivery = Callable[[Delivery], None]
 class Transport(ABC):
     """Base class of transports; see the module docstring for the contract."""
 
-    #: The broker can hold a message back until a given time.
-    native_delay: ClassVar[bool] = False
+    #: The broker can hold a message back until a given time (``idembus.deliver_at``).
+    native_delay: bool = False
 
     #: ``send`` and ``publish`` return only after the broker confirmed the message.
     publisher_confirms: bool = False
@@ -123,8 +121,9 @@ class Transport(ABC):
         """Release connections. Idempotent."""
 
     def dispatch(self, envelope: Envelope) -> None:
-        """Send or publish ``envelope`` according to its intent."""
-        if envelope.intent is Intent.PUBLISH:
+        """Send ``envelope`` to its destination queue, or publish it if it has none (an
+        event; a retried event goes back to the one queue that failed it)."""
+        if envelope.destination is None:
             self.publish(envelope)
         else:
             self.send(envelope)

@@ -6,6 +6,11 @@ Features
   routed by the message type name; publisher confirms on by default; consumer prefetch.
   Publishing happens on connections of its own: on one connection that also consumes,
   deliveries re-enter the consumer callback while a publish waits for its confirm.
+  Delayed delivery is native (``native_delay``) and needs no plugin: a message whose
+  ``idembus.deliver_at`` is in the future goes through the delay levels of
+  ``transports/delays.py``, which hold it in the broker until then (rounded up to a second).
+  Deliveries do not show the ``x-death`` / ``x-first-death-*`` / ``x-last-death-*`` headers
+  dead-lettering adds: they are broker bookkeeping.
 * ``redis://``: the same topology emulated by kombu; no publisher confirms.
 * ``memory://``: the embedded default. Its broker state is shared by every connection in
   the process (even across virtual hosts), so give every test its own queue and exchange
@@ -32,6 +37,7 @@ Options
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -41,9 +47,11 @@ import kombu
 import kombu.exceptions
 from kombu import Exchange, Queue, binding
 
+from bus import headers as h
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
 from bus.policies import Backoff
+from transports import delays
 from transports.base import Delivery, OnDelivery, Transport
 from transports.errors import TransportUnavailable
 
@@ -80,6 +88,7 @@ class KombuTransport(Transport):
             options.setdefault("polling_interval", polling_interval)
         self._is_amqp = scheme in ("amqp", "amqps", "pyamqp")
         self.process_local = scheme == "memory"
+        self.native_delay = self._is_amqp
         if confirm_publish and self._is_amqp:
             options.setdefault("confirm_publish", True)
         self.publisher_confirms = bool(options.get("confirm_publish"))
@@ -98,6 +107,9 @@ class KombuTransport(Transport):
         self._connections: list[kombu.Connection] = []
         self._connections_lock = threading.Lock()
         self._declared: set[str] = set()
+        #: Queues bound to the delay delivery exchange by this transport.
+        self._delay_bound: set[str] = set()
+        self._delay_levels_declared = False
 
     @property
     def exchange_name(self) -> str:
@@ -120,8 +132,48 @@ class KombuTransport(Transport):
         queue = envelope.destination
         if not queue:
             raise ValueError(f"message {envelope.message_id} has no destination queue")
+        delay = self._delay_of(envelope)
+        if delay:
+            self._send_delayed(envelope, queue, delay)
+            return
         declare = [] if queue in self._declared else [Queue(queue, durable=True)]
         self._publish(envelope, exchange="", routing_key=queue, declare=declare)
+        self._declared.add(queue)
+
+    def _delay_of(self, envelope: Envelope) -> int:
+        """Seconds the broker must hold ``envelope`` (0: deliver at once)."""
+        if not self.native_delay:
+            return 0
+        deliver_at = delays.parse_time(envelope.headers.get(h.DELIVER_AT))
+        return delays.delay_seconds(deliver_at, datetime.datetime.now(datetime.timezone.utc))
+
+    def _send_delayed(self, envelope: Envelope, queue: str, delay: int) -> None:
+        key = delays.routing_key(delay, queue)  # refuses a queue name it cannot route first
+        if queue not in self._delay_bound:
+            self._bind_for_delays(queue)
+        try:
+            self._publish(envelope, exchange=delays.entry_exchange(delay), routing_key=key,
+                          declare=[])
+        except TransportUnavailable:
+            # The broker may have lost the topology (a reset node): declare it again next time.
+            self._delay_levels_declared = False
+            self._delay_bound.clear()
+            raise
+
+    def _bind_for_delays(self, queue: str) -> None:
+        """Declare the delay levels (once) and ``queue``, bound to their delivery exchange."""
+        scope = self._channel()
+        with scope as channel:
+            lost = (*scope.connection.connection_errors, kombu.exceptions.OperationalError)
+            try:
+                if not self._delay_levels_declared:
+                    delays.declare_levels(channel)
+                    self._delay_levels_declared = True
+                delays.bind_destination(channel, queue)
+            except lost as exc:
+                raise TransportUnavailable(
+                    f"declaring the delay levels on {self.url} failed: {exc}") from exc
+        self._delay_bound.add(queue)
         self._declared.add(queue)
 
     def publish(self, envelope: Envelope) -> None:
@@ -240,6 +292,7 @@ class KombuTransport(Transport):
         with self._channel() as channel:
             channel.queue_delete(queue=queue)
         self._declared.discard(queue)
+        self._delay_bound.discard(queue)
 
     def delete_exchange(self) -> None:
         """Delete this transport's events exchange (tests and samples clean up with this)."""
@@ -289,6 +342,10 @@ class _ChannelScope:
 
     def __exit__(self, *exc: object) -> None:
         self._transport._release(self._connection)
+
+    @property
+    def connection(self) -> kombu.Connection:
+        return self._connection
 
 
 class _KombuDelivery(Delivery):
@@ -353,8 +410,9 @@ def _broker_errors(connection: kombu.Connection) -> tuple[type[BaseException], .
 
 
 def _text_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    """Header values as text, without the broker's dead-letter bookkeeping (delays add it)."""
     return {str(k): v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-            for k, v in headers.items() if v is not None}
+            for k, v in delays.without_dead_letter_headers(headers).items() if v is not None}
 
 
 def _as_bytes(body: Any) -> bytes:
