@@ -14,14 +14,13 @@ be abandoned (they are redelivered) or the broker or database cannot be reached 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bus.errors import BusError, ConfigurationError
+from bus.loading import load_endpoint
 from bus.supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
 from storage.errors import StorageUnavailable
 from transports.errors import TransportUnavailable
@@ -30,33 +29,8 @@ from transports.errors import TransportUnavailable
 EXIT_UNAVAILABLE = 1
 
 
-def load_endpoint(reference: str) -> Any:
-    """Import ``package.module:attribute`` and return the endpoint it names."""
-    from bus.endpoint import Endpoint
-
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise ConfigurationError(
-            f"{reference!r} is not of the form package.module:endpoint"
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
-    try:
-        target = getattr(module, attribute)
-    except AttributeError:
-        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}") from None
-    if callable(target) and not isinstance(target, Endpoint):
-        target = target()
-    if not isinstance(target, Endpoint):
-        raise ConfigurationError(
-            f"{reference} is a {type(target).__name__}, not an Endpoint (or a function "
-            "returning one)"
-        )
-    return target
+#: Modules adding subcommands: each has ``register(commands, common_options)``.
+_TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = []
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,10 +47,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="consumer threads per process (the endpoint's own setting)")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to finish messages in progress after SIGTERM (30)")
+    run.set_defaults(handler=_run)
     migrate = commands.add_parser(
         "migrate", parents=[common],
         help="create the endpoint's storage schema (tables, indexes) and exit")
     migrate.add_argument("endpoint", help="package.module:endpoint")
+    migrate.set_defaults(handler=lambda args: _migrate(args.endpoint))
+    for register in _TOOLS:
+        register(commands, common)
     return parser
 
 
@@ -85,9 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
     try:
-        if args.command == "migrate":
-            return _migrate(args.endpoint)
-        return _run(args)
+        status: int = args.handler(args)
+        return status
     except (StorageUnavailable, TransportUnavailable) as exc:
         print(f"idembus: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from bus import ConfigurationError
-from bus.cli import load_endpoint
+from bus.loading import load_endpoint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,39 @@
+"""Finding an endpoint from a command line: ``package.module:endpoint``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+from bus.errors import ConfigurationError
+
+
+def load_endpoint(reference: str) -> Any:
+    """Import ``package.module:attribute`` and return the endpoint it names."""
+    from bus.endpoint import Endpoint
+
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise ConfigurationError(
+            f"{reference!r} is not of the form package.module:endpoint"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    try:
+        target = getattr(module, attribute)
+    except AttributeError:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}") from None
+    if callable(target) and not isinstance(target, Endpoint):
+        target = target()
+    if not isinstance(target, Endpoint):
+        raise ConfigurationError(
+            f"{reference} is a {type(target).__name__}, not an Endpoint (or a function "
+            "returning one)"
+        )
+    return target
