@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bus import cli_status
 from bus.errors import BusError, ConfigurationError
 from bus.loading import load_endpoint
 from bus.supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
@@ -30,7 +31,7 @@ EXIT_UNAVAILABLE = 1
 
 
 #: Modules adding subcommands: each has ``register(commands, common_options)``.
-_TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = []
+_TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [cli_status.register]
 
 
 def _parser() -> argparse.ArgumentParser:

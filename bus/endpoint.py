@@ -37,6 +37,7 @@ from bus.registry import MessageRegistry
 from bus.routing import Router
 from bus.sending import Bus
 from bus.signals import EndpointSignals
+from bus.status import StatusReporter
 from handlers.base import Handler
 from handlers.registration import HandlerTable
 from storage.base import Storage
@@ -79,6 +80,8 @@ class Endpoint:
     delayed_poll_interval:
         Seconds between looks for due deferred messages in the storage (transports
         without native delay).
+    status_interval:
+        Seconds between reports of the counters to the storage (``idembus status``).
     compact_after_dispatch:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
@@ -104,6 +107,7 @@ class Endpoint:
         outage_backoff: Backoff | None = None,
         breaker_policy: BreakerPolicy | None = None,
         delayed_poll_interval: float = 0.5,
+        status_interval: float = 5.0,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -167,6 +171,9 @@ class Endpoint:
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
             interval=delayed_poll_interval)
+        self.status_interval = status_interval
+        self._status = StatusReporter(self.storage, name, self.counters.snapshot,
+                                      interval=status_interval)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
@@ -228,6 +235,7 @@ class Endpoint:
         self.transport.declare(self.error_queue)
         if self._delayed is not None:
             self._delayed.start()
+        self._status.start()
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
@@ -245,6 +253,7 @@ class Endpoint:
             thread.join(timeout)
         if self._delayed is not None:
             self._delayed.stop(timeout)
+        self._status.stop(timeout)
         stopped = not any(thread.is_alive() for thread in self._threads)
         if stopped:
             self._threads = []

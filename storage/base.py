@@ -73,6 +73,20 @@ class ProcessedMessage:
 
 
 @dataclass(frozen=True)
+class StatusReport:
+    """The counters one running endpoint process reported (``idembus status``)."""
+
+    endpoint: str
+    #: Which process: host, pid and a random part.
+    instance: str
+    counters: Mapping[str, int]
+    started_at: datetime.datetime
+    updated_at: datetime.datetime
+    #: The process stopped cleanly after this report.
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
 class AggregateRecord:
     """An aggregate as loaded: ``version == 0`` means it does not exist yet.
 
@@ -169,6 +183,14 @@ class Storage(ABC):
     @abstractmethod
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
         """Remove scheduled envelopes (after they were dispatched)."""
+
+    @abstractmethod
+    def report_status(self, report: StatusReport) -> None:
+        """Keep ``report``, replacing the earlier one of the same endpoint and instance."""
+
+    @abstractmethod
+    def status_reports(self, endpoint: str) -> list[StatusReport]:
+        """Every kept report of ``endpoint``, newest first."""
 
     def flush(self) -> None:
         """Apply every ``mark_dispatched`` made so far (backends that batch them)."""

@@ -15,6 +15,7 @@ from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
     ProcessedMessage,
+    StatusReport,
     Storage,
     scheduled_key,
 )
@@ -36,6 +37,7 @@ class MemoryStorage(Storage):
         self.retention = retention
         self._records: dict[tuple[str, str], AggregateRecord] = {}
         self._scheduled: dict[tuple[str, str, str], _Scheduled] = {}
+        self._status: dict[tuple[str, str], StatusReport] = {}
         self._lock = threading.Lock()
 
     def load(
@@ -133,6 +135,15 @@ class MemoryStorage(Storage):
             for envelope in envelopes:
                 self._scheduled.pop(scheduled_key(envelope), None)
 
+
+    def report_status(self, report: StatusReport) -> None:
+        with self._lock:
+            self._status[report.endpoint, report.instance] = report
+
+    def status_reports(self, endpoint: str) -> list[StatusReport]:
+        with self._lock:
+            found = [r for (name, _), r in self._status.items() if name == endpoint]
+        return sorted(found, key=lambda report: report.updated_at, reverse=True)
 
 @dataclass
 class _Scheduled:

@@ -46,6 +46,7 @@ from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
     ProcessedMessage,
+    StatusReport,
     Storage,
     scheduled_key,
 )
@@ -53,6 +54,8 @@ from storage.errors import StorageUnavailable
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
+#: Collection of the counters endpoint processes report (``idembus status``).
+STATUS = "idembus_status"
 
 
 def is_mongomock(client: Any) -> bool:
@@ -195,6 +198,24 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             self._delayed_messages.delete_many(
                 {"_id": {"$in": [_scheduled_id(envelope) for envelope in envelopes]}})
+
+    def report_status(self, report: StatusReport) -> None:
+        document = {"endpoint": report.endpoint, "instance": report.instance,
+                    "counters": dict(report.counters), "started_at": report.started_at,
+                    "updated_at": report.updated_at, "stopped": report.stopped}
+        with self._guard, _translated():
+            self.database[STATUS].replace_one(
+                {"_id": f"{report.endpoint}|{report.instance}"}, document, upsert=True)
+
+    def status_reports(self, endpoint: str) -> list[StatusReport]:
+        with self._guard, _translated():
+            documents = list(self.database[STATUS].find({"endpoint": endpoint}))
+        reports = [StatusReport(
+            endpoint=d["endpoint"], instance=d["instance"], counters=d["counters"],
+            started_at=_utc(d["started_at"]) or d["started_at"],
+            updated_at=_utc(d["updated_at"]) or d["updated_at"], stopped=d["stopped"],
+        ) for d in documents]
+        return sorted(reports, key=lambda report: report.updated_at, reverse=True)
 
     def migrate(self) -> None:
         with self._guard, _translated():

@@ -55,7 +55,14 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from bus.envelope import Envelope
 from bus.errors import ConfigurationError
-from storage.base import INBOX, AggregateRecord, ProcessedMessage, Storage, scheduled_key
+from storage.base import (
+    INBOX,
+    AggregateRecord,
+    ProcessedMessage,
+    StatusReport,
+    Storage,
+    scheduled_key,
+)
 from storage.batching import Batcher
 from storage.errors import StorageUnavailable
 
@@ -84,6 +91,7 @@ class PostgresStorage(Storage):
         self._aggregates = f"{table_prefix}_aggregates"
         self._processed = f"{table_prefix}_processed"
         self._scheduled = f"{table_prefix}_scheduled"
+        self._status = f"{table_prefix}_status"
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
@@ -145,6 +153,16 @@ class PostgresStorage(Storage):
                 )""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._status} (
+                    endpoint text NOT NULL,
+                    instance text NOT NULL,
+                    counters jsonb NOT NULL,
+                    started_at timestamptz NOT NULL,
+                    updated_at timestamptz NOT NULL,
+                    stopped boolean NOT NULL,
+                    PRIMARY KEY (endpoint, instance)
+                )""")
 
     def verify(self) -> None:
         """Open the pool, fail clearly if the database is unreachable, create the schema."""
@@ -162,7 +180,7 @@ class PostgresStorage(Storage):
         self._marks.flush()
         with self._connection() as connection:
             connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
-                               f"{self._scheduled}")
+                               f"{self._scheduled}, {self._status}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -277,6 +295,27 @@ class PostgresStorage(Storage):
                 "(SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
                 (ids, destinations, times),
             )
+
+    def report_status(self, report: StatusReport) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"INSERT INTO {self._status} "
+                "(endpoint, instance, counters, started_at, updated_at, stopped) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (endpoint, instance) DO UPDATE "
+                "SET counters = EXCLUDED.counters, updated_at = EXCLUDED.updated_at, "
+                "stopped = EXCLUDED.stopped",
+                (report.endpoint, report.instance, Jsonb(dict(report.counters)),
+                 report.started_at, report.updated_at, report.stopped),
+            )
+
+    def status_reports(self, endpoint: str) -> list[StatusReport]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT endpoint, instance, counters, started_at, updated_at, stopped "
+                f"FROM {self._status} WHERE endpoint = %s ORDER BY updated_at DESC",
+                (endpoint,),
+            ).fetchall()
+        return [StatusReport(*row) for row in rows]
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         with self._connection() as connection:

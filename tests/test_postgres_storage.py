@@ -37,6 +37,10 @@ def prefix() -> Iterator[str]:
     cleaner.close()
 
 
+def expected_tables(prefix: str) -> set[str]:
+    return {f"{prefix}_{name}" for name in ("aggregates", "processed", "scheduled", "status")}
+
+
 def tables(prefix: str) -> set[str]:
     with psycopg.connect(POSTGRES_URL) as connection:
         rows = connection.execute(
@@ -94,7 +98,7 @@ def test_migrate_creates_the_tables_and_can_run_concurrently_and_again(prefix):
     # Then all succeed, and a second migration changes nothing
     assert errors == []
     storages[0].migrate()
-    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed", f"{prefix}_scheduled"}
+    assert tables(prefix) == expected_tables(prefix)
     for storage in storages:
         storage.close()
 
@@ -158,4 +162,4 @@ def test_idembus_migrate_creates_the_schema_from_the_command_line(prefix, tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert "PostgresStorage schema is in place" in done.stdout
-    assert tables(prefix) == {f"{prefix}_aggregates", f"{prefix}_processed", f"{prefix}_scheduled"}
+    assert tables(prefix) == expected_tables(prefix)

@@ -1,0 +1,63 @@
+"""What an endpoint process did, reported to its storage for ``idembus status``.
+
+Every running endpoint writes its counters (kept from its signals) every few seconds, and
+once more when it stops, under an instance name of its own; ``idembus status`` reads the
+reports of every process of the endpoint, on every machine that shares its storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+
+from bus.envelope import utc_now
+from storage.base import StatusReport, Storage
+
+log = logging.getLogger(__name__)
+
+
+class StatusReporter:
+    """A thread writing one endpoint process's counters every ``interval`` seconds."""
+
+    def __init__(self, storage: Storage, endpoint: str,
+                 counters: Callable[[], Mapping[str, int]], *, interval: float = 5.0) -> None:
+        self._storage = storage
+        self._endpoint = endpoint
+        self._counters = counters
+        self._interval = interval
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._started_at = utc_now()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"idembus-{self._endpoint}-status",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop reporting, after a last report that says so."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+            self.report(stopped=True)
+
+    def report(self, *, stopped: bool = False) -> None:
+        try:
+            self._storage.report_status(StatusReport(
+                endpoint=self._endpoint, instance=self.instance, counters=self._counters(),
+                started_at=self._started_at, updated_at=utc_now(), stopped=stopped,
+            ))
+        except Exception as exc:  # observation only: never let it stop the endpoint
+            log.warning("could not report the status of %s: %s", self._endpoint, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.report()
+            self._stop.wait(self._interval)

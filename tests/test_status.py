@@ -1,0 +1,104 @@
+"""Endpoints report their counters to their storage; ``idembus status`` prints them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+import types
+
+import pytest
+
+from bus import Endpoint
+from bus.cli import main
+from bus.cli_status import render, summarise
+from storage.base import StatusReport
+from storage.memory import MemoryStorage
+from tests.support import AccountHandler, Deposit, SignalCounter
+
+NOW = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=datetime.timezone.utc)
+
+
+@pytest.fixture
+def exposed(monkeypatch: pytest.MonkeyPatch):
+    """``exposed(endpoint)`` makes it reachable as ``status_app:endpoint`` for the CLI."""
+    def expose(endpoint):  # type: ignore[no-untyped-def]
+        module = types.ModuleType("status_app")
+        module.endpoint = endpoint  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "status_app", module)
+        return "status_app:endpoint"
+    return expose
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    """Reports are written on a timer: look again until one says what we expect."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_running_endpoint_reports_its_counters_and_status_prints_them(
+    make_endpoint, make_transport, exposed, capsys
+):
+    # Given an endpoint that reports every 50 ms and handled two deposits
+    storage = MemoryStorage()
+    service = make_endpoint("status", handlers=[AccountHandler], storage=storage,
+                            status_interval=0.05)
+    handled = SignalCounter(service, "handled")
+    service.start()
+    service.bus.send(Deposit(account="a", amount=1))
+    service.bus.send(Deposit(account="a", amount=1), message_id="same")
+    service.bus.send(Deposit(account="a", amount=1), message_id="same")
+    assert handled.wait_for(2)
+    assert wait_until(lambda: any(r.counters.get("duplicate") == 1
+                                  for r in storage.status_reports(service.name)))
+
+    # When idembus status runs (its own Endpoint object, as in another process), as JSON
+    # and as a table
+    viewer = Endpoint(service.name, storage=storage, handlers=[AccountHandler],
+                      transport=make_transport())
+    assert main(["status", exposed(viewer), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert main(["status", exposed(viewer)]) == 0
+    table = capsys.readouterr().out
+
+    # Then it shows the one running process and its counters
+    assert summary["running"] == 1
+    assert summary["total"]["handled"] == 2
+    assert summary["total"]["duplicate"] == 1
+    assert summary["total"]["received"] == 3
+    (instance,) = summary["instances"]
+    assert instance["state"] == "running"
+    assert f"endpoint {service.name}: 1 process(es) running" in table
+    assert "handled" in table.splitlines()[1]
+
+
+def test_a_stopped_endpoint_leaves_a_last_report_marked_stopped(make_endpoint):
+    storage = MemoryStorage()
+    service = make_endpoint("status", handlers=[AccountHandler], storage=storage)
+    handled = SignalCounter(service, "handled")
+    service.start()
+    service.bus.send(Deposit(account="a", amount=1))
+    assert handled.wait_for(1)
+
+    assert service.stop()
+
+    (last,) = storage.status_reports(service.name)
+    assert last.stopped and last.counters["handled"] == 1
+
+
+def test_only_running_processes_count_in_the_total():
+    def report(instance: str, age: float, handled: int, stopped: bool = False) -> StatusReport:
+        return StatusReport("sales", instance, {"handled": handled}, NOW,
+                            NOW - datetime.timedelta(seconds=age), stopped)
+
+    summary = summarise("sales", [report("a", 1, 5), report("b", 100, 7),
+                                  report("c", 1, 11, stopped=True)],
+                        now=NOW, stale_after=datetime.timedelta(seconds=15))
+    assert [i["state"] for i in summary["instances"]] == ["running", "stale", "stopped"]
+    assert summary["running"] == 1 and summary["total"]["handled"] == 5
+    assert "total (running)" in render(summary)
