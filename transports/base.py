@@ -18,6 +18,13 @@ A transport moves envelopes between endpoint queues. It must:
   what the broker does when a consumer dies — and keeps consuming.
 * ``get(queue)`` — take one message, if any (tools and tests); ``pending(queue)`` — how
   many messages wait; ``close()``.
+* ``inspect(queue, limit=...)`` — for tools that look at a queue without losing anything
+  (``idembus errors``): a context manager yielding the deliveries waiting in the queue
+  now, taken unsettled. Inside the block the caller may ``ack()`` some (removed for good)
+  or ``requeue()`` them; when the block ends, however it ends, every delivery still
+  unsettled goes back to the queue. Their order in the queue may change (it depends on
+  the broker). If the process dies meanwhile, the broker gives them back as it does for
+  a consumer that dies. Transports that cannot do this raise ``NotImplementedError``.
 
 Capability flags say what the broker offers natively; the endpoint compensates for what
 it lacks.
@@ -29,6 +36,7 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 
 from bus.envelope import Envelope
 from transports.errors import TransportUnavailable
@@ -116,6 +124,24 @@ class Transport(ABC):
     @abstractmethod
     def pending(self, queue: str) -> int:
         """Number of messages ready in ``queue`` (0 if it does not exist)."""
+
+    def inspect(
+        self, queue: str, *, limit: int | None = None
+    ) -> AbstractContextManager[list[Delivery]]:
+        """Look at the messages waiting in ``queue`` without losing any.
+
+        ``with transport.inspect(queue, limit=100) as deliveries:`` — ``deliveries`` holds
+        the messages waiting now (at most ``limit``; ``[]`` if the queue is empty or does
+        not exist), taken from the queue unsettled so that nobody else receives them
+        meanwhile. Settle them only inside the block: ``ack()`` removes one for good,
+        ``requeue()`` gives it back at once. When the block ends, even by an exception,
+        every delivery still unsettled goes back to ``queue`` (and only to it); the order
+        of the queue may change.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot inspect queue {queue!r} without taking its "
+            "messages; tools that look at queues need a transport that implements inspect()"
+        )
 
     def close(self) -> None:
         """Release connections. Idempotent."""

@@ -17,6 +17,14 @@ Features
   names. An unacknowledged message is dropped when its channel closes; idembus requeues a
   delivery whose processing stopped abruptly, which is the redelivery a real broker makes.
   The polling interval defaults to 5 ms instead of kombu's 1 s.
+* ``inspect(queue)`` (tools such as ``idembus errors``) takes the waiting messages with
+  ``basic_get`` on one channel, unacknowledged. RabbitMQ puts the ones not acknowledged
+  back in their original places (and does the same if the tool dies meanwhile). On
+  memory:// and redis:// each goes back as a copy published to that queue, after which the
+  original is acknowledged: they end up behind the messages not taken, in the order they
+  were taken. (kombu's own requeue there would route an event through its exchange again,
+  into every subscribed queue, and memory:// drops unacknowledged messages when a channel
+  closes.) A tool that dies on redis:// leaves them to kombu's visibility timeout (1 h).
 * On ``redis://`` the polling interval (kombu's BRPOP timeout) defaults to 0.1 s, so a
   consumer stops within a fraction of a second.
 
@@ -275,6 +283,57 @@ class KombuTransport(Transport):
             return None
         return _KombuDelivery(queue, message, settled=True)
 
+    @contextlib.contextmanager
+    def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
+        """The messages waiting in ``queue`` now, taken unsettled; see the contract.
+
+        They are taken with ``basic_get`` (no auto-acknowledgement) on one channel, which
+        never hands out a message it already holds. At the end every unsettled one goes
+        back: on RabbitMQ by a native requeue, which puts it back in its original place
+        (and had the process died, the broker would have done the same); on memory:// and
+        redis:// by publishing a copy to ``queue`` itself and then acknowledging the
+        original, as :class:`_KombuDelivery` requeues, so they end up behind the messages
+        not taken, in the order they were taken.
+        """
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be at least 0, got {limit}")
+        waiting = self.pending(queue)  # also: a missing queue has nothing to inspect
+        wanted = waiting if limit is None else min(waiting, limit)
+        if wanted == 0:
+            yield []
+            return
+        scope = self._channel()
+        with scope as channel:
+            taken = self._take(channel, queue, wanted, _broker_errors(scope.connection))
+            try:
+                yield list(taken)
+            except BaseException:
+                with contextlib.suppress(Exception):  # logged; the caller's error matters
+                    _give_back(taken)
+                raise
+            _give_back(taken)
+
+    def _take(self, channel: Any, queue: str, count: int,
+              outage: tuple[type[BaseException], ...]) -> list[_KombuDelivery]:
+        """Up to ``count`` messages of ``queue``, unsettled; all given back on a failure."""
+        bound = Queue(queue, durable=True, no_declare=True)(channel)
+        taken: list[_KombuDelivery] = []
+        try:
+            while len(taken) < count:
+                message = bound.get(no_ack=False)
+                if message is None:
+                    break
+                taken.append(_KombuDelivery(queue, message, outage=outage,
+                                            native_requeue=self._is_amqp))
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # logged; the failure to take matters
+                _give_back(taken)
+            if isinstance(exc, outage):
+                raise TransportUnavailable(
+                    f"taking messages of {queue!r} from {self.url} failed: {exc}") from exc
+            raise
+        return taken
+
     def pending(self, queue: str) -> int:
         try:
             with self._channel() as channel:
@@ -401,6 +460,28 @@ class _KombuDelivery(Delivery):
             delivery_mode=2,
         )
         message.ack()
+
+
+def _give_back(deliveries: list[_KombuDelivery]) -> None:
+    """Requeue every unsettled delivery; try them all, then raise the first failure.
+
+    A delivery that could not be requeued (the broker is unreachable) stays unacknowledged
+    and is not lost: RabbitMQ requeues it when the connection closes; on redis:// kombu
+    restores it when the channel closes or after its visibility timeout, through the
+    exchange it came from (for a message sent to the queue directly, as everything in an
+    error queue is, that is the queue itself). memory:// cannot fail here.
+    """
+    failures: list[Exception] = []
+    for delivery in deliveries:
+        if delivery.settled:
+            continue
+        try:
+            delivery.requeue()
+        except Exception as exc:
+            log.warning("could not give a message back to %r: %s", delivery.queue, exc)
+            failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def _broker_errors(connection: kombu.Connection) -> tuple[type[BaseException], ...]:

@@ -348,3 +348,120 @@ def test_publisher_confirms_are_on_for_amqp_only(
     transport = make_transport()
     assert transport.publisher_confirms is transport_url.startswith("amqp")
     assert make_transport(confirm_publish=False).publisher_confirms is False
+
+
+# -- inspect ----------------------------------------------------------------------------
+
+
+def _drain_ids(transport: Transport, queue: str) -> list[str]:
+    """Take every message of ``queue`` (for good) and return their message ids in order."""
+    ids = []
+    while (delivery := transport.get(queue)) is not None:
+        ids.append(delivery.headers[h.MESSAGE_ID])
+    return ids
+
+
+def test_inspect_shows_the_waiting_messages_removes_the_acked_and_gives_back_the_rest(
+    make_transport: MakeTransport, queue_name: QueueName,
+) -> None:
+    # Given a queue holding five messages
+    transport = make_transport()
+    queue = queue_name("inspect")
+    transport.declare(queue)
+    sent = [envelope(destination=queue) for _ in range(5)]
+    for message in sent:
+        transport.send(message)
+
+    # When a tool inspects it and acknowledges two of them
+    with transport.inspect(queue) as deliveries:
+        # Then it sees each message once, in queue order, intact and unsettled...
+        assert [d.headers[h.MESSAGE_ID] for d in deliveries] == [m.message_id for m in sent]
+        for delivery, message in zip(deliveries, sent, strict=True):
+            assert dict(delivery.headers) == dict(message.headers)
+            assert delivery.body == message.body.encode("utf-8")
+        assert not any(d.settled for d in deliveries)
+        # ... taken from the queue meanwhile, so nobody else receives them
+        assert transport.pending(queue) == 0
+        deliveries[1].ack()
+        deliveries[3].ack()
+
+    # Then the acknowledged ones are gone for good and the other three are back
+    assert transport.pending(queue) == 3
+    assert sorted(_drain_ids(transport, queue)) == sorted(
+        sent[i].message_id for i in (0, 2, 4))
+
+
+def test_inspect_honours_its_limit_and_loses_nothing(
+    make_transport: MakeTransport, queue_name: QueueName,
+) -> None:
+    # Given a queue holding five messages
+    transport = make_transport()
+    queue = queue_name("inspect-limit")
+    transport.declare(queue)
+    sent = [envelope(destination=queue) for _ in range(5)]
+    for message in sent:
+        transport.send(message)
+
+    # When a tool inspects at most two of them
+    with transport.inspect(queue, limit=2) as deliveries:
+        # Then it gets the first two; the other three still wait
+        assert [d.headers[h.MESSAGE_ID] for d in deliveries] == [m.message_id for m in sent[:2]]
+        assert transport.pending(queue) == 3
+
+    # And afterwards all five are there once each (the order may have changed)
+    assert sorted(_drain_ids(transport, queue)) == sorted(m.message_id for m in sent)
+
+
+def test_inspect_gives_everything_back_when_the_block_raises(
+    make_transport: MakeTransport, queue_name: QueueName,
+) -> None:
+    # Given a queue holding three messages
+    transport = make_transport()
+    queue = queue_name("inspect-raise")
+    transport.declare(queue)
+    sent = [envelope(destination=queue) for _ in range(3)]
+    for message in sent:
+        transport.send(message)
+
+    # When the tool fails while inspecting, after acknowledging one of them
+    with pytest.raises(RuntimeError, match="the tool failed"):
+        with transport.inspect(queue) as deliveries:
+            deliveries[0].ack()
+            raise RuntimeError("the tool failed")
+
+    # Then only that one is gone
+    assert sorted(_drain_ids(transport, queue)) == sorted(m.message_id for m in sent[1:])
+
+
+def test_inspect_gives_an_event_back_only_to_the_queue_it_came_from(
+    make_transport: MakeTransport, queue_name: QueueName,
+) -> None:
+    # Given two queues subscribed to one event type, each holding the published event
+    transport = make_transport()
+    inspected, other = queue_name("inspected"), queue_name("other")
+    transport.declare(inspected, subscriptions=["contract.Happened"])
+    transport.declare(other, subscriptions=["contract.Happened"])
+    published = event("contract.Happened")
+    transport.publish(published)
+
+    # When one queue is inspected and nothing is acknowledged
+    with transport.inspect(inspected) as deliveries:
+        assert [d.headers[h.MESSAGE_ID] for d in deliveries] == [published.message_id]
+
+    # Then the event is back in that queue, and the other still has exactly one copy
+    assert _drain_ids(transport, inspected) == [published.message_id]
+    assert _drain_ids(transport, other) == [published.message_id]
+
+
+def test_inspect_yields_nothing_for_an_empty_or_missing_queue(
+    make_transport: MakeTransport, queue_name: QueueName,
+) -> None:
+    transport = make_transport()
+    queue, missing = queue_name("inspect-empty"), queue_name("inspect-missing")
+    transport.declare(queue)
+    with transport.inspect(queue) as deliveries:
+        assert deliveries == []
+    with transport.inspect(missing) as deliveries:
+        assert deliveries == []
+    with transport.inspect(queue, limit=0) as deliveries:
+        assert deliveries == []

@@ -1,0 +1,338 @@
+"""``idembus errors``: look at, retry and purge the messages in an endpoint's error queue.
+
+    idembus errors list  package.module:endpoint [--type T] [--exception E] [--json]
+    idembus errors show  package.module:endpoint ID [--json]
+    idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
+    idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
+
+The endpoint is loaded (not started) for its transport and ``error_queue``, and closed at
+the end. The queue is read with ``Transport.inspect``: messages are taken unsettled and
+every one not retried or purged goes back (its place in the queue may change).
+
+``retry`` sends each selected message back to the queue that failed it
+(``idembus.failed_queue``) with the failure headers removed, so its attempt counters start
+again; its message id and everything else are unchanged, so handlers that had already
+processed it find it processed. Only then is it removed from the error queue: a crash in
+between leaves a copy in both queues, never none. ``--type`` matches the message type
+exactly; ``--exception`` the exception type by its full or last dotted name
+(``ValueError`` matches ``builtins.ValueError``); both together select what matches both.
+An ID selects every copy of that message in the error queue.
+
+Exit status: 0 on success; 2 when an ID is not in the error queue, the arguments are
+wrong, or a selected message cannot be retried (it has no failed queue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from bus import headers as h
+from bus.envelope import Envelope, parse_utc
+from bus.errors import ConfigurationError
+from bus.loading import load_endpoint
+from bus.supervisor import EXIT_CONFIGURATION
+from transports.base import Delivery
+
+if TYPE_CHECKING:
+    from bus.endpoint import Endpoint
+
+#: Headers written when a message is moved to the error queue; a retry drops them.
+FAILURE_HEADERS = frozenset({
+    h.EXCEPTION_TYPE, h.EXCEPTION_MESSAGE, h.STACK_TRACE, h.FAILED_QUEUE, h.TIME_OF_FAILURE,
+    h.IMMEDIATE_ATTEMPTS, h.DELAYED_ATTEMPTS, h.DELIVER_AT,
+})
+_FAILURE_PREFIXES = ("idembus.exception.", "idembus.attempts.")
+#: Longest exception message shown by ``errors list`` (``--json`` gives it whole).
+_SHORT_MESSAGE = 60
+_MISSING = "-"
+
+
+# -- reading failed messages -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FailedMessage:
+    """One message of the error queue, as its failure headers tell it."""
+
+    message_id: str | None
+    message_type: str | None
+    exception_type: str | None
+    exception_message: str | None
+    failed_queue: str | None
+    time_of_failure: str | None
+    immediate_attempts: str | None
+    delayed_attempts: str | None
+
+    @classmethod
+    def of(cls, delivery: Delivery) -> FailedMessage:
+        """Read the failure story from a delivery's headers."""
+        headers = delivery.headers
+        return cls(
+            message_id=headers.get(h.MESSAGE_ID),
+            message_type=headers.get(h.MESSAGE_TYPE),
+            exception_type=headers.get(h.EXCEPTION_TYPE),
+            exception_message=headers.get(h.EXCEPTION_MESSAGE),
+            failed_queue=headers.get(h.FAILED_QUEUE),
+            time_of_failure=headers.get(h.TIME_OF_FAILURE),
+            immediate_attempts=headers.get(h.IMMEDIATE_ATTEMPTS),
+            delayed_attempts=headers.get(h.DELAYED_ATTEMPTS),
+        )
+
+    def columns(self) -> list[str]:
+        """The cells of this message's row in ``errors list``."""
+        return [
+            self.message_id or _MISSING,
+            self.message_type or _MISSING,
+            self.exception_type or _MISSING,
+            _shorten(self.exception_message or _MISSING, _SHORT_MESSAGE),
+            self.failed_queue or _MISSING,
+            _readable_time(self.time_of_failure),
+            f"{self.immediate_attempts or 0}/{self.delayed_attempts or 0}",
+        ]
+
+
+_COLUMN_TITLES = ["MESSAGE ID", "TYPE", "EXCEPTION", "MESSAGE", "FAILED QUEUE",
+                  "TIME OF FAILURE (UTC)", "ATTEMPTS (IMM/DEL)"]
+
+
+def _shorten(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def _readable_time(text: str | None) -> str:
+    """A time header as ``YYYY-MM-DD HH:MM:SS`` UTC (unchanged if unreadable)."""
+    moment = parse_utc(text)
+    return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else (text or _MISSING)
+
+
+def exception_matches(exception_type: str | None, wanted: str) -> bool:
+    """True if ``wanted`` is the full dotted name of the exception type or its last part."""
+    if not exception_type:
+        return False
+    return wanted in (exception_type, exception_type.rsplit(".", 1)[-1])
+
+
+# -- choosing messages -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which messages of the error queue a command acts on."""
+
+    ids: tuple[str, ...] = ()
+    everything: bool = False
+    message_type: str | None = None
+    exception: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Selection:
+        return cls(ids=tuple(getattr(args, "ids", ()) or ()),
+                   everything=bool(getattr(args, "all", False)),
+                   message_type=args.type, exception=args.exception)
+
+    @property
+    def by_filter(self) -> bool:
+        return self.message_type is not None or self.exception is not None
+
+    def require(self, command: str) -> None:
+        """Refuse an empty or ambiguous selection (ConfigurationError: exit status 2)."""
+        kinds = [bool(self.ids), self.everything, self.by_filter]
+        if sum(kinds) == 0:
+            raise ConfigurationError(
+                f"errors {command} needs a selection: message ids, --all, --type or "
+                "--exception")
+        if sum(kinds) > 1:
+            raise ConfigurationError(
+                f"errors {command}: give message ids, --all, or --type/--exception, "
+                "not several of them")
+
+    def matches(self, delivery: Delivery) -> bool:
+        headers = delivery.headers
+        if self.ids:
+            return headers.get(h.MESSAGE_ID) in self.ids
+        if self.message_type is not None and headers.get(h.MESSAGE_TYPE) != self.message_type:
+            return False
+        if self.exception is not None:
+            return exception_matches(headers.get(h.EXCEPTION_TYPE), self.exception)
+        return True
+
+    def pick(self, deliveries: Sequence[Delivery], queue: str) -> list[Delivery]:
+        """The selected deliveries; ConfigurationError if a given id is not among them."""
+        chosen = [delivery for delivery in deliveries if self.matches(delivery)]
+        found = {delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}
+        missing = [message_id for message_id in self.ids if message_id not in found]
+        if missing:
+            raise ConfigurationError(
+                f"no message {', '.join(missing)} in the error queue {queue!r}; nothing "
+                "was changed (see: idembus errors list)")
+        return chosen
+
+
+# -- the retried message -----------------------------------------------------------------
+
+
+def retried_envelope(delivery: Delivery) -> Envelope:
+    """The message as it was before it failed, addressed to the queue that failed it."""
+    queue = delivery.headers.get(h.FAILED_QUEUE)
+    if not queue:
+        raise ConfigurationError(
+            f"message {delivery.headers.get(h.MESSAGE_ID, '(without id)')} has no "
+            f"{h.FAILED_QUEUE} header: there is no queue to return it to")
+    headers = {name: value for name, value in delivery.headers.items()
+               if name not in FAILURE_HEADERS and not name.startswith(_FAILURE_PREFIXES)}
+    return Envelope(
+        headers=headers,
+        body=delivery.body.decode("utf-8", "surrogateescape"),
+        destination=queue,
+        content_type=delivery.content_type or h.CONTENT_TYPE,
+    )
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+@contextmanager
+def _error_queue(reference: str) -> Iterator[tuple[Endpoint, list[Delivery]]]:
+    """The endpoint (not started) and the deliveries of its error queue; closed after."""
+    endpoint = load_endpoint(reference)
+    try:
+        with endpoint.transport.inspect(endpoint.error_queue) as deliveries:
+            yield endpoint, deliveries
+    finally:
+        endpoint.close()
+
+
+def _list(args: argparse.Namespace) -> int:
+    selection = Selection(message_type=args.type, exception=args.exception)
+    with _error_queue(args.endpoint) as (endpoint, deliveries):
+        failed = [FailedMessage.of(d) for d in deliveries if selection.matches(d)]
+    if args.json:
+        print(json.dumps([asdict(message) for message in failed], indent=2))
+        return 0
+    if failed:
+        _print_table([_COLUMN_TITLES] + [message.columns() for message in failed])
+    print(f"{len(failed)} failed message(s) in {endpoint.error_queue!r}")
+    return 0
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+
+
+def _show(args: argparse.Namespace) -> int:
+    with _error_queue(args.endpoint) as (endpoint, deliveries):
+        chosen = Selection(ids=(args.id,)).pick(deliveries, endpoint.error_queue)
+        shown = [_described(delivery) for delivery in chosen]
+    if args.json:
+        print(json.dumps(shown, indent=2, ensure_ascii=False))
+        return 0
+    for index, message in enumerate(shown):
+        if index:
+            print()
+        _print_message(message, endpoint.error_queue)
+    return 0
+
+
+def _described(delivery: Delivery) -> dict[str, Any]:
+    return {"headers": dict(sorted(delivery.headers.items())),
+            "content_type": delivery.content_type,
+            "body": delivery.body.decode("utf-8", "replace")}
+
+
+def _print_message(message: dict[str, Any], queue: str) -> None:
+    print(f"message {message['headers'].get(h.MESSAGE_ID, '(without id)')} in {queue!r}")
+    print("headers:")
+    for name, value in message["headers"].items():
+        lines = str(value).splitlines() or [""]
+        print(f"  {name}: {lines[0]}")
+        for line in lines[1:]:
+            print(f"      {line}")
+    print(f"body ({message['content_type'] or 'no content type'}):")
+    print(message["body"])
+
+
+def _retry(args: argparse.Namespace) -> int:
+    selection = Selection.from_args(args)
+    selection.require("retry")
+    status = 0
+    with _error_queue(args.endpoint) as (endpoint, deliveries):
+        retried = 0
+        for delivery in selection.pick(deliveries, endpoint.error_queue):
+            try:
+                envelope = retried_envelope(delivery)
+            except ConfigurationError as exc:
+                print(f"idembus: {exc}; left in {endpoint.error_queue!r}", file=sys.stderr)
+                status = EXIT_CONFIGURATION
+                continue
+            endpoint.transport.send(envelope)
+            delivery.ack()  # only once the broker has the retried copy
+            retried += 1
+            print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} "
+                  f"to {envelope.destination!r}")
+    print(f"{retried} message(s) retried from {endpoint.error_queue!r}")
+    return status
+
+
+def _purge(args: argparse.Namespace) -> int:
+    selection = Selection.from_args(args)
+    selection.require("purge")
+    with _error_queue(args.endpoint) as (endpoint, deliveries):
+        chosen = selection.pick(deliveries, endpoint.error_queue)
+        for delivery in chosen:
+            delivery.ack()
+    print(f"{len(chosen)} message(s) purged from {endpoint.error_queue!r}")
+    return 0
+
+
+# -- the command line --------------------------------------------------------------------
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    """Add ``idembus errors {list,show,retry,purge}`` to the ``idembus`` command."""
+    errors = commands.add_parser(
+        "errors", help="list, show, retry or purge the messages in an endpoint's error queue",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = errors.add_subparsers(dest="errors_command", required=True)
+
+    listing = _action(actions, common, "list", "one line per failed message", _list)
+    _add_filters(listing)
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    show = _action(actions, common, "show", "every header and the body of a message", _show)
+    show.add_argument("id", help="message id (idembus.message_id)")
+    show.add_argument("--json", action="store_true", help="print JSON")
+
+    for name, summary, handler in (
+        ("retry", "send messages back to the queue that failed them, counters reset", _retry),
+        ("purge", "delete messages from the error queue for good", _purge),
+    ):
+        parser = _action(actions, common, name, summary, handler)
+        parser.add_argument("ids", nargs="*", metavar="ID", help="message ids")
+        parser.add_argument("--all", action="store_true", help="every message")
+        _add_filters(parser)
+
+
+def _action(actions: Any, common: argparse.ArgumentParser, name: str, summary: str,
+            handler: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = actions.add_parser(
+        name, parents=[common], help=summary, description=summary)
+    parser.add_argument("endpoint", help="package.module:endpoint")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _add_filters(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--type", help="only messages of this message type (exact name)")
+    parser.add_argument("--exception", help="only messages that failed with this exception "
+                        "type (full or last dotted name: ValueError)")
