@@ -21,8 +21,11 @@ import logging
 import re
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from bus.breaker import BreakerPolicy, CircuitBreaker
 from bus.counters import Counters
@@ -38,12 +41,15 @@ from bus.routing import Router
 from bus.sending import Bus
 from bus.signals import EndpointSignals
 from bus.status import StatusReporter
-from handlers.base import Handler
+from bus.unit_of_work import UnitOfWork
+from handlers.base import AggregateHandler, Handler
 from handlers.registration import HandlerTable
 from storage.base import Storage
 from transports.base import Delivery, Transport
 
 log = logging.getLogger(__name__)
+
+StateT = TypeVar("StateT", bound=BaseModel)
 
 _ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -141,6 +147,8 @@ class Endpoint:
         self._stop = threading.Event()
         faults = fault_injector or FaultInjector()
         dispatcher = Dispatcher(self.transport, self.storage)
+        self._dispatcher = dispatcher
+        self._compact = compact_after_dispatch
         invoker = HandlerInvoker(
             endpoint=name,
             router=self.router,
@@ -201,6 +209,35 @@ class Endpoint:
                         f"{self.name!r} has no route for it: add "
                         f"routes={{{sent.__name__}: '<endpoint name>'}}"
                     )
+
+    def unit_of_work(
+        self,
+        state_type: type[StateT],
+        aggregate_id: str,
+        *,
+        operation_id: str | None = None,
+        new_state: Callable[[], StateT] | None = None,
+    ) -> UnitOfWork[StateT]:
+        """Change one aggregate from outside handlers in one write (see
+        :mod:`bus.unit_of_work`): ``with endpoint.unit_of_work(Order, order_id) as work:``.
+
+        ``operation_id`` makes a retried operation (an HTTP request with an idempotency
+        key) take effect once; ``new_state`` builds the state of an aggregate that does not
+        exist yet (default: ``state_type()``).
+        """
+        return UnitOfWork(
+            endpoint=self.name, router=self.router, storage=self.storage,
+            dispatcher=self._dispatcher, aggregate_type=self._aggregate_type_of(state_type),
+            aggregate_id=aggregate_id, state_type=state_type, operation_id=operation_id,
+            new_state=new_state, compact_after_dispatch=self._compact,
+        )
+
+    def _aggregate_type_of(self, state_type: type[BaseModel]) -> str:
+        """The storage name a handler of this endpoint gives ``state_type``, or its name."""
+        for handler in self.table.handlers:
+            if isinstance(handler, AggregateHandler) and type(handler).state_type is state_type:
+                return type(handler).storage_name()
+        return state_type.__name__
 
     def _check_retention(self) -> None:
         """Deduplication must remember a message for longer than it can keep coming back."""

@@ -1,0 +1,120 @@
+"""Changing an aggregate from outside handlers (a web request, a script) with the same
+one-write guarantee handlers have::
+
+    with sales.unit_of_work(Order, order_id, operation_id=request_key) as work:
+        work.state.status = "placed"
+        work.bus.publish(OrderPlaced(order_id=order_id))
+
+On leaving the block the new state and the recorded messages are committed in one
+conditional write keyed by the operation id, and only then dispatched. Give the operation
+id of the request (an idempotency key) and a retried request is recognised: entering the
+block raises :class:`~storage.errors.AlreadyProcessed` after sending again whatever the
+first attempt stored and did not get to send. Another writer changing the aggregate meanwhile
+makes the exit raise :class:`~storage.errors.ConcurrencyConflict`: nothing was written, try
+again. An exception inside the block writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel
+
+from bus.context import MessageContext
+from bus.dispatching import Dispatcher
+from bus.envelope import Envelope
+from bus.routing import Router
+from bus.sending import Bus
+from storage.base import AggregateRecord, Storage
+from storage.errors import AlreadyProcessed, StorageUnavailable
+from transports.errors import TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+StateT = TypeVar("StateT", bound=BaseModel)
+
+#: The handler name units of work are recorded under (dedup key ``unit-of-work/<id>``).
+UNIT_OF_WORK = "unit-of-work"
+
+
+class UnitOfWork(Generic[StateT]):
+    """One change of one aggregate outside handlers; use it as a context manager."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        router: Router,
+        storage: Storage,
+        dispatcher: Dispatcher,
+        aggregate_type: str,
+        aggregate_id: str,
+        state_type: type[StateT],
+        operation_id: str | None = None,
+        new_state: Callable[[], StateT] | None = None,
+        compact_after_dispatch: bool = True,
+    ) -> None:
+        self.aggregate_id = aggregate_id
+        self.operation_id = operation_id or str(uuid.uuid4())
+        self._aggregate_type = aggregate_type
+        self._state_type = state_type
+        self._new_state = new_state or state_type
+        self._storage = storage
+        self._dispatcher = dispatcher
+        self._compact = compact_after_dispatch
+        self._context = MessageContext(
+            message_id=self.operation_id, message_type=UNIT_OF_WORK, headers={},
+            handler_name=UNIT_OF_WORK, endpoint=endpoint,
+        )
+        self._outgoing: list[Envelope] = []
+        #: Records what is sent and published; dispatched after the commit.
+        self.bus = Bus(endpoint, router, self._outgoing.append, self._context)
+        self._loaded: AggregateRecord | None = None
+        self.state: StateT
+
+    @property
+    def key(self) -> str:
+        return self._context.dedup_key
+
+    def __enter__(self) -> UnitOfWork[StateT]:
+        loaded = self._storage.load(self._aggregate_type, self.aggregate_id, self.key)
+        previous = loaded.processed.get(self.key)
+        if previous is not None:
+            self._send(previous.outgoing)
+            raise AlreadyProcessed(self.key, previous.outgoing)
+        self._loaded = loaded
+        self.state = (self._state_type.model_validate(loaded.state) if loaded.exists
+                      else self._new_state())
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if kind is not None or self._loaded is None:
+            return  # the block failed: nothing is written
+        try:
+            self._storage.commit(self._loaded, key=self.key,
+                                 state=self.state.model_dump(mode="json"),
+                                 outgoing=self._outgoing)
+        except AlreadyProcessed as duplicate:  # the same operation won meanwhile
+            self._send(duplicate.outgoing)
+            raise
+        self._send(tuple(self._outgoing))
+
+    def _send(self, outgoing: tuple[Envelope, ...] | list[Envelope]) -> None:
+        """Dispatch what was committed. If the broker cannot be reached the messages stay
+        stored: running the operation again with the same operation id sends them."""
+        if not outgoing:
+            return
+        try:
+            for envelope in outgoing:
+                self._dispatcher.dispatch(envelope)
+            if self._compact:
+                self._storage.mark_dispatched(self._aggregate_type, self.aggregate_id, self.key)
+        except (TransportUnavailable, StorageUnavailable) as exc:
+            log.warning("operation %s is committed but its messages were not all sent (%s); "
+                        "run it again with the same operation id to send them",
+                        self.operation_id, exc)
