@@ -34,6 +34,7 @@ from bus.errors import ConfigurationError
 from bus.faults import FaultInjector
 from bus.invocation import HandlerInvoker
 from bus.messages import Command, Event, Message, is_message_type, message_name
+from bus.outbox import OutboxDispatcher
 from bus.policies import Backoff, ConflictPolicy, RetryPolicy
 from bus.processing import MessageProcessor
 from bus.registry import MessageRegistry
@@ -88,6 +89,9 @@ class Endpoint:
         without native delay).
     status_interval:
         Seconds between reports of the counters to the storage (``idembus status``).
+    outbox, outbox_grace:
+        Run the outbox dispatcher (:mod:`bus.outbox`) in this endpoint, and how long
+        committed messages may stay undispatched before it sends them.
     compact_after_dispatch:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
@@ -114,6 +118,8 @@ class Endpoint:
         breaker_policy: BreakerPolicy | None = None,
         delayed_poll_interval: float = 0.5,
         status_interval: float = 5.0,
+        outbox: bool = True,
+        outbox_grace: float = 10.0,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -180,6 +186,10 @@ class Endpoint:
             self.transport, self.storage, name=f"idembus-{name}-delayed",
             interval=delayed_poll_interval)
         self.status_interval = status_interval
+        #: Repairs crashes between commit and dispatch (one active per storage).
+        self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
+                                       grace=outbox_grace, keep_bodies=not compact_after_dispatch)
+        self._run_outbox = outbox
         self._status = StatusReporter(self.storage, name, self.counters.snapshot,
                                       interval=status_interval)
         self._threads: list[threading.Thread] = []
@@ -273,6 +283,8 @@ class Endpoint:
         if self._delayed is not None:
             self._delayed.start()
         self._status.start()
+        if self._run_outbox:
+            self.outbox.start()
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
@@ -291,6 +303,7 @@ class Endpoint:
         if self._delayed is not None:
             self._delayed.stop(timeout)
         self._status.stop(timeout)
+        self.outbox.stop(timeout)
         stopped = not any(thread.is_alive() for thread in self._threads)
         if stopped:
             self._threads = []

@@ -15,6 +15,7 @@ Each package root keeps its own errors module, and every class below derives fro
     │   ├── ConcurrencyConflict     the aggregate changed since it was loaded (retry)
     │   ├── AlreadyProcessed        the message was handled before (carries its outgoing)
     │   ├── ConflictRetriesExhausted
+    │   ├── StaleLease              a lease's fencing token was superseded
     │   └── StorageUnavailable
     └── transports.errors.TransportError
         └── TransportUnavailable

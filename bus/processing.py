@@ -187,8 +187,8 @@ class MessageProcessor:
             return
         if outcome.duplicate:
             self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing))
-        if self._compact:
-            self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key)
+        self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key,
+                                      keep_bodies=not self._compact)
 
     def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
         """Forward the delivery, byte for byte, to the error queue; then acknowledge it."""

@@ -112,8 +112,8 @@ class UnitOfWork(Generic[StateT]):
         try:
             for envelope in outgoing:
                 self._dispatcher.dispatch(envelope)
-            if self._compact:
-                self._storage.mark_dispatched(self._aggregate_type, self.aggregate_id, self.key)
+            self._storage.mark_dispatched(self._aggregate_type, self.aggregate_id, self.key,
+                                          keep_bodies=not self._compact)
         except (TransportUnavailable, StorageUnavailable) as exc:
             log.warning("operation %s is committed but its messages were not all sent (%s); "
                         "run it again with the same operation id to send them",

@@ -20,8 +20,9 @@ three calls:
     no pre-check query, no multi-document transaction.
 
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
-    The outgoing messages of ``key`` were confirmed by the broker: drop their bodies and
-    keep their ids. A later duplicate of ``key`` then redispatches nothing. Neither the
+    The outgoing messages of ``key`` were confirmed by the broker: mark them dispatched, drop
+    their bodies and keep their ids. (An entry without outgoing messages is born
+    dispatched.) A later duplicate of ``key`` then redispatches nothing. Neither the
     version nor the state changes, so this never makes a concurrent commit conflict. A
     backend may apply marks later, in batches (``flush()`` waits for them): a mark that is
     lost only means a late duplicate sends its messages again, which downstream
@@ -32,6 +33,10 @@ It also keeps **delayed messages** for transports that cannot hold them back the
 due ones to one poller at a time (a claim is a lease: if that poller dies, another claims
 them again once the lease ran out), ``forget_scheduled`` removes what was dispatched.
 Delivery is at least once, and a message dispatched twice keeps its id.
+
+For the **outbox dispatcher**, which repairs crashes between commit and dispatch, a backend
+lists entries never marked dispatched (``undispatched``) and keeps **leases**
+(``acquire_lease``/``release_lease``) whose fencing token guards the dispatcher's marks.
 
 A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
 the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
@@ -70,6 +75,30 @@ class ProcessedMessage:
     dispatched: bool = False
     #: When the handler's effects were committed (UTC).
     at: datetime.datetime | None = None
+
+
+@dataclass(frozen=True)
+class Undispatched:
+    """Outgoing messages committed with ``key`` and never confirmed dispatched."""
+
+    aggregate_type: str
+    aggregate_id: str
+    key: str
+    outgoing: tuple[Envelope, ...]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Exclusive right to a named job until ``expires_at``.
+
+    ``token`` grows each time the lease changes owner (a fencing token): writes made under
+    a lease carry it, and the storage refuses them once a newer owner exists.
+    """
+
+    name: str
+    owner: str
+    token: int
+    expires_at: datetime.datetime
 
 
 @dataclass(frozen=True)
@@ -152,8 +181,29 @@ class Storage(ABC):
         """
 
     @abstractmethod
-    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
-        """Forget the bodies of ``key``'s outgoing messages, keeping their ids."""
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
+                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+        """Record that ``key``'s outgoing messages were dispatched and, unless
+        ``keep_bodies``, forget their bodies (keeping their ids). With ``lease`` the write
+        is fenced: it is applied at once and raises :class:`~storage.errors.StaleLease` if
+        another owner has taken the lease since."""
+
+    @abstractmethod
+    def undispatched(self, *, committed_before: datetime.datetime,
+                     limit: int = 100) -> list[Undispatched]:
+        """Up to ``limit`` processed entries committed before ``committed_before`` whose
+        outgoing messages were never marked dispatched (a crash between commit and
+        dispatch), oldest first."""
+
+    @abstractmethod
+    def acquire_lease(self, name: str, owner: str, *, ttl: float,
+                      now: datetime.datetime) -> Lease | None:
+        """Take the lease ``name`` for ``owner`` (or renew it) until ``now + ttl``; ``None``
+        while another owner holds it. A change of owner increases the token."""
+
+    @abstractmethod
+    def release_lease(self, lease: Lease) -> None:
+        """Give the lease up at once (if ``lease`` still holds it)."""
 
     @abstractmethod
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:

@@ -39,3 +39,7 @@ class ConflictRetriesExhausted(StorageError):
 
 class StorageUnavailable(StorageError):
     """The database cannot be reached or refused the operation."""
+
+
+class StaleLease(StorageError):
+    """A write carried a lease that another owner has taken since: the writer must stop."""

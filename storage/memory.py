@@ -14,11 +14,14 @@ from bus.envelope import Envelope, utc_now
 from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
+    Lease,
     ProcessedMessage,
     StatusReport,
     Storage,
+    Undispatched,
     scheduled_key,
 )
+from storage.errors import StaleLease
 
 
 class MemoryStorage(Storage):
@@ -38,6 +41,7 @@ class MemoryStorage(Storage):
         self._records: dict[tuple[str, str], AggregateRecord] = {}
         self._scheduled: dict[tuple[str, str, str], _Scheduled] = {}
         self._status: dict[tuple[str, str], StatusReport] = {}
+        self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
 
     def load(
@@ -66,6 +70,7 @@ class MemoryStorage(Storage):
             key=key,
             outgoing=tuple(outgoing),
             outgoing_ids=tuple(envelope.message_id for envelope in outgoing),
+            dispatched=not outgoing,
             at=utc_now(),
         )
         with self._lock:
@@ -94,18 +99,59 @@ class MemoryStorage(Storage):
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
-    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
+                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
         address = (aggregate_type, aggregate_id)
         with self._lock:
+            if lease is not None:
+                self._check_fence(lease)
             record = self._records.get(address)
             if record is None or key not in record.processed:
                 return
             entry = record.processed[key]
             processed = dict(record.processed)
-            processed[key] = ProcessedMessage(key, (), entry.outgoing_ids, True, entry.at)
+            processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
+                                              entry.outgoing_ids, True, entry.at)
             self._records[address] = AggregateRecord(
                 aggregate_type, aggregate_id, record.version, record.state, processed
             )
+
+    def undispatched(self, *, committed_before: datetime.datetime,
+                     limit: int = 100) -> list[Undispatched]:
+        with self._lock:
+            found = [
+                (entry.at, Undispatched(agg_type, agg_id, entry.key, entry.outgoing))
+                for (agg_type, agg_id), record in self._records.items()
+                for entry in record.processed.values()
+                if not entry.dispatched and entry.at is not None and entry.at < committed_before
+            ]
+        return [item for _, item in sorted(found, key=lambda pair: pair[0])][:limit]
+
+    def acquire_lease(self, name: str, owner: str, *, ttl: float,
+                      now: datetime.datetime) -> Lease | None:
+        with self._lock:
+            held = self._leases.get(name)
+            if held is not None and held.owner != owner and held.expires_at > now:
+                return None
+            token = held.token if held is not None and held.owner == owner else (
+                (held.token if held else 0) + 1)
+            lease = Lease(name, owner, token, now + datetime.timedelta(seconds=ttl))
+            self._leases[name] = lease
+            return lease
+
+    def release_lease(self, lease: Lease) -> None:
+        with self._lock:
+            held = self._leases.get(lease.name)
+            if held is not None and held.token == lease.token and held.owner == lease.owner:
+                self._leases[lease.name] = Lease(lease.name, lease.owner, lease.token,
+                                                 datetime.datetime.min.replace(
+                                                     tzinfo=datetime.timezone.utc))
+
+    def _check_fence(self, lease: Lease) -> None:
+        held = self._leases.get(lease.name)
+        if held is None or held.token != lease.token:
+            raise StaleLease(f"lease {lease.name!r} token {lease.token} was superseded"
+                             f" by {held.token if held else 'nobody'}")
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         with self._lock:

@@ -45,17 +45,22 @@ from bus.envelope import Envelope, utc_now
 from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
+    Lease,
     ProcessedMessage,
     StatusReport,
     Storage,
+    Undispatched,
     scheduled_key,
 )
-from storage.errors import StorageUnavailable
+from storage.errors import StaleLease, StorageUnavailable
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
 #: Collection of the counters endpoint processes report (``idembus status``).
 STATUS = "idembus_status"
+#: Collection of leases (the outbox dispatcher's), with their fencing tokens.
+LEASES = "idembus_leases"
+_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES})
 
 
 def is_mongomock(client: Any) -> bool:
@@ -121,7 +126,7 @@ class MongoStorage(Storage):
             "key": key,
             "outgoing": [envelope.to_record() for envelope in outgoing],
             "ids": [envelope.message_id for envelope in outgoing],
-            "dispatched": False,
+            "dispatched": not outgoing,
             "at": utc_now(),
         }
         collection = self.database[loaded.aggregate_type]
@@ -147,12 +152,80 @@ class MongoStorage(Storage):
                     return
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
-    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
+                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+        changes: dict[str, Any] = {"processed.$.dispatched": True}
+        if not keep_bodies:
+            changes["processed.$.outgoing"] = []
+        where: dict[str, Any] = {"_id": aggregate_id, "processed.key": key}
         with self._guard, _translated():
-            self.database[aggregate_type].update_one(
-                {"_id": aggregate_id, "processed.key": key},
-                {"$set": {"processed.$.outgoing": [], "processed.$.dispatched": True}},
-            )
+            if lease is not None:
+                # Without transactions the lease and the aggregate cannot be written together:
+                # check the lease, then fence the aggregate itself with the highest token
+                # that marked it, so an older owner can no longer mark it.
+                self._check_fence(lease)
+                changes["relay_fence"] = lease.token
+                where["$or"] = [{"relay_fence": {"$exists": False}},
+                                {"relay_fence": {"$lte": lease.token}}]
+            result = self.database[aggregate_type].update_one(where, {"$set": changes})
+            if lease is not None and result.matched_count == 0:
+                fenced = self.database[aggregate_type].find_one(
+                    {"_id": aggregate_id, "relay_fence": {"$gt": lease.token}}, {"_id": 1})
+                if fenced is not None:
+                    raise StaleLease(f"{aggregate_type} {aggregate_id!r} was marked under a "
+                                     f"newer lease than token {lease.token}")
+
+    def undispatched(self, *, committed_before: datetime.datetime,
+                     limit: int = 100) -> list[Undispatched]:
+        found: list[tuple[datetime.datetime, Undispatched]] = []
+        pending = {"dispatched": False, "at": {"$lt": committed_before}}
+        with self._guard, _translated():
+            for name in self.database.list_collection_names():
+                if name in _INTERNAL_COLLECTIONS:
+                    continue
+                for document in self.database[name].find(
+                        {"processed": {"$elemMatch": pending}}).limit(limit):
+                    for entry in document["processed"]:
+                        at = _utc(entry.get("at"))
+                        if not entry.get("dispatched", False) and at and at < committed_before:
+                            found.append((at, Undispatched(
+                                name, document["_id"], entry["key"],
+                                tuple(Envelope.from_record(o) for o in entry["outgoing"]))))
+        return [item for _, item in sorted(found, key=lambda pair: pair[0])][:limit]
+
+    def acquire_lease(self, name: str, owner: str, *, ttl: float,
+                      now: datetime.datetime) -> Lease | None:
+        until = now + datetime.timedelta(seconds=ttl)
+        leases = self.database[LEASES]
+        after = pymongo.ReturnDocument.AFTER
+        with self._guard, _translated():
+            document = leases.find_one_and_update(  # renew
+                {"_id": name, "owner": owner}, {"$set": {"expires_at": until}},
+                return_document=after)
+            if document is None:  # take over an expired lease
+                document = leases.find_one_and_update(
+                    {"_id": name, "expires_at": {"$lte": now}},
+                    {"$set": {"owner": owner, "expires_at": until}, "$inc": {"token": 1}},
+                    return_document=after)
+            if document is None:  # nobody ever held it
+                document = {"_id": name, "owner": owner, "expires_at": until, "token": 1}
+                try:
+                    leases.insert_one(document)
+                except pymongo.errors.DuplicateKeyError:
+                    return None  # held by another owner
+        return Lease(name, owner, int(document["token"]), until)
+
+    def release_lease(self, lease: Lease) -> None:
+        with self._guard, _translated():
+            self.database[LEASES].update_one(
+                {"_id": lease.name, "owner": lease.owner, "token": lease.token},
+                {"$set": {"expires_at": datetime.datetime(1970, 1, 1,
+                                                          tzinfo=datetime.timezone.utc)}})
+
+    def _check_fence(self, lease: Lease) -> None:
+        held = self.database[LEASES].find_one({"_id": lease.name})
+        if held is None or int(held["token"]) != lease.token:
+            raise StaleLease(f"lease {lease.name!r} token {lease.token} was superseded")
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         with self._guard, _translated():

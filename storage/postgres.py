@@ -58,13 +58,15 @@ from bus.errors import ConfigurationError
 from storage.base import (
     INBOX,
     AggregateRecord,
+    Lease,
     ProcessedMessage,
     StatusReport,
     Storage,
+    Undispatched,
     scheduled_key,
 )
 from storage.batching import Batcher
-from storage.errors import StorageUnavailable
+from storage.errors import StaleLease, StorageUnavailable
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 #: Key of the advisory lock that serialises schema creation (an arbitrary constant).
@@ -91,6 +93,7 @@ class PostgresStorage(Storage):
         self._aggregates = f"{table_prefix}_aggregates"
         self._processed = f"{table_prefix}_processed"
         self._scheduled = f"{table_prefix}_scheduled"
+        self._leases = f"{table_prefix}_leases"
         self._status = f"{table_prefix}_status"
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
@@ -102,18 +105,18 @@ class PostgresStorage(Storage):
         # A commit is one statement, atomic on its own: the aggregate's conditional update
         # (or insert) and the processed row succeed or fail together, in one round trip.
         record = (f"INSERT INTO {self._processed} "
-                  "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids) ")
-        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s)"
+                  "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids, dispatched) ")
+        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s)"
         self._update_and_record = (
             f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1"
             " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
-            f"{record} SELECT %s, %s, %s, %s, %s FROM changed")
+            f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._create_and_record = (
             f"WITH changed AS (INSERT INTO {self._aggregates}"
             " (aggregate_type, aggregate_id, version, state) VALUES (%s, %s, 1, %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
-            f"{record} SELECT %s, %s, %s, %s, %s FROM changed")
-        self._marks: Batcher[tuple[str, str, str]] = Batcher(
+            f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
+        self._marks: Batcher[tuple[str, str, str, bool]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
     # -- schema and life cycle ----------------------------------------------------------
@@ -154,6 +157,16 @@ class PostgresStorage(Storage):
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
             connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._processed}_undispatched
+                ON {self._processed} (processed_at) WHERE NOT dispatched""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._leases} (
+                    name text PRIMARY KEY,
+                    owner text NOT NULL,
+                    token bigint NOT NULL,
+                    expires_at timestamptz NOT NULL
+                )""")
+            connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._status} (
                     endpoint text NOT NULL,
                     instance text NOT NULL,
@@ -180,7 +193,7 @@ class PostgresStorage(Storage):
         self._marks.flush()
         with self._connection() as connection:
             connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
-                               f"{self._scheduled}, {self._status}")
+                               f"{self._scheduled}, {self._status}, {self._leases}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -224,7 +237,7 @@ class PostgresStorage(Storage):
     ) -> None:
         entry = (loaded.aggregate_type, loaded.aggregate_id, key,
                  Jsonb([envelope.to_record() for envelope in outgoing]),
-                 Jsonb([envelope.message_id for envelope in outgoing]))
+                 Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
         document = Jsonb(dict(state)) if state is not None else None
         try:
             with self._connection() as connection:
@@ -242,22 +255,76 @@ class PostgresStorage(Storage):
         if written != 1:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
-    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
-        self._marks.add((aggregate_type, aggregate_id, key))
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
+                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+        mark = (aggregate_type, aggregate_id, key, keep_bodies)
+        if lease is None:
+            self._marks.add(mark)
+            return
+        with self._connection() as connection:
+            valid = connection.execute(
+                f"WITH valid AS (SELECT 1 FROM {self._leases} WHERE name = %s AND token = %s), "
+                f"marked AS ({self._mark_statement} AND EXISTS (SELECT 1 FROM valid) "
+                "RETURNING 1) SELECT EXISTS (SELECT 1 FROM valid)",
+                (lease.name, lease.token, *self._mark_arguments([mark])),
+            ).fetchone()
+        if not valid or not valid[0]:
+            raise StaleLease(f"lease {lease.name!r} token {lease.token} was superseded")
 
     def flush(self) -> None:
         self._marks.flush()
 
-    def _write_marks(self, marks: list[tuple[str, str, str]]) -> None:
-        types, ids, keys = (list(column) for column in zip(*marks, strict=True))
+    @property
+    def _mark_statement(self) -> str:
+        return (f"UPDATE {self._processed} AS p SET dispatched = true, outgoing = CASE "
+                "WHEN m.keep THEN p.outgoing ELSE '[]'::jsonb END "
+                "FROM unnest(%s::text[], %s::text[], %s::text[], %s::boolean[]) "
+                "AS m(t, i, k, keep) "
+                "WHERE p.aggregate_type = m.t AND p.aggregate_id = m.i AND p.key = m.k "
+                "AND NOT p.dispatched")
+
+    @staticmethod
+    def _mark_arguments(marks: list[tuple[str, str, str, bool]]) -> list[list[Any]]:
+        return [list(column) for column in zip(*marks, strict=True)]
+
+    def _write_marks(self, marks: list[tuple[str, str, str, bool]]) -> None:
+        with self._connection() as connection:
+            connection.execute(self._mark_statement, self._mark_arguments(marks))
+
+    def undispatched(self, *, committed_before: datetime.datetime,
+                     limit: int = 100) -> list[Undispatched]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT aggregate_type, aggregate_id, key, outgoing FROM {self._processed} "
+                "WHERE NOT dispatched AND processed_at < %s ORDER BY processed_at LIMIT %s",
+                (committed_before, limit),
+            ).fetchall()
+        return [Undispatched(t, i, k, tuple(Envelope.from_record(o) for o in outgoing))
+                for t, i, k, outgoing in rows]
+
+    def acquire_lease(self, name: str, owner: str, *, ttl: float,
+                      now: datetime.datetime) -> Lease | None:
+        until = now + datetime.timedelta(seconds=ttl)
+        with self._connection() as connection:
+            row = connection.execute(
+                f"""INSERT INTO {self._leases} AS l (name, owner, token, expires_at)
+                    VALUES (%s, %s, 1, %s)
+                    ON CONFLICT (name) DO UPDATE SET
+                        token = CASE WHEN l.owner = EXCLUDED.owner THEN l.token
+                                     ELSE l.token + 1 END,
+                        owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+                    WHERE l.owner = EXCLUDED.owner OR l.expires_at <= %s
+                    RETURNING token""",
+                (name, owner, until, now),
+            ).fetchone()
+        return Lease(name, owner, int(row[0]), until) if row else None
+
+    def release_lease(self, lease: Lease) -> None:
         with self._connection() as connection:
             connection.execute(
-                f"""UPDATE {self._processed} AS p
-                    SET outgoing = '[]'::jsonb, dispatched = true
-                    FROM unnest(%s::text[], %s::text[], %s::text[]) AS m(t, i, k)
-                    WHERE p.aggregate_type = m.t AND p.aggregate_id = m.i AND p.key = m.k
-                      AND NOT p.dispatched""",
-                (types, ids, keys),
+                f"UPDATE {self._leases} SET expires_at = '-infinity' "
+                "WHERE name = %s AND owner = %s AND token = %s",
+                (lease.name, lease.owner, lease.token),
             )
 
     def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:

@@ -38,7 +38,8 @@ def prefix() -> Iterator[str]:
 
 
 def expected_tables(prefix: str) -> set[str]:
-    return {f"{prefix}_{name}" for name in ("aggregates", "processed", "scheduled", "status")}
+    return {f"{prefix}_{name}"
+            for name in ("aggregates", "processed", "scheduled", "status", "leases")}
 
 
 def tables(prefix: str) -> set[str]:

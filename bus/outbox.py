@@ -1,0 +1,150 @@
+"""The outbox dispatcher: sends what was committed but never confirmed dispatched.
+
+A process that dies between the commit and the dispatch of a handler's (or a unit of
+work's) outgoing messages leaves them stored and unmarked. Usually the broker redelivers
+the incoming message and the duplicate sends them; a unit of work has no incoming message,
+and the operation may never be retried. The outbox dispatcher finds entries unmarked for
+longer than ``grace`` seconds, dispatches their messages with their original ids and marks
+them.
+
+One dispatcher works at a time per storage: it holds a lease (taken with find-and-modify,
+renewed every ``lease_ttl / 2`` seconds) whose fencing token grows each time the lease
+changes hands. Its marks carry the token, so a dispatcher that was paused past its lease
+(a long GC, a frozen VM) cannot mark anything once another has taken over. Messages sent
+twice in such a handover keep their ids; receivers deduplicate them.
+
+By default every endpoint runs one (they elect themselves through the lease); ``idembus
+dispatcher package.module:endpoint`` runs one alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import uuid
+
+from bus.dispatching import Dispatcher
+from bus.envelope import utc_now
+from bus.policies import Backoff
+from storage.base import Lease, Storage
+from storage.errors import StaleLease, StorageUnavailable
+from transports.errors import TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Name of the lease the dispatchers of one storage compete for.
+OUTBOX_LEASE = "idembus-outbox-dispatcher"
+
+
+class OutboxDispatcher:
+    """Repairs crashes between commit and dispatch; see the module docstring."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        dispatcher: Dispatcher,
+        *,
+        name: str = "idembus-outbox",
+        lease_ttl: float = 30.0,
+        grace: float = 10.0,
+        batch: int = 100,
+        keep_bodies: bool = False,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if lease_ttl <= 0 or grace < 0:
+            raise ValueError("lease_ttl must be positive and grace not negative")
+        self._storage = storage
+        self._dispatcher = dispatcher
+        self._name = name
+        self.lease_ttl = lease_ttl
+        self.grace = grace
+        self._batch = batch
+        self._keep_bodies = keep_bodies
+        self._backoff = backoff or Backoff()
+        #: Who this dispatcher is, in the lease.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lease: Lease | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- one round, callable directly (tests, tools) ------------------------------------
+
+    def run_once(self) -> int:
+        """Take or renew the lease; if held, send one batch. Returns how many entries were
+        repaired (0 when another dispatcher holds the lease)."""
+        now = utc_now()
+        self.lease = self._storage.acquire_lease(OUTBOX_LEASE, self.owner,
+                                                 ttl=self.lease_ttl, now=now)
+        if self.lease is None:
+            return 0
+        repaired = 0
+        cutoff = now - datetime.timedelta(seconds=self.grace)
+        for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch):
+            for envelope in entry.outgoing:
+                self._dispatcher.dispatch(envelope)
+            try:
+                self._storage.mark_dispatched(entry.aggregate_type, entry.aggregate_id,
+                                              entry.key, keep_bodies=self._keep_bodies,
+                                              lease=self.lease)
+            except StaleLease:
+                log.warning("%s lost its lease to another dispatcher; stepping back", self.owner)
+                self.lease = None
+                break
+            repaired += 1
+            log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
+                     len(entry.outgoing), entry.aggregate_type, entry.aggregate_id, entry.key)
+        return repaired
+
+    # -- as a thread ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self.lease is not None:
+            try:
+                self._storage.release_lease(self.lease)
+            except Exception:  # best effort: an unreleased lease expires by itself
+                log.debug("releasing the outbox lease failed", exc_info=True)
+            self.lease = None
+
+    def request_stop(self) -> None:
+        """Ask ``run()`` to return after its current round (for signal handlers)."""
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Look now instead of at the next renewal (a change stream calls this)."""
+        self._wake.set()
+
+    def run(self) -> None:
+        """Dispatch until ``stop()``: for ``idembus dispatcher``."""
+        self._run()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                repaired = self.run_once()
+                failures = 0
+                # A full batch: more may wait. Otherwise renew at half the lease.
+                wait = 0.0 if repaired >= self._batch else self.lease_ttl / 2
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                wait = self._backoff.delay(failures)
+                failures += 1
+                log.warning("the outbox dispatcher cannot work (%s); trying again in %.1fs",
+                            outage, wait)
+            self._wake.wait(min(wait, self.lease_ttl / 2))
+            self._wake.clear()
+
