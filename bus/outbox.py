@@ -67,6 +67,8 @@ class OutboxDispatcher:
         #: Who this dispatcher is, in the lease.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease: Lease | None = None
+        #: Processed entries forgotten past the storage's retention, by this dispatcher.
+        self.expired = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,6 +99,8 @@ class OutboxDispatcher:
             repaired += 1
             log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
                      len(entry.outgoing), entry.aggregate_type, entry.aggregate_id, entry.key)
+        if self.lease is not None:
+            self.expired += self._storage.expire(now)
         return repaired
 
     # -- as a thread ----------------------------------------------------------------------

@@ -242,6 +242,13 @@ class Storage(ABC):
     def status_reports(self, endpoint: str) -> list[StatusReport]:
         """Every kept report of ``endpoint``, newest first."""
 
+    def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
+        """Forget up to ``batch`` processed entries older than ``retention`` whose messages
+        were dispatched (never the undispatched); return how many. Backends whose server
+        expires them itself (MongoDB's TTL index) return 0. The outbox dispatcher calls
+        this on its rounds."""
+        return 0
+
     def flush(self) -> None:
         """Apply every ``mark_dispatched`` made so far (backends that batch them)."""
 

@@ -116,6 +116,26 @@ class MemoryStorage(Storage):
                 aggregate_type, aggregate_id, record.version, record.state, processed
             )
 
+    def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
+        if self.retention is None:
+            return 0
+        horizon = now - self.retention
+        removed = 0
+        with self._lock:
+            for address, record in list(self._records.items()):
+                old = [key for key, entry in record.processed.items()
+                       if entry.dispatched and entry.at is not None and entry.at < horizon]
+                old = old[:batch - removed]
+                if not old:
+                    continue
+                kept = {k: e for k, e in record.processed.items() if k not in old}
+                self._records[address] = AggregateRecord(*address, record.version,
+                                                         record.state, kept)
+                removed += len(old)
+                if removed >= batch:
+                    break
+        return removed
+
     def undispatched(self, *, committed_before: datetime.datetime,
                      limit: int = 100) -> list[Undispatched]:
         with self._lock:

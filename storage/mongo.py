@@ -11,6 +11,10 @@ Features
   and ``processed.key != key``; ``$set`` state and version, ``$push`` the entry with
   ``$slice`` keeping the newest ``processed_window`` entries.
 * Creation: ``insert_one``; a duplicate-key error is a lost race like any other.
+* With ``retention=``, a TTL index (partial: dispatched records only) deletes inbox records
+  of stateless handlers once older than it; aggregate documents keep their bounded window.
+  TTL deletion is the server's: mongomock never deletes, so that path is verified only by
+  the index it creates.
 * Delayed messages wait in the collection ``idembus_scheduled``; pollers claim due ones with
   ``find_one_and_update`` (a lease), so only one dispatches each while it lives.
 * No transactions, sessions or replica set needed; documents are the unit of atomicity,
@@ -44,6 +48,7 @@ import pymongo.errors
 from bus.envelope import Envelope, utc_now
 from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
+    INBOX,
     AggregateRecord,
     Lease,
     ProcessedMessage,
@@ -60,6 +65,8 @@ SCHEDULED = "idembus_scheduled"
 STATUS = "idembus_status"
 #: Collection of leases (the outbox dispatcher's), with their fencing tokens.
 LEASES = "idembus_leases"
+#: Name of the TTL index expiring dispatched inbox records.
+RETENTION_INDEX = "idembus_retention"
 _INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES})
 
 
@@ -80,8 +87,12 @@ class MongoStorage(Storage):
         *,
         database: str = "idembus",
         processed_window: int = DEFAULT_PROCESSED_WINDOW,
+        retention: datetime.timedelta | None = None,
     ) -> None:
         super().__init__(processed_window=processed_window)
+        #: Inbox records (stateless handlers) whose messages were dispatched are deleted by
+        #: the server's TTL monitor this long after they were processed.
+        self.retention = retention
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             # Fail a start-up check in seconds, not pymongo's 30, unless the URL says otherwise.
@@ -293,6 +304,14 @@ class MongoStorage(Storage):
     def migrate(self) -> None:
         with self._guard, _translated():
             self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
+            if self.retention is not None:
+                # TTL on the inbox (one document per record), only once dispatched. Verified
+                # with mongomock's index options only: mongomock never deletes by TTL.
+                self.database[INBOX].create_index(
+                    [("processed.at", pymongo.ASCENDING)], name=RETENTION_INDEX,
+                    expireAfterSeconds=int(self.retention.total_seconds()),
+                    partialFilterExpression={"processed.dispatched": True},
+                )
 
     def verify(self) -> None:
         with self._guard, _translated():
