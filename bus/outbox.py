@@ -7,6 +7,10 @@ and the operation may never be retried. The outbox dispatcher finds entries unma
 longer than ``grace`` seconds, dispatches their messages with their original ids and marks
 them.
 
+It looks every ``lease_ttl / 2`` seconds, and at once when the storage notifies it: on a
+MongoDB replica set it follows a change stream (:mod:`storage.mongo_changes`, verified only
+against a replica set); on mongomock and PostgreSQL it polls.
+
 One dispatcher works at a time per storage: it holds a lease (taken with find-and-modify,
 renewed every ``lease_ttl / 2`` seconds) whose fencing token grows each time the lease
 changes hands. Its marks carry the token, so a dispatcher that was paused past its lease
@@ -29,14 +33,12 @@ import uuid
 from bus.dispatching import Dispatcher
 from bus.envelope import utc_now
 from bus.policies import Backoff
-from storage.base import Lease, Storage
+from storage.base import OUTBOX_LEASE, Lease, Storage
 from storage.errors import StaleLease, StorageUnavailable
 from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
-#: Name of the lease the dispatchers of one storage compete for.
-OUTBOX_LEASE = "idembus-outbox-dispatcher"
 
 
 class OutboxDispatcher:
@@ -109,6 +111,18 @@ class OutboxDispatcher:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch, name=f"{self._name}-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Wake on the storage's change notifications where it has them (MongoDB replica
+        sets); elsewhere, or if watching fails, the rounds poll."""
+        try:
+            self._storage.watch(self.wake, self._stop, lambda: self.lease)
+        except StaleLease:
+            log.info("%s: another dispatcher owns the change stream now", self.owner)
+        except Exception:
+            log.warning("watching for changes failed; the outbox dispatcher polls",
+                        exc_info=True)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         self._stop.set()

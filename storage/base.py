@@ -49,8 +49,9 @@ type :data:`INBOX`.
 from __future__ import annotations
 
 import datetime
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,9 @@ from storage.errors import AlreadyProcessed, ConcurrencyConflict
 
 #: Aggregate type under which stateless handlers keep their inbox records.
 INBOX = "idembus_inbox"
+
+#: The lease the outbox dispatchers of one storage compete for.
+OUTBOX_LEASE = "idembus-outbox-dispatcher"
 
 #: How many processed entries an aggregate keeps unless told otherwise.
 DEFAULT_PROCESSED_WINDOW = 100
@@ -241,6 +245,14 @@ class Storage(ABC):
     @abstractmethod
     def status_reports(self, endpoint: str) -> list[StatusReport]:
         """Every kept report of ``endpoint``, newest first."""
+
+    def watch(self, wake: Callable[[], None], stop: threading.Event,
+              lease: Callable[[], Lease | None]) -> bool:
+        """Block until ``stop``, calling ``wake`` whenever new commits may have left messages
+        to dispatch; return False at once if the backend cannot watch (then the outbox
+        dispatcher polls). ``lease()`` is the watcher's current lease: progress it saves is
+        fenced by it."""
+        return False
 
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
         """Forget up to ``batch`` processed entries older than ``retention`` whose messages

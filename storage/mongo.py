@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -46,9 +46,11 @@ import pymongo
 import pymongo.errors
 
 from bus.envelope import Envelope, utc_now
+from storage import mongo_changes
 from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     INBOX,
+    OUTBOX_LEASE,
     AggregateRecord,
     Lease,
     ProcessedMessage,
@@ -225,6 +227,15 @@ class MongoStorage(Storage):
                 except pymongo.errors.DuplicateKeyError:
                     return None  # held by another owner
         return Lease(name, owner, int(document["token"]), until)
+
+    def watch(self, wake: Callable[[], None], stop: threading.Event,
+              lease: Callable[[], Lease | None]) -> bool:
+        if self.process_local or not mongo_changes.can_watch(self.client):
+            return False  # mongomock or a standalone server: the dispatcher polls
+        with _translated():
+            mongo_changes.follow(self.database, self.database[LEASES], OUTBOX_LEASE,
+                                 wake, stop, lease)
+        return True
 
     def release_lease(self, lease: Lease) -> None:
         with self._guard, _translated():

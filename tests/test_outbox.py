@@ -9,7 +9,8 @@ import uuid
 from bus import Endpoint
 from bus.dispatching import Dispatcher
 from bus.envelope import utc_now
-from bus.outbox import OUTBOX_LEASE, OutboxDispatcher
+from bus.outbox import OutboxDispatcher
+from storage.base import OUTBOX_LEASE
 from storage.memory import MemoryStorage
 from tests.support import Account, AccountHandler, Deposited, Ledger, SignalCounter
 from transports.errors import TransportUnavailable
