@@ -18,15 +18,15 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,test]'
+	$(PIP) install -e '.[redis,postgres,web,test]'
 	touch $@
 
 $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,test,bench]'
+	$(PIP) install -e '.[redis,postgres,web,test,bench]'
 	touch $@
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,test,lint]'
+	$(PIP) install -e '.[redis,postgres,web,test,lint]'
 	touch $@
 
 demo: $(VENV)/.demo

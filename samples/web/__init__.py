@@ -1,0 +1,1 @@
+"""An HTTP service placing orders through a unit of work (FastAPI)."""
