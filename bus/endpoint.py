@@ -27,6 +27,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from bus.audit import AuditTrail
 from bus.breaker import BreakerPolicy, CircuitBreaker
 from bus.counters import Counters
 from bus.dispatching import DelayedDeliveries, Dispatcher
@@ -89,6 +90,9 @@ class Endpoint:
         without native delay).
     status_interval:
         Seconds between reports of the counters to the storage (``idembus status``).
+    audit:
+        Keep an audit record of every handled, duplicate, redispatched, failed and
+        dead-lettered message in the storage (:mod:`bus.audit`), for analysis.
     outbox, outbox_grace:
         Run the outbox dispatcher (:mod:`bus.outbox`) in this endpoint, and how long
         committed messages may stay undispatched before it sends them.
@@ -120,6 +124,7 @@ class Endpoint:
         status_interval: float = 5.0,
         outbox: bool = True,
         outbox_grace: float = 10.0,
+        audit: bool = False,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -190,6 +195,8 @@ class Endpoint:
         self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
                                        grace=outbox_grace, keep_bodies=not compact_after_dispatch)
         self._run_outbox = outbox
+        #: The audit trail of this endpoint (``audit=True``), else ``None``.
+        self.audit = AuditTrail(self.storage, self.signals, endpoint=name) if audit else None
         self._status = StatusReporter(self.storage, name, self.counters.snapshot,
                                       interval=status_interval)
         self._threads: list[threading.Thread] = []
@@ -331,6 +338,8 @@ class Endpoint:
     def close(self) -> None:
         """Stop, then release the transport's and the storage's connections."""
         self.stop()
+        if self.audit is not None:
+            self.audit.close()
         self.transport.close()
         self.storage.close()
 

@@ -37,6 +37,7 @@ class Outcome:
     key: str
     outgoing: tuple[Envelope, ...]
     duplicate: bool
+    handler: str = ""
 
 
 class HandlerInvoker:
@@ -72,7 +73,7 @@ class HandlerInvoker:
         key = context.dedup_key
         aggregate_type, aggregate_id = self._address(binding, message, key)
         details = {"message_id": context.message_id, "message_type": context.message_type,
-                   "handler": binding.handler_name}
+                   "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
         for attempt in range(self._conflicts.attempts):
             loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
@@ -92,11 +93,12 @@ class HandlerInvoker:
                     stored = duplicate.outgoing
                 else:
                     self._signals.emit("handled", **details)
-                    return Outcome(aggregate_type, aggregate_id, key, tuple(outgoing), False)
+                    return Outcome(aggregate_type, aggregate_id, key, tuple(outgoing), False,
+                                   binding.handler_name)
             else:
                 stored = previous.outgoing
             self._signals.emit("duplicate", **details)
-            return Outcome(aggregate_type, aggregate_id, key, stored, True)
+            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name)
         raise ConflictRetriesExhausted(
             f"{binding.handler_name} lost {self._conflicts.attempts} optimistic races on "
             f"{aggregate_type} {aggregate_id!r} while handling {context.message_id}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from bus import headers as h
@@ -119,7 +120,7 @@ class MessageProcessor:
             try:
                 outcome = self._invoker.invoke(binding, message, delivery.headers)
                 self._faults.reached(CrashPoint.AFTER_COMMIT, delivery.headers[h.MESSAGE_ID])
-                self._dispatch(outcome)
+                self._dispatch(outcome, delivery.headers)
                 return None
             except (StorageUnavailable, TransportUnavailable) as outage:
                 attempts -= 1
@@ -133,7 +134,8 @@ class MessageProcessor:
             except Exception as error:
                 details = {"message_id": delivery.headers[h.MESSAGE_ID],
                            "message_type": delivery.headers[h.MESSAGE_TYPE],
-                           "handler": binding.handler_name, "error": error}
+                           "handler": binding.handler_name, "error": error,
+                           "time_sent": delivery.headers.get(h.TIME_SENT)}
                 self._signals.emit("failed", attempt=attempts, **details)
                 if not policy.should_retry(error, attempts):
                     return _Failure(error, attempts, policy)
@@ -178,7 +180,7 @@ class MessageProcessor:
                            attempt=round_number, error=error, delay=delay)
         delivery.ack()
 
-    def _dispatch(self, outcome: Outcome) -> None:
+    def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str]) -> None:
         for envelope in outcome.outgoing:
             self._dispatcher.dispatch(envelope)
             self._signals.emit("dispatched", message_id=envelope.message_id,
@@ -186,7 +188,11 @@ class MessageProcessor:
         if not outcome.outgoing:
             return
         if outcome.duplicate:
-            self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing))
+            self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing),
+                               message_id=incoming.get(h.MESSAGE_ID),
+                               message_type=incoming.get(h.MESSAGE_TYPE),
+                               handler=outcome.handler,
+                               time_sent=incoming.get(h.TIME_SENT))
         self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key,
                                       keep_bodies=not self._compact)
 
@@ -205,7 +211,8 @@ class MessageProcessor:
         log.warning("moved %s from %s to %s: %s", delivery.headers.get(h.MESSAGE_ID, "a message"),
                     delivery.queue, self._error_queue, headers[h.EXCEPTION_MESSAGE])
         self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
-                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error)
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
+                           time_sent=delivery.headers.get(h.TIME_SENT))
         delivery.ack()
 
 

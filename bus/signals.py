@@ -1,7 +1,8 @@
 """Per-endpoint blinker signals: observation only, never control flow.
 
 Every signal is sent with the endpoint name as sender and keyword arguments
-``message_id``, ``message_type`` and, where a handler is involved, ``handler``.
+``message_id``, ``message_type`` and, where a handler is involved, ``handler`` and
+``time_sent`` (the incoming message's header).
 ``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """

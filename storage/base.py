@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,30 @@ class Lease:
     owner: str
     token: int
     expires_at: datetime.datetime
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """What happened to one message at one handler (an endpoint with ``audit=True``)."""
+
+    endpoint: str
+    handler: str
+    message_id: str
+    message_type: str
+    #: ``handled``, ``duplicate``, ``redispatched``, ``failed`` or ``dead_lettered``.
+    outcome: str
+    #: The message's ``idembus.time_sent``, if it had one.
+    time_sent: datetime.datetime | None
+    recorded_at: datetime.datetime
+
+    @property
+    def bucket(self) -> int:
+        """A stable number in [0, 1024) from the message id, to split readers by."""
+        return zlib.crc32(self.message_id.encode("utf-8")) % AUDIT_BUCKETS
+
+
+#: Audit records are spread over this many buckets; ``read_audit`` parts group them.
+AUDIT_BUCKETS = 1024
 
 
 @dataclass(frozen=True)
@@ -237,6 +262,15 @@ class Storage(ABC):
     @abstractmethod
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
         """Remove scheduled envelopes (after they were dispatched)."""
+
+    @abstractmethod
+    def write_audit(self, records: Sequence[AuditRecord]) -> None:
+        """Keep audit records (appended; written in batches by the endpoint)."""
+
+    @abstractmethod
+    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
+        """The audit records whose ``bucket % parts == part``: ``parts`` readers (Spark
+        partitions) together read each record once."""
 
     @abstractmethod
     def report_status(self, report: StatusReport) -> None:

@@ -14,6 +14,7 @@ from bus.envelope import Envelope, utc_now
 from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
+    AuditRecord,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -42,6 +43,7 @@ class MemoryStorage(Storage):
         self._scheduled: dict[tuple[str, str, str], _Scheduled] = {}
         self._status: dict[tuple[str, str], StatusReport] = {}
         self._leases: dict[str, Lease] = {}
+        self._audit: list[AuditRecord] = []
         self._lock = threading.Lock()
 
     def load(
@@ -201,6 +203,15 @@ class MemoryStorage(Storage):
             for envelope in envelopes:
                 self._scheduled.pop(scheduled_key(envelope), None)
 
+
+    def write_audit(self, records: Sequence[AuditRecord]) -> None:
+        with self._lock:
+            self._audit.extend(records)
+
+    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
+        with self._lock:
+            chosen = [r for r in self._audit if r.bucket % parts == part]
+        return iter(chosen)
 
     def report_status(self, report: StatusReport) -> None:
         with self._lock:

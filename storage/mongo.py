@@ -48,10 +48,12 @@ import pymongo.errors
 from bus.envelope import Envelope, utc_now
 from storage import mongo_changes
 from storage.base import (
+    AUDIT_BUCKETS,
     DEFAULT_PROCESSED_WINDOW,
     INBOX,
     OUTBOX_LEASE,
     AggregateRecord,
+    AuditRecord,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -65,11 +67,13 @@ from storage.errors import StaleLease, StorageUnavailable
 SCHEDULED = "idembus_scheduled"
 #: Collection of the counters endpoint processes report (``idembus status``).
 STATUS = "idembus_status"
+#: Collection of audit records (endpoints with ``audit=True``).
+AUDIT = "idembus_audit"
 #: Collection of leases (the outbox dispatcher's), with their fencing tokens.
 LEASES = "idembus_leases"
 #: Name of the TTL index expiring dispatched inbox records.
 RETENTION_INDEX = "idembus_retention"
-_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES})
+_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT})
 
 
 def is_mongomock(client: Any) -> bool:
@@ -293,6 +297,27 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             self._delayed_messages.delete_many(
                 {"_id": {"$in": [_scheduled_id(envelope) for envelope in envelopes]}})
+
+    def write_audit(self, records: Sequence[AuditRecord]) -> None:
+        if not records:
+            return
+        documents = [{"endpoint": r.endpoint, "handler": r.handler, "message_id": r.message_id,
+                      "message_type": r.message_type, "outcome": r.outcome,
+                      "time_sent": r.time_sent, "recorded_at": r.recorded_at,
+                      "bucket": r.bucket} for r in records]
+        with self._guard, _translated():
+            self.database[AUDIT].insert_many(documents)  # inserts only: no bulk updates
+
+    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
+        with self._guard, _translated():
+            # $in over the part's buckets rather than $mod: mongomock has no $mod, and an
+            # index on bucket serves $in on a real server.
+            buckets = [b for b in range(AUDIT_BUCKETS) if b % parts == part]
+            documents = list(self.database[AUDIT].find(
+                {"bucket": {"$in": buckets}}, {"_id": 0, "bucket": 0}))
+        return iter([AuditRecord(**{**d, "time_sent": _utc(d.get("time_sent")),
+                                    "recorded_at": _utc(d["recorded_at"])})
+                     for d in documents])
 
     def report_status(self, report: StatusReport) -> None:
         document = {"endpoint": report.endpoint, "instance": report.instance,

@@ -59,6 +59,7 @@ from bus.errors import ConfigurationError
 from storage.base import (
     INBOX,
     AggregateRecord,
+    AuditRecord,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -99,6 +100,7 @@ class PostgresStorage(Storage):
         self._processed = f"{table_prefix}_processed"
         self._scheduled = f"{table_prefix}_scheduled"
         self._leases = f"{table_prefix}_leases"
+        self._audit = f"{table_prefix}_audit"
         self._status = f"{table_prefix}_status"
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
@@ -175,6 +177,17 @@ class PostgresStorage(Storage):
                     expires_at timestamptz NOT NULL
                 )""")
             connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._audit} (
+                    endpoint text NOT NULL,
+                    handler text NOT NULL,
+                    message_id text NOT NULL,
+                    message_type text NOT NULL,
+                    outcome text NOT NULL,
+                    time_sent timestamptz,
+                    recorded_at timestamptz NOT NULL,
+                    bucket integer NOT NULL
+                )""")
+            connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._status} (
                     endpoint text NOT NULL,
                     instance text NOT NULL,
@@ -201,7 +214,8 @@ class PostgresStorage(Storage):
         self._marks.flush()
         with self._connection() as connection:
             connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
-                               f"{self._scheduled}, {self._status}, {self._leases}")
+                               f"{self._scheduled}, {self._status}, {self._leases}, "
+                               f"{self._audit}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -383,6 +397,26 @@ class PostgresStorage(Storage):
                 "(SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
                 (ids, destinations, times),
             )
+
+    def write_audit(self, records: Sequence[AuditRecord]) -> None:
+        if not records:
+            return
+        with self._connection() as connection, connection.cursor() as cursor:
+            cursor.executemany(
+                f"INSERT INTO {self._audit} (endpoint, handler, message_id, message_type, "
+                "outcome, time_sent, recorded_at, bucket) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+                [(r.endpoint, r.handler, r.message_id, r.message_type, r.outcome, r.time_sent,
+                  r.recorded_at, r.bucket) for r in records],
+            )
+
+    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT endpoint, handler, message_id, message_type, outcome, time_sent, "
+                f"recorded_at FROM {self._audit} WHERE bucket %% %s = %s",
+                (parts, part),
+            ).fetchall()
+        return iter([AuditRecord(*row) for row in rows])
 
     def report_status(self, report: StatusReport) -> None:
         with self._connection() as connection:

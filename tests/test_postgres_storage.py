@@ -39,7 +39,7 @@ def prefix() -> Iterator[str]:
 
 def expected_tables(prefix: str) -> set[str]:
     return {f"{prefix}_{name}"
-            for name in ("aggregates", "processed", "scheduled", "status", "leases")}
+            for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit")}
 
 
 def tables(prefix: str) -> set[str]:

@@ -1,0 +1,49 @@
+"""The audit trail: what happened to each message at each handler, kept in the storage for
+analysis (``idembus spark report``). Opt in with ``Endpoint(audit=True)``.
+
+Written from the endpoint's signals, in batches by a background thread: an audit record
+is an observation, so a write that fails is logged and dropped, and the hot path only
+appends to a list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus.envelope import parse_utc, utc_now
+from bus.signals import EndpointSignals
+from storage.base import AuditRecord, Storage
+from storage.batching import Batcher
+
+#: The signals an audit record is kept for.
+AUDITED = ("handled", "duplicate", "redispatched", "failed", "dead_lettered")
+
+
+class AuditTrail:
+    """Turns one endpoint's signals into audit records in its storage."""
+
+    def __init__(self, storage: Storage, signals: EndpointSignals, *, endpoint: str) -> None:
+        self._endpoint = endpoint
+        self._batcher: Batcher[AuditRecord] = Batcher(
+            storage.write_audit, name=f"idembus-{endpoint}-audit", interval=0.2)
+        self._receivers = [self._recorder(outcome) for outcome in AUDITED]
+        for outcome, receiver in zip(AUDITED, self._receivers, strict=True):
+            getattr(signals, outcome).connect(receiver)
+
+    def _recorder(self, outcome: str) -> Any:
+        def record(sender: object, **details: Any) -> None:
+            self._batcher.add(AuditRecord(
+                endpoint=self._endpoint, handler=str(details.get("handler") or ""),
+                message_id=str(details.get("message_id") or ""),
+                message_type=str(details.get("message_type") or ""), outcome=outcome,
+                time_sent=parse_utc(details.get("time_sent")), recorded_at=utc_now(),
+            ))
+
+        return record
+
+    def flush(self) -> None:
+        """Wait until every record so far is written."""
+        self._batcher.flush()
+
+    def close(self) -> None:
+        self._batcher.close()
