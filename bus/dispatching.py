@@ -10,14 +10,12 @@ when it is due. Either way it survives a restart of the endpoint.
 from __future__ import annotations
 
 import logging
-import threading
 
+from bus.background import Periodic
 from bus.envelope import Envelope, utc_now
 from bus.policies import Backoff
 from storage.base import Storage
-from storage.errors import StorageUnavailable
 from transports.base import Transport
-from transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,7 @@ class Dispatcher:
             self._transport.dispatch(envelope)
 
 
-class DelayedDeliveries:
+class DelayedDeliveries(Periodic):
     """A thread that sends the storage's delayed messages when they are due.
 
     Claims are leases: a poller that dies mid-batch leaves its claims to expire, and
@@ -47,26 +45,16 @@ class DelayedDeliveries:
     def __init__(self, transport: Transport, storage: Storage, *, name: str,
                  interval: float = 0.5, batch: int = 100, lease: float = 30.0,
                  backoff: Backoff | None = None) -> None:
+        super().__init__(name, backoff=backoff)
         self._transport = transport
         self._storage = storage
-        self._name = name
         self._interval = interval
         self._batch = batch
         self._lease = lease
-        self._backoff = backoff or Backoff()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float | None = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    def round(self) -> float:
+        self.send_due()
+        return self._interval
 
     def send_due(self) -> int:
         """Send what is due now; return how many were sent."""
@@ -80,21 +68,3 @@ class DelayedDeliveries:
             if len(envelopes) < self._batch:
                 break
         return sent
-
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                self.send_due()
-                failures = 0
-                wait = self._interval
-            except (StorageUnavailable, TransportUnavailable) as outage:
-                wait = self._backoff.delay(failures)
-                failures += 1
-                log.warning("sending delayed messages failed (%s); trying again in %.1fs",
-                            outage, wait)
-            except Exception:
-                wait = self._backoff.delay(failures)
-                failures += 1
-                log.exception("sending delayed messages failed; trying again in %.1fs", wait)
-            self._stop.wait(wait)

@@ -30,18 +30,18 @@ import socket
 import threading
 import uuid
 
+from bus.background import Periodic
 from bus.dispatching import Dispatcher
 from bus.envelope import utc_now
 from bus.policies import Backoff
 from storage.base import OUTBOX_LEASE, Lease, Storage
-from storage.errors import StaleLease, StorageUnavailable
-from transports.errors import TransportUnavailable
+from storage.errors import StaleLease
 
 log = logging.getLogger(__name__)
 
 
 
-class OutboxDispatcher:
+class OutboxDispatcher(Periodic):
     """Repairs crashes between commit and dispatch; see the module docstring."""
 
     def __init__(
@@ -58,24 +58,18 @@ class OutboxDispatcher:
     ) -> None:
         if lease_ttl <= 0 or grace < 0:
             raise ValueError("lease_ttl must be positive and grace not negative")
+        super().__init__(name, backoff=backoff)
         self._storage = storage
         self._dispatcher = dispatcher
-        self._name = name
         self.lease_ttl = lease_ttl
         self.grace = grace
         self._batch = batch
         self._keep_bodies = keep_bodies
-        self._backoff = backoff or Backoff()
         #: Who this dispatcher is, in the lease.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease: Lease | None = None
         #: Processed entries forgotten past the storage's retention, by this dispatcher.
         self.expired = 0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- one round, callable directly (tests, tools) ------------------------------------
 
     def run_once(self) -> int:
         """Take or renew the lease; if held, send one batch. Returns how many entries were
@@ -105,13 +99,13 @@ class OutboxDispatcher:
             self.expired += self._storage.expire(now)
         return repaired
 
-    # -- as a thread ----------------------------------------------------------------------
+    def round(self) -> float:
+        # A full batch: more may wait. Otherwise renew the lease at half its time.
+        return 0.0 if self.run_once() >= self._batch else self.lease_ttl / 2
 
     def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-        threading.Thread(target=self._watch, name=f"{self._name}-watch", daemon=True).start()
+        super().start()
+        threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True).start()
 
     def _watch(self) -> None:
         """Wake on the storage's change notifications where it has them (MongoDB replica
@@ -124,45 +118,13 @@ class OutboxDispatcher:
             log.warning("watching for changes failed; the outbox dispatcher polls",
                         exc_info=True)
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop, and give the lease up so that another dispatcher takes over at once."""
+        was_running = super().stop(timeout)
         if self.lease is not None:
             try:
                 self._storage.release_lease(self.lease)
             except Exception:  # best effort: an unreleased lease expires by itself
                 log.debug("releasing the outbox lease failed", exc_info=True)
             self.lease = None
-
-    def request_stop(self) -> None:
-        """Ask ``run()`` to return after its current round (for signal handlers)."""
-        self._stop.set()
-        self._wake.set()
-
-    def wake(self) -> None:
-        """Look now instead of at the next renewal (a change stream calls this)."""
-        self._wake.set()
-
-    def run(self) -> None:
-        """Dispatch until ``stop()``: for ``idembus dispatcher``."""
-        self._run()
-
-    def _run(self) -> None:
-        failures = 0
-        while not self._stop.is_set():
-            try:
-                repaired = self.run_once()
-                failures = 0
-                # A full batch: more may wait. Otherwise renew at half the lease.
-                wait = 0.0 if repaired >= self._batch else self.lease_ttl / 2
-            except (StorageUnavailable, TransportUnavailable) as outage:
-                wait = self._backoff.delay(failures)
-                failures += 1
-                log.warning("the outbox dispatcher cannot work (%s); trying again in %.1fs",
-                            outage, wait)
-            self._wake.wait(min(wait, self.lease_ttl / 2))
-            self._wake.clear()
-
+        return was_running

@@ -10,43 +10,39 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 
+from bus.background import Periodic
 from bus.envelope import utc_now
 from storage.base import StatusReport, Storage
 
 log = logging.getLogger(__name__)
 
 
-class StatusReporter:
+class StatusReporter(Periodic):
     """A thread writing one endpoint process's counters every ``interval`` seconds."""
 
     def __init__(self, storage: Storage, endpoint: str,
                  counters: Callable[[], Mapping[str, int]], *, interval: float = 5.0) -> None:
+        super().__init__(f"idembus-{endpoint}-status")
         self._storage = storage
         self._endpoint = endpoint
         self._counters = counters
         self._interval = interval
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._started_at = utc_now()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=f"idembus-{self._endpoint}-status",
-                                        daemon=True)
-        self._thread.start()
+    def round(self) -> float:
+        self.report()
+        return self._interval
 
-    def stop(self, timeout: float | None = 30.0) -> None:
+    def stop(self, timeout: float | None = 30.0) -> bool:
         """Stop reporting, after a last report that says so."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        was_running = super().stop(timeout)
+        if was_running:
             self.report(stopped=True)
+        return was_running
 
     def report(self, *, stopped: bool = False) -> None:
         try:
@@ -56,8 +52,3 @@ class StatusReporter:
             ))
         except Exception as exc:  # observation only: never let it stop the endpoint
             log.warning("could not report the status of %s: %s", self._endpoint, exc)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.report()
-            self._stop.wait(self._interval)

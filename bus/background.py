@@ -1,0 +1,75 @@
+"""Background work in rounds: the base of an endpoint's helper threads (delayed deliveries,
+status reports, the outbox dispatcher)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+
+from bus.policies import Backoff
+from storage.errors import StorageUnavailable
+from transports.errors import TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Periodic(ABC):
+    """A daemon thread doing one round of work at a time until stopped.
+
+    :meth:`round` returns the seconds until the next round. A round that raises is tried
+    again after a growing wait (``backoff``): an unreachable broker or database is logged as
+    a warning, anything else with its traceback. :meth:`wake` starts the next round early.
+    """
+
+    def __init__(self, name: str, *, backoff: Backoff | None = None) -> None:
+        self.name = name
+        self._backoff = backoff or Backoff()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @abstractmethod
+    def round(self) -> float:
+        """Do one round of work; return how long to wait before the next."""
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop after the current round; True if a thread was running."""
+        self.request_stop()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return False
+        thread.join(timeout)
+        return True
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to return after its current round (signal handlers may call it)."""
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Start the next round now."""
+        self._wake.set()
+
+    def run(self) -> None:
+        """Do rounds in the calling thread until stopped."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                wait = self.round()
+                failures = 0
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                wait = self._backoff.delay(failures)
+                failures += 1
+                log.warning("%s: %s; trying again in %.1fs", self.name, outage, wait)
+            except Exception:
+                wait = self._backoff.delay(failures)
+                failures += 1
+                log.exception("%s failed; trying again in %.1fs", self.name, wait)
+            self._wake.wait(wait)
+            self._wake.clear()
