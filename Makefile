@@ -18,15 +18,15 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,test]'
+	$(PIP) install -e '.[redis,postgres,web,spark,test]'
 	touch $@
 
 $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,test,bench]'
+	$(PIP) install -e '.[redis,postgres,web,spark,test,bench]'
 	touch $@
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,test,lint]'
+	$(PIP) install -e '.[redis,postgres,web,spark,test,lint]'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -42,6 +42,7 @@ lint: $(VENV)/.lint
 bench: $(VENV)/.bench
 	$(BIN)/python -m bench.throughput
 	$(BIN)/python -m bench.postgres
+	$(BIN)/python -m bench.spark_replay
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
 # reduced one): worker processes killed every ~2 s, RabbitMQ restarted once.

@@ -36,18 +36,13 @@ from bus import headers as h
 from bus.envelope import Envelope, parse_utc
 from bus.errors import ConfigurationError
 from bus.loading import load_endpoint
+from bus.recoverability import without_failure_headers
 from bus.supervisor import EXIT_CONFIGURATION
 from transports.base import Delivery
 
 if TYPE_CHECKING:
     from bus.endpoint import Endpoint
 
-#: Headers written when a message is moved to the error queue; a retry drops them.
-FAILURE_HEADERS = frozenset({
-    h.EXCEPTION_TYPE, h.EXCEPTION_MESSAGE, h.STACK_TRACE, h.FAILED_QUEUE, h.TIME_OF_FAILURE,
-    h.IMMEDIATE_ATTEMPTS, h.DELAYED_ATTEMPTS, h.DELIVER_AT,
-})
-_FAILURE_PREFIXES = ("idembus.exception.", "idembus.attempts.")
 #: Longest exception message shown by ``errors list`` (``--json`` gives it whole).
 _SHORT_MESSAGE = 60
 _MISSING = "-"
@@ -186,8 +181,7 @@ def retried_envelope(delivery: Delivery) -> Envelope:
         raise ConfigurationError(
             f"message {delivery.headers.get(h.MESSAGE_ID, '(without id)')} has no "
             f"{h.FAILED_QUEUE} header: there is no queue to return it to")
-    headers = {name: value for name, value in delivery.headers.items()
-               if name not in FAILURE_HEADERS and not name.startswith(_FAILURE_PREFIXES)}
+    headers = without_failure_headers(delivery.headers)
     return Envelope(
         headers=headers,
         body=delivery.body.decode("utf-8", "surrogateescape"),

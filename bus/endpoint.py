@@ -372,6 +372,17 @@ class Endpoint:
                 self._in_flight -= 1
                 self._activity.notify_all()
 
+    def process(self, delivery: Delivery) -> None:
+        """Process one delivery in the calling thread, exactly as a consumer would: the
+        same deduplication, dispatch, retries and error queue. For tools that bring their
+        own messages (``idembus spark replay``); the endpoint need not be started."""
+        self._on_delivery(delivery)
+
+    def reject(self, delivery: Delivery, reason: str) -> None:
+        """Send a delivery that is not a readable message to the error queue with
+        ``reason``, as bad input; then acknowledge it."""
+        self._processor.reject(delivery, reason)
+
     def is_idle(self) -> bool:
         """True when no message is being processed and none waits in the queue."""
         with self._activity:

@@ -23,7 +23,7 @@ from bus.breaker import CircuitBreaker
 from bus.decoding import decode
 from bus.dispatching import Dispatcher
 from bus.envelope import Envelope, format_utc, utc_now
-from bus.errors import MessageError
+from bus.errors import MalformedMessage, MessageError
 from bus.faults import CrashPoint, FaultInjector
 from bus.invocation import HandlerInvoker, Outcome
 from bus.messages import Message
@@ -195,6 +195,10 @@ class MessageProcessor:
                                time_sent=incoming.get(h.TIME_SENT))
         self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key,
                                       keep_bodies=not self._compact)
+
+    def reject(self, delivery: Delivery, reason: str) -> None:
+        """Bad input found before decoding: straight to the error queue with ``reason``."""
+        self._dead_letter(delivery, MalformedMessage(reason), attempts=0)
 
     def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
         """Forward the delivery, byte for byte, to the error queue; then acknowledge it."""

@@ -196,3 +196,24 @@ def eager_thread_switching() -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(previous)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One SparkSession for the whole run (starting one takes seconds). ``local[2,3]``: two
+    cores, and tasks retried up to 3 times (plain ``local[N]`` never retries)."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        if IN_CI:
+            pytest.fail(f"pyspark is not installed ({exc}); make test installs the [spark] extra")
+        pytest.skip(f"pyspark is not installed: {exc}")
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # workers crash on another interpreter
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (SparkSession.builder.master("local[2,3]").appName("idembus-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "4")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()

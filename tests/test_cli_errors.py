@@ -27,7 +27,7 @@ import pytest
 from bus import Endpoint, RetryPolicy
 from bus import headers as h
 from bus.cli import main
-from bus.cli_errors import FAILURE_HEADERS
+from bus.recoverability import FAILURE_HEADERS
 from bus.supervisor import EXIT_CONFIGURATION
 from bus.testing import wait_until_idle
 from handlers import AggregateHandler, Handler, handles

@@ -30,6 +30,15 @@ def test_importing_bus_does_not_import_brokers_or_databases():
     assert done.stdout.strip() == "[]", done.stderr
 
 
+def test_spark_stays_off_the_core_and_command_import_path():
+    code = ("import sys, bus, bus.cli, bus.endpoint, handlers, storage, transports; "
+            "heavy = [m for m in ('pyspark', 'pandas', 'matplotlib') if m in sys.modules]; "
+            "print(heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "[]", done.stderr
+
+
 @pytest.mark.parametrize("package", [bus, handlers, storage, transports])
 def test_every_exported_name_exists_and_the_list_is_sorted(package):
     assert package.__all__ == sorted(package.__all__)

@@ -1,0 +1,34 @@
+"""``idembus spark replay package.module:make_endpoint FILE...``: messages from JSON lines or
+Parquet files through the endpoint's handlers on Spark (:func:`bus.spark.replay.replay`)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("endpoint", help="package.module:factory of the endpoint, importable "
+                                         "by Spark's workers (each builds its own)")
+    parser.add_argument("inputs", nargs="+", help="files or directories of messages")
+    parser.add_argument("--format", choices=("json", "parquet"), default="json",
+                        help="json (one message per line: message_id, message_type, body, "
+                             "headers, ...) or parquet (json)")
+    parser.add_argument("--partition-by", default="aggregate_id",
+                        help="column keeping one aggregate's messages in one partition "
+                             "(aggregate_id)")
+    parser.add_argument("--order-by", default="sequence",
+                        help="column ordering messages within a partition (sequence)")
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="Spark partitions (the session's default)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bus.spark.replay import replay_files
+    from bus.spark.session import spark_session
+
+    with spark_session(args.master, app="idembus replay") as spark:
+        summary = replay_files(spark, args.inputs, args.endpoint, file_format=args.format,
+                               partition_by=args.partition_by, order_by=args.order_by,
+                               partitions=args.partitions)
+    print(summary.line())
+    return 0 if summary.ok else 1
