@@ -256,6 +256,27 @@ def _print_message(message: dict[str, Any], queue: str) -> None:
     print(message["body"])
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Write the selected failed messages as JSON lines that ``idembus spark replay`` reads
+    (message_id, message_type, body, headers without the failure story, and when and where
+    it failed). They stay in the error queue: purge them once replayed."""
+    selection = Selection(message_type=args.type, exception=args.exception)
+    with _error_queue(args.endpoint) as (endpoint, deliveries):
+        chosen = [d for d in deliveries if selection.matches(d)]
+        with open(args.file, "w", encoding="utf-8") as out:
+            for delivery in chosen:
+                out.write(json.dumps({
+                    "message_id": delivery.headers.get(h.MESSAGE_ID),
+                    "message_type": delivery.headers.get(h.MESSAGE_TYPE),
+                    "body": delivery.body.decode("utf-8", "replace"),
+                    "headers": json.dumps(without_failure_headers(delivery.headers)),
+                    "failed_queue": delivery.headers.get(h.FAILED_QUEUE),
+                    "time_of_failure": delivery.headers.get(h.TIME_OF_FAILURE),
+                }, ensure_ascii=False) + "\n")
+    print(f"{len(chosen)} message(s) of {endpoint.error_queue!r} written to {args.file}")
+    return 0
+
+
 def _retry(args: argparse.Namespace) -> int:
     selection = Selection.from_args(args)
     selection.require("retry")
@@ -306,6 +327,11 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
     show = _action(actions, common, "show", "every header and the body of a message", _show)
     show.add_argument("id", help="message id (idembus.message_id)")
     show.add_argument("--json", action="store_true", help="print JSON")
+
+    export = _action(actions, common, "export",
+                     "write failed messages as JSON lines for idembus spark replay", _export)
+    export.add_argument("file", help="the JSON lines file to write")
+    _add_filters(export)
 
     for name, summary, handler in (
         ("retry", "send messages back to the queue that failed them, counters reset", _retry),

@@ -25,6 +25,7 @@ import pytest
 from bus import headers as h
 from bus.cli import main
 from bus.context import MessageContext
+from bus.envelope import Envelope
 from bus.errors import ConfigurationError
 from bus.spark.replay import ReplaySummary, foreach_batch_sink, replay
 from storage.postgres import PostgresStorage
@@ -319,3 +320,32 @@ def test_the_command_replays_json_lines_and_leaves_the_running_session_alone(
     assert capsys.readouterr().out.startswith("replayed=10 handled=10 duplicates=0 ")
     assert replaying.trails() == expected_trails(aggregates=2, steps=5)
     assert spark.range(3).count() == 3  # the shared session still runs
+
+
+def test_an_error_queue_export_replays_through_the_endpoint_once(
+        make_world, spark, tmp_path, unique, capsys):
+    # Given a failed Step in the endpoint's error queue, with its story in the headers
+    replaying = make_world()
+    world = replaying.world
+    failed = Message(f"{unique}-failed", "agg-9", 0)
+    transport = world.transport()
+    transport.declare(world.error_queue)
+    transport.send(Envelope(
+        {h.MESSAGE_ID: failed.message_id, h.MESSAGE_TYPE: "spark.Step",
+         h.EXCEPTION_TYPE: "builtins.ConnectionError", h.FAILED_QUEUE: world.name,
+         h.TIME_OF_FAILURE: "2031-05-04T12:00:00+00:00", h.IMMEDIATE_ATTEMPTS: "6"},
+        failed.body, world.error_queue))
+    transport.close()
+
+    # When it is exported and the export replayed
+    export = tmp_path / "failed.json"
+    assert main(["errors", "export", replaying.reference, str(export)]) == 0
+    assert main(["spark", "replay", replaying.reference, str(export), "--partition-by", "none",
+                 "--order-by", "time_of_failure", "--master", spark.sparkContext.master]) == 0
+
+    # Then it is applied once, and its failure story did not travel with it
+    assert "replayed=1 handled=1" in capsys.readouterr().out
+    assert replaying.trails() == {"agg-9": [0]}
+    (row,) = [json.loads(line) for line in export.read_text().splitlines()]
+    assert row["message_id"] == failed.message_id and row["failed_queue"] == world.name
+    assert h.EXCEPTION_TYPE not in json.loads(row["headers"])

@@ -13,11 +13,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("json", "parquet"), default="json",
                         help="json (one message per line: message_id, message_type, body, "
                              "headers, ...) or parquet (json)")
-    parser.add_argument("--partition-by", default="aggregate_id",
+    parser.add_argument("--partition-by", default="aggregate_id", type=_column,
                         help="column keeping one aggregate's messages in one partition "
-                             "(aggregate_id)")
-    parser.add_argument("--order-by", default="sequence",
-                        help="column ordering messages within a partition (sequence)")
+                             "(aggregate_id; 'none' to spread them freely)")
+    parser.add_argument("--order-by", default="sequence", type=_column,
+                        help="column ordering messages within a partition (sequence; "
+                             "'none' to keep the input's order; an error-queue export has "
+                             "time_of_failure)")
     parser.add_argument("--partitions", type=int, default=None,
                         help="Spark partitions (the session's default)")
 
@@ -32,3 +34,7 @@ def run(args: argparse.Namespace) -> int:
                                partitions=args.partitions)
     print(summary.line())
     return 0 if summary.ok else 1
+
+
+def _column(name: str) -> str | None:
+    return None if name.strip().lower() in ("", "none") else name
