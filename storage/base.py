@@ -44,6 +44,14 @@ the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a ro
 processed again; README says so.
 Stateless handlers use the same records: one per (handler, message id) in the aggregate
 type :data:`INBOX`.
+
+An endpoint with a journal (``Endpoint(journal=...)``) also appends the events it publishes
+to the storage's **event journal** (``append_journal``), after the broker confirmed them and
+before they are marked dispatched, so an event is journaled at least once and, being unique
+by message id, kept once. Positions are dense — 1, 2, 3, … — and a position becomes visible
+only after every smaller one is: a reader that remembers the last position it saw
+(``read_journal(after=...)``) never misses an entry appended later. ``trim_journal`` drops
+old entries but always keeps the newest, so positions never restart.
 """
 
 from __future__ import annotations
@@ -145,6 +153,37 @@ class StatusReport:
 
 
 @dataclass(frozen=True)
+class JournalEntry:
+    """One published event in the event journal (an endpoint with ``journal=...``)."""
+
+    message_id: str
+    message_type: str
+    #: The event's headers (``idembus.*`` included) and its JSON body, as on the wire.
+    headers: Mapping[str, str]
+    body: str
+    #: The aggregate whose handler published it; ``None`` for stateless handlers and
+    #: publishes outside handlers.
+    aggregate_type: str | None = None
+    aggregate_id: str | None = None
+    #: References consumers filter on, such as ``user/42`` (``Event.journal_parents``).
+    parents: tuple[str, ...] = ()
+    #: When it was appended (UTC); set by the storage.
+    recorded_at: datetime.datetime | None = None
+    #: Its place in the journal, from 1; 0 until appended.
+    position: int = 0
+
+
+@dataclass(frozen=True)
+class JournalBounds:
+    """What the journal holds: positions ``oldest..newest`` (``oldest`` is ``None`` when it
+    is empty; ``newest`` is 0 if nothing was ever appended)."""
+
+    oldest: int | None
+    newest: int
+    size: int
+
+
+@dataclass(frozen=True)
 class AggregateRecord:
     """An aggregate as loaded: ``version == 0`` means it does not exist yet.
 
@@ -156,6 +195,8 @@ class AggregateRecord:
     version: int = 0
     state: Mapping[str, Any] | None = None
     processed: Mapping[str, ProcessedMessage] = field(default_factory=dict)
+    #: When the state was last committed (UTC), where the backend knows (``records``).
+    updated_at: datetime.datetime | None = None
 
     @property
     def exists(self) -> bool:
@@ -236,7 +277,8 @@ class Storage(ABC):
 
     @abstractmethod
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
-        """Every stored record of one aggregate type, for reports and tools (not per message)."""
+        """Every stored record of one aggregate type, for reports and tools (not per
+        message), with ``updated_at``."""
 
     def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
         """Keep ``envelope`` until ``due`` (an aware datetime). Idempotent per
@@ -271,6 +313,33 @@ class Storage(ABC):
     def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
         """The audit records whose ``bucket % parts == part``: ``parts`` readers (Spark
         partitions) together read each record once."""
+
+    @abstractmethod
+    def append_journal(self, entries: Sequence[JournalEntry]) -> None:
+        """Append the entries in order, skipping those whose ``message_id`` the journal
+        already holds (an event dispatched again); each gets the next position and
+        ``recorded_at`` now."""
+
+    @abstractmethod
+    def read_journal(self, *, after: int, limit: int = 500) -> list[JournalEntry]:
+        """Up to ``limit`` entries with positions greater than ``after``, in order."""
+
+    @abstractmethod
+    def journal_bounds(self) -> JournalBounds:
+        """The oldest and newest positions and the number of entries."""
+
+    @abstractmethod
+    def journal_position_at(self, moment: datetime.datetime) -> int | None:
+        """Where to read from (``after=``) to get every entry recorded at or after
+        ``moment``: one less than the first such entry's position, the newest position if
+        there is none, 0 if the journal is empty; ``None`` if the oldest entry kept was
+        recorded at or after ``moment`` but older ones were trimmed (what happened since
+        ``moment`` is no longer all there)."""
+
+    @abstractmethod
+    def trim_journal(self, before: datetime.datetime, *, batch: int = 1000) -> int:
+        """Remove up to ``batch`` entries recorded before ``before``, never the newest;
+        return how many."""
 
     @abstractmethod
     def report_status(self, report: StatusReport) -> None:

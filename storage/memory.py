@@ -3,7 +3,9 @@ test helper. Thread-safe; raises exactly the errors the real backends raise."""
 
 from __future__ import annotations
 
+import bisect
 import copy
+import dataclasses
 import datetime
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -15,6 +17,8 @@ from storage.base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
     AuditRecord,
+    JournalBounds,
+    JournalEntry,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -23,6 +27,7 @@ from storage.base import (
     scheduled_key,
 )
 from storage.errors import StaleLease
+from storage.journal import resume_position
 
 
 class MemoryStorage(Storage):
@@ -44,6 +49,8 @@ class MemoryStorage(Storage):
         self._status: dict[tuple[str, str], StatusReport] = {}
         self._leases: dict[str, Lease] = {}
         self._audit: list[AuditRecord] = []
+        self._journal: list[JournalEntry] = []
+        self._journaled: set[str] = set()
         self._lock = threading.Lock()
 
     def load(
@@ -178,7 +185,8 @@ class MemoryStorage(Storage):
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         with self._lock:
             chosen = [r for (t, _), r in self._records.items() if t == aggregate_type]
-        return iter(copy.deepcopy(chosen))
+        return iter([dataclasses.replace(record, updated_at=_last_commit(record))
+                     for record in copy.deepcopy(chosen)])
 
     def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
         with self._lock:
@@ -213,6 +221,50 @@ class MemoryStorage(Storage):
             chosen = [r for r in self._audit if r.bucket % parts == part]
         return iter(chosen)
 
+    def append_journal(self, entries: Sequence[JournalEntry]) -> None:
+        with self._lock:
+            for entry in entries:
+                if entry.message_id in self._journaled:
+                    continue
+                newest = self._journal[-1].position if self._journal else 0
+                self._journal.append(dataclasses.replace(
+                    entry, position=newest + 1, recorded_at=utc_now()))
+                self._journaled.add(entry.message_id)
+
+    def read_journal(self, *, after: int, limit: int = 500) -> list[JournalEntry]:
+        with self._lock:
+            start = bisect.bisect_right(self._journal, after, key=lambda e: e.position)
+            return self._journal[start:start + limit]
+
+    def journal_bounds(self) -> JournalBounds:
+        with self._lock:
+            if not self._journal:
+                return JournalBounds(None, 0, 0)
+            return JournalBounds(self._journal[0].position, self._journal[-1].position,
+                                 len(self._journal))
+
+    def journal_position_at(self, moment: datetime.datetime) -> int | None:
+        with self._lock:
+            first_since = next((e.position for e in self._journal if e.recorded_at is not None
+                                and e.recorded_at >= moment), None)
+            return resume_position(
+                newest=self._journal[-1].position if self._journal else 0,
+                oldest=self._journal[0].position if self._journal else None,
+                first_since=first_since)
+
+    def trim_journal(self, before: datetime.datetime, *, batch: int = 1000) -> int:
+        with self._lock:
+            removable = self._journal[:-1][:batch]
+            count = 0
+            for entry in removable:
+                if entry.recorded_at is None or entry.recorded_at >= before:
+                    break
+                count += 1
+            for entry in self._journal[:count]:
+                self._journaled.discard(entry.message_id)
+            del self._journal[:count]
+            return count
+
     def report_status(self, report: StatusReport) -> None:
         with self._lock:
             self._status[report.endpoint, report.instance] = report
@@ -221,6 +273,12 @@ class MemoryStorage(Storage):
         with self._lock:
             found = [r for (name, _), r in self._status.items() if name == endpoint]
         return sorted(found, key=lambda report: report.updated_at, reverse=True)
+
+def _last_commit(record: AggregateRecord) -> datetime.datetime | None:
+    """When the newest remembered message of ``record`` was committed."""
+    times = [entry.at for entry in record.processed.values() if entry.at is not None]
+    return max(times, default=None)
+
 
 @dataclass
 class _Scheduled:

@@ -4,7 +4,7 @@ Features
 ========
 * Document per aggregate, in a collection named after the aggregate type::
 
-      {_id: <aggregate id>, version: <int>, state: {...},
+      {_id: <aggregate id>, version: <int>, state: {...}, updated_at: <datetime>,
        processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>}, ...]}
 
 * Commit of an existing aggregate: ``update_one`` matching ``_id``, the loaded ``version``
@@ -17,6 +17,13 @@ Features
   the index it creates.
 * Delayed messages wait in the collection ``idembus_scheduled``; pollers claim due ones with
   ``find_one_and_update`` (a lease), so only one dispatches each while it lives.
+* The event journal is the collection ``idembus_journal``, one document per entry with its
+  position as ``_id`` and a unique index on ``message_id``. An appender reads the newest
+  position and inserts the next one; the ``_id`` index lets one of two racing appenders
+  win, and the loser tries again with a fresh newest. So positions are dense and each is
+  written only once the one before it is visible. ``trim_journal`` deletes old entries,
+  never the newest; there is no TTL index, which could delete the newest and let
+  positions start again from 1.
 * No transactions, sessions or replica set needed; documents are the unit of atomicity,
   so sharding by ``_id`` needs nothing more.
 
@@ -54,6 +61,8 @@ from storage.base import (
     OUTBOX_LEASE,
     AggregateRecord,
     AuditRecord,
+    JournalBounds,
+    JournalEntry,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -62,6 +71,7 @@ from storage.base import (
     scheduled_key,
 )
 from storage.errors import StaleLease, StorageUnavailable
+from storage.journal import resume_position
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
@@ -71,9 +81,13 @@ STATUS = "idembus_status"
 AUDIT = "idembus_audit"
 #: Collection of leases (the outbox dispatcher's), with their fencing tokens.
 LEASES = "idembus_leases"
+#: Collection of the event journal (endpoints with ``journal=...``), ``_id`` = position.
+JOURNAL = "idembus_journal"
 #: Name of the TTL index expiring dispatched inbox records.
 RETENTION_INDEX = "idembus_retention"
-_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT})
+_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL})
+#: How often one entry's append may lose the race for the next position before giving up.
+_APPEND_TRIES = 1000
 
 
 def is_mongomock(client: Any) -> bool:
@@ -112,6 +126,8 @@ class MongoStorage(Storage):
         self._guard: AbstractContextManager[Any] = (
             threading.RLock() if self.process_local else contextlib.nullcontext()
         )
+        # Appends rely on the journal's unique index: made once, even without migrate().
+        self._journal_indexed = False
 
     @classmethod
     def embedded(
@@ -153,7 +169,7 @@ class MongoStorage(Storage):
                 try:
                     collection.insert_one(
                         {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
-                         "processed": [entry]}
+                         "updated_at": entry["at"], "processed": [entry]}
                     )
                     return
                 except pymongo.errors.DuplicateKeyError:
@@ -162,7 +178,8 @@ class MongoStorage(Storage):
                 result = collection.update_one(
                     {"_id": loaded.aggregate_id, "version": loaded.version,
                      "processed.key": {"$ne": key}},
-                    {"$set": {"state": new_state, "version": loaded.version + 1},
+                    {"$set": {"state": new_state, "version": loaded.version + 1,
+                              "updated_at": entry["at"]},
                      "$push": {"processed": {"$each": [entry], "$slice": -self.processed_window}}},
                 )
                 if result.matched_count == 1:
@@ -319,6 +336,90 @@ class MongoStorage(Storage):
                                     "recorded_at": _utc(d["recorded_at"])})
                      for d in documents])
 
+    # -- event journal ------------------------------------------------------------------
+
+    @property
+    def _journal(self) -> Any:
+        return self.database[JOURNAL]
+
+    def append_journal(self, entries: Sequence[JournalEntry]) -> None:
+        if not entries:
+            return
+        with self._guard, _translated():
+            if not self._journal_indexed:
+                self._index_journal()
+            for entry in entries:
+                self._append_one(entry)
+
+    def _append_one(self, entry: JournalEntry) -> None:
+        """Insert ``entry`` at the position after the newest, unless it is journaled."""
+        for _ in range(_APPEND_TRIES):
+            if self._journal.find_one({"message_id": entry.message_id}, {"_id": 1}):
+                return  # journaled before (or just now, by the appender that beat us)
+            try:
+                self._journal.insert_one(
+                    _journal_document(entry, self._newest_position() + 1, utc_now()))
+                return
+            except pymongo.errors.DuplicateKeyError:
+                continue  # another appender took the position, or journaled this message
+        raise StorageUnavailable(
+            f"could not append {entry.message_id} to the journal: {_APPEND_TRIES} other "
+            "appends took the next position first")
+
+    def _newest_position(self) -> int:
+        newest = self._journal.find_one({}, {"_id": 1}, sort=[("_id", pymongo.DESCENDING)])
+        return int(newest["_id"]) if newest else 0
+
+    def _oldest_position(self) -> int | None:
+        oldest = self._journal.find_one({}, {"_id": 1}, sort=[("_id", pymongo.ASCENDING)])
+        return int(oldest["_id"]) if oldest else None
+
+    def _first_position_since(self, moment: datetime.datetime) -> int | None:
+        """The position of the first entry recorded at or after ``moment``."""
+        found = self._journal.find_one({"recorded_at": {"$gte": moment}}, {"_id": 1},
+                                       sort=[("_id", pymongo.ASCENDING)])
+        return int(found["_id"]) if found else None
+
+    def read_journal(self, *, after: int, limit: int = 500) -> list[JournalEntry]:
+        with self._guard, _translated():
+            documents = list(self._journal.find({"_id": {"$gt": after}})
+                             .sort("_id", pymongo.ASCENDING).limit(limit))
+        return [_journal_entry(document) for document in documents]
+
+    def journal_bounds(self) -> JournalBounds:
+        with self._guard, _translated():
+            newest = self._newest_position()
+            oldest = self._oldest_position()
+            size = self._journal.count_documents({}) if oldest is not None else 0
+        return JournalBounds(oldest, newest, size)
+
+    def journal_position_at(self, moment: datetime.datetime) -> int | None:
+        with self._guard, _translated():
+            newest = self._newest_position()  # first: see storage.journal.resume_position
+            first_since = self._first_position_since(moment)
+            oldest = self._oldest_position()
+        return resume_position(newest=newest, oldest=oldest, first_since=first_since)
+
+    def trim_journal(self, before: datetime.datetime, *, batch: int = 1000) -> int:
+        with self._guard, _translated():
+            # The oldest entries up to the first recorded since ``before``, never the newest.
+            newest = self._newest_position()
+            first_since = self._first_position_since(before)
+            first_kept = newest if first_since is None else min(newest, first_since)
+            doomed = [document["_id"] for document in self._journal.find(
+                {"_id": {"$lt": first_kept}}, {"_id": 1}).sort(
+                "_id", pymongo.ASCENDING).limit(batch)]
+            if not doomed:
+                return 0
+            return int(self._journal.delete_many({"_id": {"$in": doomed}}).deleted_count)
+
+    def _index_journal(self) -> None:
+        # No TTL index on recorded_at: it could delete the newest entry, and positions
+        # would start again from 1. trim_journal does the retention and keeps the newest.
+        self._journal.create_index([("message_id", pymongo.ASCENDING)], unique=True)
+        self._journal.create_index([("recorded_at", pymongo.ASCENDING)])
+        self._journal_indexed = True
+
     def report_status(self, report: StatusReport) -> None:
         document = {"endpoint": report.endpoint, "instance": report.instance,
                     "counters": dict(report.counters), "started_at": report.started_at,
@@ -340,6 +441,7 @@ class MongoStorage(Storage):
     def migrate(self) -> None:
         with self._guard, _translated():
             self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
+            self._index_journal()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified
                 # with mongomock's index options only: mongomock never deletes by TTL.
@@ -384,12 +486,38 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateR
         )
         for entry in document.get("processed", ())
     }
+    # Documents written before updated_at existed: the newest remembered commit.
+    last_commit = max((entry.at for entry in processed.values() if entry.at is not None),
+                      default=None)
     return AggregateRecord(
         aggregate_type,
         document["_id"],
         version=document["version"],
         state=document.get("state"),
         processed=processed,
+        updated_at=_utc(document.get("updated_at")) or last_commit,
+    )
+
+
+def _journal_document(entry: JournalEntry, position: int,
+                      now: datetime.datetime) -> dict[str, Any]:
+    return {"_id": position, "message_id": entry.message_id,
+            "message_type": entry.message_type, "aggregate_type": entry.aggregate_type,
+            "aggregate_id": entry.aggregate_id, "parents": list(entry.parents),
+            "headers": dict(entry.headers), "body": entry.body, "recorded_at": now}
+
+
+def _journal_entry(document: Mapping[str, Any]) -> JournalEntry:
+    return JournalEntry(
+        message_id=document["message_id"],
+        message_type=document["message_type"],
+        headers=dict(document["headers"]),
+        body=document["body"],
+        aggregate_type=document.get("aggregate_type"),
+        aggregate_id=document.get("aggregate_id"),
+        parents=tuple(document.get("parents", ())),
+        recorded_at=_utc(document["recorded_at"]),
+        position=int(document["_id"]),
     )
 
 

@@ -4,7 +4,7 @@ Features
 ========
 * Two tables (``<prefix>_aggregates`` and ``<prefix>_processed``)::
 
-      aggregates (aggregate_type, aggregate_id) -> version, state jsonb
+      aggregates (aggregate_type, aggregate_id) -> version, state jsonb, updated_at
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
                                                        dispatched, processed_at
 
@@ -26,6 +26,13 @@ Features
 * Processed rows are not bounded by count (``processed_window`` is ``None``); with
   ``retention=`` the ones whose messages were dispatched are deleted once older than it, in
   batches of 1000 by the outbox dispatcher's rounds. Undispatched rows are never deleted.
+* The event journal is ``<prefix>_journal`` (position bigint primary key, message_id
+  unique). An append is one transaction that first takes an advisory lock of its own (a
+  key derived from the table name), then inserts each entry at ``max(position) + 1``
+  unless its message id is journaled. The lock serialises appenders across processes, so
+  positions are dense and become visible in order: a reader going by position misses
+  nothing. Trimming deletes the oldest entries, never the newest, so positions never
+  restart.
 * The schema is created idempotently at start (``verify``) or by ``idembus migrate``;
   concurrent creators serialise on an advisory lock.
 
@@ -43,6 +50,7 @@ Options
 from __future__ import annotations
 
 import datetime
+import hashlib
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -60,6 +68,8 @@ from storage.base import (
     INBOX,
     AggregateRecord,
     AuditRecord,
+    JournalBounds,
+    JournalEntry,
     Lease,
     ProcessedMessage,
     StatusReport,
@@ -69,6 +79,7 @@ from storage.base import (
 )
 from storage.batching import Batcher
 from storage.errors import StaleLease, StorageUnavailable
+from storage.journal import resume_position
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 #: Key of the advisory lock that serialises schema creation (an arbitrary constant).
@@ -102,6 +113,9 @@ class PostgresStorage(Storage):
         self._leases = f"{table_prefix}_leases"
         self._audit = f"{table_prefix}_audit"
         self._status = f"{table_prefix}_status"
+        self._journal = f"{table_prefix}_journal"
+        #: Advisory lock serialising the appenders of this journal, in every process.
+        self._journal_lock = _advisory_key(self._journal)
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
@@ -115,12 +129,14 @@ class PostgresStorage(Storage):
                   "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids, dispatched) ")
         self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s)"
         self._update_and_record = (
-            f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1"
+            f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1,"
+            " updated_at = clock_timestamp()"
             " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._create_and_record = (
             f"WITH changed AS (INSERT INTO {self._aggregates}"
-            " (aggregate_type, aggregate_id, version, state) VALUES (%s, %s, 1, %s)"
+            " (aggregate_type, aggregate_id, version, state, updated_at)"
+            " VALUES (%s, %s, 1, %s, clock_timestamp())"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._marks: Batcher[tuple[str, str, str, bool]] = Batcher(
@@ -129,7 +145,8 @@ class PostgresStorage(Storage):
     # -- schema and life cycle ----------------------------------------------------------
 
     def migrate(self) -> None:
-        """Create the tables and index if they do not exist. Safe to run concurrently."""
+        """Create the tables and indexes if they do not exist, add the columns later
+        versions added. Safe to run concurrently."""
         with self._connection() as connection, connection.transaction():
             connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
             connection.execute(f"""
@@ -138,8 +155,13 @@ class PostgresStorage(Storage):
                     aggregate_id text NOT NULL,
                     version bigint NOT NULL,
                     state jsonb,
+                    updated_at timestamptz,
                     PRIMARY KEY (aggregate_type, aggregate_id)
                 )""")
+            if not _has_column(connection, self._aggregates, "updated_at"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._aggregates}
+                    ADD COLUMN IF NOT EXISTS updated_at timestamptz""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._processed} (
                     aggregate_type text NOT NULL,
@@ -197,6 +219,21 @@ class PostgresStorage(Storage):
                     stopped boolean NOT NULL,
                     PRIMARY KEY (endpoint, instance)
                 )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._journal} (
+                    position bigint PRIMARY KEY,
+                    message_id text NOT NULL UNIQUE,
+                    message_type text NOT NULL,
+                    aggregate_type text,
+                    aggregate_id text,
+                    parents text[] NOT NULL,
+                    headers jsonb NOT NULL,
+                    body text NOT NULL,
+                    recorded_at timestamptz NOT NULL
+                )""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._journal}_recorded_at
+                ON {self._journal} (recorded_at)""")
 
     def verify(self) -> None:
         """Open the pool, fail clearly if the database is unreachable, create the schema."""
@@ -210,12 +247,12 @@ class PostgresStorage(Storage):
                 self._opened = False
 
     def drop_tables(self) -> None:
-        """Drop both tables and everything in them (tests and samples clean up with this)."""
+        """Drop the tables and everything in them (tests and samples clean up with this)."""
         self._marks.flush()
         with self._connection() as connection:
             connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
                                f"{self._scheduled}, {self._status}, {self._leases}, "
-                               f"{self._audit}")
+                               f"{self._audit}, {self._journal}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -448,15 +485,91 @@ class PostgresStorage(Storage):
                     (INBOX,),
                 ).fetchall()
                 return iter([
-                    AggregateRecord(INBOX, row[0], 1, None, {row[0]: _entry(*row)})
+                    AggregateRecord(INBOX, row[0], 1, None, {row[0]: _entry(*row)},
+                                    updated_at=_utc(row[4]))
                     for row in rows
                 ])
+            # Rows committed before updated_at existed: their newest processed row's time.
             rows = connection.execute(
-                f"SELECT aggregate_id, version, state FROM {self._aggregates} "
-                "WHERE aggregate_type = %s",
+                f"SELECT a.aggregate_id, a.version, a.state, coalesce(a.updated_at, "
+                f"(SELECT max(p.processed_at) FROM {self._processed} p "
+                "WHERE p.aggregate_type = a.aggregate_type AND p.aggregate_id = a.aggregate_id)) "
+                f"FROM {self._aggregates} a WHERE a.aggregate_type = %s",
                 (aggregate_type,),
             ).fetchall()
-        return iter([AggregateRecord(aggregate_type, r[0], r[1], r[2]) for r in rows])
+        return iter([AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]))
+                     for r in rows])
+
+    # -- event journal ------------------------------------------------------------------
+
+    def append_journal(self, entries: Sequence[JournalEntry]) -> None:
+        if not entries:
+            return
+        rows = [(e.message_id, e.message_type, e.aggregate_type, e.aggregate_id,
+                 list(e.parents), Jsonb(dict(e.headers)), e.body) for e in entries]
+        with self._connection() as connection, connection.transaction():
+            # Its own statement, before the inserts: each insert's snapshot then sees every
+            # append committed before this one took the lock, so max(position) is the newest.
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", (self._journal_lock,))
+            with connection.cursor() as cursor:
+                cursor.executemany(
+                    f"INSERT INTO {self._journal} (position, message_id, message_type, "
+                    "aggregate_type, aggregate_id, parents, headers, body, recorded_at) "
+                    "SELECT coalesce(max(position), 0) + 1, %s, %s, %s, %s, %s::text[], %s, "
+                    f"%s, clock_timestamp() FROM {self._journal} "
+                    "ON CONFLICT (message_id) DO NOTHING",
+                    rows,
+                )
+
+    def read_journal(self, *, after: int, limit: int = 500) -> list[JournalEntry]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT message_id, message_type, headers, body, aggregate_type, aggregate_id, "
+                f"parents, recorded_at, position FROM {self._journal} "
+                "WHERE position > %s ORDER BY position LIMIT %s",
+                (after, limit),
+            ).fetchall()
+        return [JournalEntry(i, t, dict(headers), body, agg_type, agg_id, tuple(parents),
+                             _utc(at), position)
+                for i, t, headers, body, agg_type, agg_id, parents, at, position in rows]
+
+    def journal_bounds(self) -> JournalBounds:
+        with self._connection() as connection:
+            row = connection.execute(
+                f"SELECT min(position), max(position), count(*) FROM {self._journal}"
+            ).fetchone()
+        oldest, newest, size = row if row else (None, None, 0)
+        return JournalBounds(oldest, newest or 0, size)
+
+    def journal_position_at(self, moment: datetime.datetime) -> int | None:
+        with self._connection() as connection:
+            # One statement, one snapshot: the three positions agree with each other.
+            row = connection.execute(
+                f"SELECT (SELECT max(position) FROM {self._journal}), "
+                f"(SELECT min(position) FROM {self._journal}), "
+                f"({self._first_since})",
+                (moment,),
+            ).fetchone()
+        newest, oldest, first_since = row if row else (None, None, None)
+        return resume_position(newest=newest or 0, oldest=oldest, first_since=first_since)
+
+    def trim_journal(self, before: datetime.datetime, *, batch: int = 1000) -> int:
+        with self._connection() as connection:
+            # The oldest entries up to the first recorded since ``before``, never the newest
+            # (LEAST ignores a NULL: with none recorded since, up to the newest).
+            return connection.execute(
+                f"DELETE FROM {self._journal} WHERE position IN ("
+                f"SELECT position FROM {self._journal} WHERE position < LEAST("
+                f"(SELECT max(position) FROM {self._journal}), ({self._first_since})) "
+                "ORDER BY position LIMIT %s)",
+                (before, batch),
+            ).rowcount
+
+    @property
+    def _first_since(self) -> str:
+        """A query: the position of the first entry recorded at or after its parameter."""
+        return (f"SELECT position FROM {self._journal} WHERE recorded_at >= %s "
+                "ORDER BY position LIMIT 1")
 
     # -- connections --------------------------------------------------------------------
 
@@ -486,6 +599,27 @@ def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
         dispatched=bool(dispatched),
         at=at,
     )
+
+
+def _has_column(connection: psycopg.Connection[Any], table: str, column: str) -> bool:
+    """Whether ``table`` has ``column``. Looked up first because ALTER TABLE takes an
+    exclusive lock even when IF NOT EXISTS finds the column: it would wait behind any long
+    read of the table, and hold up every commit queued behind it, at each start."""
+    row = connection.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s "
+        "AND NOT attisdropped", (table, column)).fetchone()
+    return row is not None
+
+
+def _utc(moment: datetime.datetime | None) -> datetime.datetime | None:
+    """A ``timestamptz`` in UTC, whatever the session's time zone."""
+    return moment.astimezone(datetime.timezone.utc) if moment is not None else None
+
+
+def _advisory_key(name: str) -> int:
+    """A bigint advisory-lock key for ``name``, the same in every process (unlike hash())."""
+    digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
 
 
 def _redacted(conninfo: str) -> str:

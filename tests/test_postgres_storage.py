@@ -39,7 +39,8 @@ def prefix() -> Iterator[str]:
 
 def expected_tables(prefix: str) -> set[str]:
     return {f"{prefix}_{name}"
-            for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit")}
+            for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit",
+                         "journal")}
 
 
 def tables(prefix: str) -> set[str]:
