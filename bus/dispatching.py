@@ -5,14 +5,19 @@ transport. A deferred one goes to the transport too when the broker can hold it 
 (RabbitMQ's delay queues); otherwise it waits in the storage's delayed-message store, and
 the :class:`DelayedDeliveries` poller of every running endpoint on that storage sends it
 when it is due. Either way it survives a restart of the endpoint.
+
+With a journal (:mod:`bus.journal`), events that went out are also appended to the
+storage's event journal before their senders mark them dispatched.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from bus.background import Periodic
 from bus.envelope import Envelope, utc_now
+from bus.journal import Journal
 from bus.policies import Backoff
 from storage.base import Storage
 from transports.base import Transport
@@ -23,9 +28,11 @@ log = logging.getLogger(__name__)
 class Dispatcher:
     """Sends or publishes envelopes, keeping deferred ones where they can wait."""
 
-    def __init__(self, transport: Transport, storage: Storage) -> None:
+    def __init__(self, transport: Transport, storage: Storage,
+                 journal: Journal | None = None) -> None:
         self._transport = transport
         self._storage = storage
+        self._journal = journal
 
     def dispatch(self, envelope: Envelope) -> None:
         due = envelope.deliver_at
@@ -33,6 +40,19 @@ class Dispatcher:
             self._storage.schedule(envelope, due)
         else:
             self._transport.dispatch(envelope)
+
+    def journal(self, envelopes: Iterable[Envelope], *, aggregate_type: str | None = None,
+                aggregate_id: str | None = None) -> None:
+        """Append the journaled events among ``envelopes``, which were dispatched, to the
+        event journal (nothing without a journal). Call before marking them dispatched."""
+        if self._journal is not None:
+            self._journal.record(envelopes, aggregate_type=aggregate_type,
+                                 aggregate_id=aggregate_id)
+
+    def dispatch_now(self, envelope: Envelope) -> None:
+        """Dispatch a message sent outside handlers, and journal it."""
+        self.dispatch(envelope)
+        self.journal([envelope])
 
 
 class DelayedDeliveries(Periodic):

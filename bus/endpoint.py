@@ -17,6 +17,7 @@ the rest (the broker, the database) when it starts. Either way the error says wh
 
 from __future__ import annotations
 
+import datetime
 import logging
 import re
 import signal
@@ -34,6 +35,8 @@ from bus.dispatching import DelayedDeliveries, Dispatcher
 from bus.errors import ConfigurationError
 from bus.faults import FaultInjector
 from bus.invocation import HandlerInvoker
+from bus.journal import DEFAULT_RETENTION as DEFAULT_JOURNAL_RETENTION
+from bus.journal import journal_for
 from bus.messages import Command, Event, Message, is_message_type, message_name
 from bus.outbox import OutboxDispatcher
 from bus.policies import Backoff, ConflictPolicy, RetryPolicy
@@ -100,6 +103,10 @@ class Endpoint:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
         redispatch than risk a message the broker lost.
+    journal, journal_retention:
+        Append the events this endpoint publishes to the storage's event journal
+        (:mod:`bus.journal`, served by ``idembus gateway``): ``True`` for every event, or a
+        list of Event types; and how long entries are kept (default 7 days).
     fault_injector:
         Test hook: called at every crash point (:mod:`bus.faults`).
     """
@@ -125,6 +132,8 @@ class Endpoint:
         outbox: bool = True,
         outbox_grace: float = 10.0,
         audit: bool = False,
+        journal: bool | Sequence[type[Event]] = False,
+        journal_retention: datetime.timedelta = DEFAULT_JOURNAL_RETENTION,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -157,7 +166,12 @@ class Endpoint:
         self.counters = Counters(self.signals)
         self._stop = threading.Event()
         faults = fault_injector or FaultInjector()
-        dispatcher = Dispatcher(self.transport, self.storage)
+        if journal_retention <= datetime.timedelta(0):
+            raise ConfigurationError(
+                f"journal_retention must be positive, got {journal_retention!r}")
+        #: Appends published events to the event journal (``journal=...``), else ``None``.
+        self.journal = journal_for(self.storage, journal)
+        dispatcher = Dispatcher(self.transport, self.storage, self.journal)
         self._dispatcher = dispatcher
         self._compact = compact_after_dispatch
         invoker = HandlerInvoker(
@@ -185,7 +199,7 @@ class Endpoint:
             outage_backoff=outage_backoff,
         )
         #: Sends and publishes from outside handlers, at once (or when deferred, later).
-        self.bus = Bus(name, self.router, dispatcher.dispatch)
+        self.bus = Bus(name, self.router, dispatcher.dispatch_now)
         # Without native delay on the broker, deferred messages wait in the storage.
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
@@ -193,7 +207,9 @@ class Endpoint:
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
         self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
-                                       grace=outbox_grace, keep_bodies=not compact_after_dispatch)
+                                       grace=outbox_grace, keep_bodies=not compact_after_dispatch,
+                                       journal_retention=(journal_retention if self.journal
+                                                          else None))
         self._run_outbox = outbox
         #: The audit trail of this endpoint (``audit=True``), else ``None``.
         self.audit = AuditTrail(self.storage, self.signals, endpoint=name) if audit else None

@@ -20,6 +20,9 @@ INTENT = "idembus.intent"
 #: ISO 8601 UTC time before which the message must not be delivered (deferred messages,
 #: delayed retries).
 DELIVER_AT = "idembus.deliver_at"
+#: Comma-separated references an event names for filtering (``Event.journal_parents``);
+#: only on events that name some.
+PARENTS = "idembus.parents"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

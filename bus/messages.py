@@ -15,6 +15,7 @@ and routes they are given.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -23,6 +24,10 @@ from bus.errors import ConfigurationError
 
 #: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
 _WIRE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+#: A parent reference of an event (``user/42``): no commas (they separate parents in the
+#: header and in the gateway's filter) and no whitespace.
+_PARENT = re.compile(r"^[^,\s]+$")
 
 
 class Message(BaseModel):
@@ -52,6 +57,29 @@ class Command(Message):
 
 class Event(Message):
     """A fact other endpoints may react to; published with ``bus.publish``."""
+
+    def journal_parents(self) -> Sequence[str]:
+        """References such as ``user/42`` that clients of the event stream filter on
+        (``idembus gateway``'s ``parents=``); none by default. Override to name them::
+
+            def journal_parents(self) -> list[str]:
+                return [f"user/{self.user_id}", f"video/{self.video_id}"]
+
+        Each must be non-empty, without commas or whitespace. They travel in the
+        ``idembus.parents`` header and are kept in the event journal.
+        """
+        return ()
+
+
+def parents_of(event: Event) -> tuple[str, ...]:
+    """The event's :meth:`~Event.journal_parents`, checked."""
+    parents = tuple(event.journal_parents())
+    for parent in parents:
+        if not isinstance(parent, str) or not _PARENT.match(parent):
+            raise ValueError(
+                f"{type(event).__qualname__}.journal_parents() gave {parent!r}: a parent is a "
+                "non-empty string without commas or whitespace, such as 'user/42'")
+    return parents
 
 
 def message_name(message_type: type[Message] | Message) -> str:

@@ -54,6 +54,7 @@ class OutboxDispatcher(Periodic):
         grace: float = 10.0,
         batch: int = 100,
         keep_bodies: bool = False,
+        journal_retention: datetime.timedelta | None = None,
         backoff: Backoff | None = None,
     ) -> None:
         if lease_ttl <= 0 or grace < 0:
@@ -70,6 +71,11 @@ class OutboxDispatcher(Periodic):
         self.lease: Lease | None = None
         #: Processed entries forgotten past the storage's retention, by this dispatcher.
         self.expired = 0
+        #: How long event-journal entries are kept (``None``: this endpoint keeps no
+        #: journal and trims nothing).
+        self.journal_retention = journal_retention
+        #: Journal entries this dispatcher trimmed.
+        self.trimmed = 0
 
     def run_once(self) -> int:
         """Take or renew the lease; if held, send one batch. Returns how many entries were
@@ -84,6 +90,8 @@ class OutboxDispatcher(Periodic):
         for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch):
             for envelope in entry.outgoing:
                 self._dispatcher.dispatch(envelope)
+            self._dispatcher.journal(entry.outgoing, aggregate_type=entry.aggregate_type,
+                                     aggregate_id=entry.aggregate_id)
             try:
                 self._storage.mark_dispatched(entry.aggregate_type, entry.aggregate_id,
                                               entry.key, keep_bodies=self._keep_bodies,
@@ -97,6 +105,8 @@ class OutboxDispatcher(Periodic):
                      len(entry.outgoing), entry.aggregate_type, entry.aggregate_id, entry.key)
         if self.lease is not None:
             self.expired += self._storage.expire(now)
+            if self.journal_retention is not None:
+                self.trimmed += self._storage.trim_journal(now - self.journal_retention)
         return repaired
 
     def round(self) -> float:

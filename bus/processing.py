@@ -187,6 +187,8 @@ class MessageProcessor:
                                message_type=envelope.message_type, envelope=envelope)
         if not outcome.outgoing:
             return
+        self._dispatcher.journal(outcome.outgoing, aggregate_type=outcome.aggregate_type,
+                                 aggregate_id=outcome.aggregate_id)
         if outcome.duplicate:
             self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing),
                                message_id=incoming.get(h.MESSAGE_ID),

@@ -16,7 +16,7 @@ from bus import headers as h
 from bus.context import MessageContext
 from bus.envelope import Envelope, format_utc, utc_now
 from bus.errors import RoutingError
-from bus.messages import Command, Event, Message, message_name
+from bus.messages import Command, Event, Message, message_name, parents_of
 from bus.routing import Router
 
 Emit = Callable[[Envelope], None]
@@ -133,6 +133,10 @@ class Bus:
         headers = self._headers(message, intent, extra, message_id)
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
+        if isinstance(message, Event):
+            parents = parents_of(message)
+            if parents:
+                headers[h.PARENTS] = ",".join(parents)
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
                             destination=destination)
         self._emit(envelope)

@@ -112,6 +112,8 @@ class UnitOfWork(Generic[StateT]):
         try:
             for envelope in outgoing:
                 self._dispatcher.dispatch(envelope)
+            self._dispatcher.journal(outgoing, aggregate_type=self._aggregate_type,
+                                     aggregate_id=self.aggregate_id)
             self._storage.mark_dispatched(self._aggregate_type, self.aggregate_id, self.key,
                                           keep_bodies=not self._compact)
         except (TransportUnavailable, StorageUnavailable) as exc:

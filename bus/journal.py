@@ -1,0 +1,82 @@
+"""The event journal: the events an endpoint publishes, kept in order in its storage for
+clients that cannot speak AMQP (``idembus gateway``).
+
+Opt in per endpoint (``Endpoint(journal=True)``: every event it publishes) or per type
+(``journal=[OrderPlaced, OrderShipped]``). An event is appended after the broker confirmed
+it and before it is marked dispatched, wherever it was published: in a handler (with the
+aggregate the handler changed), in a unit of work, outside handlers, or sent again by the
+outbox dispatcher or for a duplicate. A crash in between leaves it unmarked, so it is sent
+and appended again later; the journal keeps each message id once (see
+:meth:`storage.base.Storage.append_journal`).
+
+The journal belongs to the storage: endpoints sharing a storage share one journal, and its
+retention (``journal_retention``, default 7 days) is applied by whichever endpoint's outbox
+dispatcher holds the lease — the shortest retention among them wins in effect.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Sequence
+
+from bus import headers as h
+from bus.envelope import Envelope
+from bus.errors import ConfigurationError
+from bus.messages import Event, is_message_type, message_name
+from storage.base import INBOX, JournalEntry, Storage
+
+#: How long journal entries are kept unless the endpoint says otherwise.
+DEFAULT_RETENTION = datetime.timedelta(days=7)
+
+
+class Journal:
+    """Appends the published events one endpoint journals to its storage's journal."""
+
+    def __init__(self, storage: Storage, types: frozenset[str] | None) -> None:
+        self._storage = storage
+        #: Wire names of the journaled event types; ``None``: every event.
+        self.types = types
+
+    def wants(self, envelope: Envelope) -> bool:
+        """True for a published event of a journaled type."""
+        if envelope.headers.get(h.INTENT) != h.Intent.PUBLISH.value:
+            return False
+        return self.types is None or envelope.message_type in self.types
+
+    def record(self, envelopes: Iterable[Envelope], *, aggregate_type: str | None = None,
+               aggregate_id: str | None = None) -> None:
+        """Append the journaled ones among ``envelopes`` (already dispatched)."""
+        if aggregate_type == INBOX:  # a stateless handler: no aggregate to name
+            aggregate_type = aggregate_id = None
+        entries = [entry_of(envelope, aggregate_type, aggregate_id)
+                   for envelope in envelopes if self.wants(envelope)]
+        if entries:
+            self._storage.append_journal(entries)
+
+
+def entry_of(envelope: Envelope, aggregate_type: str | None,
+             aggregate_id: str | None) -> JournalEntry:
+    """The journal entry of a published event."""
+    parents = envelope.headers.get(h.PARENTS, "")
+    return JournalEntry(
+        message_id=envelope.message_id, message_type=envelope.message_type,
+        headers=dict(envelope.headers), body=envelope.body,
+        aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+        parents=tuple(parent for parent in parents.split(",") if parent))
+
+
+def journal_for(storage: Storage, option: bool | Sequence[type[Event]] | None) -> Journal | None:
+    """The :class:`Journal` an endpoint's ``journal=`` option asks for, or ``None``."""
+    if option is None or option is False:
+        return None
+    if option is True:
+        return Journal(storage, None)
+    if isinstance(option, (str, bytes)) or not isinstance(option, Sequence | frozenset | set):
+        raise ConfigurationError(
+            f"journal must be True, False or a list of Event types, got {option!r}")
+    wrong = [kind for kind in option if not (is_message_type(kind) and issubclass(kind, Event))]
+    if wrong or not option:
+        raise ConfigurationError(
+            f"journal lists {wrong or 'nothing'}: list the Event types to journal, or pass "
+            "journal=True for every event the endpoint publishes")
+    return Journal(storage, frozenset(message_name(kind) for kind in option))
