@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bus import cli_dispatcher, cli_errors, cli_spark, cli_status
+from bus import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status
 from bus.errors import BusError, ConfigurationError
 from bus.loading import load_endpoint
 from bus.supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
@@ -32,7 +32,8 @@ EXIT_UNAVAILABLE = 1
 
 #: Modules adding subcommands: each has ``register(commands, common_options)``.
 _TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
-    cli_status.register, cli_errors.register, cli_dispatcher.register, cli_spark.register,
+    cli_status.register, cli_errors.register, cli_dispatcher.register, cli_gateway.register,
+    cli_spark.register,
 ]
 
 

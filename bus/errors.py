@@ -60,3 +60,8 @@ class UnknownMessageType(MessageError):
 
 class InvalidMessage(MessageError):
     """The body is JSON but does not match the message type's schema."""
+
+
+class BadStreamRequest(BusError):
+    """A request to the event gateway it cannot serve (a bad ``Last-Event-ID``, an unknown
+    filter); answered 400 with this reason."""

@@ -16,6 +16,14 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def test_readme_blocks_that_need_a_cluster_at_least_compile():
+    # ```py blocks (Spark) are shown, not run: they need a session and shared services.
+    shown = re.findall(r"```py\n(.*?)```", README.read_text(), flags=re.S)
+    assert shown
+    for block in shown:
+        compile(block, str(README), "exec")
+
+
 def test_readme_has_the_two_commands_first():
     text = README.read_text()
     first_block = re.search(r"```sh\n(.*?)```", text, flags=re.S)

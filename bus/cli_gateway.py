@@ -1,0 +1,69 @@
+"""``idembus gateway package.module:endpoint --listen 127.0.0.1:8042``: serve the event
+journal of the endpoint's storage as a Server-Sent Events stream (:mod:`bus.gateway`), until
+SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import Any
+
+from bus.errors import ConfigurationError
+from bus.gateway import Gateway
+from bus.loading import load_endpoint
+
+#: Environment variable holding ``user:password`` when ``--auth`` is not given.
+AUTH_VARIABLE = "IDEMBUS_GATEWAY_AUTH"
+
+
+def register(commands: Any, common: argparse.ArgumentParser) -> None:
+    gateway = commands.add_parser(
+        "gateway", parents=[common],
+        help="serve the event journal as a resumable Server-Sent Events stream",
+        description="Serve GET / (text/event-stream; Last-Event-ID resumes, 0 replicates; "
+                    "filters types=a,b and parents=user/42) and GET /status.")
+    gateway.add_argument("endpoint", help="package.module:endpoint whose storage holds the "
+                                          "journal (Endpoint(journal=...))")
+    gateway.add_argument("--listen", default="127.0.0.1:8042",
+                         help="host:port to listen on (127.0.0.1:8042; port 0 picks one)")
+    gateway.add_argument("--auth", help=f"user:password for HTTP basic authentication "
+                                        f"(default: ${AUTH_VARIABLE}; none if unset)")
+    gateway.add_argument("--buffer", type=int, default=1000,
+                         help="live events a client may have waiting before it is "
+                              "disconnected to resume (1000)")
+    gateway.add_argument("--heartbeat", type=float, default=15.0,
+                         help="seconds between keep-alive comments (15)")
+    gateway.add_argument("--consume", action="store_true",
+                         help="also run the endpoint: consume its queue in this process")
+    gateway.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    host, port = _address(args.listen)
+    endpoint = load_endpoint(args.endpoint)
+    stop = threading.Event()
+    gateway = Gateway(endpoint, host=host, port=port,
+                      auth=args.auth or os.environ.get(AUTH_VARIABLE) or None,
+                      buffer=args.buffer, heartbeat=args.heartbeat)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+    try:
+        if args.consume:
+            endpoint.start()
+        gateway.start()
+        print(f"idembus gateway: {endpoint.name} on {gateway.url}", flush=True)
+        stop.wait()
+    finally:
+        gateway.stop()
+        endpoint.close()
+    return 0
+
+
+def _address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigurationError(f"--listen {listen!r}: give host:port, such as 127.0.0.1:8042")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,105 @@
+"""`idembus gateway package.module:endpoint`: the event stream served by another process,
+over PostgreSQL, read with httpx."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from bus import Endpoint
+from storage.postgres import PostgresStorage
+from tests.conftest import POSTGRES_URL, require_service
+from tests.sse_client import events, take
+from tests.support import Account, Deposited
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def app(tmp_path: pathlib.Path) -> Iterator[tuple[pathlib.Path, str]]:
+    """A module naming an endpoint on a fresh PostgreSQL prefix, and that prefix."""
+    require_service(POSTGRES_URL, "PostgreSQL")
+    prefix = f"gw{uuid.uuid4().hex[:10]}"
+    (tmp_path / "gateway_app.py").write_text(textwrap.dedent(f'''
+        from bus import Endpoint
+        from storage.postgres import PostgresStorage
+        from tests.support import AccountHandler
+
+        endpoint = Endpoint("gw-{prefix}", storage=PostgresStorage({POSTGRES_URL!r},
+                            table_prefix={prefix!r}), handlers=[AccountHandler], journal=True)
+    '''))
+    yield tmp_path, prefix
+
+
+def start_gateway(directory: pathlib.Path, *arguments: str,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bus.cli", "gateway", "gateway_app:endpoint", *arguments],
+        cwd=directory, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_gateway_command_streams_the_journal_of_another_process_and_stops_on_sigterm(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    directory, prefix = app
+    publisher = Endpoint(f"gw-{prefix}", storage=PostgresStorage(POSTGRES_URL, table_prefix=prefix),
+                         journal=True)
+    publisher.storage.migrate()
+
+    def deposit(account: str) -> str:
+        with publisher.unit_of_work(Account, account) as work:
+            work.state.balance += 1
+            return work.bus.publish(Deposited(account=account, amount=1))
+
+    first = deposit("a")
+    process = start_gateway(directory, "--listen", "127.0.0.1:0",
+                            env={"IDEMBUS_GATEWAY_AUTH": "ops:pw"})
+    try:
+        assert process.stdout is not None
+        banner = process.stdout.readline()
+        assert " on http://127.0.0.1:" in banner, process.stderr.read() if process.stderr else ""
+        url = banner.rsplit(" on ", 1)[1].strip()
+        assert httpx.get(url + "/status").status_code == 401
+        with httpx.Client(auth=("ops", "pw"), timeout=15.0) as client:
+            with client.stream("GET", url + "/", headers={"Accept": "text/event-stream",
+                                                           "Last-Event-ID": "0"}) as response:
+                received = events(response)
+                reset, state, live = take(received, 3)
+                later = [deposit("b"), deposit("a")]
+                after = take(received, 2)
+            status = client.get(url + "/status").json()
+        assert reset.kind == "reset"
+        assert (state.kind, state.data["aggregate_id"], state.data["state"]["balance"]) == (
+            "Account", "a", 1)
+        assert (live.kind, live.id) == ("live", "1")
+        assert [event.id for event in after] == ["2", "3"]
+        assert [event.data["headers"]["idembus.message_id"] for event in after] == later
+        assert first not in later
+        assert status["journal"]["newest"] == 3 and status["replications"] == 1
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+        publisher.close()
+
+
+def test_a_bad_listen_address_fails_at_start_with_what_to_fix(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    directory, _ = app
+    process = start_gateway(directory, "--listen", "8042")
+    _, errors = process.communicate(timeout=60)
+    assert process.returncode == 2
+    assert "--listen '8042': give host:port" in errors

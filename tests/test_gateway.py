@@ -1,0 +1,350 @@
+"""The event gateway, read by a real HTTP client (httpx) over a socket: positions as ids,
+resuming with Last-Event-ID, filters, full replication then live, slow clients, bad
+requests, authentication and the status."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from bus import Endpoint, Event
+from bus.gateway import Gateway
+from storage.memory import MemoryStorage
+from tests.sse_client import Received, events, take
+from tests.support import Account, AccountHandler, Deposited
+
+STREAM = {"Accept": "text/event-stream"}
+
+
+class VideoLiked(Event, message_name="test.VideoLiked"):
+    video: str
+    user: str
+    note: str = ""
+
+    def journal_parents(self) -> list[str]:
+        return [f"video/{self.video}", f"user/{self.user}"]
+
+
+@pytest.fixture
+def accounts() -> Iterator[Endpoint]:
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=MemoryStorage(),
+                        handlers=[AccountHandler], journal=True)
+    yield endpoint
+    endpoint.close()
+
+
+@pytest.fixture
+def gateway_for() -> Iterator[Callable[..., Gateway]]:
+    started: list[Gateway] = []
+
+    def start(endpoint: Endpoint, **options: Any) -> Gateway:
+        options.setdefault("poll_interval", 0.02)
+        gateway = Gateway(endpoint, port=0, **options)
+        gateway.start()
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
+
+
+def deposit(endpoint: Endpoint, account: str, amount: int) -> str:
+    """A unit of work on one account that publishes Deposited; returns the event's id."""
+    with endpoint.unit_of_work(Account, account) as work:
+        work.state.balance += amount
+        work.state.deposits += 1
+        return work.bus.publish(Deposited(account=account, amount=amount))
+
+
+def like(endpoint: Endpoint, video: str, user: str, note: str = "") -> str:
+    return endpoint.bus.publish(VideoLiked(video=video, user=user, note=note))
+
+
+def stream(client: httpx.Client, gateway: Gateway, *, last: str | None = None,
+           query: str = "") -> Any:
+    headers = dict(STREAM)
+    if last is not None:
+        headers["Last-Event-ID"] = last
+    return client.stream("GET", f"{gateway.url}/{query}", headers=headers,
+                         timeout=httpx.Timeout(10.0))
+
+
+def positions(received: list[Received]) -> list[int]:
+    return [int(event.id) for event in received if event.id is not None]
+
+
+def test_a_live_client_gets_each_event_with_its_position_type_body_and_headers(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    with httpx.Client() as client, stream(client, gateway) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        received = events(response)
+        assert next(received).kind == "retry"  # sent once subscribed
+        first = deposit(accounts, "a", 5)
+        second = like(accounts, "v1", "u1")
+        got = take(received, 2)
+    assert [(event.kind, event.id) for event in got] == [
+        ("test.Deposited", "1"), ("test.VideoLiked", "2")]
+    assert got[0].data["body"] == {"account": "a", "amount": 5}
+    assert got[0].data["headers"]["idembus.message_id"] == first
+    assert (got[0].data["aggregate_type"], got[0].data["aggregate_id"]) == ("Account", "a")
+    assert got[1].data["headers"]["idembus.message_id"] == second
+    assert got[1].data["parents"] == ["video/v1", "user/u1"]
+    assert got[1].data["aggregate_id"] is None
+
+
+def test_resuming_with_last_event_id_loses_and_repeats_nothing(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    published = [deposit(accounts, f"a{n % 3}", n) for n in range(10)]
+    with httpx.Client() as client:
+        # A client that had events up to 3 reads four more, then its connection drops
+        with stream(client, gateway, last="3") as response:
+            first_part = take(events(response), 4)
+        # Meanwhile more events are published; it comes back with the last id it saw
+        published += [deposit(accounts, "a9", n) for n in range(5)]
+        with stream(client, gateway, last=first_part[-1].id) as response:
+            second_part = take(events(response), 15 - 7)
+    received = first_part + second_part
+    assert positions(received) == list(range(4, 16))
+    ids = [event.data["headers"]["idembus.message_id"] for event in received]
+    assert ids == published[3:]
+
+
+def test_the_query_parameter_resumes_for_clients_that_cannot_set_headers(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    for n in range(4):
+        deposit(accounts, "a", n)
+    with httpx.Client() as client, stream(client, gateway, query="?last_event_id=2") as response:
+        assert positions(take(events(response), 2)) == [3, 4]
+
+
+def test_types_and_parents_filter_the_stream(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    like(accounts, "v1", "1")           # 1
+    deposit(accounts, "a", 1)           # 2
+    like(accounts, "v2", "42")          # 3
+    like(accounts, "v7", "2")           # 4
+    deposit(accounts, "b", 2)           # 5
+    like(accounts, "v7", "42")          # 6
+    deposit(accounts, "a", 3)           # 7
+
+    with httpx.Client() as client:
+        def read(query: str, count: int) -> list[int]:
+            """The first ``count`` events after position 1 that pass the filter."""
+            with stream(client, gateway, last="1", query=query) as response:
+                return positions(take(events(response), count))
+
+        assert read("?types=test.VideoLiked", 3) == [3, 4, 6]
+        assert read("?parents=user/42", 2) == [3, 6]
+        assert read("?parents=user/42,video/v7", 3) == [3, 4, 6]
+        assert read("?types=test.VideoLiked&parents=video/v7", 2) == [4, 6]
+        # An event's aggregate is a parent too, and an aggregate type selects its events
+        assert read("?parents=Account/a", 2) == [2, 7]
+        assert read("?types=Account", 3) == [2, 5, 7]
+
+
+def test_full_replication_sends_every_state_then_switches_to_live_without_losing_an_event(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    # Given twenty accounts, and a publisher that keeps depositing while a client replicates
+    for n in range(20):
+        deposit(accounts, f"acc{n}", 100)
+    gateway = gateway_for(accounts)
+    stop_publishing = threading.Event()
+    publisher_started = threading.Event()
+    published_during: list[str] = []
+
+    def publish() -> None:
+        n = 0
+        while not stop_publishing.is_set():
+            published_during.append(deposit(accounts, f"acc{n % 25}", 1))
+            publisher_started.set()
+            n += 1
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    assert publisher_started.wait(10)
+    with httpx.Client() as client, stream(client, gateway, last="0") as response:
+        received = events(response)
+        assert next(received).kind == "retry"
+        reset = next(received)
+        states: dict[str, dict[str, Any]] = {}
+        for event in received:
+            if event.kind == "live":
+                live = event
+                break
+            assert event.kind == "Account" and event.id is None
+            states[event.data["aggregate_id"]] = event.data
+        # Then, after the switch, it keeps reading until the publisher's last event
+        stop_publishing.set()
+        publisher.join()
+        newest = accounts.storage.journal_bounds().newest
+        after = take(received, newest - int(live.id)) if newest > int(live.id) else []
+
+    assert reset.kind == "reset" and "full replication" in reset.data["reason"]
+    assert int(live.id) == live.data["position"] == reset.data["position"]
+    assert {f"acc{n}" for n in range(20)} <= set(states)
+    assert states["acc3"]["state"]["balance"] >= 100
+    # Every event after the live position arrives, once, in order: none lost in the switch
+    assert positions(after) == list(range(int(live.id) + 1, newest + 1))
+    journaled = {entry.message_id for entry in accounts.storage.read_journal(
+        after=int(live.id), limit=100_000)}
+    assert {event.data["headers"]["idembus.message_id"] for event in after} == journaled
+    assert len(published_during) > 0
+
+
+def test_an_id_older_than_the_retention_gets_a_reset_and_replication(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    for n in range(5):
+        deposit(accounts, f"a{n}", 1)
+    accounts.storage.trim_journal(
+        datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1), batch=3)
+    gateway = gateway_for(accounts)  # the journal now holds positions 4 and 5
+    with httpx.Client() as client:
+        with stream(client, gateway, last="2") as response:
+            reset, *states, live = take(events(response), 7)
+        with stream(client, gateway, last="3") as response:
+            (next_event,) = take(events(response), 1)
+    assert reset.kind == "reset" and "older than the journal's retention" in reset.data["reason"]
+    assert sorted(state.data["aggregate_id"] for state in states) == [f"a{n}" for n in range(5)]
+    assert (live.kind, live.id) == ("live", "5")
+    assert next_event.id == "4"  # 3 is the last trimmed position: nothing is missing after it
+
+
+def test_a_millisecond_timestamp_resumes_from_the_journal_when_it_reaches_back_that_far(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    deposit(accounts, "a", 1)
+    deposit(accounts, "b", 1)
+    (_, second) = accounts.storage.read_journal(after=0)
+    assert second.recorded_at is not None
+    millis = int(second.recorded_at.timestamp() * 1000)
+    gateway = gateway_for(accounts)
+    with httpx.Client() as client, stream(client, gateway, last=str(millis)) as response:
+        (first_received,) = take(events(response), 1)
+    assert first_received.kind == "test.Deposited"
+    assert int(first_received.id or 0) <= 2
+    assert first_received.data["aggregate_id"] in ("a", "b")
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    ("abc", "is not a journal position"),
+    ("-1", "is not a journal position"),
+    ("1.5", "is not a journal position"),
+    ("99", "ahead of the journal"),
+    ("99999999999999", "in the future"),
+])
+def test_a_bad_last_event_id_gets_a_400_with_the_reason(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway], value: str, reason: str,
+) -> None:
+    deposit(accounts, "a", 1)
+    gateway = gateway_for(accounts)
+    response = httpx.get(gateway.url + "/", headers={**STREAM, "Last-Event-ID": value})
+    assert response.status_code == 400
+    assert reason in response.json()["error"]
+    assert gateway.status()["rejected"] == 1
+
+
+@pytest.mark.parametrize(("query", "reason"), [
+    ("?type=x", "unknown query parameter(s) type"),
+    ("?types=", "without empty items"),
+    ("?parents=user/1,,user/2", "without empty items"),
+])
+def test_bad_filters_get_a_400_with_the_reason(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway], query: str, reason: str,
+) -> None:
+    gateway = gateway_for(accounts)
+    response = httpx.get(f"{gateway.url}/{query}", headers=STREAM)
+    assert response.status_code == 400
+    assert reason in response.json()["error"]
+
+
+def test_a_client_that_does_not_accept_event_streams_is_told_so(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    response = httpx.get(gateway.url + "/", headers={"Accept": "application/json"})
+    assert response.status_code == 406
+    assert "text/event-stream" in response.json()["error"]
+    assert httpx.get(gateway.url + "/nowhere").status_code == 404
+
+
+def test_basic_authentication_guards_the_stream_and_the_status(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, auth="reader:s3cret")
+    assert httpx.get(gateway.url + "/status").status_code == 401
+    wrong = httpx.get(gateway.url + "/", headers=STREAM, auth=("reader", "guess"))
+    assert wrong.status_code == 401
+    assert wrong.headers["www-authenticate"].startswith("Basic")
+    assert httpx.get(gateway.url + "/status", auth=("reader", "s3cret")).status_code == 200
+    deposit(accounts, "a", 1)
+    with httpx.Client(auth=("reader", "s3cret")) as client, \
+            stream(client, gateway, last="0") as response:
+        assert response.status_code == 200
+        assert take(events(response), 1)[0].kind == "reset"
+    assert gateway.status()["unauthorized"] == 2
+
+
+def test_the_status_counts_clients_events_the_journal_and_the_endpoint(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    for n in range(3):
+        deposit(accounts, "a", n)
+    with httpx.Client() as client:
+        with stream(client, gateway, last="0") as response:
+            received = events(response)
+            take(received, 3)  # reset, the one account's state, live
+            deposit(accounts, "a", 9)
+            take(received, 1)
+            status = client.get(gateway.url + "/status").json()
+    assert status["clients"] == 1 and status["connections"] == 1
+    assert status["replications"] == 1 and status["states_sent"] == 1
+    assert status["events_sent"] == 1
+    assert status["journal"] == {"size": 4, "oldest": 1, "newest": 4}
+    assert status["endpoint"]["name"] == accounts.name
+    assert "handled" in status["endpoint"]["counters"]
+
+
+def test_a_slow_client_is_disconnected_when_its_buffer_fills_and_resumes_without_a_gap(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, buffer=50)
+    like(accounts, "v0", "1")
+    count, note = 3000, "x" * 4000  # ~12 MB: more than the sockets' buffers hold
+    with httpx.Client() as client:
+        with stream(client, gateway, last="1") as response:
+            received = events(response)
+            assert next(received).kind == "retry"
+            # While the client reads nothing, publishing goes on unhindered
+            publisher = threading.Thread(
+                target=lambda: [like(accounts, f"v{n}", "1", note) for n in range(count)])
+            publisher.start()
+            publisher.join(120)
+            assert not publisher.is_alive()
+            assert gateway.hub.wait_for_position(count + 1, timeout=60)
+            # The client then reads what reached it before it was cut off, up to the end
+            first_part = list(received)
+        assert len(first_part) < count
+        assert gateway.status()["overflows"] == 1
+        last = first_part[-1].id if first_part else "1"
+        with stream(client, gateway, last=last) as response:
+            rest = take(events(response), count - len(first_part))
+    assert positions(first_part + rest) == list(range(2, count + 2))
