@@ -15,6 +15,7 @@ import pytest
 
 from bus import Endpoint, Event
 from bus.gateway import Gateway
+from storage.errors import StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.sse_client import Received, events, take
 from tests.support import Account, AccountHandler, Deposited
@@ -348,3 +349,32 @@ def test_a_slow_client_is_disconnected_when_its_buffer_fills_and_resumes_without
         with stream(client, gateway, last=last) as response:
             rest = take(events(response), count - len(first_part))
     assert positions(first_part + rest) == list(range(2, count + 2))
+
+
+class JournalUnreachable(MemoryStorage):
+    """A storage whose database is gone once ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    def journal_bounds(self) -> Any:
+        if self.down:
+            raise StorageUnavailable("connection refused")
+        return super().journal_bounds()
+
+
+def test_an_unreachable_storage_gets_a_503_not_a_broken_stream(
+    gateway_for: Callable[..., Gateway],
+) -> None:
+    storage = JournalUnreachable()
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=storage, journal=True)
+    try:
+        gateway = gateway_for(endpoint)
+        storage.down = True
+        response = httpx.get(gateway.url + "/", headers={**STREAM, "Last-Event-ID": "1"})
+        assert response.status_code == 503
+        assert "cannot be reached (connection refused)" in response.json()["error"]
+        assert httpx.get(gateway.url + "/status").status_code == 503
+    finally:
+        endpoint.close()

@@ -26,6 +26,7 @@ from bus.gateway.hub import JournalHub
 from bus.gateway.request import filters_from, resume_point
 from bus.gateway.stream import ClientStream, StreamCounters, StreamSettings, plan
 from handlers.base import AggregateHandler
+from storage.errors import StorageUnavailable
 
 if TYPE_CHECKING:
     from bus.endpoint import Endpoint
@@ -150,9 +151,9 @@ class Gateway:
 
     def serve_stream(self, handler: BaseHTTPRequestHandler, query: str) -> None:
         """Answer one stream request on ``handler``'s connection."""
+        parameters = urllib.parse.parse_qs(query, keep_blank_values=True)
         try:
-            filters = filters_from(urllib.parse.parse_qs(query, keep_blank_values=True))
-            parameters = urllib.parse.parse_qs(query, keep_blank_values=True)
+            filters = filters_from(parameters)
             last_event_id = handler.headers.get("Last-Event-ID")
             if last_event_id is None and "last_event_id" in parameters:
                 last_event_id = parameters["last_event_id"][-1]
@@ -160,6 +161,9 @@ class Gateway:
         except BadStreamRequest as error:
             self.counters.add(rejected=1)
             _answer(handler, HTTPStatus.BAD_REQUEST, {"error": str(error)})
+            return
+        except StorageUnavailable as error:
+            _answer(handler, HTTPStatus.SERVICE_UNAVAILABLE, _unavailable(error))
             return
         handler.send_response(HTTPStatus.OK)
         handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -176,6 +180,8 @@ class Gateway:
             stream.run()
         except OSError:
             pass  # the client went away, or was disconnected for falling behind
+        except StorageUnavailable as error:
+            log.warning("ending a stream: %s (the client resumes when it reconnects)", error)
         finally:
             self.counters.add(clients=-1)
             with self._lock:
@@ -197,7 +203,10 @@ def _handler_for(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
                 return
             if path == "/status":
-                _answer(self, HTTPStatus.OK, gateway.status())
+                try:
+                    _answer(self, HTTPStatus.OK, gateway.status())
+                except StorageUnavailable as error:
+                    _answer(self, HTTPStatus.SERVICE_UNAVAILABLE, _unavailable(error))
             elif path == "/":
                 if not _accepts_stream(self.headers.get("Accept")):
                     _answer(self, HTTPStatus.NOT_ACCEPTABLE, {
@@ -219,6 +228,10 @@ def _aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:
     """The aggregate types the endpoint's handlers keep, with their state models."""
     return {type(handler).storage_name(): type(handler).state_type
             for handler in endpoint.table.handlers if isinstance(handler, AggregateHandler)}
+
+
+def _unavailable(error: StorageUnavailable) -> dict[str, Any]:
+    return {"error": f"the storage cannot be reached ({error}); try again shortly"}
 
 
 def _accepts_stream(accept: str | None) -> bool:
