@@ -19,7 +19,7 @@ from bus.background import Periodic
 from bus.envelope import Envelope, utc_now
 from bus.journal import Journal
 from bus.policies import Backoff
-from storage.base import Storage
+from storage.base import JournalEntry, Storage
 from transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -41,18 +41,21 @@ class Dispatcher:
         else:
             self._transport.dispatch(envelope)
 
-    def journal(self, envelopes: Iterable[Envelope], *, aggregate_type: str | None = None,
-                aggregate_id: str | None = None) -> None:
-        """Append the journaled events among ``envelopes``, which were dispatched, to the
-        event journal (nothing without a journal). Call before marking them dispatched."""
-        if self._journal is not None:
-            self._journal.record(envelopes, aggregate_type=aggregate_type,
-                                 aggregate_id=aggregate_id)
+    def journal_entries(self, envelopes: Iterable[Envelope], *,
+                        aggregate_type: str | None = None,
+                        aggregate_id: str | None = None) -> list[JournalEntry]:
+        """What to journal of ``envelopes`` once dispatched: pass it to their mark
+        (``Storage.mark_dispatched(..., journal=...)``). Empty without a journal."""
+        if self._journal is None:
+            return []
+        return self._journal.entries(envelopes, aggregate_type=aggregate_type,
+                                     aggregate_id=aggregate_id)
 
     def dispatch_now(self, envelope: Envelope) -> None:
         """Dispatch a message sent outside handlers, and journal it."""
         self.dispatch(envelope)
-        self.journal([envelope])
+        if self._journal is not None:
+            self._journal.record([envelope])
 
 
 class DelayedDeliveries(Periodic):

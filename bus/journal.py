@@ -3,11 +3,12 @@ clients that cannot speak AMQP (``idembus gateway``).
 
 Opt in per endpoint (``Endpoint(journal=True)``: every event it publishes) or per type
 (``journal=[OrderPlaced, OrderShipped]``). An event is appended after the broker confirmed
-it and before it is marked dispatched, wherever it was published: in a handler (with the
-aggregate the handler changed), in a unit of work, outside handlers, or sent again by the
-outbox dispatcher or for a duplicate. A crash in between leaves it unmarked, so it is sent
-and appended again later; the journal keeps each message id once (see
-:meth:`storage.base.Storage.append_journal`).
+it, together with its dispatch mark (``Storage.mark_dispatched(..., journal=...)``: on
+PostgreSQL in the transaction that writes a batch of marks, elsewhere just before the mark),
+wherever it was published: in a handler (with the aggregate the handler changed), in a unit
+of work, sent again by the outbox dispatcher or for a duplicate; outside handlers, right
+after it was sent. A crash in between leaves it unmarked, so it is sent and appended again
+later; the journal keeps each message id once.
 
 The journal belongs to the storage: endpoints sharing a storage share one journal, and its
 retention (``journal_retention``, default 7 days) is applied by whichever endpoint's outbox
@@ -43,13 +44,18 @@ class Journal:
             return False
         return self.types is None or envelope.message_type in self.types
 
-    def record(self, envelopes: Iterable[Envelope], *, aggregate_type: str | None = None,
-               aggregate_id: str | None = None) -> None:
-        """Append the journaled ones among ``envelopes`` (already dispatched)."""
+    def entries(self, envelopes: Iterable[Envelope], *, aggregate_type: str | None = None,
+                aggregate_id: str | None = None) -> list[JournalEntry]:
+        """The journal entries of the journaled events among ``envelopes``."""
         if aggregate_type == INBOX:  # a stateless handler: no aggregate to name
             aggregate_type = aggregate_id = None
-        entries = [entry_of(envelope, aggregate_type, aggregate_id)
-                   for envelope in envelopes if self.wants(envelope)]
+        return [entry_of(envelope, aggregate_type, aggregate_id)
+                for envelope in envelopes if self.wants(envelope)]
+
+    def record(self, envelopes: Iterable[Envelope]) -> None:
+        """Append the journaled ones among ``envelopes`` (dispatched outside handlers: no
+        mark follows to carry them)."""
+        entries = self.entries(envelopes)
         if entries:
             self._storage.append_journal(entries)
 

@@ -90,12 +90,13 @@ class OutboxDispatcher(Periodic):
         for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch):
             for envelope in entry.outgoing:
                 self._dispatcher.dispatch(envelope)
-            self._dispatcher.journal(entry.outgoing, aggregate_type=entry.aggregate_type,
-                                     aggregate_id=entry.aggregate_id)
             try:
-                self._storage.mark_dispatched(entry.aggregate_type, entry.aggregate_id,
-                                              entry.key, keep_bodies=self._keep_bodies,
-                                              lease=self.lease)
+                self._storage.mark_dispatched(
+                    entry.aggregate_type, entry.aggregate_id, entry.key,
+                    keep_bodies=self._keep_bodies, lease=self.lease,
+                    journal=self._dispatcher.journal_entries(
+                        entry.outgoing, aggregate_type=entry.aggregate_type,
+                        aggregate_id=entry.aggregate_id))
             except StaleLease:
                 log.warning("%s lost its lease to another dispatcher; stepping back", self.owner)
                 self.lease = None

@@ -187,16 +187,17 @@ class MessageProcessor:
                                message_type=envelope.message_type, envelope=envelope)
         if not outcome.outgoing:
             return
-        self._dispatcher.journal(outcome.outgoing, aggregate_type=outcome.aggregate_type,
-                                 aggregate_id=outcome.aggregate_id)
         if outcome.duplicate:
             self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing),
                                message_id=incoming.get(h.MESSAGE_ID),
                                message_type=incoming.get(h.MESSAGE_TYPE),
                                handler=outcome.handler,
                                time_sent=incoming.get(h.TIME_SENT))
+        journal = self._dispatcher.journal_entries(
+            outcome.outgoing, aggregate_type=outcome.aggregate_type,
+            aggregate_id=outcome.aggregate_id)
         self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key,
-                                      keep_bodies=not self._compact)
+                                      keep_bodies=not self._compact, journal=journal)
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Bad input found before decoding: straight to the error queue with ``reason``."""

@@ -46,9 +46,10 @@ Stateless handlers use the same records: one per (handler, message id) in the ag
 type :data:`INBOX`.
 
 An endpoint with a journal (``Endpoint(journal=...)``) also appends the events it publishes
-to the storage's **event journal** (``append_journal``), after the broker confirmed them and
-before they are marked dispatched, so an event is journaled at least once and, being unique
-by message id, kept once. Positions are dense — 1, 2, 3, … — and a position becomes visible
+to the storage's **event journal**, after the broker confirmed them and no later than they
+are marked dispatched (``mark_dispatched(..., journal=...)``; ``append_journal`` for events
+published outside handlers), so an event is journaled at least once and, being unique by
+message id, kept once. Positions are dense — 1, 2, 3, … — and a position becomes visible
 only after every smaller one is: a reader that remembers the last position it saw
 (``read_journal(after=...)``) never misses an entry appended later. ``trim_journal`` drops
 old entries but always keeps the newest, so positions never restart.
@@ -252,11 +253,17 @@ class Storage(ABC):
 
     @abstractmethod
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
-                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+                        keep_bodies: bool = False, lease: Lease | None = None,
+                        journal: Sequence[JournalEntry] = ()) -> None:
         """Record that ``key``'s outgoing messages were dispatched and, unless
         ``keep_bodies``, forget their bodies (keeping their ids). With ``lease`` the write
         is fenced: it is applied at once and raises :class:`~storage.errors.StaleLease` if
-        another owner has taken the lease since."""
+        another owner has taken the lease since.
+
+        ``journal``: entries of the dispatched events to append to the event journal no
+        later than the mark (PostgreSQL writes them in the same transaction as a batch of
+        marks; the others append them first). A mark that is lost takes its entries with it,
+        and the events are dispatched and journaled again."""
 
     @abstractmethod
     def undispatched(self, *, committed_before: datetime.datetime,

@@ -20,3 +20,9 @@ def resume_position(*, newest: int, oldest: int | None, first_since: int | None)
     if first_since <= oldest and oldest > 1:
         return None
     return first_since - 1
+
+
+def journal_size(oldest: int | None, newest: int) -> int:
+    """How many entries the journal holds: positions are dense and trimming removes the
+    oldest first, so the entries are exactly ``oldest..newest`` (no count query needed)."""
+    return 0 if oldest is None else max(0, newest - oldest + 1)

@@ -109,7 +109,10 @@ class MemoryStorage(Storage):
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
-                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+                        keep_bodies: bool = False, lease: Lease | None = None,
+                        journal: Sequence[JournalEntry] = ()) -> None:
+        if journal:
+            self.append_journal(journal)
         address = (aggregate_type, aggregate_id)
         with self._lock:
             if lease is not None:

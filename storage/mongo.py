@@ -71,7 +71,7 @@ from storage.base import (
     scheduled_key,
 )
 from storage.errors import StaleLease, StorageUnavailable
-from storage.journal import resume_position
+from storage.journal import journal_size, resume_position
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
@@ -187,7 +187,10 @@ class MongoStorage(Storage):
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
-                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+                        keep_bodies: bool = False, lease: Lease | None = None,
+                        journal: Sequence[JournalEntry] = ()) -> None:
+        if journal:
+            self.append_journal(journal)
         changes: dict[str, Any] = {"processed.$.dispatched": True}
         if not keep_bodies:
             changes["processed.$.outgoing"] = []
@@ -390,8 +393,7 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             newest = self._newest_position()
             oldest = self._oldest_position()
-            size = self._journal.count_documents({}) if oldest is not None else 0
-        return JournalBounds(oldest, newest, size)
+        return JournalBounds(oldest, newest, journal_size(oldest, newest))
 
     def journal_position_at(self, moment: datetime.datetime) -> int | None:
         with self._guard, _translated():

@@ -79,7 +79,10 @@ from storage.base import (
 )
 from storage.batching import Batcher
 from storage.errors import StaleLease, StorageUnavailable
-from storage.journal import resume_position
+from storage.journal import journal_size, resume_position
+
+#: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
+_Mark = tuple[str, str, str, bool]
 
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
 #: Key of the advisory lock that serialises schema creation (an arbitrary constant).
@@ -139,7 +142,7 @@ class PostgresStorage(Storage):
             " VALUES (%s, %s, 1, %s, clock_timestamp())"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
-        self._marks: Batcher[tuple[str, str, str, bool]] = Batcher(
+        self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
     # -- schema and life cycle ----------------------------------------------------------
@@ -315,11 +318,14 @@ class PostgresStorage(Storage):
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
-                        keep_bodies: bool = False, lease: Lease | None = None) -> None:
+                        keep_bodies: bool = False, lease: Lease | None = None,
+                        journal: Sequence[JournalEntry] = ()) -> None:
         mark = (aggregate_type, aggregate_id, key, keep_bodies)
         if lease is None:
-            self._marks.add(mark)
+            self._marks.add((mark, tuple(journal)))
             return
+        if journal:
+            self.append_journal(journal)
         with self._connection() as connection:
             valid = connection.execute(
                 f"WITH valid AS (SELECT 1 FROM {self._leases} WHERE name = %s AND token = %s), "
@@ -343,11 +349,16 @@ class PostgresStorage(Storage):
                 "AND NOT p.dispatched")
 
     @staticmethod
-    def _mark_arguments(marks: list[tuple[str, str, str, bool]]) -> list[list[Any]]:
+    def _mark_arguments(marks: list[_Mark]) -> list[list[Any]]:
         return [list(column) for column in zip(*marks, strict=True)]
 
-    def _write_marks(self, marks: list[tuple[str, str, str, bool]]) -> None:
-        with self._connection() as connection:
+    def _write_marks(self, batch: list[tuple[_Mark, tuple[JournalEntry, ...]]]) -> None:
+        """One transaction: the batch's journal entries, then its marks."""
+        marks = [mark for mark, _ in batch]
+        entries = [entry for _, journal in batch for entry in journal]
+        with self._connection() as connection, connection.transaction():
+            if entries:
+                self._append_journal(connection, entries)
             connection.execute(self._mark_statement, self._mark_arguments(marks))
 
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
@@ -505,21 +516,27 @@ class PostgresStorage(Storage):
     def append_journal(self, entries: Sequence[JournalEntry]) -> None:
         if not entries:
             return
+        with self._connection() as connection, connection.transaction():
+            self._append_journal(connection, entries)
+
+    def _append_journal(self, connection: psycopg.Connection[Any],
+                        entries: Sequence[JournalEntry]) -> None:
+        """Append inside the caller's transaction (which holds the journal lock till it
+        ends)."""
         rows = [(e.message_id, e.message_type, e.aggregate_type, e.aggregate_id,
                  list(e.parents), Jsonb(dict(e.headers)), e.body) for e in entries]
-        with self._connection() as connection, connection.transaction():
-            # Its own statement, before the inserts: each insert's snapshot then sees every
-            # append committed before this one took the lock, so max(position) is the newest.
-            connection.execute("SELECT pg_advisory_xact_lock(%s)", (self._journal_lock,))
-            with connection.cursor() as cursor:
-                cursor.executemany(
-                    f"INSERT INTO {self._journal} (position, message_id, message_type, "
-                    "aggregate_type, aggregate_id, parents, headers, body, recorded_at) "
-                    "SELECT coalesce(max(position), 0) + 1, %s, %s, %s, %s, %s::text[], %s, "
-                    f"%s, clock_timestamp() FROM {self._journal} "
-                    "ON CONFLICT (message_id) DO NOTHING",
-                    rows,
-                )
+        # Its own statement, before the inserts: each insert's snapshot then sees every
+        # append committed before this one took the lock, so max(position) is the newest.
+        connection.execute("SELECT pg_advisory_xact_lock(%s)", (self._journal_lock,))
+        with connection.cursor() as cursor:
+            cursor.executemany(
+                f"INSERT INTO {self._journal} (position, message_id, message_type, "
+                "aggregate_type, aggregate_id, parents, headers, body, recorded_at) "
+                "SELECT coalesce(max(position), 0) + 1, %s, %s, %s, %s, %s::text[], %s, "
+                f"%s, clock_timestamp() FROM {self._journal} "
+                "ON CONFLICT (message_id) DO NOTHING",
+                rows,
+            )
 
     def read_journal(self, *, after: int, limit: int = 500) -> list[JournalEntry]:
         with self._connection() as connection:
@@ -536,10 +553,9 @@ class PostgresStorage(Storage):
     def journal_bounds(self) -> JournalBounds:
         with self._connection() as connection:
             row = connection.execute(
-                f"SELECT min(position), max(position), count(*) FROM {self._journal}"
-            ).fetchone()
-        oldest, newest, size = row if row else (None, None, 0)
-        return JournalBounds(oldest, newest or 0, size)
+                f"SELECT min(position), max(position) FROM {self._journal}").fetchone()
+        oldest, newest = row if row else (None, None)
+        return JournalBounds(oldest, newest or 0, journal_size(oldest, newest or 0))
 
     def journal_position_at(self, moment: datetime.datetime) -> int | None:
         with self._connection() as connection:

@@ -114,11 +114,11 @@ class JournalDownOnce(MemoryStorage):
         super().__init__()
         self.failures = 0
 
-    def append_journal(self, entries: Any) -> None:
+    def append_journal(self, entries: Any, **options: Any) -> None:
         if self.failures == 0:
             self.failures += 1
             raise StorageUnavailable("the database went away")
-        super().append_journal(entries)
+        super().append_journal(entries, **options)
 
 
 def test_an_event_sent_but_not_journaled_is_journaled_when_it_is_sent_again(

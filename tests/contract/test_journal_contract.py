@@ -142,3 +142,25 @@ def test_records_tell_when_each_aggregate_was_last_committed(
     (record,) = list(storage.records("Order"))
     assert record.updated_at is not None and record.updated_at >= before
     assert record.state == {"n": 1}
+
+
+def test_a_dispatch_mark_carries_its_journal_entries(storage_factory: Callable[..., Any]) -> None:
+    storage = storage_factory()
+    for number, key in ((1, "k1"), (2, "k2")):
+        loaded = storage.load("Order", f"o{number}", key)
+        storage.commit(loaded, key=key, state={"n": number}, outgoing=[])
+        storage.mark_dispatched("Order", f"o{number}", key, journal=[entry(number)])
+    storage.mark_dispatched("Order", "o1", "k1", journal=[entry(1)])  # a mark made again
+    storage.flush()
+    assert [(e.message_id, e.position) for e in storage.read_journal(after=0)] == [
+        ("m1", 1), ("m2", 2)]
+
+
+def test_a_fenced_mark_carries_its_journal_entries(storage_factory: Callable[..., Any]) -> None:
+    storage = storage_factory()
+    now = datetime.datetime.now(UTC)
+    lease = storage.acquire_lease("idembus-outbox-dispatcher", "me", ttl=30, now=now)
+    loaded = storage.load("Order", "o1", "k1")
+    storage.commit(loaded, key="k1", state={"n": 1}, outgoing=[])
+    storage.mark_dispatched("Order", "o1", "k1", lease=lease, journal=[entry(1)])
+    assert [e.message_id for e in storage.read_journal(after=0)] == ["m1"]
