@@ -1,7 +1,8 @@
-"""``idembus spark replay ...`` and ``idembus spark report ...`` (the ``[spark]`` extra).
+"""``idembus spark replay ...``, ``idembus spark report ...`` and ``idembus spark reconcile
+...`` (the ``[spark]`` extra).
 
-The options are declared by :mod:`bus.spark.replay_cli` and :mod:`bus.spark.report_cli`,
-which import pyspark only when a command runs.
+The options are declared by :mod:`bus.spark.replay_cli`, :mod:`bus.spark.report_cli` and
+:mod:`bus.spark.reconcile_cli`, which import pyspark only when a command runs.
 """
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ from typing import Any
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
-    from bus.spark import replay_cli, report_cli
+    from bus.spark import reconcile_cli, replay_cli, report_cli
 
-    spark = commands.add_parser("spark", help="bulk work on Spark: replay messages, report")
+    spark = commands.add_parser("spark", help="bulk work on Spark: replay messages, report, "
+                                              "reconcile with a dump")
     actions = spark.add_subparsers(dest="spark_command", required=True)
-    for name, module, summary in (
-        ("replay", replay_cli, "feed messages from files through an endpoint's handlers"),
-        ("report", report_cli, "analyse the audit trail: counts, duplicates, latency"),
+    for name, module, summary, description in (
+        ("replay", replay_cli, "feed messages from files through an endpoint's handlers", None),
+        ("report", report_cli, "analyse the audit trail: counts, duplicates, latency", None),
+        ("reconcile", reconcile_cli, "compare stored aggregates with a dump of the source "
+                                     "data; publish and journal the differences",
+         reconcile_cli.DESCRIPTION),
     ):
-        parser = actions.add_parser(name, parents=[common], help=summary)
+        parser = actions.add_parser(name, parents=[common], help=summary,
+                                    description=description,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--master", default="local[*]",
                             help="Spark master URL (local[*]; a cluster's to run there)")
         module.add_arguments(parser)

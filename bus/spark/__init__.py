@@ -8,6 +8,9 @@ with the same guarantee as live traffic.
 * :mod:`bus.spark.source` — a Python data source reading the audit trail from the storage.
 * :mod:`bus.spark.report` — per message type and endpoint: counts, duplicates,
   redispatches, failures, latency percentiles; a table and a PNG chart.
+* :mod:`bus.spark.reconcile` — compare the stored aggregates with a dump of the source
+  data and publish and journal an ``idembus.Reconciled`` event per difference (missing,
+  stale, deleted).
 
 Nothing in ``bus``, ``handlers``, ``storage`` or ``transports`` imports this package.
 """
