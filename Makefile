@@ -43,6 +43,7 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m bench.throughput
 	$(BIN)/python -m bench.postgres
 	$(BIN)/python -m bench.spark_replay
+	$(BIN)/python -m bench.gateway
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
 # reduced one): worker processes killed every ~2 s, RabbitMQ restarted once.
