@@ -5,6 +5,7 @@ requests, authentication and the status."""
 from __future__ import annotations
 
 import datetime
+import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from bus.gateway import Gateway
 from storage.errors import StorageUnavailable
 from storage.memory import MemoryStorage
 from tests.sse_client import Received, events, take
-from tests.support import Account, AccountHandler, Deposited
+from tests.support import Account, AccountHandler, Deposit, Deposited, SignalCounter
 
 STREAM = {"Accept": "text/event-stream"}
 
@@ -321,7 +322,20 @@ def test_the_status_counts_clients_events_the_journal_and_the_endpoint(
     assert status["events_sent"] == 1
     assert status["journal"] == {"size": 4, "oldest": 1, "newest": 4}
     assert status["endpoint"]["name"] == accounts.name
-    assert "handled" in status["endpoint"]["counters"]
+    assert status["endpoint"]["counters"]["handled"] == 0
+
+
+def test_the_status_shows_the_endpoint_counters_from_its_signals(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts)
+    handled = SignalCounter(accounts, "handled")
+    accounts.start()
+    accounts.bus.send(Deposit(account="a", amount=3), to=accounts.name)
+    assert handled.wait_for(1)
+    status = httpx.get(gateway.url + "/status").json()
+    assert status["endpoint"]["counters"]["handled"] == 1
+    assert status["endpoint"]["counters"]["received"] == 1
 
 
 def test_a_slow_client_is_disconnected_when_its_buffer_fills_and_resumes_without_a_gap(
@@ -378,3 +392,47 @@ def test_an_unreachable_storage_gets_a_503_not_a_broken_stream(
         assert httpx.get(gateway.url + "/status").status_code == 503
     finally:
         endpoint.close()
+
+
+def test_clients_cut_off_at_random_points_resume_without_loss_or_repeat_while_writers_run(
+    storage_factory: Callable[..., Any], gateway_for: Callable[..., Gateway],
+) -> None:
+    # Given three writers that will commit and publish concurrently on one storage
+    storage = storage_factory()
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=storage,
+                        handlers=[AccountHandler], journal=True)
+    gateway = gateway_for(endpoint)
+    writes, cut_points = 3 * 60, random.Random(7)
+
+    def write(writer: int) -> None:
+        for n in range(writes // 3):
+            deposit(endpoint, f"w{writer}-{n % 7}", 1)
+
+    writers = [threading.Thread(target=write, args=(w,)) for w in range(3)]
+    received: list[Received] = []
+    try:
+        with httpx.Client(timeout=15.0) as client:
+            # A client replicates the (empty) state, then the writers start
+            with stream(client, gateway, last="0") as response:
+                first_stream = events(response)
+                reset, live = take(first_stream, 2)
+                for writer in writers:
+                    writer.start()
+                received += take(first_stream, cut_points.randint(1, 25))
+            # When it keeps getting cut off after a few events and resuming
+            while len(received) < writes:
+                with stream(client, gateway, last=received[-1].id) as response:
+                    wanted = min(cut_points.randint(1, 25), writes - len(received))
+                    received += take(events(response), wanted)
+    finally:
+        for writer in writers:
+            writer.join()
+        gateway.stop()
+        endpoint.transport.close()  # the storage is the fixture's to close
+    # Then it got every journal position once, in order, with the journaled message ids
+    assert (reset.kind, live.kind, live.id) == ("reset", "live", "0")
+    everything = storage.read_journal(after=0, limit=10_000)
+    assert len(everything) == writes
+    assert positions(received) == [entry.position for entry in everything]
+    assert [event.data["headers"]["idembus.message_id"] for event in received] == [
+        entry.message_id for entry in everything]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -55,13 +55,14 @@ def journaled(endpoint: Endpoint) -> list[tuple[str, str | None, str | None]]:
 
 
 def test_events_a_handler_publishes_are_journaled_with_its_aggregate_once(
-    endpoints: list[Endpoint],
+    make_endpoint: Callable[..., Endpoint],
 ) -> None:
-    # Given an accounts endpoint that journals, and a ledger downstream that does not
+    # Given an accounts endpoint that journals, and a ledger downstream that does not, on
+    # each broker
     storage = MemoryStorage()
-    accounts = make(endpoints, "accounts", handlers=[AccountHandler], storage=storage,
-                    journal=True)
-    ledger = make(endpoints, "ledger", handlers=[Ledger()])
+    accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
+                             journal=True)
+    ledger = make_endpoint("ledger", handlers=[Ledger()], storage=MemoryStorage())
     handled = SignalCounter(accounts, "handled")
     duplicates = SignalCounter(accounts, "duplicate")
     accounts.start()
