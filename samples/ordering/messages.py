@@ -16,6 +16,10 @@ class OrderPlaced(Event, message_name="sales.OrderPlaced"):
     customer: str
     amount_cents: int
 
+    def journal_parents(self) -> list[str]:
+        """Clients of the event stream can follow one customer: ``parents=customer/c-3``."""
+        return [f"customer/{self.customer}"]
+
 
 class OrderBilled(Event, message_name="billing.OrderBilled"):
     order_id: str

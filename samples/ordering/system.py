@@ -51,9 +51,11 @@ def build(
     storage: Callable[[str], Storage] = MongoStorage.embedded,
     fault_injector: FaultInjector | None = None,
     concurrency: int = 2,
+    journal: bool = False,
 ) -> OrderingSystem:
     """Create Sales, Billing and Shipping; queue names carry ``namespace`` so that runs
-    sharing a broker do not see each other's messages."""
+    sharing a broker do not see each other's messages. With ``journal`` each keeps the
+    events it publishes in its storage's event journal (``samples.stream`` serves Sales')."""
     suffix = f"-{namespace}" if namespace else ""
     if isinstance(transport, str):
         url = transport
@@ -69,6 +71,7 @@ def build(
             error_queue=f"error{suffix}",
             concurrency=concurrency,
             fault_injector=fault_injector,
+            journal=journal,
         )
 
     return OrderingSystem(

@@ -1,0 +1,1 @@
+"""The ordering sample's events as a resumable Server-Sent Events stream."""
