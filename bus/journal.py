@@ -10,6 +10,10 @@ of work, sent again by the outbox dispatcher or for a duplicate; outside handler
 after it was sent. A crash in between leaves it unmarked, so it is sent and appended again
 later; the journal keeps each message id once.
 
+Positions order appends, not commits: events of one aggregate committed one right after the
+other by two threads or processes are appended as their dispatches complete, possibly in the
+other order.
+
 The journal belongs to the storage: endpoints sharing a storage share one journal, and its
 retention (``journal_retention``, default 7 days) is applied by whichever endpoint's outbox
 dispatcher holds the lease — the shortest retention among them wins in effect.
