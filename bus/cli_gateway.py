@@ -35,6 +35,9 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                               "disconnected to resume (1000)")
     gateway.add_argument("--heartbeat", type=float, default=15.0,
                          help="seconds between keep-alive comments (15)")
+    gateway.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                         help="a web origin (https://app.example.com, or *) whose pages may "
+                              "read the stream from another origin; repeat for several")
     gateway.add_argument("--consume", action="store_true",
                          help="also run the endpoint: consume its queue in this process")
     gateway.set_defaults(handler=_serve)
@@ -46,7 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     gateway = Gateway(endpoint, host=host, port=port,
                       auth=args.auth or os.environ.get(AUTH_VARIABLE) or None,
-                      buffer=args.buffer, heartbeat=args.heartbeat)
+                      buffer=args.buffer, heartbeat=args.heartbeat,
+                      cors_origins=args.cors_origin)
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())

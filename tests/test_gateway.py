@@ -436,3 +436,30 @@ def test_clients_cut_off_at_random_points_resume_without_loss_or_repeat_while_wr
     assert positions(received) == [entry.position for entry in everything]
     assert [event.data["headers"]["idembus.message_id"] for event in received] == [
         entry.message_id for entry in everything]
+
+
+def test_pages_of_an_allowed_origin_may_read_the_stream_and_others_may_not(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, auth="u:p", cors_origins=["https://app.example.com"])
+    app = {"Origin": "https://app.example.com"}
+    preflight = httpx.options(gateway.url + "/", headers={
+        **app, "Access-Control-Request-Method": "GET",
+        "Access-Control-Request-Headers": "last-event-id, authorization"})
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert "Last-Event-ID" in preflight.headers["access-control-allow-headers"]
+    allowed = httpx.get(gateway.url + "/status", headers=app, auth=("u", "p"))
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example.com"
+    assert allowed.headers["access-control-allow-credentials"] == "true"
+    deposit(accounts, "a", 1)
+    with httpx.Client(auth=("u", "p")) as client, client.stream(
+            "GET", gateway.url + "/", headers={**STREAM, **app, "Last-Event-ID": "0"},
+            timeout=10.0) as response:
+        assert response.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert take(events(response), 1)[0].kind == "reset"
+    other = httpx.get(gateway.url + "/status", headers={"Origin": "https://evil.example"},
+                      auth=("u", "p"))
+    assert "access-control-allow-origin" not in other.headers
+    assert "access-control-allow-methods" not in httpx.options(
+        gateway.url + "/", headers={"Origin": "https://evil.example"}).headers

@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import urllib.parse
+from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -45,12 +46,15 @@ class Gateway:
     disconnected (it then resumes with ``Last-Event-ID``): keep it above the bursts of
     events you expect, or a client reading slower than a burst arrives is disconnected
     during it; ``heartbeat``: seconds between keep-alive comments; ``poll_interval``:
-    seconds between looks at the journal. The endpoint's own consumers are not started.
+    seconds between looks at the journal; ``cors_origins``: web origins (such as
+    ``https://app.example.com``, or ``*``) whose pages may read the stream and the status
+    from another origin (CORS, with credentials). The endpoint's own consumers are not
+    started.
     """
 
     def __init__(self, endpoint: Endpoint, *, host: str = "127.0.0.1", port: int = 8042,
                  auth: str | None = None, buffer: int = 1000, heartbeat: float = 15.0,
-                 poll_interval: float = 0.05) -> None:
+                 poll_interval: float = 0.05, cors_origins: Sequence[str] = ()) -> None:
         if buffer < 1:
             raise ConfigurationError(f"the client buffer must hold at least 1 event, got {buffer}")
         if heartbeat <= 0 or poll_interval <= 0:
@@ -59,6 +63,8 @@ class Gateway:
             raise ConfigurationError("auth must be 'user:password'")
         self.endpoint = endpoint
         self._auth = auth
+        #: Origins whose pages may read the stream and the status (``*``: any).
+        self.cors_origins = frozenset(cors_origins)
         self._address = (host, port)
         # Half a buffer per round: two rounds in a row fit a client that is reading.
         self.hub = JournalHub(endpoint.storage, interval=poll_interval,
@@ -137,6 +143,13 @@ class Gateway:
                                         "updated_at": r.updated_at.isoformat(),
                                         "stopped": r.stopped} for r in reports]},
         }
+
+    def cors_headers(self, origin: str | None) -> dict[str, str]:
+        """The CORS headers answering a request from ``origin`` (none if not allowed)."""
+        if not origin or not ("*" in self.cors_origins or origin in self.cors_origins):
+            return {}
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin",
+                "Access-Control-Allow-Credentials": "true"}
 
     def authorized(self, header: str | None) -> bool:
         if self._auth is None:
@@ -217,6 +230,22 @@ def _handler_for(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
             else:
                 _answer(self, HTTPStatus.NOT_FOUND,
                         {"error": f"no {path}: GET / for the stream, GET /status"})
+
+        def do_OPTIONS(self) -> None:  # noqa: N802
+            """A browser's CORS preflight: answered without authentication."""
+            self.send_response(HTTPStatus.NO_CONTENT)
+            if gateway.cors_headers(self.headers.get("Origin")):
+                self.send_header("Access-Control-Allow-Methods", "GET, OPTIONS")
+                self.send_header("Access-Control-Allow-Headers",
+                                 "Authorization, Last-Event-ID, Accept, Cache-Control")
+                self.send_header("Access-Control-Max-Age", "600")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def end_headers(self) -> None:
+            for name, value in gateway.cors_headers(self.headers.get("Origin")).items():
+                self.send_header(name, value)
+            super().end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             log.debug("%s " + format, self.address_string(), *args)
