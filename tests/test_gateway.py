@@ -463,3 +463,25 @@ def test_pages_of_an_allowed_origin_may_read_the_stream_and_others_may_not(
     assert "access-control-allow-origin" not in other.headers
     assert "access-control-allow-methods" not in httpx.options(
         gateway.url + "/", headers={"Origin": "https://evil.example"}).headers
+
+
+def test_a_timestamp_older_than_the_journal_replicates_what_changed_since(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    deposit(accounts, "before", 1)  # position 1, changed before the timestamp
+    (first,) = accounts.storage.read_journal(after=0)
+    assert first.recorded_at is not None
+    millis = str(int(first.recorded_at.timestamp() * 1000) + 1)  # just after it
+    ready = first.recorded_at + datetime.timedelta(milliseconds=2)
+    while datetime.datetime.now(datetime.timezone.utc) <= ready:  # the next ones come later
+        threading.Event().wait(0.001)
+    deposit(accounts, "after-1", 1)  # 2
+    deposit(accounts, "after-2", 1)  # 3
+    accounts.storage.trim_journal(
+        datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1), batch=1)
+    gateway = gateway_for(accounts)
+    with httpx.Client() as client, stream(client, gateway, last=millis) as response:
+        reset, *states, live = take(events(response), 4)
+    assert reset.kind == "reset" and "no longer reaches back" in reset.data["reason"]
+    assert sorted(state.data["aggregate_id"] for state in states) == ["after-1", "after-2"]
+    assert (live.kind, live.id) == ("live", "3")

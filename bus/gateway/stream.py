@@ -164,15 +164,25 @@ class ClientStream:
         settings.counters.add(replications=1)
         position = settings.storage.journal_bounds().newest
         self._write(sse.event("reset", {"reason": self._plan.reason, "position": position}))
+        chunk: list[bytes] = []
         for aggregate_type in self._replicated_types():
             for record in settings.storage.records(aggregate_type):
                 if settings.stopping.is_set():
                     return position
                 if self._wanted(record):
-                    self._write(sse.state_event(record))
-                    settings.counters.add(states_sent=1)
+                    chunk.append(sse.state_event(record))
+                if len(chunk) >= PAGE:
+                    self._write_states(chunk)
+        self._write_states(chunk)
         self._write(sse.event("live", {"position": position}, event_id=position))
         return position
+
+    def _write_states(self, chunk: list[bytes]) -> None:
+        """Write the state events gathered so far, and empty ``chunk``."""
+        if chunk:
+            self._write(b"".join(chunk))
+            self._settings.counters.add(states_sent=len(chunk))
+            chunk.clear()
 
     def _replicated_types(self) -> list[str]:
         known = sorted(self._settings.aggregates)
