@@ -119,6 +119,8 @@ class PostgresStorage(Storage):
         self._journal = f"{table_prefix}_journal"
         #: Advisory lock serialising the appenders of this journal, in every process.
         self._journal_lock = _advisory_key(self._journal)
+        #: Aggregates read per query by ``records`` (which pages through a type).
+        self.records_page = 1000
         self._connect_timeout = connect_timeout
         self._pool = ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
@@ -488,28 +490,41 @@ class PostgresStorage(Storage):
         return [StatusReport(*row) for row in rows]
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        if aggregate_type != INBOX:
+            return self._aggregate_records(aggregate_type)
         with self._connection() as connection:
-            if aggregate_type == INBOX:
-                rows = connection.execute(
-                    f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at "
-                    f"FROM {self._processed} WHERE aggregate_type = %s",
-                    (INBOX,),
-                ).fetchall()
-                return iter([
-                    AggregateRecord(INBOX, row[0], 1, None, {row[0]: _entry(*row)},
-                                    updated_at=_utc(row[4]))
-                    for row in rows
-                ])
-            # Rows committed before updated_at existed: their newest processed row's time.
             rows = connection.execute(
-                f"SELECT a.aggregate_id, a.version, a.state, coalesce(a.updated_at, "
-                f"(SELECT max(p.processed_at) FROM {self._processed} p "
-                "WHERE p.aggregate_type = a.aggregate_type AND p.aggregate_id = a.aggregate_id)) "
-                f"FROM {self._aggregates} a WHERE a.aggregate_type = %s",
-                (aggregate_type,),
+                f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at "
+                f"FROM {self._processed} WHERE aggregate_type = %s",
+                (INBOX,),
             ).fetchall()
-        return iter([AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]))
-                     for r in rows])
+        return iter([
+            AggregateRecord(INBOX, row[0], 1, None, {row[0]: _entry(*row)},
+                            updated_at=_utc(row[4]))
+            for row in rows
+        ])
+
+    def _aggregate_records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        """The aggregates of one type in pages of ``records_page`` (keyset on the primary
+        key): memory stays bounded, and no connection is held between pages."""
+        after = ""
+        while True:
+            with self._connection() as connection:
+                # Rows committed before updated_at existed: their newest processed row's time.
+                rows = connection.execute(
+                    f"SELECT a.aggregate_id, a.version, a.state, coalesce(a.updated_at, "
+                    f"(SELECT max(p.processed_at) FROM {self._processed} p "
+                    "WHERE p.aggregate_type = a.aggregate_type "
+                    "AND p.aggregate_id = a.aggregate_id)) "
+                    f"FROM {self._aggregates} a WHERE a.aggregate_type = %s "
+                    "AND a.aggregate_id > %s ORDER BY a.aggregate_id LIMIT %s",
+                    (aggregate_type, after, self.records_page),
+                ).fetchall()
+            for r in rows:
+                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]))
+            if len(rows) < self.records_page:
+                return
+            after = rows[-1][0]
 
     # -- event journal ------------------------------------------------------------------
 

@@ -165,3 +165,21 @@ def test_idembus_migrate_creates_the_schema_from_the_command_line(prefix, tmp_pa
     assert done.returncode == 0, done.stderr
     assert "PostgresStorage schema is in place" in done.stdout
     assert tables(prefix) == expected_tables(prefix)
+
+
+def test_records_page_through_an_aggregate_type_reading_each_once(unique: str) -> None:
+    require_service(POSTGRES_URL, "PostgreSQL")
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=f"rp{unique}")
+    storage.verify()
+    try:
+        storage.records_page = 2
+        for number in range(5):
+            loaded = storage.load("Order", f"o{number}", "k")
+            storage.commit(loaded, key="k", state={"n": number}, outgoing=[])
+        storage.commit(storage.load("Other", "x", "k"), key="k", state={}, outgoing=[])
+        records = list(storage.records("Order"))
+        assert sorted(r.aggregate_id for r in records) == [f"o{n}" for n in range(5)]
+        assert all(r.updated_at is not None for r in records)
+    finally:
+        storage.drop_tables()
+        storage.close()
