@@ -485,3 +485,14 @@ def test_a_timestamp_older_than_the_journal_replicates_what_changed_since(
     assert reset.kind == "reset" and "no longer reaches back" in reset.data["reason"]
     assert sorted(state.data["aggregate_id"] for state in states) == ["after-1", "after-2"]
     assert (live.kind, live.id) == ("live", "3")
+
+
+def test_a_client_that_hangs_up_while_the_stream_is_idle_is_let_go(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, heartbeat=3600.0)  # no keep-alive write would notice
+    with httpx.Client() as client, stream(client, gateway) as response:
+        assert next(events(response)).kind == "retry"
+        assert gateway.status()["clients"] == 1
+    assert gateway.counters.wait_until(lambda counters: counters.clients == 0, timeout=10)
+    assert gateway.status()["connections"] == 1

@@ -12,6 +12,7 @@ import binascii
 import hmac
 import json
 import logging
+import select
 import socket
 import threading
 import urllib.parse
@@ -188,7 +189,8 @@ class Gateway:
             self._connections.add(connection)
         self.counters.add(clients=1, connections=1)
         stream = ClientStream(self._settings, filters, start, _writer(handler),
-                              disconnect=lambda: _shut(connection))
+                              disconnect=lambda: _shut(connection),
+                              gone=lambda: _hung_up(connection))
         try:
             stream.run()
         except OSError:
@@ -285,6 +287,16 @@ def _writer(handler: BaseHTTPRequestHandler) -> Any:
         handler.wfile.flush()
 
     return write
+
+
+def _hung_up(connection: socket.socket) -> bool:
+    """True once the client closed its side (a stream client sends nothing after its
+    request, so anything readable is the end of the connection)."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _shut(connection: socket.socket) -> None:

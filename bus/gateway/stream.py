@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import enum
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,9 @@ from storage.base import AggregateRecord, JournalEntry, Storage
 
 #: Journal entries read from the storage per page while catching up.
 PAGE = 500
+
+#: Seconds between looks, while a live stream is idle, for a client that hung up.
+LOOK_FOR_HANGUPS = 1.0
 
 Write = Callable[[bytes], None]
 
@@ -97,12 +101,20 @@ class StreamCounters:
     replications: int = 0
     rejected: int = 0
     unauthorized: int = 0
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    lock: threading.Condition = dataclasses.field(default_factory=threading.Condition,
+                                                  repr=False)
 
     def add(self, **amounts: int) -> None:
         with self.lock:
             for name, amount in amounts.items():
                 setattr(self, name, getattr(self, name) + amount)
+            self.lock.notify_all()
+
+    def wait_until(self, predicate: Callable[[StreamCounters], bool], timeout: float) -> bool:
+        """Wait until ``predicate(self)`` holds (checked at every change); False after
+        ``timeout`` seconds."""
+        with self.lock:
+            return self.lock.wait_for(lambda: predicate(self), timeout)
 
     def snapshot(self) -> dict[str, int]:
         with self.lock:
@@ -133,12 +145,14 @@ class ClientStream:
     gateway stops."""
 
     def __init__(self, settings: StreamSettings, filters: Filters, start: Plan, write: Write,
-                 disconnect: Callable[[], None]) -> None:
+                 disconnect: Callable[[], None],
+                 gone: Callable[[], bool] = lambda: False) -> None:
         self._settings = settings
         self._filters = filters
         self._plan = start
         self._write = write
         self._disconnect = disconnect
+        self._gone = gone
 
     def run(self) -> None:
         """Write the stream; returns when it ends (a write to a gone client raises
@@ -223,14 +237,20 @@ class ClientStream:
 
     def _live(self, subscription: Subscription, position: int) -> None:
         settings = self._settings
+        quiet_since = time.monotonic()
         try:
             while not settings.stopping.is_set() and not subscription.closed.is_set():
-                entries = subscription.take(settings.heartbeat)
-                if not entries:
-                    if not subscription.closed.is_set():
-                        self._write(sse.comment("keep-alive"))
-                    continue
-                position = self._send(entries, position)
+                # Short waits: a client that hung up is let go within a second, not at the
+                # next keep-alive.
+                entries = subscription.take(min(settings.heartbeat, LOOK_FOR_HANGUPS))
+                if entries:
+                    position = self._send(entries, position)
+                    quiet_since = time.monotonic()
+                elif self._gone():
+                    return
+                elif time.monotonic() - quiet_since >= settings.heartbeat:
+                    self._write(sse.comment("keep-alive"))
+                    quiet_since = time.monotonic()
         finally:
             settings.hub.unsubscribe(subscription)
 
