@@ -13,13 +13,13 @@ storage's event journal before their senders mark them dispatched.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from bus.background import Periodic
 from bus.envelope import Envelope, utc_now
 from bus.journal import Journal
 from bus.policies import Backoff
-from storage.base import JournalEntry, Storage
+from storage.base import Lease, Storage
 from transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -41,15 +41,16 @@ class Dispatcher:
         else:
             self._transport.dispatch(envelope)
 
-    def journal_entries(self, envelopes: Iterable[Envelope], *,
-                        aggregate_type: str | None = None,
-                        aggregate_id: str | None = None) -> list[JournalEntry]:
-        """What to journal of ``envelopes`` once dispatched: pass it to their mark
-        (``Storage.mark_dispatched(..., journal=...)``). Empty without a journal."""
-        if self._journal is None:
-            return []
-        return self._journal.entries(envelopes, aggregate_type=aggregate_type,
-                                     aggregate_id=aggregate_id)
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str,
+                        outgoing: Sequence[Envelope], *, keep_bodies: bool,
+                        lease: Lease | None = None) -> None:
+        """Mark ``key``'s ``outgoing`` messages, just dispatched, in the storage; the
+        journaled events among them ride with the mark
+        (``Storage.mark_dispatched(..., journal=...)``)."""
+        journal = [] if self._journal is None else self._journal.entries(
+            outgoing, aggregate_type=aggregate_type, aggregate_id=aggregate_id)
+        self._storage.mark_dispatched(aggregate_type, aggregate_id, key,
+                                      keep_bodies=keep_bodies, lease=lease, journal=journal)
 
     def dispatch_now(self, envelope: Envelope) -> None:
         """Dispatch a message sent outside handlers, and journal it."""

@@ -188,7 +188,6 @@ class Endpoint:
             registry=self.registry,
             table=self.table,
             invoker=invoker,
-            storage=self.storage,
             dispatcher=dispatcher,
             signals=self.signals,
             faults=faults,

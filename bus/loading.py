@@ -37,3 +37,11 @@ def load_endpoint(reference: str) -> Any:
             "returning one)"
         )
     return target
+
+
+def built_by_loading(reference: str, endpoint: Any) -> bool:
+    """True if :func:`load_endpoint` built ``endpoint`` by calling a factory (the caller
+    owns it and closes it); False if it is the module's own Endpoint object, shared by
+    whoever imports the module."""
+    module_name, _, attribute = reference.partition(":")
+    return getattr(sys.modules.get(module_name), attribute, None) is not endpoint

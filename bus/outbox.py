@@ -91,12 +91,9 @@ class OutboxDispatcher(Periodic):
             for envelope in entry.outgoing:
                 self._dispatcher.dispatch(envelope)
             try:
-                self._storage.mark_dispatched(
-                    entry.aggregate_type, entry.aggregate_id, entry.key,
-                    keep_bodies=self._keep_bodies, lease=self.lease,
-                    journal=self._dispatcher.journal_entries(
-                        entry.outgoing, aggregate_type=entry.aggregate_type,
-                        aggregate_id=entry.aggregate_id))
+                self._dispatcher.mark_dispatched(
+                    entry.aggregate_type, entry.aggregate_id, entry.key, entry.outgoing,
+                    keep_bodies=self._keep_bodies, lease=self.lease)
             except StaleLease:
                 log.warning("%s lost its lease to another dispatcher; stepping back", self.owner)
                 self.lease = None

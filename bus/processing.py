@@ -32,7 +32,6 @@ from bus.recoverability import failure_headers
 from bus.registry import MessageRegistry
 from bus.signals import EndpointSignals
 from handlers.registration import HandlerBinding, HandlerTable
-from storage.base import Storage
 from storage.errors import StorageUnavailable
 from transports.base import Delivery
 from transports.errors import TransportUnavailable
@@ -60,7 +59,6 @@ class MessageProcessor:
         registry: MessageRegistry,
         table: HandlerTable,
         invoker: HandlerInvoker,
-        storage: Storage,
         dispatcher: Dispatcher,
         signals: EndpointSignals,
         faults: FaultInjector,
@@ -75,7 +73,6 @@ class MessageProcessor:
         self._registry = registry
         self._table = table
         self._invoker = invoker
-        self._storage = storage
         self._dispatcher = dispatcher
         self._signals = signals
         self._faults = faults
@@ -193,11 +190,9 @@ class MessageProcessor:
                                message_type=incoming.get(h.MESSAGE_TYPE),
                                handler=outcome.handler,
                                time_sent=incoming.get(h.TIME_SENT))
-        journal = self._dispatcher.journal_entries(
-            outcome.outgoing, aggregate_type=outcome.aggregate_type,
-            aggregate_id=outcome.aggregate_id)
-        self._storage.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id, outcome.key,
-                                      keep_bodies=not self._compact, journal=journal)
+        self._dispatcher.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id,
+                                         outcome.key, outcome.outgoing,
+                                         keep_bodies=not self._compact)
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Bad input found before decoding: straight to the error queue with ``reason``."""

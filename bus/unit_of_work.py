@@ -112,12 +112,9 @@ class UnitOfWork(Generic[StateT]):
         try:
             for envelope in outgoing:
                 self._dispatcher.dispatch(envelope)
-            self._storage.mark_dispatched(
-                self._aggregate_type, self.aggregate_id, self.key,
-                keep_bodies=not self._compact,
-                journal=self._dispatcher.journal_entries(
-                    outgoing, aggregate_type=self._aggregate_type,
-                    aggregate_id=self.aggregate_id))
+            self._dispatcher.mark_dispatched(self._aggregate_type, self.aggregate_id,
+                                             self.key, outgoing,
+                                             keep_bodies=not self._compact)
         except (TransportUnavailable, StorageUnavailable) as exc:
             log.warning("operation %s is committed but its messages were not all sent (%s); "
                         "run it again with the same operation id to send them",

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from bus.envelope import format_utc
 from storage.base import AggregateRecord, JournalEntry
 
 
@@ -61,5 +62,5 @@ def _json_or_text(body: str) -> Any:
 
 def _plain(value: object) -> str:
     if isinstance(value, datetime.datetime):
-        return value.isoformat()
+        return format_utc(value)
     raise TypeError(f"cannot put {type(value).__name__} in an event")

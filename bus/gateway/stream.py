@@ -215,10 +215,9 @@ class ClientStream:
         if self._filters.parents is None:
             return ()
         model = self._settings.aggregates.get(record.aggregate_type)
-        named = getattr(model, "journal_parents", None) if model is not None else None
-        if named is None or record.state is None:
+        if model is None or record.state is None or not hasattr(model, "journal_parents"):
             return ()
-        state: Any = model.model_validate(record.state)  # type: ignore[union-attr]
+        state: Any = model.model_validate(record.state)
         return tuple(state.journal_parents())
 
     def _catch_up(self, position: int, *, until: int | None) -> int:

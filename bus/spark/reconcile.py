@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ from bus.endpoint import Endpoint
 from bus.envelope import Envelope, format_utc
 from bus.errors import ConfigurationError
 from bus.journal import entry_of
-from bus.loading import load_endpoint
+from bus.loading import built_by_loading, load_endpoint
 from bus.messages import Event
 from bus.sending import Bus
 from handlers import AggregateHandler
@@ -228,7 +227,7 @@ def reconcile(spark: SparkSession, endpoint: Endpoint | str, dump_paths: Sequenc
         try:
             return reconcile(spark, loaded, dump_paths, dry_run=dry_run)
         finally:
-            if _built_for_call(endpoint, loaded):
+            if built_by_loading(endpoint, loaded):
                 loaded.close()
     if not dump_paths:
         raise BadDump("name at least one file or directory of the dump")
@@ -280,13 +279,6 @@ def _go_through(corrections: Iterable[Correction], emitter: _Emitter | None,
         if emitter is not None:
             emitter.flush()
     return counts, tuple(preview)
-
-
-def _built_for_call(reference: str, endpoint: Endpoint) -> bool:
-    """True if loading ``reference`` built ``endpoint`` (a factory function), False if it
-    is the module's own Endpoint object (not ours to close)."""
-    module_name, _, attribute = reference.partition(":")
-    return getattr(sys.modules.get(module_name), attribute, None) is not endpoint
 
 
 # -- the dump ---------------------------------------------------------------------------

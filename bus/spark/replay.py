@@ -38,14 +38,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from bus.endpoint import Endpoint
 from bus.errors import ConfigurationError
-from bus.loading import load_endpoint
+from bus.loading import built_by_loading, load_endpoint
 from bus.spark.rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
 
 if TYPE_CHECKING:
@@ -210,7 +209,7 @@ def prepare_endpoint(endpoint_factory: str) -> None:
         endpoint.transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
         endpoint.transport.declare(endpoint.error_queue)
     finally:
-        if _built_for_us(endpoint_factory, endpoint):
+        if built_by_loading(endpoint_factory, endpoint):
             endpoint.close()
 
 
@@ -281,14 +280,6 @@ def _columns(present: Sequence[str], *, partition_by: str | None,
     return wanted
 
 
-def _built_for_us(endpoint_factory: str, endpoint: Endpoint) -> bool:
-    """True if loading built ``endpoint`` (a factory function), False if it is the module's
-    own Endpoint object, shared by whoever imports the module (not ours to close)."""
-    module_name, _, attribute = endpoint_factory.partition(":")
-    module = sys.modules.get(module_name)
-    return getattr(module, attribute, None) is not endpoint
-
-
 # -- a worker's side: one partition ----------------------------------------------------
 
 
@@ -336,7 +327,7 @@ def _replay_partition(endpoint_factory: str, rows: Iterable[Any]) -> Iterator[di
     if first is None:
         return  # an empty partition builds no endpoint
     endpoint = load_endpoint(endpoint_factory)
-    owned = _built_for_us(endpoint_factory, endpoint)
+    owned = built_by_loading(endpoint_factory, endpoint)
     tally = _Tally(endpoint)
     try:
         refuse_process_local(endpoint, endpoint_factory)
