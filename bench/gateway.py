@@ -32,10 +32,10 @@ import httpx
 from pydantic import BaseModel
 
 from bench.pg_common import POSTGRES_URL
-from bus import Endpoint, Event
-from bus.gateway import Gateway
-from storage.base import JournalEntry
-from storage.postgres import PostgresStorage
+from idembus import Endpoint, Event
+from idembus.gateway import Gateway
+from idembus.storage.base import JournalEntry
+from idembus.storage.postgres import PostgresStorage
 
 
 class Account(BaseModel):

@@ -20,13 +20,13 @@ from bench.common import (
     timeout_for,
     unique_suffix,
 )
-from bus.endpoint import Endpoint
+from idembus.endpoint import Endpoint
+from idembus.storage.base import Storage
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.mongo import MongoStorage
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.sales import OrderHandler
-from storage.base import Storage
-from storage.memory import MemoryStorage
-from storage.mongo import MongoStorage
-from transports.kombu import KombuTransport
 
 #: Storage backends measured, by the name printed in the table.
 STORAGES: dict[str, Callable[[str], Storage]] = {

@@ -27,14 +27,14 @@ from bench.pg_handlers import CounterHandler, CounterIncremented
 from bench.pg_idembus import create_tables, envelopes
 from bench.pg_procs import CpuSnapshot
 from bench.pg_topology import Broker, Cleanup, create_peer_tables
-from bus.endpoint import Endpoint
-from bus.envelope import Envelope
-from bus.routing import Router
-from bus.sending import Bus
-from storage.memory import MemoryStorage
-from storage.postgres import PostgresStorage
-from transports.base import Delivery, OnDelivery, Transport
-from transports.kombu import KombuTransport
+from idembus.endpoint import Endpoint
+from idembus.envelope import Envelope
+from idembus.routing import Router
+from idembus.sending import Bus
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.base import Delivery, OnDelivery, Transport
+from idembus.transports.kombu import KombuTransport
 
 WARM_UP = 100
 KEY = "CounterHandler/{}"

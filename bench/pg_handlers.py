@@ -24,10 +24,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from bench.pg_common import AGGREGATE_TYPE, COMMAND_NAME, EVENT_NAME, PREFETCH, RunNames
-from bus import Command, Endpoint, Event
-from handlers import AggregateHandler, handles
-from storage.postgres import PostgresStorage
-from transports.kombu import KombuTransport
+from idembus import Command, Endpoint, Event
+from idembus.handlers import AggregateHandler, handles
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 
 PROBE = "IDEMBUS_BENCH_PG_PROBE"
 PROBE_INTERVAL = 0.01

@@ -19,10 +19,10 @@ from bench.pg_common import AGGREGATE_TYPE, AGGREGATES, RunNames, aggregate_of, 
 from bench.pg_handlers import IncrementCounter
 from bench.pg_runner import Config
 from bench.pg_topology import Broker, Cleanup
-from bus.envelope import Envelope
-from bus.routing import Router
-from bus.sending import Bus
-from storage.postgres import PostgresStorage
+from idembus.envelope import Envelope
+from idembus.routing import Router
+from idembus.sending import Bus
+from idembus.storage.postgres import PostgresStorage
 
 WORKERS = (1, 2)
 THREADS = (1, 2, 3, 4)
@@ -75,7 +75,7 @@ def totals(names: RunNames) -> tuple[int, int, int]:
 
 
 def command(config: Config, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "bus.cli", "run", "bench.pg_handlers:factory",
+    return [sys.executable, "-m", "idembus", "run", "bench.pg_handlers:factory",
             "--workers", str(config.settings["workers"]),
             "--concurrency", str(config.settings["threads"]), "--log-level", "WARNING",
             *extra]

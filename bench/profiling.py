@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import idembus_flow
-from transports.base import OnDelivery
-from transports.kombu import KombuTransport
+from idembus.transports.base import OnDelivery
+from idembus.transports.kombu import KombuTransport
 
 #: (file, line, function) -> (primitive calls, calls, own time, cumulative time, callers)
 #: Prefixes cut from file names in the table.

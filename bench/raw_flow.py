@@ -38,11 +38,11 @@ from bench.common import (
     timeout_for,
     unique_suffix,
 )
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.messages import message_name
-from bus.routing import Router
-from bus.sending import Bus
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.messages import message_name
+from idembus.routing import Router
+from idembus.sending import Bus
 from samples.ordering.messages import OrderBilled, OrderPlaced, PlaceOrder
 
 

@@ -45,8 +45,8 @@ from bench.pg_common import ENVIRONMENT, RunNames, aggregate_of
 from bench.pg_handlers import build_endpoint
 from bench.pg_idembus import create_tables, envelopes, totals
 from bench.pg_topology import Broker, Cleanup
-from bus.endpoint import Endpoint
-from bus.spark.replay import replay
+from idembus.endpoint import Endpoint
+from idembus.spark.replay import replay
 
 FACTORY = "bench.pg_handlers:factory"
 SCHEMA = ("message_id string, message_type string, body string, headers string, "

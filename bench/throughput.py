@@ -48,7 +48,7 @@ from bench.common import (
     unreachable_reason,
 )
 from bench.profiling import profile_run
-from transports.kombu import KombuTransport
+from idembus.transports.kombu import KombuTransport
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 WARM_UP_ORDERS = 100

@@ -1,18 +1,25 @@
 """idembus: a message bus whose handlers are idempotent even when messages are not.
 
-Public names of the ``bus`` package. ``Endpoint`` is imported on first use: it wires the
-``handlers``, ``storage`` and ``transports`` packages, which themselves build on the
-foundation modules imported here.
+The public API in one namespace::
+
+    from idembus import Command, Endpoint, AggregateHandler, handles, PostgresStorage
+
+Messages, errors, policies and the ``Bus`` load with the package. ``Endpoint``, the handler
+base classes, the storages and the transports are imported on first use, so that importing
+``idembus`` loads no broker or database driver, and an optional one (psycopg for
+``PostgresStorage``) only when it is asked for.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-from bus import headers
-from bus.context import MessageContext
-from bus.envelope import Envelope
-from bus.errors import (
+from . import headers
+from .breaker import BreakerPolicy
+from .context import MessageContext
+from .envelope import Envelope
+from .errors import (
     BusError,
     ConfigurationError,
     InvalidMessage,
@@ -21,15 +28,34 @@ from bus.errors import (
     RoutingError,
     UnknownMessageType,
 )
-from bus.messages import Command, Event, Message, message_name
-from bus.policies import Backoff, ConflictPolicy, RetryPolicy
-from bus.sending import Bus
+from .messages import Command, Event, Message, message_name
+from .policies import Backoff, ConflictPolicy, RetryPolicy
+from .sending import Bus
 
 if TYPE_CHECKING:
-    from bus.endpoint import Endpoint
+    from .endpoint import Endpoint
+    from .handlers import AggregateHandler, Handler, handles
+    from .storage.memory import MemoryStorage
+    from .storage.mongo import MongoStorage
+    from .storage.postgres import PostgresStorage
+    from .transports.kombu import KombuTransport
+
+#: Names imported on first use, with the module (relative to this package) that has them.
+_LAZY = {
+    "AggregateHandler": ".handlers",
+    "Endpoint": ".endpoint",
+    "Handler": ".handlers",
+    "KombuTransport": ".transports.kombu",
+    "MemoryStorage": ".storage.memory",
+    "MongoStorage": ".storage.mongo",
+    "PostgresStorage": ".storage.postgres",
+    "handles": ".handlers",
+}
 
 __all__ = [
+    "AggregateHandler",
     "Backoff",
+    "BreakerPolicy",
     "Bus",
     "BusError",
     "Command",
@@ -38,22 +64,37 @@ __all__ = [
     "Endpoint",
     "Envelope",
     "Event",
+    "Handler",
     "InvalidMessage",
+    "KombuTransport",
     "MalformedMessage",
+    "MemoryStorage",
     "Message",
     "MessageContext",
     "MessageError",
+    "MongoStorage",
+    "PostgresStorage",
     "RetryPolicy",
     "RoutingError",
     "UnknownMessageType",
+    "handles",
     "headers",
     "message_name",
 ]
 
 
 def __getattr__(name: str) -> object:
-    if name == "Endpoint":
-        from bus.endpoint import Endpoint
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'idembus' has no attribute {name!r}")
+    try:
+        return getattr(importlib.import_module(module, __name__), name)
+    except ModuleNotFoundError as missing:
+        if name == "PostgresStorage":
+            raise ImportError(f"PostgresStorage needs psycopg: pip install 'idembus[postgres]' "
+                              f"({missing})") from missing
+        raise
 
-        return Endpoint
-    raise AttributeError(f"module 'bus' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

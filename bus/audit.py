@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.envelope import parse_utc, utc_now
-from bus.signals import EndpointSignals
-from storage.base import AuditRecord, Storage
-from storage.batching import Batcher
+from .envelope import parse_utc, utc_now
+from .signals import EndpointSignals
+from .storage.base import AuditRecord, Storage
+from .storage.batching import Batcher
 
 #: The signals an audit record is kept for.
 AUDITED = ("handled", "duplicate", "redispatched", "failed", "dead_lettered")

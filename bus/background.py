@@ -7,9 +7,10 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 
-from bus.policies import Backoff
-from storage.errors import StorageUnavailable
-from transports.errors import TransportUnavailable
+from .policies import Backoff
+from .redaction import redact
+from .storage.errors import StorageUnavailable
+from .transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class Periodic(ABC):
             except (StorageUnavailable, TransportUnavailable) as outage:
                 wait = self._backoff.delay(failures)
                 failures += 1
-                log.warning("%s: %s; trying again in %.1fs", self.name, outage, wait)
+                log.warning("%s: %s; trying again in %.1fs", self.name, redact(str(outage)),
+                            wait)
             except Exception:
                 wait = self._backoff.delay(failures)
                 failures += 1

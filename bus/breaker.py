@@ -12,7 +12,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from bus.policies import Backoff
+from .policies import Backoff
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,21 @@ be abandoned (they are redelivered) or the broker or database cannot be reached 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bus import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status
-from bus.errors import BusError, ConfigurationError
-from bus.loading import load_endpoint
-from bus.supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
-from storage.errors import StorageUnavailable
-from transports.errors import TransportUnavailable
+from . import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status
+from .errors import BusError, ConfigurationError
+from .loading import load_endpoint
+from .logs import JsonFormatter
+from .redaction import RedactingFormatter, redact
+from .storage.errors import StorageUnavailable
+from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
+from .transports.errors import TransportUnavailable
 
 #: Exit status when the broker or database cannot be reached: worth trying again later.
 EXIT_UNAVAILABLE = 1
@@ -39,8 +43,15 @@ _TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="idembus", description="Run idembus endpoints.")
+    parser.add_argument("--version", action="version",
+                        version=f"idembus {importlib.metadata.version('idembus')}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    common.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text lines, or one JSON object per line (text)")
+    common.add_argument("--app-dir", default=None, metavar="DIR",
+                        help="look for the endpoint's module in DIR first (by default: the "
+                             "current directory, after the installed packages)")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", parents=[common],
                               help="run one endpoint until SIGINT/SIGTERM")
@@ -64,17 +75,27 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    _log_redacted(args.log_level, args.log_format)
+    if getattr(args, "app_dir", None):
+        sys.path.insert(0, os.path.abspath(args.app_dir))
     try:
         status: int = args.handler(args)
         return status
     except (StorageUnavailable, TransportUnavailable) as exc:
-        print(f"idembus: {exc}", file=sys.stderr)
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except BusError as exc:
-        print(f"idembus: {exc}", file=sys.stderr)
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
         return EXIT_CONFIGURATION
+
+
+def _log_redacted(level: str, form: str) -> None:
+    """Log to stderr through a redacting formatter (text, or JSON lines): no line, and no
+    traceback a driver wrote, carries a password."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if form == "json" else RedactingFormatter(
+        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def _migrate(reference: str) -> int:
@@ -100,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
         finally:
-            endpoint.close()
+            endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
     try:
         if endpoint.process_local:
             raise ConfigurationError(
@@ -112,10 +133,12 @@ def _run(args: argparse.Namespace) -> int:
             )
     finally:
         endpoint.close()
-    worker_arguments = ["--log-level", args.log_level,
+    worker_arguments = ["--log-level", args.log_level, "--log-format", args.log_format,
                         "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.concurrency is not None:
         worker_arguments += ["--concurrency", str(args.concurrency)]
+    if args.app_dir:
+        worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
     supervisor = Supervisor(args.endpoint, workers=args.workers,
                             worker_arguments=worker_arguments,
                             shutdown_timeout=args.shutdown_timeout + 5.0)

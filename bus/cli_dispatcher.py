@@ -8,7 +8,7 @@ import signal
 import threading
 from typing import Any
 
-from bus.loading import load_endpoint
+from .loading import load_endpoint
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -5,9 +5,12 @@
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
 
-The endpoint is loaded (not started) for its transport and ``error_queue``, and closed at
-the end. The queue is read with ``Transport.inspect``: messages are taken unsettled and
-every one not retried or purged goes back (its place in the queue may change).
+The endpoint is loaded (not started) for its transport, ``error_queue`` and storage, and
+closed at the end. Messages the broker refused even a place in the error queue are parked in
+the storage (:mod:`bus.parking`): they are listed, shown, retried and purged with the error
+queue's (``KEPT IN``: ``parked``); a retried one goes to its own destination. The queue is
+read with ``Transport.inspect``: messages are taken unsettled and every one not retried or
+purged goes back (its place in the queue may change).
 
 ``retry`` sends each selected message back to the queue that failed it
 (``idembus.failed_queue``) with the failure headers removed, so its attempt counters start
@@ -32,16 +35,20 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from bus import headers as h
-from bus.envelope import Envelope, parse_utc
-from bus.errors import ConfigurationError
-from bus.loading import load_endpoint
-from bus.recoverability import without_failure_headers
-from bus.supervisor import EXIT_CONFIGURATION
-from transports.base import Delivery
+from . import headers as h
+from .envelope import Envelope, parse_utc
+from .errors import ConfigurationError
+from .loading import load_endpoint
+from .parking import ParkedDelivery, parked_deliveries
+from .recoverability import without_failure_headers
+from .redaction import redact
+from .storage.errors import StorageUnavailable
+from .supervisor import EXIT_CONFIGURATION
+from .transports.base import Delivery
+from .transports.errors import TransportUnavailable
 
 if TYPE_CHECKING:
-    from bus.endpoint import Endpoint
+    from .endpoint import Endpoint
 
 #: Longest exception message shown by ``errors list`` (``--json`` gives it whole).
 _SHORT_MESSAGE = 60
@@ -63,12 +70,15 @@ class FailedMessage:
     time_of_failure: str | None
     immediate_attempts: str | None
     delayed_attempts: str | None
+    #: Kept in the storage because the broker refused it a place (``idembus.parking``).
+    parked: bool = False
 
     @classmethod
     def of(cls, delivery: Delivery) -> FailedMessage:
         """Read the failure story from a delivery's headers."""
         headers = delivery.headers
         return cls(
+            parked=isinstance(delivery, ParkedDelivery),
             message_id=headers.get(h.MESSAGE_ID),
             message_type=headers.get(h.MESSAGE_TYPE),
             exception_type=headers.get(h.EXCEPTION_TYPE),
@@ -89,11 +99,12 @@ class FailedMessage:
             self.failed_queue or _MISSING,
             _readable_time(self.time_of_failure),
             f"{self.immediate_attempts or 0}/{self.delayed_attempts or 0}",
+            "parked" if self.parked else "error queue",
         ]
 
 
 _COLUMN_TITLES = ["MESSAGE ID", "TYPE", "EXCEPTION", "MESSAGE", "FAILED QUEUE",
-                  "TIME OF FAILURE (UTC)", "ATTEMPTS (IMM/DEL)"]
+                  "TIME OF FAILURE (UTC)", "ATTEMPTS (IMM/DEL)", "KEPT IN"]
 
 
 def _shorten(text: str, width: int) -> str:
@@ -194,19 +205,36 @@ def retried_envelope(delivery: Delivery) -> Envelope:
 
 
 @contextmanager
-def _error_queue(reference: str) -> Iterator[tuple[Endpoint, list[Delivery]]]:
-    """The endpoint (not started) and the deliveries of its error queue; closed after."""
-    endpoint = load_endpoint(reference)
+def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Delivery]]]:
+    """The endpoint (not started) and the deliveries of its error queue that failed in its
+    own queue (every one with ``--all-endpoints``: error queues are often shared), then
+    the messages it parked in its storage; closed after. A broker or database that cannot
+    be read is a ConfigurationError (exit status 2, one line), never "0 messages"."""
+    endpoint = load_endpoint(args.endpoint)
     try:
         with endpoint.transport.inspect(endpoint.error_queue) as deliveries:
-            yield endpoint, deliveries
+            own = [delivery for delivery in deliveries
+                   if args.all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name]
+            yield endpoint, [*own, *parked_deliveries(endpoint.storage, endpoint.name)]
+    except (TransportUnavailable, StorageUnavailable) as unreadable:
+        raise ConfigurationError(f"cannot read the failed messages of {endpoint.name}: "
+                                 f"{redact(str(unreadable))}") from unreadable
     finally:
         endpoint.close()
 
 
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` safe for a terminal: control characters (an escape sequence a hostile
+    message carries) shown as ``\\xNN``; with ``lines``, newlines and tabs kept."""
+    kept = "\n\t" if lines else ""
+    return "".join(character if character.isprintable() or character in kept
+                   else f"\\x{ord(character):02x}" if ord(character) < 256
+                   else f"\\u{ord(character):04x}" for character in text)
+
+
 def _list(args: argparse.Namespace) -> int:
     selection = Selection(message_type=args.type, exception=args.exception)
-    with _error_queue(args.endpoint) as (endpoint, deliveries):
+    with _error_queue(args) as (endpoint, deliveries):
         failed = [FailedMessage.of(d) for d in deliveries if selection.matches(d)]
     if args.json:
         print(json.dumps([asdict(message) for message in failed], indent=2))
@@ -221,11 +249,11 @@ def _print_table(rows: list[list[str]]) -> None:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip())
+        print(printable("  ".join(cells).rstrip()))
 
 
 def _show(args: argparse.Namespace) -> int:
-    with _error_queue(args.endpoint) as (endpoint, deliveries):
+    with _error_queue(args) as (endpoint, deliveries):
         chosen = Selection(ids=(args.id,)).pick(deliveries, endpoint.error_queue)
         shown = [_described(delivery) for delivery in chosen]
     if args.json:
@@ -245,15 +273,16 @@ def _described(delivery: Delivery) -> dict[str, Any]:
 
 
 def _print_message(message: dict[str, Any], queue: str) -> None:
-    print(f"message {message['headers'].get(h.MESSAGE_ID, '(without id)')} in {queue!r}")
+    message_id = message['headers'].get(h.MESSAGE_ID, '(without id)')
+    print(printable(f"message {message_id} in {queue!r}"))
     print("headers:")
     for name, value in message["headers"].items():
         lines = str(value).splitlines() or [""]
-        print(f"  {name}: {lines[0]}")
+        print(printable(f"  {name}: {lines[0]}"))
         for line in lines[1:]:
-            print(f"      {line}")
-    print(f"body ({message['content_type'] or 'no content type'}):")
-    print(message["body"])
+            print(printable(f"      {line}"))
+    print(printable(f"body ({message['content_type'] or 'no content type'}):"))
+    print(printable(message["body"], lines=True))
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -261,7 +290,7 @@ def _export(args: argparse.Namespace) -> int:
     (message_id, message_type, body, headers without the failure story, and when and where
     it failed). They stay in the error queue: purge them once replayed."""
     selection = Selection(message_type=args.type, exception=args.exception)
-    with _error_queue(args.endpoint) as (endpoint, deliveries):
+    with _error_queue(args) as (endpoint, deliveries):
         chosen = [d for d in deliveries if selection.matches(d)]
         with open(args.file, "w", encoding="utf-8") as out:
             for delivery in chosen:
@@ -281,13 +310,22 @@ def _retry(args: argparse.Namespace) -> int:
     selection = Selection.from_args(args)
     selection.require("retry")
     status = 0
-    with _error_queue(args.endpoint) as (endpoint, deliveries):
+    with _error_queue(args) as (endpoint, deliveries):
         retried = 0
         for delivery in selection.pick(deliveries, endpoint.error_queue):
+            if isinstance(delivery, ParkedDelivery):
+                envelope = delivery.retried()
+                endpoint.transport.dispatch(envelope)  # an event is published again
+                delivery.ack()
+                retried += 1
+                print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} "
+                      f"from the storage to {envelope.destination or 'its subscribers'!r}")
+                continue
             try:
                 envelope = retried_envelope(delivery)
             except ConfigurationError as exc:
-                print(f"idembus: {exc}; left in {endpoint.error_queue!r}", file=sys.stderr)
+                print(f"idembus: {redact(str(exc))}; left in {endpoint.error_queue!r}",
+                      file=sys.stderr)
                 status = EXIT_CONFIGURATION
                 continue
             endpoint.transport.send(envelope)
@@ -302,12 +340,29 @@ def _retry(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     selection = Selection.from_args(args)
     selection.require("purge")
-    with _error_queue(args.endpoint) as (endpoint, deliveries):
+    with _error_queue(args) as (endpoint, deliveries):
         chosen = selection.pick(deliveries, endpoint.error_queue)
+        if args.dry_run:
+            for delivery in chosen:
+                print(printable(f"would purge {delivery.headers.get(h.MESSAGE_ID, '-')}"))
+            print(f"{len(chosen)} message(s) would be purged from {endpoint.error_queue!r}")
+            return 0
+        if chosen and not args.yes and not _confirmed(
+                f"purge {len(chosen)} message(s) from {endpoint.error_queue!r} for good?"):
+            print("nothing purged")
+            return EXIT_CONFIGURATION
         for delivery in chosen:
             delivery.ack()
     print(f"{len(chosen)} message(s) purged from {endpoint.error_queue!r}")
     return 0
+
+
+def _confirmed(question: str) -> bool:
+    """Ask at a terminal; elsewhere (a script) refuse: ``--yes`` says it."""
+    if not sys.stdin.isatty():
+        raise ConfigurationError(f"{question} Not at a terminal: pass --yes to purge, or "
+                                 "--dry-run to see what would go")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
 # -- the command line --------------------------------------------------------------------
@@ -341,6 +396,10 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         parser.add_argument("ids", nargs="*", metavar="ID", help="message ids")
         parser.add_argument("--all", action="store_true", help="every message")
         _add_filters(parser)
+        if name == "purge":
+            parser.add_argument("--yes", action="store_true", help="do not ask")
+            parser.add_argument("--dry-run", action="store_true",
+                                help="list what would be purged, purge nothing")
 
 
 def _action(actions: Any, common: argparse.ArgumentParser, name: str, summary: str,
@@ -348,6 +407,9 @@ def _action(actions: Any, common: argparse.ArgumentParser, name: str, summary: s
     parser: argparse.ArgumentParser = actions.add_parser(
         name, parents=[common], help=summary, description=summary)
     parser.add_argument("endpoint", help="package.module:endpoint")
+    parser.add_argument("--all-endpoints", action="store_true",
+                        help="every message in the error queue, not only those that failed "
+                             "in this endpoint's queue")
     parser.set_defaults(handler=handler)
     return parser
 

@@ -10,9 +10,9 @@ import signal
 import threading
 from typing import Any
 
-from bus.errors import ConfigurationError
-from bus.gateway import Gateway
-from bus.loading import load_endpoint
+from .errors import ConfigurationError
+from .gateway import Gateway
+from .loading import load_endpoint
 
 #: Environment variable holding ``user:password`` when ``--auth`` is not given.
 AUTH_VARIABLE = "IDEMBUS_GATEWAY_AUTH"

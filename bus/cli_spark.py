@@ -12,7 +12,7 @@ from typing import Any
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
-    from bus.spark import reconcile_cli, replay_cli, report_cli
+    from .spark import reconcile_cli, replay_cli, report_cli
 
     spark = commands.add_parser("spark", help="bulk work on Spark: replay messages, report, "
                                               "reconcile with a dump")

@@ -9,13 +9,17 @@ import json
 from collections import Counter
 from typing import Any
 
-from bus.envelope import format_utc, utc_now
-from bus.loading import load_endpoint
-from bus.signals import SIGNAL_NAMES
-from storage.base import StatusReport
+from .envelope import format_utc, utc_now
+from .loading import load_endpoint
+from .signals import SIGNAL_NAMES
+from .storage.base import StatusReport
 
 #: A running process that has not reported for this many status intervals counts as gone.
 _STALE_AFTER_INTERVALS = 3
+#: Reports older than this are not shown unless ``--all``.
+HIDDEN_AFTER = datetime.timedelta(hours=1)
+#: Reports older than this are deleted when ``idembus status`` runs.
+FORGOTTEN_AFTER = datetime.timedelta(days=1)
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -24,17 +28,23 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
         help="print the counters of an endpoint's processes (received, handled, duplicates...)")
     status.add_argument("endpoint", help="package.module:endpoint")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--all", action="store_true",
+                        help="also the processes not heard of for an hour")
     status.set_defaults(handler=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
     endpoint = load_endpoint(args.endpoint)
+    now = utc_now()
     try:
+        endpoint.storage.forget_status(endpoint.name, updated_before=now - FORGOTTEN_AFTER)
         reports = endpoint.storage.status_reports(endpoint.name)
         stale_after = datetime.timedelta(seconds=_STALE_AFTER_INTERVALS * endpoint.status_interval)
     finally:
         endpoint.close()
-    summary = summarise(endpoint.name, reports, now=utc_now(), stale_after=stale_after)
+    shown = reports if args.all else [r for r in reports if now - r.updated_at <= HIDDEN_AFTER]
+    summary = summarise(endpoint.name, shown, now=now, stale_after=stale_after)
+    summary["hidden"] = len(reports) - len(shown)
     print(json.dumps(summary, indent=2) if args.json else render(summary))
     return 0
 
@@ -51,6 +61,7 @@ def summarise(name: str, reports: list[StatusReport], *, now: datetime.datetime,
             "started_at": format_utc(report.started_at),
             "updated_at": format_utc(report.updated_at),
             "counters": {key: int(report.counters.get(key, 0)) for key in SIGNAL_NAMES},
+            "problems": dict(report.problems),
         })
         if state == "running":
             total.update(report.counters)
@@ -71,8 +82,15 @@ def render(summary: dict[str, Any]) -> str:
                  *(str(summary["total"][key]) for key in columns)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"endpoint {summary['endpoint']}: {summary['running']} process(es) running"]
+    if summary.get("hidden"):
+        lines[0] += (f" ({summary['hidden']} not heard of for an hour hidden: "
+                     "--all shows them)")
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               for row in rows]
+    for instance in summary["instances"]:
+        if instance["state"] == "running":
+            lines += [f"PROBLEM {instance['instance']} ({source}): {text}"
+                      for source, text in sorted(instance["problems"].items())]
     return "\n".join(line.rstrip() for line in lines)
 
 

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus import headers as h
+from . import headers as h
 
 #: Namespace of the uuid5 ids idembus derives (outgoing ids, idempotency keys).
 IDEMBUS_NAMESPACE = uuid.UUID("6f1c1d7e-3c53-5a0b-9a0e-3e1d2b0a9c11")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from bus.signals import SIGNAL_NAMES, EndpointSignals
+from .signals import SIGNAL_NAMES, EndpointSignals
 
 
 class Counters:

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import pydantic
 
-from bus import headers as h
-from bus.errors import InvalidMessage, MalformedMessage
-from bus.messages import Message
-from bus.registry import MessageRegistry
+from . import headers as h
+from .errors import InvalidMessage, MalformedMessage
+from .messages import Message
+from .registry import MessageRegistry
 
 _JSON_MEDIA_TYPES = ("", h.CONTENT_TYPE)
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from bus.background import Periodic
-from bus.envelope import Envelope, utc_now
-from bus.journal import Journal
-from bus.policies import Backoff
-from storage.base import Lease, Storage
-from transports.base import Transport
+from .background import Periodic
+from .envelope import Envelope, utc_now
+from .errors import MessageRefused
+from .journal import Journal
+from .parking import park_outgoing
+from .policies import Backoff
+from .redaction import redact
+from .storage.base import Lease, Storage, scheduled_key
+from .transports.base import Transport
+from .transports.errors import DestinationRefused, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +33,32 @@ class Dispatcher:
     """Sends or publishes envelopes, keeping deferred ones where they can wait."""
 
     def __init__(self, transport: Transport, storage: Storage,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, *, endpoint: str | None = None) -> None:
         self._transport = transport
         self._storage = storage
         self._journal = journal
+        #: The endpoint whose delayed-message pollers send what this dispatcher defers
+        #: (``None``: any endpoint's on the storage).
+        self.endpoint = endpoint
 
     def dispatch(self, envelope: Envelope) -> None:
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > utc_now():
-            self._storage.schedule(envelope, due)
+            self._storage.schedule(envelope, due, owner=self.endpoint)
         else:
             self._transport.dispatch(envelope)
+
+    def dispatch_committed(self, envelope: Envelope, *, endpoint: str) -> bool:
+        """Dispatch an outgoing message that is stored with its entry; if the broker
+        refuses it for good (its queue refused, too large for it), park it in the storage
+        instead (:mod:`bus.parking`), so that the entry can be marked and nothing waits on
+        it forever. True if it went out; raises on an outage, or if it cannot be parked."""
+        try:
+            self.dispatch(envelope)
+        except DestinationRefused as refused:
+            park_outgoing(self._storage, envelope, refused, endpoint=endpoint)
+            return False
+        return True
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str,
                         outgoing: Sequence[Envelope], *, keep_bodies: bool,
@@ -63,18 +82,29 @@ class DelayedDeliveries(Periodic):
     """A thread that sends the storage's delayed messages when they are due.
 
     Claims are leases: a poller that dies mid-batch leaves its claims to expire, and
-    another poller sends them again (with the same ids; receivers deduplicate).
+    another poller sends them again (with the same ids; receivers deduplicate). With
+    ``owner``, it sends only what that endpoint deferred (with its transport), and what
+    was deferred for any poller.
+
+    Message by message: an outage ends the round (the claims expire and the next round
+    takes them again); a message the broker refuses for good, or that failed otherwise
+    ``max_attempts`` times, is parked (:mod:`bus.parking`) and forgotten here.
     """
 
     def __init__(self, transport: Transport, storage: Storage, *, name: str,
                  interval: float = 0.5, batch: int = 100, lease: float = 30.0,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, owner: str | None = None,
+                 max_attempts: int = 5) -> None:
         super().__init__(name, backoff=backoff)
         self._transport = transport
         self._storage = storage
         self._interval = interval
         self._batch = batch
         self._lease = lease
+        self.owner = owner
+        self.max_attempts = max_attempts
+        #: Failed sends per scheduled message, in this process.
+        self._failures: dict[tuple[str, str, str], int] = {}
 
     def round(self) -> float:
         self.send_due()
@@ -84,11 +114,33 @@ class DelayedDeliveries(Periodic):
         """Send what is due now; return how many were sent."""
         sent = 0
         while not self._stop.is_set():
-            envelopes = self._storage.claim_due(utc_now(), limit=self._batch, lease=self._lease)
-            for envelope in envelopes:
-                self._transport.dispatch(envelope)
-            self._storage.forget_scheduled(envelopes)
-            sent += len(envelopes)
+            envelopes = self._storage.claim_due(utc_now(), limit=self._batch, lease=self._lease,
+                                                owner=self.owner)
+            done = [envelope for envelope in envelopes if self._send(envelope)]
+            self._storage.forget_scheduled(done)
+            sent += len(done)
             if len(envelopes) < self._batch:
                 break
         return sent
+
+    def _send(self, envelope: Envelope) -> bool:
+        """Send one due message; True when it is done with (sent or parked). An outage
+        raises: the round ends, and the claims left expire."""
+        key = scheduled_key(envelope)
+        try:
+            self._transport.dispatch(envelope)
+        except TransportUnavailable:
+            raise
+        except Exception as error:
+            attempts = self._failures[key] = self._failures.get(key, 0) + 1
+            if not isinstance(error, MessageRefused) and attempts < self.max_attempts:
+                log.warning("sending delayed message %s failed (attempt %d of %d): %s",
+                            envelope.message_id, attempts, self.max_attempts,
+                            redact(str(error)))
+                return False
+            del self._failures[key]
+            park_outgoing(self._storage, envelope, error, endpoint=self.owner or "",
+                          attempts=attempts)
+            return True
+        self._failures.pop(key, None)
+        return True

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import logging
 import re
-import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -28,29 +27,34 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from bus.audit import AuditTrail
-from bus.breaker import BreakerPolicy, CircuitBreaker
-from bus.counters import Counters
-from bus.dispatching import DelayedDeliveries, Dispatcher
-from bus.errors import ConfigurationError
-from bus.faults import FaultInjector
-from bus.invocation import HandlerInvoker
-from bus.journal import DEFAULT_RETENTION as DEFAULT_JOURNAL_RETENTION
-from bus.journal import journal_for
-from bus.messages import Command, Event, Message, is_message_type, message_name
-from bus.outbox import OutboxDispatcher
-from bus.policies import Backoff, ConflictPolicy, RetryPolicy
-from bus.processing import MessageProcessor
-from bus.registry import MessageRegistry
-from bus.routing import Router
-from bus.sending import Bus
-from bus.signals import EndpointSignals
-from bus.status import StatusReporter
-from bus.unit_of_work import UnitOfWork
-from handlers.base import AggregateHandler, Handler
-from handlers.registration import HandlerTable
-from storage.base import Storage
-from transports.base import Delivery, Transport
+from .audit import AuditTrail
+from .breaker import BreakerPolicy, CircuitBreaker
+from .counters import Counters
+from .dispatching import DelayedDeliveries, Dispatcher
+from .errors import BusError, ConfigurationError
+from .faults import FaultInjector
+from .handlers.base import AggregateHandler, Handler
+from .handlers.registration import HandlerTable
+from .health import Health
+from .invocation import HandlerInvoker
+from .journal import DEFAULT_RETENTION as DEFAULT_JOURNAL_RETENTION
+from .journal import journal_for
+from .logs import MessageLog
+from .messages import Command, Event, Message, is_message_type, message_name
+from .outbox import OutboxDispatcher
+from .policies import Backoff, ConflictPolicy, RetryPolicy
+from .processing import MessageProcessor
+from .redaction import redact
+from .registry import MessageRegistry
+from .routing import Router
+from .sending import Bus
+from .shutdown import Deadline, StopSignals
+from .signals import EndpointSignals
+from .status import StatusReporter
+from .storage.base import Storage
+from .transports.base import Delivery, Transport
+from .unit_of_work import UnitOfWork
+from .wire import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +111,9 @@ class Endpoint:
         Append the events this endpoint publishes to the storage's event journal
         (:mod:`bus.journal`, served by ``idembus gateway``): ``True`` for every event, or a
         list of Event types; and how long entries are kept (default 7 days).
+    max_message_bytes:
+        Larger bodies go to the error queue unread, with the reason (default 1 MiB,
+        :data:`bus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
     fault_injector:
         Test hook: called at every crash point (:mod:`bus.faults`).
     """
@@ -134,6 +141,7 @@ class Endpoint:
         audit: bool = False,
         journal: bool | Sequence[type[Event]] = False,
         journal_retention: datetime.timedelta = DEFAULT_JOURNAL_RETENTION,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
@@ -144,6 +152,9 @@ class Endpoint:
             raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
         if prefetch < 1:
             raise ConfigurationError(f"prefetch must be at least 1, got {prefetch}")
+        if max_message_bytes < 1:
+            raise ConfigurationError(
+                f"max_message_bytes must be at least 1, got {max_message_bytes}")
         if error_queue == name:
             raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
         self.name = name
@@ -164,14 +175,19 @@ class Endpoint:
         self._check_retention()
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
+        self._message_log = MessageLog(self.signals)
+        self._message_log_connected = False
         self._stop = threading.Event()
+        #: What keeps this process from working now (``idembus status`` shows it).
+        self.health = Health()
+        self._outage_backoff = outage_backoff or Backoff()
         faults = fault_injector or FaultInjector()
         if journal_retention <= datetime.timedelta(0):
             raise ConfigurationError(
                 f"journal_retention must be positive, got {journal_retention!r}")
         #: Appends published events to the event journal (``journal=...``), else ``None``.
         self.journal = journal_for(self.storage, journal)
-        dispatcher = Dispatcher(self.transport, self.storage, self.journal)
+        dispatcher = Dispatcher(self.transport, self.storage, self.journal, endpoint=name)
         self._dispatcher = dispatcher
         self._compact = compact_after_dispatch
         invoker = HandlerInvoker(
@@ -195,17 +211,21 @@ class Endpoint:
             breaker=CircuitBreaker(breaker_policy or BreakerPolicy()),
             compact_after_dispatch=compact_after_dispatch,
             stopping=self._stop,
-            outage_backoff=outage_backoff,
+            outage_backoff=self._outage_backoff,
+            health=self.health,
+            max_message_bytes=max_message_bytes,
+            storage=self.storage,
         )
         #: Sends and publishes from outside handlers, at once (or when deferred, later).
         self.bus = Bus(name, self.router, dispatcher.dispatch_now)
         # Without native delay on the broker, deferred messages wait in the storage.
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
-            interval=delayed_poll_interval)
+            interval=delayed_poll_interval, owner=name)
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
         self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
+                                       endpoint=name,
                                        grace=outbox_grace, keep_bodies=not compact_after_dispatch,
                                        journal_retention=(journal_retention if self.journal
                                                           else None))
@@ -213,7 +233,7 @@ class Endpoint:
         #: The audit trail of this endpoint (``audit=True``), else ``None``.
         self.audit = AuditTrail(self.storage, self.signals, endpoint=name) if audit else None
         self._status = StatusReporter(self.storage, name, self.counters.snapshot,
-                                      interval=status_interval)
+                                      interval=status_interval, problems=self.health.problems)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
@@ -314,19 +334,38 @@ class Endpoint:
             )
             thread.start()
             self._threads.append(thread)
-        log.info("endpoint %s started: %d consumer(s), subscribed to %s", self.name,
-                 self.concurrency, ", ".join(self.subscriptions) or "nothing")
+        if not self._message_log_connected:
+            self._message_log_connected = self._message_log.connect()
+        local = [part for part in (self.storage, self.transport) if part.process_local]
+        if local:
+            log.warning("endpoint %s runs on %s: process-local and not durable (messages and "
+                        "state are lost when this process ends, and other processes cannot "
+                        "see them); pass a broker URL and a database for anything but trials",
+                        self.name, " and ".join(_described(part) for part in local),
+                        extra={"endpoint": self.name})
+        log.info("endpoint %s started: queue %s, %d consumer(s), handlers %s, subscribed to "
+                 "%s; transport %s, storage %s", self.name, self.name, self.concurrency,
+                 ", ".join(type(h).name() for h in self.table.handlers) or "none",
+                 ", ".join(self.subscriptions) or "nothing", _described(self.transport),
+                 _described(self.storage), extra={"endpoint": self.name})
 
     def stop(self, timeout: float | None = 30.0) -> bool:
-        """Stop taking messages, let the ones in progress finish; True if all threads ended."""
+        """Stop taking messages, let the ones in progress finish; True if all threads ended
+        within ``timeout`` seconds (one budget for every thread, not one each)."""
         self._stop.set()
+        deadline = Deadline(timeout)
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(deadline.left())
         if self._delayed is not None:
-            self._delayed.stop(timeout)
-        self._status.stop(timeout)
-        self.outbox.stop(timeout)
+            self._delayed.stop(deadline.left())
+        self._status.stop(deadline.left())
+        self.outbox.stop(deadline.left())
         stopped = not any(thread.is_alive() for thread in self._threads)
+        if stopped and self._threads:
+            counts = self.counters.snapshot()
+            log.info("endpoint %s stopped: %s", self.name, ", ".join(
+                f"{name} {counts[name]}" for name in sorted(counts) if counts[name]) or
+                "no messages", extra={"endpoint": self.name})
         if stopped:
             self._threads = []
             self._stop.clear()  # ready to start again
@@ -336,23 +375,22 @@ class Endpoint:
         """Start and block until ``stop()``, SIGINT or SIGTERM; then stop gracefully:
         take no new message, finish the ones in progress. Returns False if they did not
         finish within ``shutdown_timeout`` seconds (the broker will redeliver them)."""
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, lambda *_: self.request_stop())
-        self.start()
-        try:
-            self._stop.wait()
-        finally:
-            stopped = self.stop(timeout=shutdown_timeout)
+        with StopSignals() as signals:  # kept through stop(): a second signal only notes
+            self.start()
+            try:
+                signals.wait(self._stop)
+            finally:
+                stopped = self.stop(timeout=shutdown_timeout)
         return stopped
 
     def request_stop(self) -> None:
         """Ask a running endpoint to stop gracefully, as SIGTERM does; returns at once."""
         self._stop.set()
 
-    def close(self) -> None:
-        """Stop, then release the transport's and the storage's connections."""
-        self.stop()
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop (see :meth:`stop`), then release the transport's and the storage's
+        connections."""
+        self.stop(timeout)
         if self.audit is not None:
             self.audit.close()
         self.transport.close()
@@ -371,11 +409,34 @@ class Endpoint:
     # -- consuming ----------------------------------------------------------------------
 
     def _consume(self) -> None:
-        try:
-            self.transport.consume(self.name, self._on_delivery, stop=self._stop,
-                                   prefetch=self.prefetch)
-        except Exception:
-            log.exception("a consumer of endpoint %s stopped", self.name)
+        """One consumer thread: consume until stopped, whatever the transport raises.
+
+        The transport waits out outages itself. What it cannot wait out — the broker
+        refusing this endpoint (:class:`~bus.errors.EndpointBlocked`) or a bug — is logged
+        (at ERROR) and shown by ``idembus status``, and consuming starts again after a
+        growing wait, once declaring the queue works again: never a live process that
+        consumes nothing.
+        """
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if failures:
+                    self.transport.declare(self.name, subscriptions=self.subscriptions)
+                    self.health.resolved("transport")
+                self.transport.consume(self.name, self._on_delivery, stop=self._stop,
+                                       prefetch=self.prefetch)
+                return
+            except Exception as error:
+                delay = self._outage_backoff.delay(failures)
+                failures += 1
+                self.health.problem("transport", error)
+                if isinstance(error, BusError):
+                    log.error("endpoint %s cannot consume its queue: %s; trying again in %.1fs",
+                              self.name, redact(str(error)), delay)
+                else:
+                    log.exception("a consumer of endpoint %s failed; starting it again in "
+                                  "%.1fs", self.name, delay)
+                self._stop.wait(delay)
 
     def _on_delivery(self, delivery: Delivery) -> None:
         with self._activity:
@@ -432,7 +493,7 @@ def _transport_from(transport: Transport | str) -> Transport:
     if isinstance(transport, Transport):
         return transport
     if isinstance(transport, str):
-        from transports.kombu import KombuTransport
+        from .transports.kombu import KombuTransport
 
         return KombuTransport(transport)
     raise ConfigurationError(
@@ -441,6 +502,16 @@ def _transport_from(transport: Transport | str) -> Transport:
 
 
 def _embedded_storage(name: str) -> Storage:
-    from storage.mongo import MongoStorage
+    from .storage.mongo import MongoStorage
 
     return MongoStorage.embedded(database=name)
+
+
+def _described(part: object) -> str:
+    """A transport or storage as the start-up line names it: its class and where it
+    connects, password hidden."""
+    where = getattr(part, "safe_url", None) or getattr(part, "conninfo", None)
+    if where is None and getattr(part, "database", None) is not None:
+        where = getattr(part.database, "name", None)  # type: ignore[attr-defined]
+    name = type(part).__name__
+    return f"{name} ({redact(str(where))})" if where else name

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bus import headers as h
+from . import headers as h
 
 
 @dataclass(frozen=True)

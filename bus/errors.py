@@ -7,6 +7,8 @@ Each package root keeps its own errors module, and every class below derives fro
     ├── ConfigurationError          bad wiring; raised while an endpoint starts
     │   └── handlers.errors.HandlerDefinitionError
     ├── RoutingError                a command has no destination, a reply no return address
+    ├── HandlerContractError        a handler broke the calling contract on a message (also a
+    │                               TypeError): returned a value, gave no aggregate id
     ├── MessageError                an incoming message that no retry can fix
     │   ├── MalformedMessage        not JSON, wrong content type, a required header missing
     │   ├── UnknownMessageType      the type header names no registered message
@@ -16,9 +18,27 @@ Each package root keeps its own errors module, and every class below derives fro
     │   ├── AlreadyProcessed        the message was handled before (carries its outgoing)
     │   ├── ConflictRetriesExhausted
     │   ├── StaleLease              a lease's fencing token was superseded
-    │   └── StorageUnavailable
+    │   ├── StorageUnavailable      transient: unreachable, timed out, restarting, deadlock
+    │   │   ├── CommitOutcomeUnknown    ... during a commit, which may have been applied
+    │   │   └── StorageAccessDenied     permanent for the endpoint (+ EndpointBlocked)
+    │   └── StorageRefused          permanent for this message (+ MessageRefused)
     └── transports.errors.TransportError
-        └── TransportUnavailable
+        ├── TransportUnavailable    transient: connection lost or refused, broker restarting
+        │   └── BrokerAccessDenied      permanent for the endpoint (+ EndpointBlocked)
+        └── DestinationRefused      permanent for this message (+ MessageRefused)
+
+The failure taxonomy (README, "When the infrastructure fails") is read off this tree:
+
+* *transient* — ``StorageUnavailable`` and ``TransportUnavailable``: wait with backoff; the
+  message keeps its place and its retries.
+* *permanent for this message* — :class:`MessageRefused` (``StorageRefused``,
+  ``DestinationRefused``): an ordinary failure that goes through the retry policy to the
+  error queue and never trips the circuit breaker.
+* *permanent for the endpoint* — :class:`EndpointBlocked` (``StorageAccessDenied``,
+  ``BrokerAccessDenied``): no message can be processed until an operator acts. Logged at
+  ERROR on every attempt and shown by ``idembus status``; the message keeps its place, as
+  in an outage, and the endpoint keeps trying. Met while starting, it is a configuration
+  error (exit status 2).
 
 ``SimulatedCrash`` (in :mod:`bus.faults`) is deliberately *not* in this tree: it stands
 for a process dying and derives from ``BaseException`` so that no handler can swallow it.
@@ -37,6 +57,13 @@ class ConfigurationError(BusError):
 
 class RoutingError(BusError):
     """An outgoing message has nowhere to go."""
+
+
+class HandlerContractError(BusError, TypeError):
+    """A handler broke the calling contract while handling a message: its method returned
+    a value (handlers record what they send; they return nothing), ``aggregate_id`` gave no
+    id, ``self.state`` was replaced by something else. Retrying cannot help: the message
+    goes to the error queue at once with this reason."""
 
 
 class MessageError(BusError):
@@ -60,6 +87,20 @@ class UnknownMessageType(MessageError):
 
 class InvalidMessage(MessageError):
     """The body is JSON but does not match the message type's schema."""
+
+
+class MessageRefused(BusError):
+    """Mixin: the broker or the database refused something that belongs to this message
+    (its destination, its size, a character the database cannot store). Retrying later
+    does not change the message, so it goes through the retry policy to the error queue;
+    it says nothing about the health of the dependencies, so the circuit breaker ignores
+    it."""
+
+
+class EndpointBlocked(BusError):
+    """Mixin: the endpoint itself cannot work until an operator acts (its login refused,
+    its own queue refused, its tables missing or forbidden). Not the message's fault:
+    every attempt is logged at ERROR and shown by ``idembus status``."""
 
 
 class BadStreamRequest(BusError):

@@ -9,23 +9,31 @@ race reloads and runs the handler again on the fresh state (bounded, with jitter
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bus import headers as h
-from bus.context import MessageContext
-from bus.envelope import Envelope, parse_utc
-from bus.faults import CrashPoint, FaultInjector
-from bus.messages import Message
-from bus.policies import ConflictPolicy
-from bus.routing import Router
-from bus.sending import Bus
-from bus.signals import EndpointSignals
-from handlers.base import AggregateHandler
-from handlers.registration import HandlerBinding
-from storage.base import INBOX, AggregateRecord, Storage
-from storage.errors import AlreadyProcessed, ConcurrencyConflict, ConflictRetriesExhausted
+from . import headers as h
+from .context import MessageContext
+from .envelope import Envelope, parse_utc
+from .errors import EndpointBlocked, HandlerContractError
+from .faults import CrashPoint, FaultInjector
+from .handlers.base import AggregateHandler
+from .handlers.registration import HandlerBinding
+from .messages import Message
+from .policies import ConflictPolicy
+from .routing import Router
+from .sending import Bus
+from .signals import EndpointSignals
+from .storage.base import INBOX, AggregateRecord, Storage
+from .storage.errors import (
+    AlreadyProcessed,
+    CommitOutcomeUnknown,
+    ConcurrencyConflict,
+    ConflictRetriesExhausted,
+    StorageUnavailable,
+)
 
 
 @dataclass(frozen=True)
@@ -61,8 +69,16 @@ class HandlerInvoker:
         self._conflicts = conflicts
 
     def invoke(
-        self, binding: HandlerBinding, message: Message, headers: Mapping[str, str]
+        self, binding: HandlerBinding, message: Message, headers: Mapping[str, str], *,
+        commit_may_have_landed: bool = False,
     ) -> Outcome:
+        """Run the binding's handler on ``message`` once per (handler, message id).
+
+        ``commit_may_have_landed``: an earlier attempt of this very delivery lost the
+        database during its commit (:class:`~storage.errors.CommitOutcomeUnknown`). Finding
+        the message recorded then means that commit was applied: it counts as handled, not
+        as a duplicate, and what it stored is dispatched without a ``redispatched``.
+        """
         context = MessageContext(
             message_id=headers[h.MESSAGE_ID],
             message_type=headers[h.MESSAGE_TYPE],
@@ -84,6 +100,10 @@ class HandlerInvoker:
                 self._faults.reached(CrashPoint.BEFORE_COMMIT, context.message_id)
                 try:
                     self._storage.commit(loaded, key=key, state=state, outgoing=outgoing)
+                except StorageUnavailable as outage:
+                    if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
+                        raise
+                    raise CommitOutcomeUnknown(str(outage)) from outage
                 except ConcurrencyConflict:
                     self._signals.emit("conflict", attempt=attempt + 1, **details)
                     if attempt + 1 < self._conflicts.attempts:
@@ -97,6 +117,10 @@ class HandlerInvoker:
                                    binding.handler_name)
             else:
                 stored = previous.outgoing
+            if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
+                self._signals.emit("handled", **details)
+                return Outcome(aggregate_type, aggregate_id, key, stored, False,
+                               binding.handler_name)
             self._signals.emit("duplicate", **details)
             return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name)
         raise ConflictRetriesExhausted(
@@ -125,7 +149,7 @@ class HandlerInvoker:
         if isinstance(aggregate_id, int) and not isinstance(aggregate_id, bool):
             aggregate_id = str(aggregate_id)
         if not isinstance(aggregate_id, str) or not aggregate_id:
-            raise TypeError(
+            raise HandlerContractError(
                 f"{binding.handler_name}.aggregate_id() must return a non-empty str, "
                 f"got {aggregate_id!r}"
             )
@@ -147,13 +171,34 @@ class HandlerInvoker:
                 handler.state = handler.state_type.model_validate(loaded.state)
             else:
                 handler.state = handler.new_state(loaded.aggregate_id, message)
-            getattr(handler, binding.method_name)(message)
+            _call(handler, binding, message)
             if not isinstance(handler.state, handler.state_type):
-                raise TypeError(
+                raise HandlerContractError(
                     f"{binding.handler_name} left self.state as {type(handler.state).__name__}"
                     f", not {handler.state_type.__name__}"
                 )
             return handler.state.model_dump(mode="json"), outgoing
-        getattr(handler, binding.method_name)(message)
+        _call(handler, binding, message)
         return None, outgoing
+
+
+def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:
+    """Run the handling method; a method that returns something has misunderstood the
+    contract (handlers record what they send through ``self.bus``), and whatever it meant
+    by the value would be lost: fail the message instead of committing."""
+    returned = getattr(handler, binding.method_name)(message)
+    if returned is None:
+        return
+    if inspect.iscoroutine(returned):
+        returned.close()  # never started: closing it keeps "never awaited" warnings away
+    raise HandlerContractError(
+        f"{binding.handler_name}.{binding.method_name} returned {_shown(returned)}; handling "
+        "methods return None and send, publish or reply through self.bus"
+    )
+
+
+def _shown(value: object) -> str:
+    """A value in an error message: its type, and its repr when short."""
+    text = repr(value)
+    return f"a {type(value).__name__}" if len(text) > 80 else f"{text} ({type(value).__name__})"
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterable, Sequence
 
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.errors import ConfigurationError
-from bus.messages import Event, is_message_type, message_name
-from storage.base import INBOX, JournalEntry, Storage
+from . import headers as h
+from .envelope import Envelope
+from .errors import ConfigurationError
+from .messages import Event, is_message_type, message_name
+from .storage.base import INBOX, JournalEntry, Storage
 
 #: How long journal entries are kept unless the endpoint says otherwise.
 DEFAULT_RETENTION = datetime.timedelta(days=7)

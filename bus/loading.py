@@ -7,20 +7,20 @@ import os
 import sys
 from typing import Any
 
-from bus.errors import ConfigurationError
+from .errors import ConfigurationError
 
 
 def load_endpoint(reference: str) -> Any:
     """Import ``package.module:attribute`` and return the endpoint it names."""
-    from bus.endpoint import Endpoint
+    from .endpoint import Endpoint
 
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise ConfigurationError(
             f"{reference!r} is not of the form package.module:endpoint"
         )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:  # after the installed packages: never shadowing them
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -29,6 +29,10 @@ def load_endpoint(reference: str) -> Any:
         target = getattr(module, attribute)
     except AttributeError:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attribute!r}") from None
+    if isinstance(target, type):  # calling a class would build who knows what
+        raise ConfigurationError(
+            f"{reference} is the class {target.__qualname__}, not an Endpoint (or a function "
+            "returning one)")
     if callable(target) and not isinstance(target, Endpoint):
         target = target()
     if not isinstance(target, Endpoint):

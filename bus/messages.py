@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from bus.errors import ConfigurationError
+from .errors import ConfigurationError
 
 #: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
 _WIRE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")

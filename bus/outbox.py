@@ -11,13 +11,23 @@ It looks every ``lease_ttl / 2`` seconds, and at once when the storage notifies 
 MongoDB replica set it follows a change stream (:mod:`storage.mongo_changes`, verified only
 against a replica set); on mongomock and PostgreSQL it polls.
 
-One dispatcher works at a time per storage: it holds a lease (taken with find-and-modify,
-renewed every ``lease_ttl / 2`` seconds) whose fencing token grows each time the lease
-changes hands. Its marks carry the token, so a dispatcher that was paused past its lease
-(a long GC, a frozen VM) cannot mark anything once another has taken over. Messages sent
-twice in such a handover keep their ids; receivers deduplicate them.
+One dispatcher works at a time per endpoint: it holds the endpoint's lease (taken with
+find-and-modify, renewed every ``lease_ttl / 2`` seconds) whose fencing token grows each
+time the lease changes hands. Its marks carry the token, so a dispatcher that was paused
+past its lease (a long GC, a frozen VM) cannot mark anything once another has taken over.
+Messages sent twice in such a handover keep their ids; receivers deduplicate them. It
+repairs only the entries its endpoint committed (``idembus.originating_endpoint``), with
+that endpoint's transport, journal and compaction: endpoints sharing a storage keep their
+own choices.
 
-By default every endpoint runs one (they elect themselves through the lease); ``idembus
+It repairs entry by entry. An outage ends the round (the next waits with backoff); a
+message the broker refuses for good is parked (:mod:`bus.parking`) and its entry marked;
+an entry that fails otherwise is tried again on the next rounds and, after
+``max_attempts`` failures, its messages are parked with the reason and it is marked. No
+entry blocks the others, and expiring processed entries and trimming the journal run
+whatever happened to the entries.
+
+By default every endpoint runs one (its processes elect one through the lease); ``idembus
 dispatcher package.module:endpoint`` runs one alone.
 """
 
@@ -30,12 +40,15 @@ import socket
 import threading
 import uuid
 
-from bus.background import Periodic
-from bus.dispatching import Dispatcher
-from bus.envelope import utc_now
-from bus.policies import Backoff
-from storage.base import OUTBOX_LEASE, Lease, Storage
-from storage.errors import StaleLease
+from .background import Periodic
+from .dispatching import Dispatcher
+from .envelope import Envelope, utc_now
+from .parking import park_outgoing
+from .policies import Backoff
+from .redaction import redact
+from .storage.base import OUTBOX_LEASE, Lease, Storage, Undispatched
+from .storage.errors import StaleLease, StorageUnavailable
+from .transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +63,34 @@ class OutboxDispatcher(Periodic):
         dispatcher: Dispatcher,
         *,
         name: str = "idembus-outbox",
+        endpoint: str | None = None,
         lease_ttl: float = 30.0,
         grace: float = 10.0,
         batch: int = 100,
         keep_bodies: bool = False,
         journal_retention: datetime.timedelta | None = None,
         backoff: Backoff | None = None,
+        max_attempts: int = 5,
     ) -> None:
         if lease_ttl <= 0 or grace < 0:
             raise ValueError("lease_ttl must be positive and grace not negative")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         super().__init__(name, backoff=backoff)
         self._storage = storage
         self._dispatcher = dispatcher
+        #: Whose entries this dispatcher repairs (``None``: every endpoint's, as before
+        #: endpoints had leases of their own).
+        self.endpoint = endpoint
+        #: The lease the dispatchers of this endpoint compete for.
+        self.lease_name = OUTBOX_LEASE if endpoint is None else f"{OUTBOX_LEASE}:{endpoint}"
         self.lease_ttl = lease_ttl
         self.grace = grace
         self._batch = batch
         self._keep_bodies = keep_bodies
+        #: How often one entry may fail (other than by an outage) before its messages are
+        #: parked and it is marked; the count is kept with the entry, in the storage.
+        self.max_attempts = max_attempts
         #: Who this dispatcher is, in the lease.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.lease: Lease | None = None
@@ -78,34 +103,78 @@ class OutboxDispatcher(Periodic):
         self.trimmed = 0
 
     def run_once(self) -> int:
-        """Take or renew the lease; if held, send one batch. Returns how many entries were
-        repaired (0 when another dispatcher holds the lease)."""
+        """Take or renew the lease; if held, send one batch entry by entry, then expire and
+        trim. Returns how many entries were repaired (0 when another dispatcher holds the
+        lease). An outage ends the round (the next one waits with backoff); any other
+        failure is the entry's own and the others go on."""
         now = utc_now()
-        self.lease = self._storage.acquire_lease(OUTBOX_LEASE, self.owner,
+        self.lease = self._storage.acquire_lease(self.lease_name, self.owner,
                                                  ttl=self.lease_ttl, now=now)
         if self.lease is None:
             return 0
         repaired = 0
         cutoff = now - datetime.timedelta(seconds=self.grace)
-        for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch):
-            for envelope in entry.outgoing:
-                self._dispatcher.dispatch(envelope)
-            try:
-                self._dispatcher.mark_dispatched(
-                    entry.aggregate_type, entry.aggregate_id, entry.key, entry.outgoing,
-                    keep_bodies=self._keep_bodies, lease=self.lease)
-            except StaleLease:
-                log.warning("%s lost its lease to another dispatcher; stepping back", self.owner)
-                self.lease = None
-                break
-            repaired += 1
-            log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
-                     len(entry.outgoing), entry.aggregate_type, entry.aggregate_id, entry.key)
-        if self.lease is not None:
-            self.expired += self._storage.expire(now)
-            if self.journal_retention is not None:
-                self.trimmed += self._storage.trim_journal(now - self.journal_retention)
+        try:
+            for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch,
+                                                    endpoint=self.endpoint):
+                try:
+                    repaired += self._repair(entry)
+                except StaleLease:
+                    log.warning("%s lost its lease to another dispatcher; stepping back",
+                                self.owner)
+                    self.lease = None
+                    break
+        finally:
+            if self.lease is not None:
+                self._housekeeping(now)
         return repaired
+
+    def _repair(self, entry: Undispatched) -> int:
+        """Send one entry's messages and mark it (1); on a failure that is not an outage,
+        count it, and at ``max_attempts`` park what is left and mark it anyway (0)."""
+        address = (entry.aggregate_type, entry.aggregate_id, entry.key)
+        sent: list[Envelope] = []
+        try:
+            for envelope in entry.outgoing:
+                if self._dispatcher.dispatch_committed(envelope,
+                                                       endpoint=self.endpoint or ""):
+                    sent.append(envelope)
+            self._mark(entry, sent)
+        except (StaleLease, StorageUnavailable, TransportUnavailable):
+            raise
+        except Exception as error:
+            attempts = entry.attempts + 1
+            if attempts < self.max_attempts:
+                log.warning("repairing %s %s (%s) failed (attempt %d of %d): %s",
+                            *address, attempts, self.max_attempts, redact(str(error)))
+                self._storage.note_repair_failure(*address)
+                return 0
+            for envelope in entry.outgoing[len(sent):]:
+                park_outgoing(self._storage, envelope, error, endpoint=self.endpoint or "",
+                              attempts=attempts)
+            self._mark(entry, sent)
+            return 0
+        log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
+                 len(sent), *address)
+        return 1
+
+    def _mark(self, entry: Undispatched, sent: list[Envelope]) -> None:
+        self._dispatcher.mark_dispatched(
+            entry.aggregate_type, entry.aggregate_id, entry.key, sent,
+            keep_bodies=self._keep_bodies, lease=self.lease)
+
+    def _housekeeping(self, now: datetime.datetime) -> None:
+        """Expire processed entries and trim the journal, each whatever the other did."""
+        try:
+            self.expired += self._storage.expire(now)
+        except Exception as error:
+            log.warning("expiring processed messages failed: %s", redact(str(error)))
+        if self.journal_retention is None:
+            return
+        try:
+            self.trimmed += self._storage.trim_journal(now - self.journal_retention)
+        except Exception as error:
+            log.warning("trimming the event journal failed: %s", redact(str(error)))
 
     def round(self) -> float:
         # A full batch: more may wait. Otherwise renew the lease at half its time.
@@ -119,7 +188,8 @@ class OutboxDispatcher(Periodic):
         """Wake on the storage's change notifications where it has them (MongoDB replica
         sets); elsewhere, or if watching fails, the rounds poll."""
         try:
-            self._storage.watch(self.wake, self._stop, lambda: self.lease)
+            self._storage.watch(self.wake, self._stop, lambda: self.lease,
+                                lease_name=self.lease_name)
         except StaleLease:
             log.info("%s: another dispatcher owns the change stream now", self.owner)
         except Exception:

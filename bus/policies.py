@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from bus.errors import MessageError, RoutingError
+from .errors import HandlerContractError, MessageError, RoutingError
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class RetryPolicy:
     immediate_retries: int = 5
     delayed: tuple[float, ...] = (10.0, 20.0, 30.0)
     unrecoverable: tuple[type[BaseException], ...] = field(
-        default=(MessageError, RoutingError, pydantic.ValidationError)
+        default=(MessageError, RoutingError, HandlerContractError, pydantic.ValidationError)
     )
 
     def __post_init__(self) -> None:

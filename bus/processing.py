@@ -18,23 +18,29 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus import headers as h
-from bus.breaker import CircuitBreaker
-from bus.decoding import decode
-from bus.dispatching import Dispatcher
-from bus.envelope import Envelope, format_utc, utc_now
-from bus.errors import MalformedMessage, MessageError
-from bus.faults import CrashPoint, FaultInjector
-from bus.invocation import HandlerInvoker, Outcome
-from bus.messages import Message
-from bus.policies import Backoff, RetryPolicy
-from bus.recoverability import failure_headers
-from bus.registry import MessageRegistry
-from bus.signals import EndpointSignals
-from handlers.registration import HandlerBinding, HandlerTable
-from storage.errors import StorageUnavailable
-from transports.base import Delivery
-from transports.errors import TransportUnavailable
+from . import headers as h
+from . import wire
+from .breaker import CircuitBreaker
+from .decoding import decode
+from .dispatching import Dispatcher
+from .envelope import Envelope, format_utc, utc_now
+from .errors import BusError, EndpointBlocked, MalformedMessage, MessageError, MessageRefused
+from .faults import CrashPoint, FaultInjector
+from .handlers.registration import HandlerBinding, HandlerTable
+from .health import Health
+from .invocation import HandlerInvoker, Outcome
+from .logs import Throttle
+from .messages import Message
+from .parking import park
+from .policies import Backoff, RetryPolicy
+from .recoverability import failure_headers
+from .redaction import redact
+from .registry import MessageRegistry
+from .signals import EndpointSignals
+from .storage.base import PARKED_FROM_ERROR_QUEUE, Storage
+from .storage.errors import CommitOutcomeUnknown, StorageUnavailable
+from .transports.base import Delivery
+from .transports.errors import DestinationRefused, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +73,14 @@ class MessageProcessor:
         compact_after_dispatch: bool,
         stopping: threading.Event,
         outage_backoff: Backoff | None = None,
+        health: Health | None = None,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        storage: Storage | None = None,
     ) -> None:
         self._endpoint = endpoint
+        #: Where a message goes when the error queue refuses it (``None``: nowhere; the
+        #: delivery goes back to the broker).
+        self._storage = storage
         self._error_queue = error_queue
         self._registry = registry
         self._table = table
@@ -81,11 +93,19 @@ class MessageProcessor:
         self._compact = compact_after_dispatch
         self._stopping = stopping
         self._outage_backoff = outage_backoff or Backoff()
+        self._health = health or Health()
+        self._max_message_bytes = max_message_bytes
+        #: Repeated outage warnings: one line per cause every 10 s, with a count.
+        self._outage_lines = Throttle(10.0)
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
         self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
+        problem = wire.problem_with(delivery, max_message_bytes=self._max_message_bytes)
+        if problem is not None:
+            self._dead_letter(delivery, MalformedMessage(problem), attempts=0)
+            return
         try:
             message = decode(headers, delivery.body, delivery.content_type, self._registry)
         except MessageError as error:
@@ -107,26 +127,36 @@ class MessageProcessor:
 
         While the database or the broker is unreachable the message keeps its place: the
         attempt is repeated with backoff, retries are not used up, and when the endpoint
-        stops meanwhile the delivery goes back to the broker.
+        stops meanwhile the delivery goes back to the broker. Once the handler's effects
+        are committed, later attempts only dispatch what it committed: a re-attempt is not
+        a duplicate.
         """
         policy = type(binding.handler).retry_policy or self._retries
         attempts = 0
         outages = 0
+        outcome: Outcome | None = None
+        commit_may_have_landed = False
         while True:
             attempts += 1
             try:
-                outcome = self._invoker.invoke(binding, message, delivery.headers)
-                self._faults.reached(CrashPoint.AFTER_COMMIT, delivery.headers[h.MESSAGE_ID])
+                if outcome is None:
+                    outcome = self._invoker.invoke(
+                        binding, message, delivery.headers,
+                        commit_may_have_landed=commit_may_have_landed)
+                    self._faults.reached(CrashPoint.AFTER_COMMIT,
+                                         delivery.headers[h.MESSAGE_ID])
                 self._dispatch(outcome, delivery.headers)
+                self._health.resolved()
                 return None
             except (StorageUnavailable, TransportUnavailable) as outage:
                 attempts -= 1
+                commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
                 if self._stopping.is_set():
                     raise
                 delay = self._outage_backoff.delay(outages)
                 outages += 1
-                log.warning("%s cannot process %s (%s); trying again in %.1fs",
-                            binding.handler_name, delivery.headers[h.MESSAGE_ID], outage, delay)
+                self._note_outage(outage, binding.handler_name,
+                                  delivery.headers[h.MESSAGE_ID], delay)
                 self._stopping.wait(delay)
             except Exception as error:
                 details = {"message_id": delivery.headers[h.MESSAGE_ID],
@@ -140,6 +170,24 @@ class MessageProcessor:
                          details["message_id"], attempts, error)
                 self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
 
+    def _note_outage(self, outage: BusError, handler: str, message_id: str,
+                     delay: float) -> None:
+        """Say why the message waits: at ERROR, and in ``idembus status``, when only an
+        operator can end the wait (a refused login, missing tables)."""
+        fields = {"endpoint": self._endpoint, "message_id": message_id, "handler": handler}
+        if isinstance(outage, EndpointBlocked):
+            source = "storage" if isinstance(outage, StorageUnavailable) else "transport"
+            self._health.problem(source, outage)
+            log.error("%s cannot process %s: %s; trying again in %.1fs", handler, message_id,
+                      redact(str(outage)), delay, extra=fields)
+            return
+        held_back = self._outage_lines.allow(type(outage).__name__)
+        if held_back is not None:
+            log.warning("%s cannot process %s (%s); trying again in %.1fs%s", handler,
+                        message_id, redact(str(outage)), delay,
+                        f" ({held_back} more such line(s) held back in 10s)" if held_back
+                        else "", extra=fields)
+
     def _after_failure(self, delivery: Delivery, failure: _Failure) -> None:
         """Schedule the next delayed round, or give up; then let the breaker weigh in."""
         rounds = _delayed_rounds(delivery)
@@ -147,8 +195,14 @@ class MessageProcessor:
         if delay is None:
             self._dead_letter(delivery, failure.error, attempts=failure.attempts)
         else:
-            self._retry_later(delivery, failure.error, rounds + 1, delay)
-        if isinstance(failure.error, failure.policy.unrecoverable):
+            try:
+                self._retry_later(delivery, failure.error, rounds + 1, delay)
+            except DestinationRefused as refused:  # the delay itself is refused: give up
+                log.warning("%s cannot retry %s later (%s); it goes to %s", self._endpoint,
+                            delivery.headers.get(h.MESSAGE_ID), redact(str(refused)),
+                            self._error_queue)
+                self._dead_letter(delivery, failure.error, attempts=failure.attempts)
+        if isinstance(failure.error, (*failure.policy.unrecoverable, MessageRefused)):
             return  # the message's own fault: says nothing about the dependencies
         pause = self._breaker.failed()
         if pause:
@@ -178,10 +232,12 @@ class MessageProcessor:
         delivery.ack()
 
     def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str]) -> None:
+        sent = []
         for envelope in outcome.outgoing:
-            self._dispatcher.dispatch(envelope)
-            self._signals.emit("dispatched", message_id=envelope.message_id,
-                               message_type=envelope.message_type, envelope=envelope)
+            if self._dispatcher.dispatch_committed(envelope, endpoint=self._endpoint):
+                sent.append(envelope)
+                self._signals.emit("dispatched", message_id=envelope.message_id,
+                                   message_type=envelope.message_type, envelope=envelope)
         if not outcome.outgoing:
             return
         if outcome.duplicate:
@@ -191,8 +247,7 @@ class MessageProcessor:
                                handler=outcome.handler,
                                time_sent=incoming.get(h.TIME_SENT))
         self._dispatcher.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id,
-                                         outcome.key, outcome.outgoing,
-                                         keep_bodies=not self._compact)
+                                         outcome.key, sent, keep_bodies=not self._compact)
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Bad input found before decoding: straight to the error queue with ``reason``."""
@@ -204,14 +259,30 @@ class MessageProcessor:
             delivery.headers, error, queue=delivery.queue, immediate_attempts=attempts,
             delayed_attempts=_delayed_rounds(delivery),
         )
-        self._dispatcher.dispatch(Envelope(
-            headers=headers,
-            body=delivery.body.decode("utf-8", "surrogateescape"),
-            destination=self._error_queue,
-            content_type=delivery.content_type or h.CONTENT_TYPE,
-        ))
-        log.warning("moved %s from %s to %s: %s", delivery.headers.get(h.MESSAGE_ID, "a message"),
-                    delivery.queue, self._error_queue, headers[h.EXCEPTION_MESSAGE])
+        body = delivery.body.decode("utf-8", "surrogateescape")
+        content_type = delivery.content_type or h.CONTENT_TYPE
+        try:
+            self._dispatcher.dispatch(Envelope(headers=headers, body=body,
+                                               destination=self._error_queue,
+                                               content_type=content_type))
+        except DestinationRefused as refused:
+            if self._storage is None:
+                raise
+            # The broker will not take the copy: keep the message in the storage instead.
+            # If the storage cannot either, the error propagates and the delivery waits.
+            original = Envelope(dict(delivery.headers), body, delivery.queue, content_type)
+            park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
+                 envelope=original, queue=delivery.queue, attempts=attempts, error=error,
+                 refusal=refused)
+        else:
+            log.warning("moved %s from %s to %s: %s",
+                        delivery.headers.get(h.MESSAGE_ID, "a message"), delivery.queue,
+                        self._error_queue, headers[h.EXCEPTION_MESSAGE],
+                        exc_info=(type(error), error, error.__traceback__)
+                        if error.__traceback__ is not None else None,
+                        extra={"endpoint": self._endpoint,
+                               "message_id": delivery.headers.get(h.MESSAGE_ID),
+                               "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
         self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
                            time_sent=delivery.headers.get(h.TIME_SENT))

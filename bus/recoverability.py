@@ -5,9 +5,10 @@ from __future__ import annotations
 import traceback
 from collections.abc import Mapping
 
-from bus import headers as h
-from bus.envelope import format_utc, utc_now
-from bus.errors import MessageError
+from . import headers as h
+from .envelope import format_utc, utc_now
+from .errors import MessageError
+from .redaction import redact
 
 #: Headers written when a message is moved to the error queue (and ``deliver_at``, left by
 #: a delayed retry): a message sent back for another try drops them.
@@ -17,27 +18,75 @@ FAILURE_HEADERS = frozenset({
 })
 _FAILURE_PREFIXES = ("idembus.exception.", "idembus.attempts.")
 
-#: Longest stack trace kept in a header; AMQP frames must hold all headers.
-_MAX_STACK_TRACE = 8000
+#: The most the headers of an error-queue copy may weigh, in UTF-8 bytes. AMQP carries all
+#: headers in one frame (RabbitMQ's ``frame_max``: 128 KiB by default); this leaves room for
+#: the other properties and a margin.
+HEADERS_BUDGET = 96 * 1024
+#: Longest exception message kept (UTF-8 bytes); the start is kept.
+MAX_EXCEPTION_MESSAGE = 2000
+#: Longest stack trace kept (UTF-8 bytes); the end, where the exception is, is kept.
+MAX_STACK_TRACE = 8000
+#: Longest exception type name kept.
+_MAX_TYPE_NAME = 200
+_TRUNCATED = "…"
 
 
 def failure_headers(
     original: Mapping[str, str], error: BaseException, *, queue: str, immediate_attempts: int,
     delayed_attempts: int = 0,
 ) -> dict[str, str]:
-    """The original headers plus the story of the failure (README, "Wire format")."""
+    """The original headers plus the story of the failure (README, "Wire format").
+
+    The story is bounded, so that the copy fits the broker whatever the error said: the
+    exception message and stack trace are cut to their limits and, when the original
+    headers leave less room than that within :data:`HEADERS_BUDGET`, further. Both pass
+    through :func:`~bus.redaction.redact`: an error about a database must not carry its
+    password into the error queue.
+    """
     reason = error.reason if isinstance(error, MessageError) else str(error)
     trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    return {
-        **original,
-        h.EXCEPTION_TYPE: f"{type(error).__module__}.{type(error).__qualname__}",
-        h.EXCEPTION_MESSAGE: reason,
-        h.STACK_TRACE: trace[-_MAX_STACK_TRACE:],
+    story = {
+        h.EXCEPTION_TYPE: _head(f"{type(error).__module__}.{type(error).__qualname__}",
+                                _MAX_TYPE_NAME),
         h.FAILED_QUEUE: queue,
         h.TIME_OF_FAILURE: format_utc(utc_now()),
         h.IMMEDIATE_ATTEMPTS: str(immediate_attempts),
         h.DELAYED_ATTEMPTS: str(delayed_attempts),
     }
+    room = HEADERS_BUDGET - _weight({**original, **story, h.EXCEPTION_MESSAGE: "",
+                                     h.STACK_TRACE: ""})
+    message = _head(redact(reason), max(0, min(MAX_EXCEPTION_MESSAGE, room // 2)))
+    room -= len(message.encode("utf-8", "surrogateescape"))
+    return {
+        **original,
+        **story,
+        h.EXCEPTION_MESSAGE: message,
+        h.STACK_TRACE: _tail(redact(trace), max(0, min(MAX_STACK_TRACE, room))),
+    }
+
+
+def _weight(headers: Mapping[str, str]) -> int:
+    """The UTF-8 bytes of the names and values of ``headers``."""
+    return sum(len(name.encode("utf-8", "surrogateescape"))
+               + len(value.encode("utf-8", "surrogateescape")) for name, value in headers.items())
+
+
+def _head(text: str, limit: int) -> str:
+    """The start of ``text`` within ``limit`` UTF-8 bytes, marked if cut."""
+    encoded = text.encode("utf-8", "surrogateescape")
+    if len(encoded) <= limit:
+        return text
+    cut = encoded[: max(0, limit - len(_TRUNCATED.encode()))]
+    return cut.decode("utf-8", "ignore") + _TRUNCATED if limit else ""
+
+
+def _tail(text: str, limit: int) -> str:
+    """The end of ``text`` within ``limit`` UTF-8 bytes, marked if cut."""
+    encoded = text.encode("utf-8", "surrogateescape")
+    if len(encoded) <= limit:
+        return text
+    cut = encoded[len(encoded) - max(0, limit - len(_TRUNCATED.encode())):]
+    return _TRUNCATED + cut.decode("utf-8", "ignore") if limit else ""
 
 
 def without_failure_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus.errors import ConfigurationError, UnknownMessageType
-from bus.messages import Message, is_message_type, message_name
+from .errors import ConfigurationError, UnknownMessageType
+from .messages import Message, is_message_type, message_name
 
 
 class MessageRegistry:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from bus.errors import ConfigurationError, RoutingError
-from bus.messages import Command, Event, Message, message_name
+from .errors import ConfigurationError, RoutingError
+from .messages import Command, Event, Message, message_name
 
 
 class Router:

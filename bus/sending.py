@@ -12,12 +12,12 @@ import datetime
 import uuid
 from collections.abc import Callable, Mapping
 
-from bus import headers as h
-from bus.context import MessageContext
-from bus.envelope import Envelope, format_utc, utc_now
-from bus.errors import RoutingError
-from bus.messages import Command, Event, Message, message_name, parents_of
-from bus.routing import Router
+from . import headers as h
+from .context import MessageContext
+from .envelope import Envelope, format_utc, utc_now
+from .errors import RoutingError
+from .messages import Command, Event, Message, message_name, parents_of
+from .routing import Router
 
 Emit = Callable[[Envelope], None]
 

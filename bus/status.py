@@ -13,9 +13,10 @@ import socket
 import uuid
 from collections.abc import Callable, Mapping
 
-from bus.background import Periodic
-from bus.envelope import utc_now
-from storage.base import StatusReport, Storage
+from .background import Periodic
+from .envelope import utc_now
+from .redaction import redact
+from .storage.base import StatusReport, Storage
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,14 @@ class StatusReporter(Periodic):
     """A thread writing one endpoint process's counters every ``interval`` seconds."""
 
     def __init__(self, storage: Storage, endpoint: str,
-                 counters: Callable[[], Mapping[str, int]], *, interval: float = 5.0) -> None:
+                 counters: Callable[[], Mapping[str, int]], *, interval: float = 5.0,
+                 problems: Callable[[], Mapping[str, str]] | None = None) -> None:
         super().__init__(f"idembus-{endpoint}-status")
         self._storage = storage
         self._endpoint = endpoint
         self._counters = counters
+        #: What blocks the process now (:class:`~bus.health.Health`), with every report.
+        self._problems = problems or dict
         self._interval = interval
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._started_at = utc_now()
@@ -49,6 +53,8 @@ class StatusReporter(Periodic):
             self._storage.report_status(StatusReport(
                 endpoint=self._endpoint, instance=self.instance, counters=self._counters(),
                 started_at=self._started_at, updated_at=utc_now(), stopped=stopped,
+                problems=dict(self._problems()),
             ))
         except Exception as exc:  # observation only: never let it stop the endpoint
-            log.warning("could not report the status of %s: %s", self._endpoint, exc)
+            log.warning("could not report the status of %s: %s", self._endpoint,
+                        redact(str(exc)))

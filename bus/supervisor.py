@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bus.policies import Backoff
+from .policies import Backoff
+from .shutdown import POLL_INTERVAL, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ EXIT_CONFIGURATION = 2
 SUPERVISOR_PID = "IDEMBUS_SUPERVISOR_PID"
 #: A worker that lived this long before dying is restarted without delay.
 _HEALTHY_AFTER = 30.0
-_POLL_INTERVAL = 0.2
 
 
 @dataclass
@@ -68,9 +68,11 @@ class Supervisor:
 
     def run(self) -> int:
         """Supervise until SIGTERM/SIGINT; return the exit status (see module docstring)."""
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self._stopping.set())
-        while not self._stopping.is_set():
+        with StopSignals() as signals:  # kept through _stop_all: a second signal only notes
+            return self._supervise(signals)
+
+    def _supervise(self, signals: StopSignals) -> int:
+        while not self._stopping.is_set() and signals.received is None:
             now = time.monotonic()
             for worker in self._workers:
                 if worker.process is None:
@@ -85,7 +87,7 @@ class Supervisor:
                     self._stop_all()
                     return EXIT_CONFIGURATION
                 self._schedule_restart(worker, status, now)
-            self._stopping.wait(_POLL_INTERVAL)
+            self._stopping.wait(POLL_INTERVAL)
         return self._stop_all()
 
     def stop(self) -> None:
@@ -98,7 +100,11 @@ class Supervisor:
         return [w.process.pid for w in self._workers if w.process and w.process.poll() is None]
 
     def _spawn(self, worker: _Worker) -> None:
-        command = [sys.executable, "-m", "bus.cli", "run", self.reference, *self._arguments]
+        # -P (Python 3.11+): the working directory does not go first on sys.path, so no
+        # module of the user's can stand in for idembus's (the loader adds it last).
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        command = [sys.executable, *safe_path, "-m", "idembus", "run", self.reference,
+                   *self._arguments]
         environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index),
                        SUPERVISOR_PID: str(os.getpid())}
         worker.process = subprocess.Popen(command, env=environment)

@@ -24,14 +24,14 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
-from bus.context import MessageContext
-from bus.dispatching import Dispatcher
-from bus.envelope import Envelope
-from bus.routing import Router
-from bus.sending import Bus
-from storage.base import AggregateRecord, Storage
-from storage.errors import AlreadyProcessed, StorageUnavailable
-from transports.errors import TransportUnavailable
+from .context import MessageContext
+from .dispatching import Dispatcher
+from .envelope import Envelope
+from .routing import Router
+from .sending import Bus
+from .storage.base import AggregateRecord, Storage
+from .storage.errors import AlreadyProcessed, StorageUnavailable
+from .transports.errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,10 @@ class UnitOfWork(Generic[StateT]):
         if not outgoing:
             return
         try:
-            for envelope in outgoing:
-                self._dispatcher.dispatch(envelope)
+            sent = [envelope for envelope in outgoing if self._dispatcher.dispatch_committed(
+                envelope, endpoint=self._context.endpoint)]
             self._dispatcher.mark_dispatched(self._aggregate_type, self.aggregate_id,
-                                             self.key, outgoing,
-                                             keep_bodies=not self._compact)
+                                             self.key, sent, keep_bodies=not self._compact)
         except (TransportUnavailable, StorageUnavailable) as exc:
             log.warning("operation %s is committed but its messages were not all sent (%s); "
                         "run it again with the same operation id to send them",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handlers.base import AggregateHandler, Handler, handles
-from handlers.errors import HandlerDefinitionError
+from .base import AggregateHandler, Handler, handles
+from .errors import HandlerDefinitionError
 
 __all__ = ["AggregateHandler", "Handler", "HandlerDefinitionError", "handles"]

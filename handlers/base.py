@@ -26,11 +26,11 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from pydantic import BaseModel
 
-from bus.context import MessageContext
-from bus.messages import Command, Message
-from bus.policies import RetryPolicy
-from bus.sending import Bus
-from handlers.errors import HandlerDefinitionError
+from ..context import MessageContext
+from ..messages import Command, Message
+from ..policies import RetryPolicy
+from ..sending import Bus
+from .errors import HandlerDefinitionError
 
 StateT = TypeVar("StateT", bound=BaseModel)
 F = TypeVar("F", bound=Callable[..., Any])

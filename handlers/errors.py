@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.errors import ConfigurationError
+from ..errors import ConfigurationError
 
 
 class HandlerDefinitionError(ConfigurationError):

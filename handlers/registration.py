@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union
 
-from bus.messages import Message, is_message_type, message_name
-from handlers.base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
-from handlers.errors import HandlerDefinitionError
+from ..messages import Message, is_message_type, message_name
+from .base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
+from .errors import HandlerDefinitionError
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,7 @@ def _bindings_of(handler: Handler) -> list[HandlerBinding]:
     bindings: list[HandlerBinding] = []
     seen: dict[type[Message], str] = {}
     for attribute, function in _handling_methods(cls):
+        _refuse_async(cls, attribute, function)
         for message_type in _message_types(cls, attribute, function):
             if message_type in seen:
                 raise HandlerDefinitionError(
@@ -171,6 +172,20 @@ def _annotated_types(cls: type, attribute: str, function: Any) -> tuple[Any, ...
     return (annotation,)
 
 
+def _refuse_async(cls: type, attribute: str, function: Any) -> None:
+    """Handlers run synchronously in consumer threads: an ``async def`` would be called,
+    never awaited, and the message recorded as processed with no effect."""
+    unwrapped = inspect.unwrap(getattr(function, "__func__", function))
+    if inspect.iscoroutinefunction(unwrapped) or inspect.isasyncgenfunction(unwrapped):
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)}.{attribute} is 'async def', but idembus calls handlers "
+            "synchronously in its consumer threads: the coroutine would never run and the "
+            "message would be recorded as processed with no effect. Write it as a plain "
+            "'def' and run async code inside it with asyncio.run(...) (or "
+            "anyio.from_thread.run when an event loop is already running elsewhere)"
+        )
+
+
 def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
     if not hasattr(cls, "state_type"):
         raise HandlerDefinitionError(
@@ -181,6 +196,8 @@ def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
         raise HandlerDefinitionError(
             f"{_qualified(cls)} must implement aggregate_id(self, message) -> str"
         )
+    for hook in ("aggregate_id", "new_state"):
+        _refuse_async(cls, hook, inspect.getattr_static(cls, hook))
     required = [name for name, field in cls.state_type.model_fields.items() if field.is_required()]
     if required and cls.new_state is AggregateHandler.new_state:
         raise HandlerDefinitionError(

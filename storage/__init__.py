@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from storage.base import AggregateRecord, ProcessedMessage, Storage
-from storage.errors import (
+from .base import AggregateRecord, ProcessedMessage, Storage
+from .errors import (
     AlreadyProcessed,
     ConcurrencyConflict,
     ConflictRetriesExhausted,
     StorageError,
     StorageUnavailable,
 )
-from storage.memory import MemoryStorage
-from storage.mongo import MongoStorage
+from .memory import MemoryStorage
+from .mongo import MongoStorage
 
 __all__ = [
     "AggregateRecord",

@@ -65,9 +65,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus import headers as h
-from bus.envelope import Envelope
-from storage.errors import AlreadyProcessed, ConcurrencyConflict
+from .. import headers as h
+from ..envelope import Envelope
+from .errors import AlreadyProcessed, ConcurrencyConflict
 
 #: Aggregate type under which stateless handlers keep their inbox records.
 INBOX = "idembus_inbox"
@@ -89,6 +89,8 @@ class ProcessedMessage:
     dispatched: bool = False
     #: When the handler's effects were committed (UTC).
     at: datetime.datetime | None = None
+    #: Failed repairs by the outbox so far (undispatched entries only).
+    attempts: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class Undispatched:
     aggregate_id: str
     key: str
     outgoing: tuple[Envelope, ...]
+    #: How often the outbox failed to repair it so far (:meth:`Storage.note_repair_failure`).
+    attempts: int = 0
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,35 @@ class StatusReport:
     updated_at: datetime.datetime
     #: The process stopped cleanly after this report.
     stopped: bool = False
+    #: What keeps the process from working at the time of the report, by source
+    #: (``"transport"``, ``"storage"``): a refused login, a missing table. Empty when well.
+    problems: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParkedMessage:
+    """A message idembus could neither deliver nor put in the error queue, kept in the
+    storage with the reason instead of being lost or retried forever (``idembus errors``
+    lists, retries and purges it with the error queue's messages).
+
+    ``envelope`` carries the failure headers that say why, and is addressed where a retry
+    sends it (without those headers): the queue that failed it, or the outgoing message's
+    own destination. Its body may hold any bytes the broker delivered (as surrogate
+    escapes): backends store it as bytes."""
+
+    parked_id: str
+    endpoint: str
+    #: Why it was parked: :data:`PARKED_FROM_ERROR_QUEUE` or :data:`PARKED_OUTGOING`.
+    source: str
+    envelope: Envelope
+    parked_at: datetime.datetime
+
+
+#: The error queue refused the failed message's copy (too large, a broker policy).
+PARKED_FROM_ERROR_QUEUE = "error-queue"
+#: A committed outgoing message the broker refused for good (its queue refused, too large),
+#: or that the outbox failed to send a bounded number of times.
+PARKED_OUTGOING = "outgoing"
 
 
 @dataclass(frozen=True)
@@ -266,11 +299,19 @@ class Storage(ABC):
         and the events are dispatched and journaled again."""
 
     @abstractmethod
-    def undispatched(self, *, committed_before: datetime.datetime,
-                     limit: int = 100) -> list[Undispatched]:
+    def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
+                     endpoint: str | None = None) -> list[Undispatched]:
         """Up to ``limit`` processed entries committed before ``committed_before`` whose
         outgoing messages were never marked dispatched (a crash between commit and
-        dispatch), oldest first."""
+        dispatch), oldest first. With ``endpoint``: only the entries that endpoint
+        committed (its name in their messages' ``idembus.originating_endpoint``), and
+        those whose messages name none."""
+
+    @abstractmethod
+    def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        """Count one failed attempt of the outbox to send ``key``'s messages (it shows in
+        :attr:`Undispatched.attempts`), so that a bounded number of attempts holds whoever
+        holds the lease."""
 
     @abstractmethod
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
@@ -287,25 +328,31 @@ class Storage(ABC):
         """Every stored record of one aggregate type, for reports and tools (not per
         message), with ``updated_at``."""
 
-    def schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
-        """Keep ``envelope`` until ``due`` (an aware datetime). Idempotent per
-        :func:`scheduled_key`: the same message deferred again for another time (the next
-        delayed retry) is a new entry, even while the previous one is being forgotten."""
-        self._schedule(envelope, _aware(due, "due"))
+    def schedule(self, envelope: Envelope, due: datetime.datetime, *,
+                 owner: str | None = None) -> None:
+        """Keep ``envelope`` until ``due`` (an aware datetime), for the pollers of ``owner``
+        (the endpoint that scheduled it, whose transport sends it; ``None``: any poller).
+        Idempotent per :func:`scheduled_key`: the same message deferred again for another
+        time (the next delayed retry) is a new entry, even while the previous one is being
+        forgotten."""
+        self._schedule(envelope, _aware(due, "due"), owner)
 
     def claim_due(
-        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0
+        self, now: datetime.datetime, *, limit: int = 100, lease: float = 30.0,
+        owner: str | None = None,
     ) -> list[Envelope]:
         """Up to ``limit`` scheduled envelopes due at ``now`` (oldest due first) that no
-        live claim holds; each is held for ``lease`` seconds."""
-        return self._claim_due(_aware(now, "now"), limit=limit, lease=lease)
+        live claim holds; each is held for ``lease`` seconds. With ``owner``: only those
+        ``owner`` scheduled, and those scheduled for any poller."""
+        return self._claim_due(_aware(now, "now"), limit=limit, lease=lease, owner=owner)
 
     @abstractmethod
-    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None: ...
+    def _schedule(self, envelope: Envelope, due: datetime.datetime,
+                  owner: str | None) -> None: ...
 
     @abstractmethod
     def _claim_due(
-        self, now: datetime.datetime, *, limit: int, lease: float
+        self, now: datetime.datetime, *, limit: int, lease: float, owner: str | None
     ) -> list[Envelope]: ...
 
     @abstractmethod
@@ -356,12 +403,29 @@ class Storage(ABC):
     def status_reports(self, endpoint: str) -> list[StatusReport]:
         """Every kept report of ``endpoint``, newest first."""
 
+    @abstractmethod
+    def forget_status(self, endpoint: str, *, updated_before: datetime.datetime) -> int:
+        """Remove the reports of ``endpoint`` last updated before ``updated_before``
+        (processes long gone); return how many."""
+
+    @abstractmethod
+    def park(self, parked: ParkedMessage) -> None:
+        """Keep ``parked`` (idempotent per ``parked_id``)."""
+
+    @abstractmethod
+    def parked_messages(self, endpoint: str) -> list[ParkedMessage]:
+        """Every message parked by ``endpoint``, oldest first."""
+
+    @abstractmethod
+    def unpark(self, parked_ids: Sequence[str]) -> int:
+        """Remove parked messages (retried or purged); return how many were there."""
+
     def watch(self, wake: Callable[[], None], stop: threading.Event,
-              lease: Callable[[], Lease | None]) -> bool:
+              lease: Callable[[], Lease | None], *, lease_name: str = OUTBOX_LEASE) -> bool:
         """Block until ``stop``, calling ``wake`` whenever new commits may have left messages
         to dispatch; return False at once if the backend cannot watch (then the outbox
-        dispatcher polls). ``lease()`` is the watcher's current lease: progress it saves is
-        fenced by it."""
+        dispatcher polls). ``lease()`` is the watcher's current lease (named ``lease_name``):
+        progress it saves is fenced by it."""
         return False
 
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
@@ -399,6 +463,11 @@ def _aware(moment: datetime.datetime, name: str) -> datetime.datetime:
     if moment.tzinfo is None or moment.utcoffset() is None:
         raise ValueError(f"{name} must be an aware datetime (UTC), got naive {moment!r}")
     return moment
+
+
+def committed_by(outgoing: Sequence[Envelope]) -> str | None:
+    """The endpoint that committed an entry with these messages (``None``: unknown)."""
+    return outgoing[0].headers.get(h.ORIGINATING_ENDPOINT) if outgoing else None
 
 
 def scheduled_key(envelope: Envelope) -> tuple[str, str, str]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bus.envelope import Envelope
-from bus.errors import BusError
+from ..envelope import Envelope
+from ..errors import BusError, EndpointBlocked, MessageRefused
 
 
 class StorageError(BusError):
@@ -38,7 +38,22 @@ class ConflictRetriesExhausted(StorageError):
 
 
 class StorageUnavailable(StorageError):
-    """The database cannot be reached or refused the operation."""
+    """The database cannot be reached for now (transient): try again later."""
+
+
+class CommitOutcomeUnknown(StorageUnavailable):
+    """The database became unreachable during a commit: the write may have been applied
+    (the reply was lost) or not. The next attempt finds out by loading the record again."""
+
+
+class StorageAccessDenied(StorageUnavailable, EndpointBlocked):
+    """The database refuses this endpoint (login or privilege refused, tables missing):
+    nothing works until an operator acts. Waited out like an outage, logged at ERROR."""
+
+
+class StorageRefused(StorageError, MessageRefused):
+    """The database refused this operation for a reason of the data itself (a character
+    it cannot store, a key too long, a document too large): permanent for this message."""
 
 
 class StaleLease(StorageError):

@@ -12,22 +12,24 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bus.envelope import Envelope, utc_now
-from storage.base import (
+from ..envelope import Envelope, utc_now
+from .base import (
     DEFAULT_PROCESSED_WINDOW,
     AggregateRecord,
     AuditRecord,
     JournalBounds,
     JournalEntry,
     Lease,
+    ParkedMessage,
     ProcessedMessage,
     StatusReport,
     Storage,
     Undispatched,
+    committed_by,
     scheduled_key,
 )
-from storage.errors import StaleLease
-from storage.journal import resume_position
+from .errors import StaleLease
+from .journal import resume_position
 
 
 class MemoryStorage(Storage):
@@ -51,6 +53,7 @@ class MemoryStorage(Storage):
         self._audit: list[AuditRecord] = []
         self._journal: list[JournalEntry] = []
         self._journaled: set[str] = set()
+        self._parked: dict[str, ParkedMessage] = {}
         self._lock = threading.Lock()
 
     def load(
@@ -91,13 +94,7 @@ class MemoryStorage(Storage):
             if accepted:
                 processed = dict(current.processed) if current else {}
                 processed[key] = entry
-                window = self.processed_window or len(processed)
-                for stale in list(processed)[: max(0, len(processed) - window)]:
-                    del processed[stale]
-                if self.retention is not None:
-                    horizon = utc_now() - self.retention
-                    processed = {k: e for k, e in processed.items()
-                                 if e.at is None or e.at >= horizon}
+                processed = self._remembered(processed)
                 self._records[address] = AggregateRecord(
                     loaded.aggregate_type,
                     loaded.aggregate_id,
@@ -107,6 +104,19 @@ class MemoryStorage(Storage):
                 )
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def _remembered(self, processed: dict[str, ProcessedMessage]) -> dict[str, ProcessedMessage]:
+        """``processed`` (the newest entry last) within the window and the retention: the
+        newest ``processed_window`` entries, and every entry whose messages were never
+        dispatched whatever its age, for the outbox to send."""
+        keys = list(processed)
+        recent = set(keys[-(self.processed_window or len(keys)):])
+        horizon = utc_now() - self.retention if self.retention is not None else None
+        return {
+            key: entry for key, entry in processed.items()
+            if not entry.dispatched or key == keys[-1] or (
+                key in recent and (horizon is None or entry.at is None or entry.at >= horizon))
+        }
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
                         keep_bodies: bool = False, lease: Lease | None = None,
@@ -128,6 +138,17 @@ class MemoryStorage(Storage):
                 aggregate_type, aggregate_id, record.version, record.state, processed
             )
 
+    def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        address = (aggregate_type, aggregate_id)
+        with self._lock:
+            record = self._records.get(address)
+            if record is None or key not in record.processed:
+                return
+            processed = dict(record.processed)
+            processed[key] = dataclasses.replace(processed[key],
+                                                 attempts=processed[key].attempts + 1)
+            self._records[address] = dataclasses.replace(record, processed=processed)
+
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
         if self.retention is None:
             return 0
@@ -148,14 +169,16 @@ class MemoryStorage(Storage):
                     break
         return removed
 
-    def undispatched(self, *, committed_before: datetime.datetime,
-                     limit: int = 100) -> list[Undispatched]:
+    def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
+                     endpoint: str | None = None) -> list[Undispatched]:
         with self._lock:
             found = [
-                (entry.at, Undispatched(agg_type, agg_id, entry.key, entry.outgoing))
+                (entry.at, Undispatched(agg_type, agg_id, entry.key, entry.outgoing,
+                                        entry.attempts))
                 for (agg_type, agg_id), record in self._records.items()
                 for entry in record.processed.values()
                 if not entry.dispatched and entry.at is not None and entry.at < committed_before
+                and (endpoint is None or committed_by(entry.outgoing) in (endpoint, None))
             ]
         return [item for _, item in sorted(found, key=lambda pair: pair[0])][:limit]
 
@@ -191,18 +214,20 @@ class MemoryStorage(Storage):
         return iter([dataclasses.replace(record, updated_at=_last_commit(record))
                      for record in copy.deepcopy(chosen)])
 
-    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime,
+                  owner: str | None) -> None:
         with self._lock:
             self._scheduled.setdefault(
-                scheduled_key(envelope), _Scheduled(envelope, due))
+                scheduled_key(envelope), _Scheduled(envelope, due, owner))
 
     def _claim_due(
-        self, now: datetime.datetime, *, limit: int, lease: float
+        self, now: datetime.datetime, *, limit: int, lease: float, owner: str | None
     ) -> list[Envelope]:
         with self._lock:
             due = sorted(
                 (entry for entry in self._scheduled.values()
-                 if entry.due <= now and (entry.leased_until is None or entry.leased_until <= now)),
+                 if entry.due <= now and (entry.leased_until is None or entry.leased_until <= now)
+                 and (owner is None or entry.owner in (owner, None))),
                 key=lambda entry: entry.due,
             )[:limit]
             for entry in due:
@@ -268,6 +293,19 @@ class MemoryStorage(Storage):
             del self._journal[:count]
             return count
 
+    def park(self, parked: ParkedMessage) -> None:
+        with self._lock:
+            self._parked.setdefault(parked.parked_id, parked)
+
+    def parked_messages(self, endpoint: str) -> list[ParkedMessage]:
+        with self._lock:
+            found = [p for p in self._parked.values() if p.endpoint == endpoint]
+        return sorted(found, key=lambda parked: parked.parked_at)
+
+    def unpark(self, parked_ids: Sequence[str]) -> int:
+        with self._lock:
+            return sum(self._parked.pop(parked_id, None) is not None for parked_id in parked_ids)
+
     def report_status(self, report: StatusReport) -> None:
         with self._lock:
             self._status[report.endpoint, report.instance] = report
@@ -276,6 +314,14 @@ class MemoryStorage(Storage):
         with self._lock:
             found = [r for (name, _), r in self._status.items() if name == endpoint]
         return sorted(found, key=lambda report: report.updated_at, reverse=True)
+
+    def forget_status(self, endpoint: str, *, updated_before: datetime.datetime) -> int:
+        with self._lock:
+            old = [key for key, report in self._status.items()
+                   if key[0] == endpoint and report.updated_at < updated_before]
+            for key in old:
+                del self._status[key]
+        return len(old)
 
 def _last_commit(record: AggregateRecord) -> datetime.datetime | None:
     """When the newest remembered message of ``record`` was committed."""
@@ -287,4 +333,5 @@ def _last_commit(record: AggregateRecord) -> datetime.datetime | None:
 class _Scheduled:
     envelope: Envelope
     due: datetime.datetime
+    owner: str | None = None
     leased_until: datetime.datetime | None = None

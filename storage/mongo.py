@@ -5,11 +5,14 @@ Features
 * Document per aggregate, in a collection named after the aggregate type::
 
       {_id: <aggregate id>, version: <int>, state: {...}, updated_at: <datetime>,
-       processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>}, ...]}
+       processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
+                    endpoint: <committing endpoint>}, ...]}
 
 * Commit of an existing aggregate: ``update_one`` matching ``_id``, the loaded ``version``
   and ``processed.key != key``; ``$set`` state and version, ``$push`` the entry with
-  ``$slice`` keeping the newest ``processed_window`` entries.
+  ``$slice`` keeping the newest ``processed_window`` entries — or more, back to the oldest
+  entry whose messages were never dispatched: the window never forgets what the outbox
+  still has to send.
 * Creation: ``insert_one``; a duplicate-key error is a lost race like any other.
 * With ``retention=``, a TTL index (partial: dispatched records only) deletes inbox records
   of stateless handlers once older than it; aggregate documents keep their bounded window.
@@ -49,12 +52,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import bson
+import bson.errors
 import pymongo
 import pymongo.errors
 
-from bus.envelope import Envelope, utc_now
-from storage import mongo_changes
-from storage.base import (
+from ..envelope import Envelope, utc_now
+from ..redaction import redact
+from . import mongo_changes
+from .base import (
     AUDIT_BUCKETS,
     DEFAULT_PROCESSED_WINDOW,
     INBOX,
@@ -64,14 +70,22 @@ from storage.base import (
     JournalBounds,
     JournalEntry,
     Lease,
+    ParkedMessage,
     ProcessedMessage,
     StatusReport,
     Storage,
     Undispatched,
+    committed_by,
     scheduled_key,
 )
-from storage.errors import StaleLease, StorageUnavailable
-from storage.journal import journal_size, resume_position
+from .errors import (
+    StaleLease,
+    StorageAccessDenied,
+    StorageRefused,
+    StorageUnavailable,
+)
+from .journal import journal_size, resume_position
+from .parked import body_bytes, envelope_bytes, envelope_from
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
@@ -85,7 +99,11 @@ LEASES = "idembus_leases"
 JOURNAL = "idembus_journal"
 #: Name of the TTL index expiring dispatched inbox records.
 RETENTION_INDEX = "idembus_retention"
-_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL})
+#: The index of each aggregate collection that serves the outbox's scan.
+UNDISPATCHED_INDEX = "idembus_undispatched"
+#: Messages parked with their reason (``idembus errors``).
+PARKED = "idembus_parked"
+_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED})
 #: How often one entry's append may lose the race for the next position before giving up.
 _APPEND_TRIES = 1000
 
@@ -113,6 +131,8 @@ class MongoStorage(Storage):
         #: Inbox records (stateless handlers) whose messages were dispatched are deleted by
         #: the server's TTL monitor this long after they were processed.
         self.retention = retention
+        #: Aggregate collections whose undispatched index this process has ensured.
+        self._indexed: set[str] = set()
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             # Fail a start-up check in seconds, not pymongo's 30, unless the URL says otherwise.
@@ -131,12 +151,14 @@ class MongoStorage(Storage):
 
     @classmethod
     def embedded(
-        cls, database: str = "idembus", *, processed_window: int = DEFAULT_PROCESSED_WINDOW
+        cls, database: str = "idembus", *, processed_window: int = DEFAULT_PROCESSED_WINDOW,
+        retention: datetime.timedelta | None = None,
     ) -> MongoStorage:
         """An in-process mongomock database: the embedded default of ``make demo``."""
         import mongomock
 
-        return cls(mongomock.MongoClient(), database=database, processed_window=processed_window)
+        return cls(mongomock.MongoClient(), database=database, processed_window=processed_window,
+                   retention=retention)
 
     def load(
         self, aggregate_type: str, aggregate_id: str, key: str | None = None
@@ -161,6 +183,7 @@ class MongoStorage(Storage):
             "ids": [envelope.message_id for envelope in outgoing],
             "dispatched": not outgoing,
             "at": utc_now(),
+            "endpoint": committed_by(outgoing),
         }
         collection = self.database[loaded.aggregate_type]
         new_state = dict(state) if state is not None else None
@@ -180,11 +203,26 @@ class MongoStorage(Storage):
                      "processed.key": {"$ne": key}},
                     {"$set": {"state": new_state, "version": loaded.version + 1,
                               "updated_at": entry["at"]},
-                     "$push": {"processed": {"$each": [entry], "$slice": -self.processed_window}}},
+                     "$push": {"processed": {"$each": [entry],
+                                             "$slice": -self._kept_after(loaded)}}},
                 )
                 if result.matched_count == 1:
                     return
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def _kept_after(self, loaded: AggregateRecord) -> int:
+        """How many entries the commit after ``loaded`` keeps: the newest
+        ``processed_window``, stretched back to the oldest entry whose messages were not
+        dispatched, which must stay for the outbox. Decided from the loaded record: the
+        commit only applies at its version (no entry was added since), and an entry only
+        ever changes from undispatched to dispatched, so nothing undispatched is cut."""
+        entries = list(loaded.processed.values())  # in stored order, oldest first
+        after = len(entries) + 1
+        oldest_pending = next((index for index, entry in enumerate(entries)
+                               if not entry.dispatched), None)
+        if oldest_pending is None:
+            return self.processed_window
+        return max(self.processed_window, after - oldest_pending)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
                         keep_bodies: bool = False, lease: Lease | None = None,
@@ -212,23 +250,44 @@ class MongoStorage(Storage):
                     raise StaleLease(f"{aggregate_type} {aggregate_id!r} was marked under a "
                                      f"newer lease than token {lease.token}")
 
-    def undispatched(self, *, committed_before: datetime.datetime,
-                     limit: int = 100) -> list[Undispatched]:
+    def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
+                     endpoint: str | None = None) -> list[Undispatched]:
         found: list[tuple[datetime.datetime, Undispatched]] = []
-        pending = {"dispatched": False, "at": {"$lt": committed_before}}
+        pending: dict[str, Any] = {"dispatched": False, "at": {"$lt": committed_before}}
+        if endpoint is not None:  # entries written before "endpoint" existed match too
+            pending["endpoint"] = {"$in": [endpoint, None]}
         with self._guard, _translated():
             for name in self.database.list_collection_names():
                 if name in _INTERNAL_COLLECTIONS:
                     continue
+                self._index_undispatched(name)
                 for document in self.database[name].find(
                         {"processed": {"$elemMatch": pending}}).limit(limit):
                     for entry in document["processed"]:
                         at = _utc(entry.get("at"))
-                        if not entry.get("dispatched", False) and at and at < committed_before:
+                        mine = endpoint is None or entry.get("endpoint") in (endpoint, None)
+                        if not entry.get("dispatched", False) and at and at < committed_before \
+                                and mine:
                             found.append((at, Undispatched(
                                 name, document["_id"], entry["key"],
-                                tuple(Envelope.from_record(o) for o in entry["outgoing"]))))
+                                tuple(Envelope.from_record(o) for o in entry["outgoing"]),
+                                int(entry.get("attempts", 0)))))
         return [item for _, item in sorted(found, key=lambda pair: pair[0])][:limit]
+
+    def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        with self._guard, _translated():
+            self.database[aggregate_type].update_one(
+                {"_id": aggregate_id, "processed.key": key},
+                {"$inc": {"processed.$.attempts": 1}})
+
+    def _index_undispatched(self, name: str) -> None:
+        """Serve the outbox's scan of an aggregate collection with an index (once per
+        collection and process; creating an existing index is a no-op on the server)."""
+        if name not in self._indexed:
+            self.database[name].create_index(
+                [("processed.dispatched", pymongo.ASCENDING), ("processed.at", pymongo.ASCENDING)],
+                name=UNDISPATCHED_INDEX)
+            self._indexed.add(name)
 
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
                       now: datetime.datetime) -> Lease | None:
@@ -253,11 +312,11 @@ class MongoStorage(Storage):
         return Lease(name, owner, int(document["token"]), until)
 
     def watch(self, wake: Callable[[], None], stop: threading.Event,
-              lease: Callable[[], Lease | None]) -> bool:
+              lease: Callable[[], Lease | None], *, lease_name: str = OUTBOX_LEASE) -> bool:
         if self.process_local or not mongo_changes.can_watch(self.client):
             return False  # mongomock or a standalone server: the dispatcher polls
         with _translated():
-            mongo_changes.follow(self.database, self.database[LEASES], OUTBOX_LEASE,
+            mongo_changes.follow(self.database, self.database[LEASES], lease_name,
                                  wake, stop, lease)
         return True
 
@@ -284,25 +343,30 @@ class MongoStorage(Storage):
     def _delayed_messages(self) -> Any:
         return self.database[SCHEDULED]
 
-    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime,
+                  owner: str | None) -> None:
         with self._guard, _translated():
             self._delayed_messages.update_one(
                 {"_id": _scheduled_id(envelope)},
                 {"$setOnInsert": {"envelope": envelope.to_record(), "due": due,
-                                  "leased_until": None}},
+                                  "leased_until": None, "owner": owner}},
                 upsert=True,
             )
 
     def _claim_due(
-        self, now: datetime.datetime, *, limit: int, lease: float
+        self, now: datetime.datetime, *, limit: int, lease: float, owner: str | None
     ) -> list[Envelope]:
         until = now + datetime.timedelta(seconds=lease)
         claimed: list[Envelope] = []
+        wanted: dict[str, Any] = {
+            "due": {"$lte": now},
+            "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
+        if owner is not None:  # "None" also matches documents written before owners
+            wanted["owner"] = {"$in": [owner, None]}
         with self._guard, _translated():
             while len(claimed) < limit:
                 document = self._delayed_messages.find_one_and_update(
-                    {"due": {"$lte": now},
-                     "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]},
+                    wanted,
                     {"$set": {"leased_until": until}},
                     sort=[("due", pymongo.ASCENDING)],
                 )
@@ -425,10 +489,16 @@ class MongoStorage(Storage):
     def report_status(self, report: StatusReport) -> None:
         document = {"endpoint": report.endpoint, "instance": report.instance,
                     "counters": dict(report.counters), "started_at": report.started_at,
-                    "updated_at": report.updated_at, "stopped": report.stopped}
+                    "updated_at": report.updated_at, "stopped": report.stopped,
+                    "problems": dict(report.problems)}
         with self._guard, _translated():
             self.database[STATUS].replace_one(
                 {"_id": f"{report.endpoint}|{report.instance}"}, document, upsert=True)
+
+    def forget_status(self, endpoint: str, *, updated_before: datetime.datetime) -> int:
+        with self._guard, _translated():
+            return int(self.database[STATUS].delete_many(
+                {"endpoint": endpoint, "updated_at": {"$lt": updated_before}}).deleted_count)
 
     def status_reports(self, endpoint: str) -> list[StatusReport]:
         with self._guard, _translated():
@@ -437,8 +507,31 @@ class MongoStorage(Storage):
             endpoint=d["endpoint"], instance=d["instance"], counters=d["counters"],
             started_at=_utc(d["started_at"]) or d["started_at"],
             updated_at=_utc(d["updated_at"]) or d["updated_at"], stopped=d["stopped"],
+            problems=d.get("problems") or {},
         ) for d in documents]
         return sorted(reports, key=lambda report: report.updated_at, reverse=True)
+
+    def park(self, parked: ParkedMessage) -> None:
+        document = {"endpoint": parked.endpoint, "source": parked.source,
+                    "parked_at": parked.parked_at,
+                    "envelope": bson.Binary(envelope_bytes(parked.envelope)),
+                    "body": bson.Binary(body_bytes(parked.envelope))}
+        with self._guard, _translated():
+            self.database[PARKED].update_one({"_id": parked.parked_id},
+                                             {"$setOnInsert": document}, upsert=True)
+
+    def parked_messages(self, endpoint: str) -> list[ParkedMessage]:
+        with self._guard, _translated():
+            documents = list(self.database[PARKED].find({"endpoint": endpoint})
+                             .sort("parked_at", pymongo.ASCENDING))
+        return [ParkedMessage(d["_id"], d["endpoint"], d["source"],
+                              envelope_from(bytes(d["envelope"]), bytes(d["body"])),
+                              _utc(d["parked_at"]) or d["parked_at"]) for d in documents]
+
+    def unpark(self, parked_ids: Sequence[str]) -> int:
+        with self._guard, _translated():
+            return int(self.database[PARKED].delete_many(
+                {"_id": {"$in": list(parked_ids)}}).deleted_count)
 
     def migrate(self) -> None:
         with self._guard, _translated():
@@ -463,14 +556,36 @@ class MongoStorage(Storage):
             self.client.close()
 
 
+#: Server error codes that only an operator cures: Unauthorized, AuthenticationFailed.
+_ACCESS_CODES = frozenset({13, 18})
+#: Server error codes that pass: ExceededTimeLimit, interrupted at shutdown or by a
+#: replica-set change, shutting down, stepped down, not primary, lock timeout.
+_TRANSIENT_CODES = frozenset({50, 91, 189, 262, 10107, 11600, 11602, 13435, 13436, 24})
+
+
 @contextlib.contextmanager
 def _translated() -> Iterator[None]:
+    """pymongo's errors by the failure taxonomy: connection failures, timeouts and the
+    server's retryable codes are outages; a refused login or privilege blocks the endpoint;
+    everything else pymongo or the server refuses (a document too large, a key BSON cannot
+    hold) is this message's own. A duplicate key passes through: callers read it as a lost
+    race."""
     try:
         yield
-    # ConnectionFailure covers timeouts, lost connections and a primary stepping down;
-    # other errors are the operation's own and take the message's normal error path.
+    except pymongo.errors.DuplicateKeyError:
+        raise
     except pymongo.errors.ConnectionFailure as exc:
-        raise StorageUnavailable(f"MongoDB is unreachable: {exc}") from exc
+        raise StorageUnavailable(f"MongoDB is unreachable: {redact(str(exc))}") from exc
+    except pymongo.errors.OperationFailure as exc:
+        text = f"MongoDB refused the operation (code {exc.code}): {redact(str(exc))}"
+        if exc.code in _ACCESS_CODES:
+            raise StorageAccessDenied(text) from exc
+        if exc.code in _TRANSIENT_CODES or exc.has_error_label("RetryableWriteError"):
+            raise StorageUnavailable(text) from exc
+        raise StorageRefused(text) from exc
+    except (pymongo.errors.PyMongoError, bson.errors.BSONError, OverflowError) as exc:
+        # OverflowError: BSON's encoder on an integer beyond 64 bits.
+        raise StorageRefused(f"MongoDB refused the data: {redact(str(exc))}") from exc
 
 
 def _scheduled_id(envelope: Envelope) -> str:

@@ -7,8 +7,9 @@ built on: this path is written against pymongo's documented API (``Database.watc
 that on mongomock or a standalone server the dispatcher polls instead. Nothing here is
 exercised by mongomock, and nothing fakes what mongomock lacks.
 
-How it works: the watcher follows every insert, update and replace in the endpoint's
-database and wakes the dispatcher on each batch of changes. After each batch it saves the
+How it works: the watcher follows the commits in the endpoint's database
+(:func:`commit_pipeline`: aggregate and inbox writes, not idembus's own collections and not
+dispatch marks) and wakes the dispatcher on each batch of changes. After each batch it saves the
 stream's resume token in the dispatcher's lease document, in a write fenced by the lease's
 token (a watcher whose lease was taken cannot move the checkpoint). On start it resumes
 after the saved token; with none it starts at the oldest entry of the oplog, so that
@@ -25,8 +26,8 @@ from typing import Any
 import pymongo
 import pymongo.errors
 
-from storage.base import Lease
-from storage.errors import StaleLease
+from .base import INBOX, Lease
+from .errors import StaleLease
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ def follow(database: Any, leases: Any, lease_name: str, wake: Callable[[], None]
         oldest = _oldest_oplog_time(database.client)
         if oldest is not None:
             options["start_at_operation_time"] = oldest
-    pipeline = [{"$match": {"operationType": {"$in": ["insert", "update", "replace"]}}}]
-    with database.watch(pipeline, **options) as stream:
+    with database.watch(commit_pipeline(), **options) as stream:
         while not stop.is_set() and stream.alive:
             change = stream.try_next()
             if change is None:
@@ -64,6 +64,20 @@ def follow(database: Any, leases: Any, lease_name: str, wake: Callable[[], None]
                 change = stream.try_next() if stream.alive else None
             wake()
             _save(leases, lease_name, lease(), stream.resume_token)
+
+
+def commit_pipeline() -> list[dict[str, Any]]:
+    """The change-stream filter: only what a commit writes. Inserts and replacements of
+    documents in aggregate collections and the inbox, and updates that change an
+    aggregate's ``version`` or add an inbox entry — not idembus's own collections (leases,
+    status, audit, journal, delayed and parked messages), whose writes would otherwise
+    wake the dispatcher on every status report, and not dispatch marks."""
+    return [{"$match": {"$and": [
+        {"operationType": {"$in": ["insert", "update", "replace"]}},
+        {"$or": [{"ns.coll": INBOX}, {"ns.coll": {"$not": {"$regex": "^idembus_"}}}]},
+        {"$or": [{"operationType": {"$in": ["insert", "replace"]}},
+                 {"updateDescription.updatedFields.version": {"$exists": True}}]},
+    ]}}]
 
 
 def _save(leases: Any, lease_name: str, held: Lease | None, token: Any) -> None:

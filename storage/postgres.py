@@ -57,29 +57,39 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import psycopg
-import psycopg.errors
-from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool, PoolTimeout
+try:
+    import psycopg
+    import psycopg.errors
+    from psycopg.types.json import Jsonb
+    from psycopg_pool import ConnectionPool, PoolTimeout
+except ImportError as missing:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"PostgresStorage needs psycopg 3 and psycopg-pool: pip install 'idembus[postgres]' "
+        f"({missing})") from missing
 
-from bus.envelope import Envelope
-from bus.errors import ConfigurationError
-from storage.base import (
+from .. import headers as h
+from ..envelope import Envelope
+from ..errors import ConfigurationError
+from ..redaction import redact
+from .base import (
     INBOX,
     AggregateRecord,
     AuditRecord,
     JournalBounds,
     JournalEntry,
     Lease,
+    ParkedMessage,
     ProcessedMessage,
     StatusReport,
     Storage,
     Undispatched,
     scheduled_key,
 )
-from storage.batching import Batcher
-from storage.errors import StaleLease, StorageUnavailable
-from storage.journal import journal_size, resume_position
+from .batching import Batcher
+from .errors import StaleLease, StorageAccessDenied
+from .journal import journal_size, resume_position
+from .parked import body_bytes, envelope_bytes, envelope_from
+from .postgres_errors import classified, login_problem
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -117,6 +127,10 @@ class PostgresStorage(Storage):
         self._audit = f"{table_prefix}_audit"
         self._status = f"{table_prefix}_status"
         self._journal = f"{table_prefix}_journal"
+        self._parked = f"{table_prefix}_parked"
+        #: Every table of this schema.
+        self._tables = (self._aggregates, self._processed, self._scheduled, self._leases,
+                        self._audit, self._status, self._journal, self._parked)
         #: Advisory lock serialising the appenders of this journal, in every process.
         self._journal_lock = _advisory_key(self._journal)
         #: Aggregates read per query by ``records`` (which pages through a type).
@@ -176,8 +190,13 @@ class PostgresStorage(Storage):
                     outgoing_ids jsonb NOT NULL,
                     dispatched boolean NOT NULL DEFAULT false,
                     processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                    attempts integer NOT NULL DEFAULT 0,
                     PRIMARY KEY (aggregate_type, aggregate_id, key)
                 )""")
+            if not _has_column(connection, self._processed, "attempts"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._processed}
+                    ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._scheduled} (
                     message_id text NOT NULL,
@@ -186,8 +205,12 @@ class PostgresStorage(Storage):
                     envelope jsonb NOT NULL,
                     due timestamptz NOT NULL,
                     leased_until timestamptz,
+                    owner text,
                     PRIMARY KEY (message_id, destination, deliver_at)
                 )""")
+            if not _has_column(connection, self._scheduled, "owner"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._scheduled} ADD COLUMN IF NOT EXISTS owner text""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
             connection.execute(f"""
@@ -222,7 +245,21 @@ class PostgresStorage(Storage):
                     started_at timestamptz NOT NULL,
                     updated_at timestamptz NOT NULL,
                     stopped boolean NOT NULL,
+                    problems jsonb NOT NULL DEFAULT '{{}}',
                     PRIMARY KEY (endpoint, instance)
+                )""")
+            if not _has_column(connection, self._status, "problems"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._status}
+                    ADD COLUMN IF NOT EXISTS problems jsonb NOT NULL DEFAULT '{{}}'""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._parked} (
+                    parked_id text PRIMARY KEY,
+                    endpoint text NOT NULL,
+                    source text NOT NULL,
+                    envelope bytea NOT NULL,
+                    body bytea NOT NULL,
+                    parked_at timestamptz NOT NULL
                 )""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._journal} (
@@ -241,8 +278,34 @@ class PostgresStorage(Storage):
                 ON {self._journal} (recorded_at)""")
 
     def verify(self) -> None:
-        """Open the pool, fail clearly if the database is unreachable, create the schema."""
-        self.migrate()
+        """Check at start that the schema is in place — only reads, so a role without DDL
+        rights can run an endpoint. If something is missing, create it when the role may;
+        otherwise fail with :class:`~bus.errors.ConfigurationError` (exit status 2) saying
+        to run ``idembus migrate`` with a role that may."""
+        with self._connection() as connection:
+            missing = self._missing_schema(connection)
+        if not missing:
+            return
+        try:
+            self.migrate()
+        except StorageAccessDenied as refused:
+            raise ConfigurationError(
+                f"PostgreSQL at {redact(self.conninfo)} lacks {', '.join(missing)} and this "
+                f"role may not create them ({refused}); run `idembus migrate "
+                "package.module:endpoint` once with a role that may, then start again"
+            ) from refused
+
+    def _missing_schema(self, connection: psycopg.Connection[Any]) -> list[str]:
+        """The tables and later-added columns of this schema that do not exist."""
+        present = connection.execute(
+            "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+            (list(self._tables),)).fetchall()
+        missing = sorted(set(self._tables) - {row[0] for row in present})
+        for table, column in ((self._aggregates, "updated_at"), (self._scheduled, "owner"),
+                              (self._status, "problems"), (self._processed, "attempts")):
+            if table not in missing and not _has_column(connection, table, column):
+                missing.append(f"{table}.{column}")
+        return missing
 
     def close(self) -> None:
         self._marks.close()
@@ -255,9 +318,7 @@ class PostgresStorage(Storage):
         """Drop the tables and everything in them (tests and samples clean up with this)."""
         self._marks.flush()
         with self._connection() as connection:
-            connection.execute(f"DROP TABLE IF EXISTS {self._aggregates}, {self._processed}, "
-                               f"{self._scheduled}, {self._status}, {self._leases}, "
-                               f"{self._audit}, {self._journal}")
+            connection.execute(f"DROP TABLE IF EXISTS {', '.join(self._tables)}")
 
     # -- the contract -------------------------------------------------------------------
 
@@ -376,16 +437,30 @@ class PostgresStorage(Storage):
                 (now - self.retention, batch),
             ).rowcount
 
-    def undispatched(self, *, committed_before: datetime.datetime,
-                     limit: int = 100) -> list[Undispatched]:
+    def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
+                     endpoint: str | None = None) -> list[Undispatched]:
+        # The committing endpoint is in the first message's headers (no column: the partial
+        # index on undispatched rows keeps the scan small).
+        mine = ("" if endpoint is None else
+                "AND coalesce(outgoing->0->'headers'->>%s, %s) = %s ")
+        parameters: tuple[Any, ...] = (committed_before,) + (
+            () if endpoint is None else (h.ORIGINATING_ENDPOINT, endpoint, endpoint))
         with self._connection() as connection:
             rows = connection.execute(
-                f"SELECT aggregate_type, aggregate_id, key, outgoing FROM {self._processed} "
-                "WHERE NOT dispatched AND processed_at < %s ORDER BY processed_at LIMIT %s",
-                (committed_before, limit),
+                f"SELECT aggregate_type, aggregate_id, key, outgoing, attempts "
+                f"FROM {self._processed} WHERE NOT dispatched AND processed_at < %s {mine}"
+                "ORDER BY processed_at LIMIT %s",
+                (*parameters, limit),
             ).fetchall()
-        return [Undispatched(t, i, k, tuple(Envelope.from_record(o) for o in outgoing))
-                for t, i, k, outgoing in rows]
+        return [Undispatched(t, i, k, tuple(Envelope.from_record(o) for o in outgoing), n)
+                for t, i, k, outgoing, n in rows]
+
+    def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"UPDATE {self._processed} SET attempts = attempts + 1 "
+                "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
+                (aggregate_type, aggregate_id, key))
 
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
                       now: datetime.datetime) -> Lease | None:
@@ -412,27 +487,30 @@ class PostgresStorage(Storage):
                 (lease.name, lease.owner, lease.token),
             )
 
-    def _schedule(self, envelope: Envelope, due: datetime.datetime) -> None:
+    def _schedule(self, envelope: Envelope, due: datetime.datetime,
+                  owner: str | None) -> None:
         with self._connection() as connection:
             connection.execute(
                 f"INSERT INTO {self._scheduled} "
-                "(message_id, destination, deliver_at, envelope, due) "
-                "VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                (*scheduled_key(envelope), Jsonb(envelope.to_record()), due),
+                "(message_id, destination, deliver_at, envelope, due, owner) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING",
+                (*scheduled_key(envelope), Jsonb(envelope.to_record()), due, owner),
             )
 
     def _claim_due(
-        self, now: datetime.datetime, *, limit: int, lease: float
+        self, now: datetime.datetime, *, limit: int, lease: float, owner: str | None
     ) -> list[Envelope]:
+        mine = "" if owner is None else "AND (owner IS NULL OR owner = %s)"
         with self._connection() as connection:
             rows = connection.execute(
                 f"""UPDATE {self._scheduled} SET leased_until = %s
                     WHERE (message_id, destination, deliver_at) IN (
                         SELECT message_id, destination, deliver_at FROM {self._scheduled}
                         WHERE due <= %s AND (leased_until IS NULL OR leased_until <= %s)
-                        ORDER BY due LIMIT %s FOR UPDATE SKIP LOCKED)
+                        {mine} ORDER BY due LIMIT %s FOR UPDATE SKIP LOCKED)
                     RETURNING envelope, due""",
-                (now + datetime.timedelta(seconds=lease), now, now, limit),
+                (now + datetime.timedelta(seconds=lease), now, now,
+                 *(() if owner is None else (owner,)), limit),
             ).fetchall()
         return [Envelope.from_record(row[0]) for row in sorted(rows, key=lambda row: row[1])]
 
@@ -468,26 +546,58 @@ class PostgresStorage(Storage):
             ).fetchall()
         return iter([AuditRecord(*row) for row in rows])
 
+    def park(self, parked: ParkedMessage) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"INSERT INTO {self._parked} "
+                "(parked_id, endpoint, source, envelope, body, parked_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (parked_id) DO NOTHING",
+                (parked.parked_id, parked.endpoint, parked.source,
+                 envelope_bytes(parked.envelope), body_bytes(parked.envelope),
+                 parked.parked_at))
+
+    def parked_messages(self, endpoint: str) -> list[ParkedMessage]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT parked_id, endpoint, source, envelope, body, parked_at "
+                f"FROM {self._parked} WHERE endpoint = %s ORDER BY parked_at", (endpoint,),
+            ).fetchall()
+        return [ParkedMessage(row[0], row[1], row[2], envelope_from(row[3], row[4]),
+                              _utc(row[5]) or row[5]) for row in rows]
+
+    def unpark(self, parked_ids: Sequence[str]) -> int:
+        with self._connection() as connection:
+            return connection.execute(
+                f"DELETE FROM {self._parked} WHERE parked_id = ANY(%s)", (list(parked_ids),),
+            ).rowcount
+
     def report_status(self, report: StatusReport) -> None:
         with self._connection() as connection:
             connection.execute(
                 f"INSERT INTO {self._status} "
-                "(endpoint, instance, counters, started_at, updated_at, stopped) "
-                "VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (endpoint, instance) DO UPDATE "
+                "(endpoint, instance, counters, started_at, updated_at, stopped, problems) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (endpoint, instance) DO UPDATE "
                 "SET counters = EXCLUDED.counters, updated_at = EXCLUDED.updated_at, "
-                "stopped = EXCLUDED.stopped",
+                "stopped = EXCLUDED.stopped, problems = EXCLUDED.problems",
                 (report.endpoint, report.instance, Jsonb(dict(report.counters)),
-                 report.started_at, report.updated_at, report.stopped),
+                 report.started_at, report.updated_at, report.stopped,
+                 Jsonb({k: v.replace("\x00", "") for k, v in report.problems.items()})),
             )
 
     def status_reports(self, endpoint: str) -> list[StatusReport]:
         with self._connection() as connection:
             rows = connection.execute(
-                f"SELECT endpoint, instance, counters, started_at, updated_at, stopped "
-                f"FROM {self._status} WHERE endpoint = %s ORDER BY updated_at DESC",
+                f"SELECT endpoint, instance, counters, started_at, updated_at, stopped, "
+                f"problems FROM {self._status} WHERE endpoint = %s ORDER BY updated_at DESC",
                 (endpoint,),
             ).fetchall()
         return [StatusReport(*row) for row in rows]
+
+    def forget_status(self, endpoint: str, *, updated_before: datetime.datetime) -> int:
+        with self._connection() as connection:
+            return connection.execute(
+                f"DELETE FROM {self._status} WHERE endpoint = %s AND updated_at < %s",
+                (endpoint, updated_before)).rowcount
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         if aggregate_type != INBOX:
@@ -606,7 +716,9 @@ class PostgresStorage(Storage):
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """A pooled autocommit connection; driver failures become ``StorageUnavailable``."""
+        """A pooled autocommit connection; driver failures become storage errors by the
+        taxonomy of :mod:`storage.postgres_errors` (a unique violation, which callers read
+        as a lost race, passes through)."""
         try:
             if not self._opened:
                 with self._opening:
@@ -615,10 +727,13 @@ class PostgresStorage(Storage):
                         self._opened = True
             with self._pool.connection() as connection:
                 yield connection
-        except (PoolTimeout, psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise StorageUnavailable(
-                f"PostgreSQL at {_redacted(self.conninfo)} is unreachable: {exc}"
-            ) from exc
+        except psycopg.errors.UniqueViolation:
+            raise
+        except PoolTimeout as exc:
+            refusal = login_problem(self.conninfo, self._connect_timeout)
+            raise (refusal or classified(exc, redact(self.conninfo))) from exc
+        except psycopg.Error as exc:
+            raise classified(exc, redact(self.conninfo)) from exc
 
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
@@ -652,8 +767,3 @@ def _advisory_key(name: str) -> int:
     digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
-
-def _redacted(conninfo: str) -> str:
-    """The conninfo without its password, for error messages."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", re.sub(r"password=\S+", "password=***",
-                                                          conninfo))

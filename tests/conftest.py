@@ -17,11 +17,11 @@ from urllib.parse import urlparse
 import kombu.transport.memory
 import pytest
 
-from bus import Endpoint
-from storage.memory import MemoryStorage
-from storage.mongo import MongoStorage
-from storage.postgres import PostgresStorage
-from transports.kombu import KombuTransport
+from idembus import Endpoint
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.mongo import MongoStorage
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 
 AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS_URL = os.environ.get("IDEMBUS_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from bus import Command, Endpoint, Event
-from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from handlers import AggregateHandler, handles
-from storage.postgres import PostgresStorage
-from transports.kombu import KombuTransport
+from idembus import Command, Endpoint, Event
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.handlers import AggregateHandler, handles
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 
 
 class Step(Command, message_name="spark.Step"):

@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bus import Command, Endpoint, Event
-from handlers import AggregateHandler, Handler, handles
+from idembus import Command, Endpoint, Event
+from idembus.handlers import AggregateHandler, Handler, handles
 
 
 class Deposit(Command, message_name="test.Deposit"):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus import RetryPolicy
-from storage.memory import MemoryStorage
+from idembus import RetryPolicy
+from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
 
 

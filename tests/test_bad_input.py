@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import kombu
 
-from bus import Endpoint
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.testing import wait_until_idle
+from idembus import Endpoint
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.testing import wait_until_idle
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
 MakeEndpoint = Callable[..., Endpoint]
@@ -49,24 +49,24 @@ def _valid_headers(message_type: str = "test.Deposit") -> dict[str, str]:
 def bad_inputs() -> list[BadInput]:
     good_body = b'{"account": "a", "amount": 5}'
     return [
-        BadInput("body is not JSON", b"{not json", "bus.errors.MalformedMessage",
+        BadInput("body is not JSON", b"{not json", "idembus.errors.MalformedMessage",
                  ("JSON",), _valid_headers()),
-        BadInput("required field missing", b'{"account": "a"}', "bus.errors.InvalidMessage",
+        BadInput("required field missing", b'{"account": "a"}', "idembus.errors.InvalidMessage",
                  ("test.Deposit", "amount", "required"), _valid_headers()),
         BadInput("field of the wrong type", b'{"account": "a", "amount": "lots"}',
-                 "bus.errors.InvalidMessage", ("test.Deposit", "amount"), _valid_headers()),
-        BadInput("JSON but not an object", b"[1, 2]", "bus.errors.InvalidMessage",
+                 "idembus.errors.InvalidMessage", ("test.Deposit", "amount"), _valid_headers()),
+        BadInput("JSON but not an object", b"[1, 2]", "idembus.errors.InvalidMessage",
                  ("test.Deposit",), _valid_headers()),
-        BadInput("unknown message type", good_body, "bus.errors.UnknownMessageType",
+        BadInput("unknown message type", good_body, "idembus.errors.UnknownMessageType",
                  ("test.NoSuchType", "test.Deposit"), _valid_headers("test.NoSuchType")),
-        BadInput("message id header missing", good_body, "bus.errors.MalformedMessage",
+        BadInput("message id header missing", good_body, "idembus.errors.MalformedMessage",
                  (h.MESSAGE_ID, "missing"), {h.MESSAGE_TYPE: "test.Deposit"}),
-        BadInput("type header missing", good_body, "bus.errors.MalformedMessage",
+        BadInput("type header missing", good_body, "idembus.errors.MalformedMessage",
                  (h.MESSAGE_TYPE, "missing"), {h.MESSAGE_ID: str(uuid.uuid4())}),
-        BadInput("content type text/plain", b"deposit 5 on a", "bus.errors.MalformedMessage",
+        BadInput("content type text/plain", b"deposit 5 on a", "idembus.errors.MalformedMessage",
                  ("text/plain", "application/json"), _valid_headers(),
                  raw_content_type="text/plain"),
-        BadInput("body is not UTF-8", b"\xff\xfe", "bus.errors.MalformedMessage",
+        BadInput("body is not UTF-8", b"\xff\xfe", "idembus.errors.MalformedMessage",
                  ("JSON",), _valid_headers(), raw_content_type="application/json"),
     ]
 

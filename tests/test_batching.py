@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from storage.batching import Batcher
+from idembus.storage.batching import Batcher
 
 
 class Sink:

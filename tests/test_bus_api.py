@@ -6,11 +6,11 @@ import uuid
 
 import pytest
 
-from bus import Bus, Command, Event, RoutingError
-from bus import headers as h
-from bus.context import MessageContext
-from bus.envelope import Envelope
-from bus.routing import Router
+from idembus import Bus, Command, Event, RoutingError
+from idembus import headers as h
+from idembus.context import MessageContext
+from idembus.envelope import Envelope
+from idembus.routing import Router
 
 
 class Ship(Command, message_name="api.Ship"):

@@ -11,15 +11,15 @@ import textwrap
 
 import pytest
 
-from bus import ConfigurationError
-from bus.loading import load_endpoint
+from idembus import ConfigurationError
+from idembus.loading import load_endpoint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 APP = textwrap.dedent('''
-    from bus import Endpoint
-    from handlers import Handler, handles
-    from storage.memory import MemoryStorage
+    from idembus import Endpoint
+    from idembus.handlers import Handler, handles
+    from idembus.storage.memory import MemoryStorage
     from tests.support import Deposit
 
 
@@ -36,6 +36,7 @@ APP = textwrap.dedent('''
         return endpoint
 
     not_an_endpoint = 42
+    a_class = Announce
 ''')
 
 
@@ -47,12 +48,12 @@ def app_dir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def idembus(*args: str, cwd: pathlib.Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "bus.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "idembus", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_run_handles_messages_and_stops_with_exit_0_on_sigterm(app_dir):
-    process = idembus("run", "cli_app:make", cwd=app_dir)
+def handles_then_stops_on_sigterm(process: subprocess.Popen[str]) -> None:
+    """The app's waiting message is handled, and SIGTERM ends the run with exit 0."""
     try:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "handled from-cli"
@@ -63,6 +64,10 @@ def test_run_handles_messages_and_stops_with_exit_0_on_sigterm(app_dir):
         process.communicate()
 
 
+def test_run_handles_messages_and_stops_with_exit_0_on_sigterm(app_dir):
+    handles_then_stops_on_sigterm(idembus("run", "cli_app:make", cwd=app_dir))
+
+
 @pytest.mark.parametrize(
     ("reference", "complaint"),
     [
@@ -70,6 +75,7 @@ def test_run_handles_messages_and_stops_with_exit_0_on_sigterm(app_dir):
         ("missing_module:x", "cannot import 'missing_module'"),
         ("cli_app:nothing", "module 'cli_app' has no attribute 'nothing'"),
         ("cli_app:not_an_endpoint", "is a int, not an Endpoint"),
+        ("cli_app:a_class", "is the class Announce, not an Endpoint"),
     ],
 )
 def test_run_explains_a_bad_reference_and_exits_2(app_dir, reference, complaint):
@@ -91,3 +97,9 @@ def test_the_idembus_command_is_installed():
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0
     assert "run" in done.stdout
+
+
+def test_app_dir_says_where_the_app_lives(app_dir, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    handles_then_stops_on_sigterm(
+        idembus("run", "cli_app:make", "--app-dir", str(app_dir), cwd=elsewhere))

@@ -13,11 +13,11 @@ import uuid
 
 import pytest
 
-from bus import headers as h
-from bus.envelope import Envelope
-from storage.postgres import PostgresStorage
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
-from transports.kombu import KombuTransport
 
 pytestmark = [pytest.mark.amqp, pytest.mark.postgres]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,8 +38,8 @@ def test_the_dispatcher_alone_sends_what_a_crash_left_and_stops_on_sigterm(tmp_p
     storage.commit(storage.load("Account", "a", "H/m1"), key="H/m1", state={"n": 1},
                    outgoing=[lost])
     (tmp_path / "dispatch_app.py").write_text(textwrap.dedent(f'''
-        from bus import Endpoint
-        from storage.postgres import PostgresStorage
+        from idembus import Endpoint
+        from idembus.storage.postgres import PostgresStorage
         from tests.support import AccountHandler
 
         endpoint = Endpoint("dispatch-{suffix}", transport={AMQP_URL!r},
@@ -48,7 +48,7 @@ def test_the_dispatcher_alone_sends_what_a_crash_left_and_stops_on_sigterm(tmp_p
                             outbox_grace=0)
     '''))
     process = subprocess.Popen(
-        [sys.executable, "-m", "bus.cli", "dispatcher", "dispatch_app:endpoint"],
+        [sys.executable, "-m", "idembus", "dispatcher", "dispatch_app:endpoint"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

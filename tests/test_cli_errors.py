@@ -5,7 +5,7 @@ show one; retry one id, all, or a filter (type, exception), returning each messa
 original queue with its counters reset, where it is processed once; purge.
 
 Each test runs an endpoint whose handlers fail on chosen accounts, with no retries, so the
-messages go straight to the error queue. The CLI runs in-process (``bus.cli.main``) on an
+messages go straight to the error queue. The CLI runs in-process (``idembus.cli.main``) on an
 endpoint reference of its own: a module in ``sys.modules`` whose ``endpoint`` function
 builds a second, never started endpoint with the same name, error queue and broker, as
 ``idembus errors`` in another process would. It is closed by the CLI, the running one is
@@ -24,16 +24,16 @@ from typing import Any
 
 import pytest
 
-from bus import Endpoint, RetryPolicy
-from bus import headers as h
-from bus.cli import main
-from bus.recoverability import FAILURE_HEADERS
-from bus.supervisor import EXIT_CONFIGURATION
-from bus.testing import wait_until_idle
-from handlers import AggregateHandler, Handler, handles
-from storage.memory import MemoryStorage
+from idembus import Endpoint, RetryPolicy
+from idembus import headers as h
+from idembus.cli import main
+from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.recoverability import FAILURE_HEADERS
+from idembus.storage.memory import MemoryStorage
+from idembus.supervisor import EXIT_CONFIGURATION
+from idembus.testing import wait_until_idle
+from idembus.transports.kombu import KombuTransport
 from tests.support import Account, Deposit, Deposited, Ledger, SignalCounter
-from transports.kombu import KombuTransport
 
 MakeEndpoint = Callable[..., Endpoint]
 NO_RETRIES = RetryPolicy(immediate_retries=0, delayed=())
@@ -378,7 +378,7 @@ def test_purge_all_empties_the_error_queue_and_nothing_is_processed(
     app.failing.clear()
 
     # When the error queue is purged
-    status, out, _ = idembus(capsys, "purge", app.reference, "--all")
+    status, out, _ = idembus(capsys, "purge", app.reference, "--all", "--yes")
 
     # Then it is empty, and nothing went back to the endpoint
     assert status == 0
@@ -394,11 +394,12 @@ def test_purge_by_id_or_filter_deletes_only_the_selected(
 ) -> None:
     ids = fail_deposits(app, {"a": ValueError, "b": AccountFrozen, "c": ValueError})
 
-    status, out, _ = idembus(capsys, "purge", app.reference, ids["a"])
+    status, out, _ = idembus(capsys, "purge", app.reference, ids["a"], "--yes")
     assert status == 0 and "1 message(s) purged" in out
     assert ids_in_error_queue(capsys, app) == sorted([ids["b"], ids["c"]])
 
-    status, out, _ = idembus(capsys, "purge", app.reference, "--exception", "AccountFrozen")
+    status, out, _ = idembus(capsys, "purge", app.reference, "--exception", "AccountFrozen",
+                           "--yes")
     assert status == 0 and "1 message(s) purged" in out
     assert ids_in_error_queue(capsys, app) == [ids["c"]]
 
@@ -436,3 +437,76 @@ def test_an_unknown_id_or_a_missing_selection_exits_2_and_changes_nothing(
     assert complaint in err
     assert ids_in_error_queue(capsys, app) == [message_id]
     assert app.signals["handled"].count == 0
+
+
+# -- a shared broker ----------------------------------------------------------------------
+
+
+def test_purge_asks_unless_yes_and_dry_run_purges_nothing(
+    app: ErrorsApp, capsys: pytest.CaptureFixture[str],
+) -> None:
+    ids = fail_deposits(app, {"a": ValueError, "b": ValueError})
+
+    # Not at a terminal, without --yes: refused, nothing purged
+    status, _, err = idembus(capsys, "purge", app.reference, "--all")
+    assert status == EXIT_CONFIGURATION and "--yes" in err
+    # --dry-run: says what would go, purges nothing
+    status, out, _ = idembus(capsys, "purge", app.reference, "--all", "--dry-run")
+    assert status == 0 and "2 message(s) would be purged" in out
+    assert ids_in_error_queue(capsys, app) == sorted(ids.values())
+
+
+def test_only_the_messages_that_failed_in_this_endpoints_queue_unless_all_endpoints(
+    app: ErrorsApp, make_endpoint: MakeEndpoint, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given another endpoint whose failures share the error queue
+    other_failing: dict[str, type[Exception]] = {"x": ValueError}
+    other = make_endpoint("other", storage=MemoryStorage(), retry_policy=NO_RETRIES,
+                          handlers=[FlakyAccounts(other_failing, [])])
+    other_dead = SignalCounter(other, "dead_lettered")
+    other.start()
+    theirs = other.bus.send(Deposit(account="x", amount=1))
+    assert other_dead.wait_for(1)
+    ours = fail_deposits(app, {"a": ValueError})["a"]
+
+    # Then this endpoint's commands see only its own, and all with --all-endpoints
+    assert ids_in_error_queue(capsys, app) == [ours]
+    status, out, _ = idembus(capsys, "list", app.reference, "--json", "--all-endpoints")
+    assert status == 0
+    assert sorted(row["message_id"] for row in json.loads(out)) == sorted([ours, theirs])
+    status, _, _ = idembus(capsys, "purge", app.reference, "--all", "--yes")
+    assert status == 0
+    status, out, _ = idembus(capsys, "list", app.reference, "--json", "--all-endpoints")
+    assert [row["message_id"] for row in json.loads(out)] == [theirs]
+
+
+class Shouts(Exception):
+    """An exception whose message carries terminal escape sequences."""
+
+
+def test_control_characters_from_the_queue_are_escaped_on_the_terminal(
+    app: ErrorsApp, capsys: pytest.CaptureFixture[str],
+) -> None:
+    app.failing["\x1b[2Jwiped"] = Shouts
+    message_id = fail_deposits(app, {"\x1b[2Jwiped": Shouts})["\x1b[2Jwiped"]
+
+    for command in (("list", app.reference), ("show", app.reference, message_id)):
+        status, out, _ = idembus(capsys, *command)
+        assert status == 0
+        assert "\x1b" not in out and "\\x1b[2Jwiped" in out
+
+
+def test_an_unreachable_broker_is_exit_2_with_one_line_never_zero_messages(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = types.ModuleType("unreachable_errors_app")
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        "unreachable", transport=KombuTransport("amqp://guest:guest@127.0.0.1:1//"),
+        storage=MemoryStorage())
+    monkeypatch.setitem(sys.modules, "unreachable_errors_app", module)
+
+    status, out, err = idembus(capsys, "list", "unreachable_errors_app:endpoint")
+
+    assert status == EXIT_CONFIGURATION
+    assert "cannot read the failed messages of unreachable" in err
+    assert len(err.strip().splitlines()) == 1 and "message(s)" not in out

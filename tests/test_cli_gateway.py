@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bus import Endpoint
-from storage.postgres import PostgresStorage
+from idembus import Endpoint
+from idembus.storage.postgres import PostgresStorage
 from tests.conftest import POSTGRES_URL, require_service
 from tests.sse_client import events, take
 from tests.support import Account, Deposited
@@ -30,8 +30,8 @@ def app(tmp_path: pathlib.Path) -> Iterator[tuple[pathlib.Path, str]]:
     require_service(POSTGRES_URL, "PostgreSQL")
     prefix = f"gw{uuid.uuid4().hex[:10]}"
     (tmp_path / "gateway_app.py").write_text(textwrap.dedent(f'''
-        from bus import Endpoint
-        from storage.postgres import PostgresStorage
+        from idembus import Endpoint
+        from idembus.storage.postgres import PostgresStorage
         from tests.support import AccountHandler
 
         endpoint = Endpoint("gw-{prefix}", storage=PostgresStorage({POSTGRES_URL!r},
@@ -43,7 +43,7 @@ def app(tmp_path: pathlib.Path) -> Iterator[tuple[pathlib.Path, str]]:
 def start_gateway(directory: pathlib.Path, *arguments: str,
                   env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "bus.cli", "gateway", "gateway_app:endpoint", *arguments],
+        [sys.executable, "-m", "idembus", "gateway", "gateway_app:endpoint", *arguments],
         cwd=directory, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus import ConflictPolicy, RetryPolicy
-from bus import headers as h
-from storage.errors import ConcurrencyConflict
-from storage.memory import MemoryStorage
+from idembus import ConflictPolicy, RetryPolicy
+from idembus import headers as h
+from idembus.storage.errors import ConcurrencyConflict
+from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
 
 
@@ -38,6 +38,6 @@ def test_a_handler_that_always_loses_the_race_ends_in_the_error_queue(make_endpo
     assert conflicts.count == 3 * 2
     copy = accounts.transport.get(accounts.error_queue)
     assert copy is not None
-    assert copy.headers[h.EXCEPTION_TYPE] == "storage.errors.ConflictRetriesExhausted"
+    assert copy.headers[h.EXCEPTION_TYPE] == "idembus.storage.errors.ConflictRetriesExhausted"
     assert "lost 3 optimistic races" in copy.headers[h.EXCEPTION_MESSAGE]
     assert copy.headers[h.IMMEDIATE_ATTEMPTS] == "2"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bus.faults import RandomCrashes
+from idembus.faults import RandomCrashes
 from samples.ordering.__main__ import main
 from samples.ordering.system import build, report, run
 

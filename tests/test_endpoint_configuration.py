@@ -6,14 +6,14 @@ import threading
 
 import pytest
 
-from bus import Command, ConfigurationError, Endpoint, Event, RoutingError
-from handlers import Handler, handles
-from storage.errors import StorageUnavailable
-from storage.memory import MemoryStorage
-from storage.mongo import MongoStorage
+from idembus import Command, ConfigurationError, Endpoint, Event, RoutingError
+from idembus.handlers import Handler, handles
+from idembus.storage.errors import StorageUnavailable
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.mongo import MongoStorage
+from idembus.transports.errors import TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from tests.support import AccountHandler, Deposit, SignalCounter
-from transports.errors import TransportUnavailable
-from transports.kombu import KombuTransport
 
 
 class Refund(Command, message_name="cfg.Refund"):

@@ -17,13 +17,13 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from bus import Bus, Endpoint, MessageContext, RetryPolicy
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from bus.testing import wait_until_idle
-from handlers import AggregateHandler, handles
-from storage.mongo import MongoStorage
+from idembus import Bus, Endpoint, MessageContext, RetryPolicy
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.handlers import AggregateHandler, handles
+from idembus.storage.mongo import MongoStorage
+from idembus.testing import wait_until_idle
 from tests.support import (
     Account,
     AccountHandler,
@@ -496,7 +496,7 @@ def test_g_an_unknown_message_type_goes_to_the_error_queue_without_retries(
     failed = accounts.transport.get(accounts.error_queue)
     assert failed is not None
     assert failed.headers[h.MESSAGE_ID] == unknown_id
-    assert failed.headers[h.EXCEPTION_TYPE] == "bus.errors.UnknownMessageType"
+    assert failed.headers[h.EXCEPTION_TYPE] == "idembus.errors.UnknownMessageType"
     assert "test.Withdraw" in failed.headers[h.EXCEPTION_MESSAGE]
     assert failed.headers[h.IMMEDIATE_ATTEMPTS] == "0"
     assert accounts.counters["failed"] == 0

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bus import Endpoint, Event
-from bus.gateway import Gateway
-from storage.errors import StorageUnavailable
-from storage.memory import MemoryStorage
+from idembus import Endpoint, Event
+from idembus.gateway import Gateway
+from idembus.storage.errors import StorageUnavailable
+from idembus.storage.memory import MemoryStorage
 from tests.sse_client import Received, events, take
 from tests.support import Account, AccountHandler, Deposit, Deposited, SignalCounter
 

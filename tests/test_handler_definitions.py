@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from bus import Command, Endpoint, Event
-from handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
-from handlers.registration import HandlerTable
-from storage.memory import MemoryStorage
+from idembus import Command, Endpoint, Event
+from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
+from idembus.handlers.registration import HandlerTable
+from idembus.storage.memory import MemoryStorage
 
 
 class Open(Command, message_name="hd.Open"):

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from bus import Endpoint, Event
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.errors import ConfigurationError
-from bus.sending import Bus
-from bus.testing import wait_until_idle
-from storage.errors import StorageUnavailable
-from storage.memory import MemoryStorage
+from idembus import Endpoint, Event
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.errors import ConfigurationError
+from idembus.sending import Bus
+from idembus.storage.errors import StorageUnavailable
+from idembus.storage.memory import MemoryStorage
+from idembus.testing import wait_until_idle
 from tests.support import Account, AccountHandler, Deposit, Deposited, Ledger, SignalCounter
 
 

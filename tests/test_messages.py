@@ -1,10 +1,10 @@
 import pydantic
 import pytest
 
-from bus import Command, ConfigurationError, Event, message_name
-from bus.errors import UnknownMessageType
-from bus.messages import is_message_type
-from bus.registry import MessageRegistry
+from idembus import Command, ConfigurationError, Event, message_name
+from idembus.errors import UnknownMessageType
+from idembus.messages import is_message_type
+from idembus.registry import MessageRegistry
 
 
 class PlaceOrder(Command, message_name="sales.PlaceOrder"):

@@ -1,47 +1,55 @@
-"""The change-stream wake-up of the outbox dispatcher is guarded: where MongoDB has no
-change streams (mongomock, a standalone server) the dispatcher polls. The stream itself is
-verified only against a replica set (set IDEMBUS_MONGODB_URL to one)."""
+"""The MongoDB change stream wakes the outbox only for commits. The pipeline is run here by
+mongomock's aggregation over change events shaped as the server writes them; the stream
+itself needs a replica set and is verified only there (README)."""
 
 from __future__ import annotations
 
 import datetime
-import threading
+from typing import Any
 
 import mongomock
-import pytest
 
-from storage.base import OUTBOX_LEASE
-from storage.errors import StaleLease
-from storage.mongo import LEASES, MongoStorage
-from storage.mongo_changes import _save, can_watch
-
-NOW = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=datetime.timezone.utc)
+from idembus.storage.base import AggregateRecord
+from idembus.storage.mongo import UNDISPATCHED_INDEX, MongoStorage
+from idembus.storage.mongo_changes import commit_pipeline
 
 
-def test_mongomock_is_not_watched_so_the_dispatcher_polls():
+def change(kind: str, collection: str, updated: dict[str, Any] | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {"operationType": kind, "ns": {"db": "app", "coll": collection}}
+    if updated is not None:
+        event["updateDescription"] = {"updatedFields": updated, "removedFields": []}
+    return event
+
+
+EVENTS = {
+    "aggregate created": (change("insert", "Account"), True),
+    "aggregate committed": (change("update", "Account", {"version": 4, "state": {}}), True),
+    "inbox record": (change("insert", "idembus_inbox"), True),
+    "aggregate replaced": (change("replace", "Order"), True),
+    "dispatch mark": (change("update", "Account", {"processed.2.dispatched": True}), False),
+    "status report": (change("update", "idembus_status", {"counters": {}}), False),
+    "lease renewed": (change("update", "idembus_leases", {"expires_at": 1}), False),
+    "journal append": (change("insert", "idembus_journal"), False),
+    "audit record": (change("insert", "idembus_audit"), False),
+    "delayed message": (change("insert", "idembus_scheduled"), False),
+    "parked message": (change("insert", "idembus_parked"), False),
+    "deletion": (change("delete", "Account"), False),
+}
+
+
+def test_the_pipeline_passes_commits_and_nothing_else() -> None:
+    events = mongomock.MongoClient().db.events
+    events.insert_many([{"_id": name, **event} for name, (event, _) in EVENTS.items()])
+
+    passed = {document["_id"] for document in events.aggregate(commit_pipeline())}
+
+    assert passed == {name for name, (_, wakes) in EVENTS.items() if wakes}
+
+
+def test_the_outbox_scan_is_served_by_an_index() -> None:
     storage = MongoStorage.embedded("changes")
-    woken = threading.Event()
-    assert storage.watch(woken.set, threading.Event(), lambda: None) is False
-    assert not woken.is_set()
+    storage.commit(AggregateRecord("Account", "a"), key="H/m1", state={}, outgoing=())
 
+    storage.undispatched(committed_before=datetime.datetime.now(datetime.timezone.utc))
 
-def test_a_server_that_does_not_answer_hello_is_not_watched():
-    assert can_watch(mongomock.MongoClient()) is False
-
-
-def test_the_resume_token_is_saved_only_under_the_current_lease():
-    # Given the dispatcher's lease document, now owned with token 2
-    storage = MongoStorage.embedded("changes")
-    first = storage.acquire_lease(OUTBOX_LEASE, "A", ttl=30, now=NOW)
-    current = storage.acquire_lease(OUTBOX_LEASE, "B", ttl=30,
-                                    now=NOW + datetime.timedelta(seconds=31))
-    leases = storage.database[LEASES]
-
-    # When the current owner saves its checkpoint, it is kept
-    _save(leases, OUTBOX_LEASE, current, {"_data": "token-2"})
-    assert leases.find_one({"_id": OUTBOX_LEASE})["resume_token"] == {"_data": "token-2"}
-
-    # And an old owner cannot move it
-    with pytest.raises(StaleLease):
-        _save(leases, OUTBOX_LEASE, first, {"_data": "token-1"})
-    assert leases.find_one({"_id": OUTBOX_LEASE})["resume_token"] == {"_data": "token-2"}
+    assert UNDISPATCHED_INDEX in storage.database["Account"].index_information()

@@ -17,12 +17,12 @@ import mongomock
 import pymongo
 import pytest
 
-import storage.mongo
-from bus import headers as h
-from bus.envelope import Envelope
-from storage.base import AggregateRecord
-from storage.errors import AlreadyProcessed
-from storage.mongo import MongoStorage, is_mongomock
+import idembus.storage.mongo
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.storage.base import AggregateRecord
+from idembus.storage.errors import AlreadyProcessed
+from idembus.storage.mongo import MongoStorage, is_mongomock
 
 _RLOCK_TYPE = type(threading.RLock())
 
@@ -176,7 +176,7 @@ def test_four_threads_committing_one_message_through_mongomock_apply_it_once_per
 
 
 def test_the_mongo_module_documents_that_it_serialises_mongomock() -> None:
-    doc = storage.mongo.__doc__ or ""
+    doc = idembus.storage.mongo.__doc__ or ""
 
     assert "serialises" in doc
     assert "mongomock" in doc

@@ -6,15 +6,15 @@ import datetime
 import time
 import uuid
 
-from bus import Endpoint
-from bus.dispatching import Dispatcher
-from bus.envelope import utc_now
-from bus.outbox import OutboxDispatcher
-from storage.base import OUTBOX_LEASE
-from storage.memory import MemoryStorage
+from idembus import Endpoint
+from idembus.dispatching import Dispatcher
+from idembus.envelope import utc_now
+from idembus.outbox import OutboxDispatcher
+from idembus.storage.base import OUTBOX_LEASE
+from idembus.storage.memory import MemoryStorage
+from idembus.transports.errors import TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposited, Ledger, SignalCounter
-from transports.errors import TransportUnavailable
-from transports.kombu import KombuTransport
 
 
 class Away(KombuTransport):

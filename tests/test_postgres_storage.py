@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from bus import ConfigurationError, Endpoint
-from bus.envelope import Envelope
-from bus.headers import INTENT, MESSAGE_ID, MESSAGE_TYPE
-from storage.base import INBOX, AggregateRecord
-from storage.errors import AlreadyProcessed, StorageUnavailable
-from storage.postgres import PostgresStorage
+from idembus import ConfigurationError, Endpoint
+from idembus.envelope import Envelope
+from idembus.headers import INTENT, MESSAGE_ID, MESSAGE_TYPE
+from idembus.storage.base import INBOX, AggregateRecord
+from idembus.storage.errors import AlreadyProcessed, StorageUnavailable
+from idembus.storage.postgres import PostgresStorage
 from tests.conftest import POSTGRES_URL, require_service
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
 
@@ -40,7 +40,7 @@ def prefix() -> Iterator[str]:
 def expected_tables(prefix: str) -> set[str]:
     return {f"{prefix}_{name}"
             for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit",
-                         "journal")}
+                         "journal", "parked")}
 
 
 def tables(prefix: str) -> set[str]:
@@ -151,15 +151,15 @@ def test_an_endpoint_on_postgres_applies_duplicates_once(make_endpoint, prefix):
 
 def test_idembus_migrate_creates_the_schema_from_the_command_line(prefix, tmp_path):
     (tmp_path / "pg_app.py").write_text(textwrap.dedent(f'''
-        from bus import Endpoint
-        from storage.postgres import PostgresStorage
+        from idembus import Endpoint
+        from idembus.storage.postgres import PostgresStorage
         from tests.support import AccountHandler
 
         endpoint = Endpoint("pg-app", handlers=[AccountHandler],
                             storage=PostgresStorage({POSTGRES_URL!r}, table_prefix={prefix!r}))
     '''))
     done = subprocess.run(
-        [sys.executable, "-m", "bus.cli", "migrate", "pg_app:endpoint"], cwd=tmp_path,
+        [sys.executable, "-m", "idembus", "migrate", "pg_app:endpoint"], cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 0, done.stderr

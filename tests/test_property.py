@@ -22,18 +22,18 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from bus import Endpoint
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from bus.messages import message_name
-from storage.base import Storage
-from storage.memory import MemoryStorage
-from storage.mongo import MongoStorage
-from storage.postgres import PostgresStorage
+from idembus import Endpoint
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.messages import message_name
+from idembus.storage.base import Storage
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.mongo import MongoStorage
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.base import Delivery, OnDelivery, Transport
 from tests.conftest import POSTGRES_URL, require_service
 from tests.support import Account, AccountHandler, Deposit, Deposited
-from transports.base import Delivery, OnDelivery, Transport
 
 QUEUE = "accounts"
 ERROR_QUEUE = "accounts-error"

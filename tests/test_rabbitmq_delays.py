@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterator, Mapping
 import kombu
 import pytest
 
-from bus import headers as h
-from bus.decoding import decode
-from bus.envelope import Envelope
-from bus.messages import message_name
-from bus.registry import MessageRegistry
+from idembus import headers as h
+from idembus.decoding import decode
+from idembus.envelope import Envelope
+from idembus.messages import message_name
+from idembus.registry import MessageRegistry
+from idembus.transports import delays
+from idembus.transports.base import Delivery
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, require_service
 from tests.support import Deposit
-from transports import delays
-from transports.base import Delivery
-from transports.kombu import KombuTransport
 
 UTC = datetime.timezone.utc
 #: How late a delayed message may be: up to 1 s of rounding plus the broker's hops.
@@ -159,6 +159,7 @@ def test_only_amqp_has_native_delay_and_elsewhere_a_future_time_is_delivered_at_
     memory = KombuTransport("memory://")
     assert memory.native_delay is False
     queue = f"memory-delays-{uuid.uuid4().hex[:8]}"
+    memory.declare(queue)
     memory.send(message(queue, delay=60))
     assert memory.get(queue) is not None
 
@@ -183,15 +184,16 @@ def rabbitmq() -> Iterator[Callable[[], KombuTransport]]:
 
 @pytest.fixture
 def queue(unique: str) -> Iterator[Callable[[str], str]]:
-    """``queue("sales")`` -> a queue name unique to this test, deleted afterwards."""
+    """``queue("sales")`` -> a queue declared for this test alone, deleted afterwards."""
     names: list[str] = []
+    cleaner = KombuTransport(AMQP_URL)
 
     def name(prefix: str) -> str:
         names.append(f"{prefix}-{unique}")
+        cleaner.declare(names[-1])
         return names[-1]
 
     yield name
-    cleaner = KombuTransport(AMQP_URL)
     for created in names:
         cleaner.delete_queue(created)
     cleaner.close()

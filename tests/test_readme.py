@@ -32,12 +32,6 @@ def test_readme_has_the_two_commands_first():
     assert commands == ["make demo", "make test"]
 
 
-def test_readme_warns_not_to_shadow_the_package_names():
-    text = README.read_text()
-    for name in ("bus.py", "handlers.py", "storage.py", "transports.py"):
-        assert f"`{name}`" in text
-
-
 def test_readme_example_is_about_fifteen_lines():
     example = python_blocks()[0]
     code_lines = [line for line in example.splitlines() if line.strip()]

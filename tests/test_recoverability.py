@@ -11,13 +11,13 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from bus import Backoff, Command, ConfigurationError, Endpoint, RetryPolicy
-from bus import headers as h
-from bus.breaker import BreakerPolicy, CircuitBreaker
-from bus.envelope import Envelope, parse_utc, utc_now
-from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from handlers import AggregateHandler, Handler, handles
-from storage.memory import MemoryStorage
+from idembus import Backoff, Command, ConfigurationError, Endpoint, RetryPolicy
+from idembus import headers as h
+from idembus.breaker import BreakerPolicy, CircuitBreaker
+from idembus.envelope import Envelope, parse_utc, utc_now
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.storage.memory import MemoryStorage
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
 FAST = RetryPolicy(immediate_retries=2, delayed=(0.3, 0.3))

@@ -8,16 +8,16 @@ import uuid
 import mongomock
 import pytest
 
-from bus import headers as h
-from bus.dispatching import Dispatcher
-from bus.envelope import Envelope, utc_now
-from bus.outbox import OutboxDispatcher
-from storage.base import INBOX
-from storage.memory import MemoryStorage
-from storage.mongo import RETENTION_INDEX, MongoStorage
-from storage.postgres import PostgresStorage
+from idembus import headers as h
+from idembus.dispatching import Dispatcher
+from idembus.envelope import Envelope, utc_now
+from idembus.outbox import OutboxDispatcher
+from idembus.storage.base import INBOX
+from idembus.storage.memory import MemoryStorage
+from idembus.storage.mongo import RETENTION_INDEX, MongoStorage
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import POSTGRES_URL, require_service
-from transports.kombu import KombuTransport
 
 HOUR = datetime.timedelta(hours=1)
 

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import bus.cli
-from bus import Endpoint
-from bus.envelope import format_utc
-from bus.errors import ConfigurationError
-from bus.spark.reconcile import (
+import idembus.cli
+from idembus import Endpoint
+from idembus.envelope import format_utc
+from idembus.errors import ConfigurationError
+from idembus.handlers import Handler, handles
+from idembus.spark.reconcile import (
     MESSAGE_ID_NAMESPACE,
     BadDump,
     Correction,
@@ -33,8 +34,7 @@ from bus.spark.reconcile import (
     ReconcileSummary,
     reconcile,
 )
-from handlers import Handler, handles
-from storage.memory import MemoryStorage
+from idembus.storage.memory import MemoryStorage
 from tests.support import Account, AccountHandler, SignalCounter
 
 UTC = datetime.timezone.utc
@@ -297,7 +297,7 @@ def test_idembus_spark_reconcile_dry_run_lists_the_corrections(
     spark, endpoint, world, reference, capsys,
 ):
     first, second = world["paths"]
-    status = bus.cli.main(["spark", "reconcile", reference, "--dump", first, "--dump", second,
+    status = idembus.cli.main(["spark", "reconcile", reference, "--dump", first, "--dump", second,
                            "--dry-run", "--master", spark.sparkContext.master])
     printed = capsys.readouterr().out.splitlines()
     assert status == 0
@@ -311,7 +311,7 @@ def test_idembus_spark_reconcile_dry_run_lists_the_corrections(
 
 
 def test_idembus_spark_reconcile_emits(spark, endpoint, world, reference, capsys):
-    status = bus.cli.main(["spark", "reconcile", reference, "--dump", *world["paths"]])
+    status = idembus.cli.main(["spark", "reconcile", reference, "--dump", *world["paths"]])
     assert status == 0
     assert capsys.readouterr().out.splitlines() == [
         "reconcile: dump=4 stored=5 missing=1 stale=1 deleted=1 emitted=3 dry_run=false"]
@@ -320,14 +320,14 @@ def test_idembus_spark_reconcile_emits(spark, endpoint, world, reference, capsys
 
 def test_idembus_spark_reconcile_reports_a_bad_dump(spark, reference, tmp_path, capsys):
     dump = write_dump(tmp_path / "bad.jsonl", ["{"])
-    status = bus.cli.main(["spark", "reconcile", reference, "--dump", str(dump)])
+    status = idembus.cli.main(["spark", "reconcile", reference, "--dump", str(dump)])
     assert status == 2
     assert "1 bad line(s)" in capsys.readouterr().err
 
 
 def test_the_help_states_the_rules(capsys):
     with pytest.raises(SystemExit) as done:
-        bus.cli.main(["spark", "reconcile", "--help"])
+        idembus.cli.main(["spark", "reconcile", "--help"])
     assert done.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "only for the types that appear in the dump" in text

@@ -22,17 +22,17 @@ from typing import Any
 
 import pytest
 
-from bus import headers as h
-from bus.cli import main
-from bus.context import MessageContext
-from bus.envelope import Envelope
-from bus.errors import ConfigurationError
-from bus.spark.replay import ReplaySummary, foreach_batch_sink, replay
-from storage.postgres import PostgresStorage
+from idembus import headers as h
+from idembus.cli import main
+from idembus.context import MessageContext
+from idembus.envelope import Envelope
+from idembus.errors import ConfigurationError
+from idembus.spark.replay import ReplaySummary, foreach_batch_sink, replay
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.base import Delivery
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.spark_endpoints import SparkWorld, Step, TrailHandler
-from transports.base import Delivery
-from transports.kombu import KombuTransport
 
 pytestmark = [pytest.mark.postgres, pytest.mark.amqp]
 

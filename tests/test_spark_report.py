@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 
-import bus.cli
-from bus import Command, ConfigurationError, Endpoint, RetryPolicy
-from bus.spark import source
-from bus.spark.report import report
-from handlers import Handler, handles
-from storage.base import AUDIT_BUCKETS, AuditRecord
-from storage.postgres import PostgresStorage
+import idembus.cli
+from idembus import Command, ConfigurationError, Endpoint, RetryPolicy
+from idembus.handlers import Handler, handles
+from idembus.spark import source
+from idembus.spark.report import report
+from idembus.storage.base import AUDIT_BUCKETS, AuditRecord
+from idembus.storage.postgres import PostgresStorage
 from tests.conftest import POSTGRES_URL, require_service
 from tests.support import AccountHandler, Deposit, SignalCounter
 
@@ -44,9 +44,9 @@ MS = datetime.timedelta(milliseconds=1)
 
 ENDPOINT_MODULE = textwrap.dedent('''
     """Written by tests/test_spark_report.py; Spark's workers import it (addPyFile)."""
-    from bus import Endpoint
-    from storage.memory import MemoryStorage
-    from storage.postgres import PostgresStorage
+    from idembus import Endpoint
+    from idembus.storage.memory import MemoryStorage
+    from idembus.storage.postgres import PostgresStorage
 
 
     def make_endpoint():
@@ -323,7 +323,7 @@ def test_idembus_spark_report_prints_the_table_and_writes_the_files(
     pg_storage.write_audit(known_trail())
     master = spark.sparkContext.master
     out = tmp_path / "cli"
-    status = bus.cli.main(["spark", "report", postgres_reference(ship, prefix),
+    status = idembus.cli.main(["spark", "report", postgres_reference(ship, prefix),
                            "--out", str(out), "--partitions", "2", "--master", master])
 
     printed = capsys.readouterr().out
@@ -337,7 +337,7 @@ def test_idembus_spark_report_prints_the_table_and_writes_the_files(
 
 def test_idembus_spark_report_refuses_a_process_local_storage(spark, ship, tmp_path, capsys):
     out = tmp_path / "unused"
-    status = bus.cli.main(["spark", "report", ship("MemoryStorage()"), "--out", str(out)])
+    status = idembus.cli.main(["spark", "report", ship("MemoryStorage()"), "--out", str(out)])
     assert status == 2
     assert "PostgresStorage" in capsys.readouterr().err
     assert not out.exists()

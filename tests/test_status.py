@@ -10,12 +10,13 @@ import types
 
 import pytest
 
-from bus import Endpoint
-from bus.cli import main
-from bus.cli_status import render, summarise
-from storage.base import StatusReport
-from storage.memory import MemoryStorage
+from idembus import Endpoint
+from idembus.cli import main
+from idembus.cli_status import render, summarise
+from idembus.storage.base import StatusReport
+from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
+from tests.test_failure_taxonomy import RefusedLoginForAWhile
 
 NOW = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=datetime.timezone.utc)
 
@@ -102,3 +103,54 @@ def test_only_running_processes_count_in_the_total():
     assert [i["state"] for i in summary["instances"]] == ["running", "stale", "stopped"]
     assert summary["running"] == 1 and summary["total"]["handled"] == 5
     assert "total (running)" in render(summary)
+
+
+def test_status_shows_what_blocks_a_running_process_and_forgets_it_once_resolved(
+    make_endpoint, exposed, capsys
+):
+    # Given an endpoint whose broker refuses its login (password in the URL it reports)
+    storage = MemoryStorage()
+    transport = RefusedLoginForAWhile("memory://")
+    service = make_endpoint("blocked", handlers=[AccountHandler], storage=storage,
+                            transport=transport, status_interval=0.05)
+    service.start()
+
+    # When idembus status runs while the login is refused
+    assert wait_until(lambda: any(r.problems for r in storage.status_reports(service.name)))
+    viewer = Endpoint(service.name, storage=storage, handlers=[AccountHandler],
+                      transport="memory://")
+    assert main(["status", exposed(viewer)]) == 0
+    table = capsys.readouterr().out
+
+    # Then it names the problem of the running process, without the password
+    assert "PROBLEM" in table and "(transport): " in table and "Login was refused" in table
+    assert "hunter2" not in table
+
+    # When the login works again, the problem is gone from the next report
+    transport.allow.set()
+    assert wait_until(lambda: all(not r.problems for r in storage.status_reports(service.name)))
+
+
+def test_status_hides_processes_not_heard_of_for_an_hour_and_forgets_them_after_a_day(
+    exposed, capsys
+):
+    # Given reports of a running process, one silent for two hours, one for two days
+    storage = MemoryStorage()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for instance, age in (("now", 0), ("hours", 2 * 3600), ("days", 2 * 86400)):
+        moment = now - datetime.timedelta(seconds=age)
+        storage.report_status(StatusReport("sales", instance, {"handled": 1}, moment, moment))
+    viewer = Endpoint("sales", storage=storage, handlers=[AccountHandler],
+                      transport="memory://")
+
+    # When status runs
+    assert main(["status", exposed(viewer), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+
+    # Then only the recent one shows, the other one is counted as hidden, and the oldest
+    # report is gone from the storage
+    assert [i["instance"] for i in summary["instances"]] == ["now"]
+    assert summary["hidden"] == 1
+    assert {r.instance for r in storage.status_reports("sales")} == {"now", "hours"}
+    assert main(["status", exposed(viewer), "--all", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["instances"]) == 2

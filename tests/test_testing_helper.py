@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bus import Command, Event
-from bus.testing import handle
-from handlers import Handler, handles
+from idembus import Command, Event
+from idembus.handlers import Handler, handles
+from idembus.testing import handle
 from tests.support import Account, AccountHandler, Deposit, Deposited
 
 

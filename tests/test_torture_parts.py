@@ -6,14 +6,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from bus import Backoff
-from bus import headers as h
+from idembus import Backoff
+from idembus import headers as h
+from idembus.transports.errors import TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.deployment import Deployment
 from samples.torture.driver import Driver, Plan
 from samples.torture.options import parse
 from samples.torture.report import TortureReport
-from transports.errors import TransportUnavailable
-from transports.kombu import KombuTransport
 
 NO_WAIT = Backoff((0.0,))
 
@@ -60,6 +60,12 @@ class FailingTransport(KombuTransport):
         super().dispatch(envelope)
 
 
+def declared(queue: str) -> str:
+    """``queue``, declared on memory:// (a send to an undeclared queue is refused)."""
+    KombuTransport("memory://").declare(queue)
+    return queue
+
+
 def received_ids(queue: str) -> list[str]:
     reader = KombuTransport("memory://")
     ids = []
@@ -74,7 +80,7 @@ def test_the_driver_retries_a_publish_with_the_same_id_while_the_broker_is_down(
                                            TransportUnavailable("still down")])
     plan = Plan.make(3, 0, seed=2)
     halfway = []
-    driver = Driver(lambda: transport, "sales-test", plan.sends,
+    driver = Driver(lambda: transport, declared("sales-test"), plan.sends,
                     halfway=lambda: halfway.append(True), backoff=NO_WAIT)
 
     # When the driver sends the plan
@@ -93,7 +99,7 @@ def test_the_driver_reports_an_error_the_transport_did_not_wrap_and_carries_on()
     FailingTransport.created.clear()
     failures = [[AttributeError("'NoneType' object has no attribute 'x'")], []]
     plan = Plan.make(2, 0, seed=3)
-    driver = Driver(lambda: FailingTransport(failures=failures.pop(0)), "sales-test",
+    driver = Driver(lambda: FailingTransport(failures=failures.pop(0)), declared("sales-test"),
                     plan.sends, backoff=NO_WAIT)
 
     # When the driver sends

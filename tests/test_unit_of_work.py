@@ -7,12 +7,12 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from bus.context import MessageContext
-from storage.errors import AlreadyProcessed, ConcurrencyConflict
-from storage.memory import MemoryStorage
+from idembus.context import MessageContext
+from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
+from idembus.storage.memory import MemoryStorage
+from idembus.transports.errors import TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposited, Ledger, SignalCounter
-from transports.errors import TransportUnavailable
-from transports.kombu import KombuTransport
 
 
 def accounts_and_ledger(make_endpoint, **options):  # type: ignore[no-untyped-def]

@@ -21,14 +21,14 @@ from urllib.parse import unquote, urlparse
 import amqp
 import pytest
 
-from bus import Command, Endpoint, Event, MessageContext
-from bus import headers as h
-from bus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from bus.testing import wait_until_idle
-from handlers import Handler, handles
+from idembus import Command, Endpoint, Event, MessageContext
+from idembus import headers as h
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.handlers import Handler, handles
+from idembus.testing import wait_until_idle
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, require_service
 from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter
-from transports.kombu import KombuTransport
 
 MakeEndpoint = Callable[..., Endpoint]
 

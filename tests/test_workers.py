@@ -19,12 +19,12 @@ from typing import IO
 import psycopg
 import pytest
 
-from bus.routing import Router
-from bus.sending import Bus
-from storage.postgres import PostgresStorage
+from idembus.routing import Router
+from idembus.sending import Bus
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import Deposit
-from transports.kombu import KombuTransport
 
 pytestmark = [pytest.mark.amqp, pytest.mark.postgres]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,9 +33,9 @@ APP = textwrap.dedent('''
     import os
     import time
 
-    from bus import Endpoint
-    from handlers import AggregateHandler, handles
-    from storage.postgres import PostgresStorage
+    from idembus import Endpoint
+    from idembus.handlers import AggregateHandler, handles
+    from idembus.storage.postgres import PostgresStorage
     from tests.support import Account, Deposit
 
 
@@ -132,7 +132,7 @@ class App:
 
     def start(self, *arguments: str, **extra: str) -> Running:
         process = subprocess.Popen(
-            [sys.executable, "-m", "bus.cli", "run", "worker_app:make", *arguments],
+            [sys.executable, "-m", "idembus", "run", "worker_app:make", *arguments],
             cwd=self.directory, env=self.environment(**extra), text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
@@ -209,7 +209,7 @@ def test_several_workers_share_a_queue_survive_kills_and_apply_each_deposit_once
     # Given three worker processes of one endpoint
     supervisor = app.start("--workers", "3", "--log-level", "INFO")
     log = supervisor.err
-    assert log.wait_for("started: 1 consumer(s)", count=3), log.lines[-20:]
+    assert log.wait_for(", 1 consumer(s), ", count=3), log.lines[-20:]
 
     # When 300 deposits arrive, 20% of them twice, while a worker is killed twice
     rng = random.Random(4)
@@ -226,7 +226,7 @@ def test_several_workers_share_a_queue_survive_kills_and_apply_each_deposit_once
             os.kill(rng.choice(children(supervisor.process.pid)), signal.SIGKILL)
             # the next kill must find the replacement, not the dead worker
             assert log.wait_for("exited with status -9", count=kills), log.lines[-20:]
-            assert log.wait_for("started: 1 consumer(s)", count=3 + kills), log.lines[-20:]
+            assert log.wait_for(", 1 consumer(s), ", count=3 + kills), log.lines[-20:]
 
     # Then every deposit is applied exactly once
     expected: dict[str, dict[str, int]] = {}
@@ -253,7 +253,7 @@ def test_workers_refuse_a_broker_or_database_that_lives_inside_one_process(app):
 def test_workers_stop_by_themselves_when_their_supervisor_is_killed(app):
     # Given a supervisor of two workers
     supervisor = app.start("--workers", "2")
-    assert supervisor.err.wait_for("started: 1 consumer(s)", count=2), supervisor.err.lines[-20:]
+    assert supervisor.err.wait_for(", 1 consumer(s), ", count=2), supervisor.err.lines[-20:]
     workers = children(supervisor.process.pid)
 
     # When the supervisor is killed outright

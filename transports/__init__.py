@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from transports.base import Delivery, Transport
-from transports.errors import TransportError, TransportUnavailable
-from transports.kombu import KombuTransport
+from .base import Delivery, Transport
+from .errors import TransportError, TransportUnavailable
+from .kombu import KombuTransport
 
 __all__ = ["Delivery", "KombuTransport", "Transport", "TransportError", "TransportUnavailable"]

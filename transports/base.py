@@ -38,8 +38,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
 
-from bus.envelope import Envelope
-from transports.errors import TransportUnavailable
+from ..envelope import Envelope
+from .errors import TransportUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,21 @@ class Delivery(ABC):
         body: bytes,
         content_type: str | None,
         redelivered: bool,
+        wire_error: str | None = None,
     ) -> None:
         self.queue = queue
+        #: Every header whose value is text; a transport that met a value it could not
+        #: take as text (bytes, numbers, tables) shows it here as its ``repr`` and says
+        #: so in ``wire_error``.
         self.headers = headers
+        #: The body as the broker holds it: never decompressed or decoded.
         self.body = body
         self.content_type = content_type
         self.redelivered = redelivered
+        #: Why the message cannot be read as idembus's wire format, found by the transport
+        #: before anything was decoded (a header that is not text, a compressed body); the
+        #: endpoint sends such a delivery to the error queue with this reason.
+        self.wire_error = wire_error
         self.settled = False
 
     def ack(self) -> None:

@@ -38,7 +38,17 @@ late. A finer unit would either shorten the longest delay (milliseconds in 28 le
 hours) or add levels, hence queues and dead-letter hops; idembus delays (retries, deferrals)
 are seconds to days, so a second is the unit.
 
-Everything here but :func:`declare_levels` and :func:`bind_destination` is arithmetic.
+Two topologies exist side by side, by queue type (``KombuTransport(queue_type=)``):
+classic levels (``idembus.delay.*``) dead-letter *at most once* — a message in flight when a
+node fails can be lost between two levels — and quorum levels (``idembus.qdelay.*``) are
+quorum queues with ``x-dead-letter-strategy=at-least-once`` (and the
+``x-overflow=reject-publish`` it requires; RabbitMQ 3.10 or later), which keep a message in
+its level until the next level has it. Their names differ so that a broker that already has
+one never sees the other redeclared with other arguments, and a deployment can move from
+one to the other while the old levels drain.
+
+Everything here but :meth:`Topology.declare` and :meth:`Topology.bind_destination` is
+arithmetic.
 """
 
 from __future__ import annotations
@@ -55,9 +65,11 @@ from kombu import Exchange, Queue
 LEVELS = 28
 #: The longest delay, in seconds (8.5 years).
 MAX_DELAY = (1 << LEVELS) - 1
-#: Name prefix of the level exchanges and queues.
+#: Name prefix of the classic level exchanges and queues.
 PREFIX = "idembus.delay"
-#: Where level 0 dead-letters to; binds every destination queue that got a delayed message.
+#: Name prefix of the quorum level exchanges and queues.
+QUORUM_PREFIX = "idembus.qdelay"
+#: Where classic level 0 dead-letters to; binds every destination that got a delayed message.
 DELIVER_EXCHANGE = f"{PREFIX}.deliver"
 #: AMQP limit on routing and binding keys (a shortstr), in bytes.
 MAX_KEY_BYTES = 255
@@ -74,10 +86,12 @@ class Level:
     """One delay level: its exchange and queue (same name) and their bindings."""
 
     number: int
+    prefix: str = PREFIX
+    quorum: bool = False
 
     @property
     def name(self) -> str:
-        return level_name(self.number)
+        return level_name(self.number, self.prefix)
 
     @property
     def ttl_ms(self) -> int:
@@ -86,12 +100,20 @@ class Level:
     @property
     def dead_letter_exchange(self) -> str:
         """Where the queue's expired messages go: the level below, or delivery."""
-        return level_name(self.number - 1) if self.number else DELIVER_EXCHANGE
+        if self.number:
+            return level_name(self.number - 1, self.prefix)
+        return f"{self.prefix}.deliver"
 
     @property
     def queue_arguments(self) -> dict[str, Any]:
         """Fixed: RabbitMQ refuses to redeclare a queue with other arguments."""
-        return {"x-message-ttl": self.ttl_ms, "x-dead-letter-exchange": self.dead_letter_exchange}
+        arguments: dict[str, Any] = {"x-message-ttl": self.ttl_ms,
+                                     "x-dead-letter-exchange": self.dead_letter_exchange}
+        if self.quorum:
+            arguments.update({"x-queue-type": "quorum",
+                              "x-dead-letter-strategy": "at-least-once",
+                              "x-overflow": "reject-publish"})
+        return arguments
 
     @property
     def hold_key(self) -> str:
@@ -107,14 +129,58 @@ class Level:
         return (LEVELS - 1 - self.number) * "*." + bit + ".#"
 
 
-def level_name(number: int) -> str:
+def level_name(number: int, prefix: str = PREFIX) -> str:
     """Name of the exchange and of the queue of delay level ``number``."""
-    return f"{PREFIX}.{number}"
+    return f"{prefix}.{number}"
 
 
 def levels() -> list[Level]:
-    """All levels, lowest first (the order to declare them: each binds the one below)."""
-    return [Level(number) for number in range(LEVELS)]
+    """The classic levels, lowest first (the order to declare them: each binds the one
+    below)."""
+    return Topology.for_queue_type("classic").levels()
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The delay levels of one queue type: their names and how to declare them."""
+
+    prefix: str
+    quorum: bool
+
+    @classmethod
+    def for_queue_type(cls, queue_type: str) -> Topology:
+        return cls(QUORUM_PREFIX, True) if queue_type == "quorum" else cls(PREFIX, False)
+
+    @property
+    def deliver_exchange(self) -> str:
+        """Where level 0 dead-letters to; binds every destination of a delayed message."""
+        return f"{self.prefix}.deliver"
+
+    def levels(self) -> list[Level]:
+        """Every level, lowest first (each binds the one below)."""
+        return [Level(number, self.prefix, self.quorum) for number in range(LEVELS)]
+
+    def entry_exchange(self, delay: int) -> str:
+        """The exchange a message delayed ``delay`` seconds is published to."""
+        _check_delay(delay)
+        return level_name(delay.bit_length() - 1, self.prefix)
+
+    def declare(self, channel: Any) -> None:
+        """Declare the delivery exchange and every level, bindings included. Idempotent."""
+        _exchange(self.deliver_exchange)(channel).declare()
+        for level in self.levels():
+            # Declares the level's exchange and queue and binds the queue for bit = 1 ...
+            Queue(level.name, exchange=_exchange(level.name), routing_key=level.hold_key,
+                  durable=True, queue_arguments=level.queue_arguments)(channel).declare()
+            # ... and the next exchange down (declared just before) for bit = 0.
+            _exchange(level.dead_letter_exchange)(channel).bind_to(
+                level.name, routing_key=level.pass_key)
+
+    def bind_destination(self, channel: Any, queue: str) -> None:
+        """Bind the existing ``queue`` to the delivery exchange (idempotent); a queue that
+        does not exist is refused by the broker (NOT_FOUND), never created here."""
+        channel.queue_bind(queue=queue, exchange=self.deliver_exchange,
+                           routing_key=deliver_key(queue))
 
 
 # -- one message ------------------------------------------------------------------------
@@ -150,9 +216,9 @@ def delay_seconds(deliver_at: datetime.datetime | None, now: datetime.datetime) 
 
 
 def entry_exchange(delay: int) -> str:
-    """The exchange a message delayed ``delay`` seconds is published to: its highest level."""
-    _check_delay(delay)
-    return level_name(delay.bit_length() - 1)
+    """The classic exchange a message delayed ``delay`` seconds is published to: its
+    highest level."""
+    return Topology.for_queue_type("classic").entry_exchange(delay)
 
 
 def routing_key(delay: int, queue: str) -> str:
@@ -191,27 +257,6 @@ def without_dead_letter_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     """``headers`` without what RabbitMQ added when it dead-lettered the message."""
     return {name: value for name, value in headers.items()
             if name != DEAD_LETTER_HEADER and not name.startswith(DEAD_LETTER_PREFIXES)}
-
-
-# -- declaring (the only broker calls) ------------------------------------------------------
-
-
-def declare_levels(channel: Any) -> None:
-    """Declare the delivery exchange and every level, bindings included. Idempotent."""
-    _exchange(DELIVER_EXCHANGE)(channel).declare()
-    for level in levels():
-        # Declares the level's exchange and queue and binds the queue for bit = 1 ...
-        Queue(level.name, exchange=_exchange(level.name), routing_key=level.hold_key,
-              durable=True, queue_arguments=level.queue_arguments)(channel).declare()
-        # ... and the next exchange down (declared just before) for bit = 0.
-        _exchange(level.dead_letter_exchange)(channel).bind_to(level.name,
-                                                               routing_key=level.pass_key)
-
-
-def bind_destination(channel: Any, queue: str) -> None:
-    """Declare ``queue`` and bind it to the delivery exchange. Idempotent."""
-    Queue(queue, exchange=_exchange(DELIVER_EXCHANGE), routing_key=deliver_key(queue),
-          durable=True)(channel).declare()
 
 
 def _exchange(name: str) -> Exchange:

@@ -5,7 +5,7 @@ Broker driver errors are translated into these at the transport boundary.
 
 from __future__ import annotations
 
-from bus.errors import BusError
+from ..errors import BusError, EndpointBlocked, MessageRefused
 
 
 class TransportError(BusError):
@@ -13,4 +13,15 @@ class TransportError(BusError):
 
 
 class TransportUnavailable(TransportError):
-    """The broker cannot be reached, or refused a publish."""
+    """The broker cannot be reached for now (transient): try again later."""
+
+
+class BrokerAccessDenied(TransportUnavailable, EndpointBlocked):
+    """The broker refuses this endpoint (login refused, its own queue refused or declared
+    with other arguments): nothing works until an operator acts."""
+
+
+class DestinationRefused(TransportError, MessageRefused):
+    """The broker refused where or what this message is sent (no such queue, a reserved
+    name, a queue declared with other arguments, headers too large): permanent for this
+    message."""

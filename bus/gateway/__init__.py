@@ -12,6 +12,6 @@ Modules: :mod:`~bus.gateway.hub` follows the journal and fans new entries out to
 HTTP server; :mod:`~bus.gateway.sse` formats events.
 """
 
-from bus.gateway.server import Gateway
+from .server import Gateway
 
 __all__ = ["Gateway"]

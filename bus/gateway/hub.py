@@ -18,9 +18,9 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
-from bus.background import Periodic
-from bus.policies import Backoff
-from storage.base import JournalEntry, Storage
+from ..background import Periodic
+from ..policies import Backoff
+from ..storage.base import JournalEntry, Storage
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from bus.errors import BadStreamRequest
-from storage.base import JournalEntry
+from ..errors import BadStreamRequest
+from ..storage.base import JournalEntry
 
 #: A ``Last-Event-ID`` from this value on is a millisecond timestamp, not a position.
 TIMESTAMP_FROM = 10**12

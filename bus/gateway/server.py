@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from bus.errors import BadStreamRequest, ConfigurationError
-from bus.gateway.hub import JournalHub
-from bus.gateway.request import filters_from, resume_point
-from bus.gateway.stream import ClientStream, StreamCounters, StreamSettings, plan
-from handlers.base import AggregateHandler
-from storage.errors import StorageUnavailable
+from ..errors import BadStreamRequest, ConfigurationError
+from ..handlers.base import AggregateHandler
+from ..redaction import redact
+from ..storage.errors import StorageUnavailable
+from .hub import JournalHub
+from .request import filters_from, resume_point
+from .stream import ClientStream, StreamCounters, StreamSettings, plan
 
 if TYPE_CHECKING:
-    from bus.endpoint import Endpoint
+    from ..endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class Gateway:
             start = plan(resume_point(last_event_id), self.endpoint.storage)
         except BadStreamRequest as error:
             self.counters.add(rejected=1)
-            _answer(handler, HTTPStatus.BAD_REQUEST, {"error": str(error)})
+            _answer(handler, HTTPStatus.BAD_REQUEST, {"error": redact(str(error))})
             return
         except StorageUnavailable as error:
             _answer(handler, HTTPStatus.SERVICE_UNAVAILABLE, _unavailable(error))
@@ -196,7 +197,8 @@ class Gateway:
         except OSError:
             pass  # the client went away, or was disconnected for falling behind
         except StorageUnavailable as error:
-            log.warning("ending a stream: %s (the client resumes when it reconnects)", error)
+            log.warning("ending a stream: %s (the client resumes when it reconnects)",
+                        redact(str(error)))
         finally:
             self.counters.add(clients=-1)
             with self._lock:
@@ -262,7 +264,7 @@ def _aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:
 
 
 def _unavailable(error: StorageUnavailable) -> dict[str, Any]:
-    return {"error": f"the storage cannot be reached ({error}); try again shortly"}
+    return {"error": f"the storage cannot be reached ({redact(str(error))}); try again shortly"}
 
 
 def _accepts_stream(accept: str | None) -> bool:

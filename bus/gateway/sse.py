@@ -7,8 +7,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from bus.envelope import format_utc
-from storage.base import AggregateRecord, JournalEntry
+from ..envelope import format_utc
+from ..storage.base import AggregateRecord, JournalEntry
 
 
 def event(kind: str, data: Mapping[str, Any], *, event_id: int | None = None) -> bytes:

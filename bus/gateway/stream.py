@@ -31,11 +31,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from bus.errors import BadStreamRequest
-from bus.gateway import sse
-from bus.gateway.hub import JournalHub, Subscription
-from bus.gateway.request import Filters, Mode, Resume
-from storage.base import AggregateRecord, JournalEntry, Storage
+from ..errors import BadStreamRequest
+from ..storage.base import AggregateRecord, JournalEntry, Storage
+from . import sse
+from .hub import JournalHub, Subscription
+from .request import Filters, Mode, Resume
 
 #: Journal entries read from the storage per page while catching up.
 PAGE = 500

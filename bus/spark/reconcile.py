@@ -73,15 +73,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from bus.endpoint import Endpoint
-from bus.envelope import Envelope, format_utc
-from bus.errors import ConfigurationError
-from bus.journal import entry_of
-from bus.loading import built_by_loading, load_endpoint
-from bus.messages import Event
-from bus.sending import Bus
-from handlers import AggregateHandler
-from storage.base import JournalEntry
+from ..endpoint import Endpoint
+from ..envelope import Envelope, format_utc
+from ..errors import ConfigurationError
+from ..handlers import AggregateHandler
+from ..journal import entry_of
+from ..loading import built_by_loading, load_endpoint
+from ..messages import Event
+from ..sending import Bus
+from ..storage.base import JournalEntry
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession

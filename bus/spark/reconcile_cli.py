@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bus.spark.reconcile import reconcile
-    from bus.spark.session import spark_session
+    from .reconcile import reconcile
+    from .session import spark_session
 
     with spark_session(args.master, app="idembus reconcile") as spark:
         summary = reconcile(spark, args.endpoint, args.dumps, dry_run=args.dry_run)

@@ -42,10 +42,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from bus.endpoint import Endpoint
-from bus.errors import ConfigurationError
-from bus.loading import built_by_loading, load_endpoint
-from bus.spark.rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
+from ..endpoint import Endpoint
+from ..errors import ConfigurationError
+from ..loading import built_by_loading, load_endpoint
+from .rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

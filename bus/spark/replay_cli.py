@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bus.spark.replay import replay_files
-    from bus.spark.session import spark_session
+    from .replay import replay_files
+    from .session import spark_session
 
     with spark_session(args.master, app="idembus replay") as spark:
         summary = replay_files(spark, args.inputs, args.endpoint, file_format=args.format,

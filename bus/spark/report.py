@@ -32,7 +32,7 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from bus.spark.source import DEFAULT_PARTITIONS, audit_frame
+from .source import DEFAULT_PARTITIONS, audit_frame
 
 #: ``percentile_approx``'s accuracy: relative rank error at most 1 / ACCURACY.
 ACCURACY = 10_000

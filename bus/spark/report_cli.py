@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bus.spark.report import report
-    from bus.spark.session import spark_session
+    from .report import report
+    from .session import spark_session
 
     with spark_session(args.master, app="idembus report") as spark:
         result = report(spark, args.endpoint, out=args.out, partitions=args.partitions)

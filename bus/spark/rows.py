@@ -16,9 +16,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from bus import headers as h
-from bus.recoverability import FAILURE_HEADERS
-from transports.base import Delivery
+from .. import headers as h
+from ..recoverability import FAILURE_HEADERS
+from ..transports.base import Delivery
 
 #: Columns every input must have.
 REQUIRED_COLUMNS = ("message_id", "message_type", "body")

@@ -38,8 +38,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from bus.errors import ConfigurationError
-from storage.base import AuditRecord, Storage
+from ..errors import ConfigurationError
+from ..storage.base import AuditRecord, Storage
 
 #: The format name under which :class:`AuditSource` is registered.
 FORMAT = "idembus_audit"
@@ -127,7 +127,7 @@ def shared_storage(reference: str, *, in_worker: bool = False) -> Iterator[Stora
 
 
 def _load(reference: str, *, in_worker: bool) -> Any:
-    from bus.loading import load_endpoint
+    from ..loading import load_endpoint
 
     try:
         return load_endpoint(reference)

@@ -11,9 +11,9 @@ import logging
 import sys
 import uuid
 
-from bus.faults import RandomCrashes
+from idembus.faults import RandomCrashes
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.system import build, run
-from transports.kombu import KombuTransport
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from idembus.storage.base import INBOX, Storage
 from samples.ordering.billing import BillingHandler, Charge
-from storage.base import INBOX, Storage
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from handlers import Handler, handles
+from idembus.handlers import Handler, handles
 from samples.ordering.messages import OrderBilled, OrderPlaced
 
 

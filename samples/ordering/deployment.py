@@ -40,14 +40,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bus import Endpoint
-from handlers import Handler
+from idembus import Endpoint
+from idembus.handlers import Handler
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.billing import BillingHandler
 from samples.ordering.gateway import PostgresPaymentGateway
 from samples.ordering.sales import OrderHandler
 from samples.ordering.shipping import ShippingHandler
-from storage.postgres import PostgresStorage
-from transports.kombu import KombuTransport
 
 DEFAULT_TRANSPORT = "amqp://guest:guest@127.0.0.1:5672//"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"

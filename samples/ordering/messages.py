@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus import Command, Event
+from idembus import Command, Event
 
 
 class PlaceOrder(Command, message_name="sales.PlaceOrder"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from handlers import AggregateHandler, handles
+from idembus.handlers import AggregateHandler, handles
 from samples.ordering.messages import OrderBilled, OrderShipped
 
 

@@ -7,19 +7,19 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from bus import Endpoint
-from bus.faults import FaultInjector
-from bus.testing import wait_until_idle
-from handlers import Handler
+from idembus import Endpoint
+from idembus.faults import FaultInjector
+from idembus.handlers import Handler
+from idembus.storage.base import Storage
+from idembus.storage.mongo import MongoStorage
+from idembus.testing import wait_until_idle
+from idembus.transports.base import Transport
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.audit import audit
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.sales import Order, OrderHandler
 from samples.ordering.shipping import Shipment, ShippingHandler
-from storage.base import Storage
-from storage.mongo import MongoStorage
-from transports.base import Transport
-from transports.kombu import KombuTransport
 
 
 @dataclass

@@ -27,9 +27,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bus.faults import RandomCrashes
-from bus.gateway import Gateway
-from bus.testing import wait_until_idle
+from idembus.faults import RandomCrashes
+from idembus.gateway import Gateway
+from idembus.testing import wait_until_idle
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.system import build, order_commands
 from samples.stream.client import StreamEvent, stream

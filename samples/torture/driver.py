@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bus import Backoff
-from bus.envelope import Envelope
-from bus.routing import Router
-from bus.sending import Bus
+from idembus import Backoff
+from idembus.envelope import Envelope
+from idembus.routing import Router
+from idembus.sending import Bus
+from idembus.transports.errors import DestinationRefused, TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.system import order_commands
-from transports.errors import TransportUnavailable
-from transports.kombu import KombuTransport
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class Driver:
                 self._transport.dispatch(envelope)
             except TransportUnavailable as error:
                 problem = f"{error}"
+            except DestinationRefused:
+                raise  # no endpoint declared the queue: waiting would not help
             except Exception as error:  # reported: the transport should have wrapped it
                 problem = f"{type(error).__module__}.{type(error).__qualname__}: {error}"
                 self.stats.unexpected_errors.append(problem)

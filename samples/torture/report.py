@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from idembus.storage.base import Storage
 from samples.ordering.audit import StoreAudit, audit
 from samples.ordering.deployment import Deployment
-from storage.base import Storage
 
 
 @dataclass(frozen=True)

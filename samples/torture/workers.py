@@ -69,7 +69,7 @@ class Supervisors:
                            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         for endpoint in ENDPOINTS:
             process = subprocess.Popen(
-                [sys.executable, "-m", "bus.cli", "run",
+                [sys.executable, "-m", "idembus", "run",
                  f"samples.ordering.deployment:{endpoint}", "--workers", str(self.workers),
                  "--log-level", "INFO", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
                 cwd=ROOT, env=environment, text=True,

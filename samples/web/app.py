@@ -15,10 +15,10 @@ from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
 from samples.ordering.messages import OrderPlaced
 from samples.ordering.sales import Order
 from samples.ordering.system import OrderingSystem
-from storage.errors import AlreadyProcessed, ConcurrencyConflict
 
 
 class OrderRequest(BaseModel):

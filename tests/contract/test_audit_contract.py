@@ -6,7 +6,7 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-from storage.base import AuditRecord
+from idembus.storage.base import AuditRecord
 
 UTC = datetime.timezone.utc
 START = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=UTC)

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from storage.base import JournalBounds, JournalEntry
+from idembus.storage.base import JournalBounds, JournalEntry
 
 UTC = datetime.timezone.utc
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from bus import headers as h
-from bus.envelope import Envelope, utc_now
-from storage.errors import StaleLease
+from idembus import headers as h
+from idembus.envelope import Envelope, utc_now
+from idembus.storage.errors import StaleLease
 
 UTC = datetime.timezone.utc
 START = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=UTC)
@@ -62,6 +62,43 @@ def test_undispatched_lists_only_entries_committed_before_the_cutoff(
     commit(storage, "a", "H/m1", [event()])
     assert storage.undispatched(committed_before=utc_now() - datetime.timedelta(hours=1)) == []
     assert len(storage.undispatched(committed_before=soon())) == 1
+
+
+def test_undispatched_of_one_endpoint_lists_its_entries_and_those_without_an_endpoint(
+    storage_factory: Callable[..., Any],
+) -> None:
+    storage = storage_factory()
+
+    def sent_by(endpoint: str | None) -> Envelope:
+        envelope = event()
+        headers = dict(envelope.headers)
+        if endpoint is not None:
+            headers[h.ORIGINATING_ENDPOINT] = endpoint
+        return Envelope(headers, envelope.body)
+
+    commit(storage, "a", "H/m1", [sent_by("sales"), sent_by("sales")])
+    commit(storage, "b", "H/m2", [sent_by("billing")])
+    commit(storage, "c", "H/m3", [sent_by(None)])  # written before endpoints were recorded
+
+    def keys(endpoint: str | None) -> set[str]:
+        return {entry.key for entry in storage.undispatched(committed_before=soon(),
+                                                            endpoint=endpoint)}
+
+    assert keys("sales") == {"H/m1", "H/m3"}
+    assert keys("billing") == {"H/m2", "H/m3"}
+    assert keys(None) == {"H/m1", "H/m2", "H/m3"}
+
+
+def test_failed_repairs_are_counted_with_the_entry(storage_factory: Callable[..., Any]) -> None:
+    storage = storage_factory()
+    commit(storage, "a", "H/m1", [event()])
+    commit(storage, "b", "H/m2", [event()])
+
+    storage.note_repair_failure("Account", "a", "H/m1")
+    storage.note_repair_failure("Account", "a", "H/m1")
+
+    attempts = {e.key: e.attempts for e in storage.undispatched(committed_before=soon())}
+    assert attempts == {"H/m1": 2, "H/m2": 0}
 
 
 def test_keep_bodies_marks_dispatched_but_keeps_what_a_duplicate_sends_again(

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bus import headers as h
-from bus.envelope import Envelope
-from storage.base import Storage
-from storage.mongo import MongoStorage
-from storage.postgres import PostgresStorage
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.storage.base import Storage
+from idembus.storage.mongo import MongoStorage
+from idembus.storage.postgres import PostgresStorage
 from tests.conftest import MONGODB_URL
 
 StorageFactory = Callable[..., Storage]
@@ -421,3 +421,24 @@ def test_a_message_deferred_again_while_its_last_entry_is_claimed_survives_the_f
     # Then the next round is still there, due at its own time
     assert storage.claim_due(at(19)) == []
     assert storage.claim_due(at(20)) == [next_round]
+
+
+# -- owners ---------------------------------------------------------------------------------
+
+
+def test_a_poller_claims_what_its_endpoint_scheduled_and_what_any_poller_may_send(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given messages deferred by two endpoints, and one for any poller
+    storage = storage_factory()
+    sales, billing, anyone = delayed(), delayed(), delayed()
+    storage.schedule(sales, at(0), owner="sales")
+    storage.schedule(billing, at(0), owner="billing")
+    storage.schedule(anyone, at(0))
+
+    # When the sales endpoint's poller claims what is due
+    claimed = storage.claim_due(at(1), lease=LEASE, owner="sales")
+
+    # Then it gets its own and the unowned one, never billing's, which billing's gets
+    assert sorted(ids(claimed)) == sorted(ids([sales, anyone]))
+    assert ids(storage.claim_due(at(1), lease=LEASE, owner="billing")) == ids([billing])

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Callable
 from typing import Any
 
-from storage.base import StatusReport
+from idembus.storage.base import StatusReport
 
 UTC = datetime.timezone.utc
 START = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=UTC)
@@ -46,3 +47,31 @@ def test_reports_are_per_endpoint_and_newest_first(storage_factory: Callable[...
     assert [r.instance for r in storage.status_reports("sales")] == ["host:2:bb", "host:1:aa"]
     assert [r.instance for r in storage.status_reports("billing")] == ["host:3:cc"]
     assert storage.status_reports("shipping") == []
+
+
+def test_a_reports_problems_are_kept_and_cleared_with_the_next_report(
+    storage_factory: Callable[..., Any],
+) -> None:
+    storage = storage_factory()
+    blocked = dataclasses.replace(report("host:1:aa", 5, 0), problems={
+        "storage": "password authentication failed for user app"})
+    storage.report_status(blocked)
+    assert storage.status_reports("sales") == [blocked]
+
+    storage.report_status(report("host:1:aa", 10, 1))
+    (kept,) = storage.status_reports("sales")
+    assert kept.problems == {}
+
+
+def test_reports_of_processes_long_gone_are_forgotten(storage_factory: Callable[..., Any]) -> None:
+    storage = storage_factory()
+    storage.report_status(report("host:1:aa", 5, 1))
+    storage.report_status(report("host:2:bb", 500, 2))
+    storage.report_status(report("host:3:cc", 5, 3, endpoint="billing"))
+
+    forgotten = storage.forget_status("sales",
+                                      updated_before=START + datetime.timedelta(seconds=100))
+
+    assert forgotten == 1
+    assert [r.instance for r in storage.status_reports("sales")] == ["host:2:bb"]
+    assert [r.instance for r in storage.status_reports("billing")] == ["host:3:cc"]

@@ -7,6 +7,7 @@ MongoDB server.
 
 from __future__ import annotations
 
+import datetime
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -15,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from bus import headers as h
-from bus.envelope import Envelope
-from storage.base import AggregateRecord, Storage
-from storage.errors import AlreadyProcessed, ConcurrencyConflict
+from idembus import headers as h
+from idembus.envelope import Envelope, utc_now
+from idembus.storage.base import AggregateRecord, Storage
+from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
 
 StorageFactory = Callable[..., Storage]
 
@@ -291,6 +292,61 @@ def test_a_key_that_left_the_processed_window_can_be_committed_again(
     assert set(record.processed) == {"H/m3", "H/m4", "H/m1"}
     with pytest.raises(AlreadyProcessed):
         commit(storage, record, "H/m4", {"balance": 0})
+
+
+def test_the_window_never_forgets_an_entry_whose_messages_were_not_dispatched(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given an entry whose messages were never dispatched (the process died after commit)
+    storage = storage_factory(processed_window=2)
+    pending = envelope()
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, [pending])
+
+    # When more messages than the window holds are committed and dispatched after it
+    for number in range(2, 6):
+        commit(storage, storage.load(ACCOUNT, "a"), f"H/m{number}", {"balance": number},
+               [envelope()])
+        storage.mark_dispatched(ACCOUNT, "a", f"H/m{number}")
+        storage.flush()
+
+    # Then the newest window stays, and the undispatched one with its message (a backend
+    # may keep the entries between them: MongoDB slices), and the outbox still finds it
+    record = storage.load(ACCOUNT, "a")
+    assert list(record.processed)[0] == "H/m1"
+    assert list(record.processed)[-2:] == ["H/m4", "H/m5"]
+    assert record.processed["H/m1"].outgoing == (pending,)
+    found = storage.undispatched(committed_before=utc_now() + datetime.timedelta(minutes=1))
+    assert [(entry.key, entry.outgoing) for entry in found] == [("H/m1", (pending,))]
+
+    # When the outbox has dispatched it, and another message is committed
+    storage.mark_dispatched(ACCOUNT, "a", "H/m1")
+    storage.flush()
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m6", {"balance": 6})
+
+    # Then the window is back to its size
+    assert list(storage.load(ACCOUNT, "a").processed) == ["H/m5", "H/m6"]
+
+
+def test_retention_never_forgets_an_entry_whose_messages_were_not_dispatched(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given a storage that forgets processed messages at once, an undispatched entry and a
+    # dispatched one
+    storage = storage_factory(retention=datetime.timedelta(0))
+    pending = envelope()
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m1", {"balance": 1}, [pending])
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m2", {"balance": 2}, [envelope()])
+    storage.mark_dispatched(ACCOUNT, "a", "H/m2")
+    storage.flush()
+
+    # When retention runs (on the next commit, and on the outbox dispatcher's rounds)
+    commit(storage, storage.load(ACCOUNT, "a"), "H/m3", {"balance": 3})
+    storage.expire(utc_now() + datetime.timedelta(days=1))
+
+    # Then the undispatched entry is still there with its message
+    assert remembered(storage, "a", "H/m1")["H/m1"].outgoing == (pending,)
+    found = storage.undispatched(committed_before=utc_now() + datetime.timedelta(minutes=1))
+    assert [(entry.key, entry.outgoing) for entry in found] == [("H/m1", (pending,))]
 
 
 def test_a_processed_window_below_1_is_refused(storage_factory: StorageFactory) -> None:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import pytest
 
-from bus import headers as h
-from bus.envelope import Envelope
-from bus.errors import ConfigurationError
-from transports.base import Delivery, Transport
-from transports.kombu import KombuTransport
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.errors import ConfigurationError
+from idembus.transports.base import Delivery, Transport
+from idembus.transports.kombu import KombuTransport
 
 MakeTransport = Callable[..., KombuTransport]
 QueueName = Callable[[str], str]

@@ -1,0 +1,103 @@
+"""What an endpoint tells its operator through the standard ``logging`` module.
+
+* :class:`MessageLog`: at DEBUG, one line per message and handler — received, handled,
+  duplicate, redispatched, dispatched — with ids and milliseconds, from the endpoint's
+  signals (connected only when DEBUG is on for ``idembus.messages``, so it costs nothing
+  otherwise).
+* :class:`Throttle`: one line per cause per interval, with how many were held back, for
+  messages that repeat while something stays broken (an outage).
+* :class:`JsonFormatter`: one JSON object per line (``idembus run --log-format json``),
+  redacted like every other line.
+
+Records carry ``endpoint``, ``message_id``, ``message_type`` and ``handler`` where they
+concern one message (``extra=``); the JSON lines show them as fields.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from .redaction import RedactingFormatter, redact
+from .signals import EndpointSignals
+
+#: The logger of the per-message lines.
+MESSAGES = logging.getLogger("idembus.messages")
+#: Fields a record may carry about its message, shown by the JSON lines.
+FIELDS = ("endpoint", "message_id", "message_type", "handler")
+_EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched")
+
+
+class MessageLog:
+    """DEBUG lines for one endpoint's messages; see the module docstring."""
+
+    def __init__(self, signals: EndpointSignals) -> None:
+        self._signals = signals
+        self._started = threading.local()
+
+    def connect(self) -> bool:
+        """Follow the signals if DEBUG is on for :data:`MESSAGES`; True if it does."""
+        if not MESSAGES.isEnabledFor(logging.DEBUG):
+            return False
+        for name in _EVENTS:
+            getattr(self._signals, name).connect(self._receiver(name), weak=False)
+        return True
+
+    def _receiver(self, event: str) -> Any:
+        def receive(endpoint: str, **details: Any) -> None:
+            if event == "received":
+                self._started.at = time.monotonic()
+            started = getattr(self._started, "at", None)
+            elapsed = (time.monotonic() - started) * 1000 if started is not None else 0.0
+            fields = {"endpoint": endpoint, **{key: details.get(key) for key in FIELDS[1:]}}
+            by = f" by {details['handler']}" if details.get("handler") else ""
+            MESSAGES.debug("%s %s %s %s%s (%.1f ms)", endpoint, event,
+                           details.get("message_type") or "-", details.get("message_id") or "-",
+                           by, elapsed, extra=fields)
+        return receive
+
+
+class Throttle:
+    """Lets one line per key through every ``interval`` seconds; thread-safe."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, key: str) -> int | None:
+        """How many lines of ``key`` were held back since the last one, if this one may be
+        written now; ``None`` if it is held back."""
+        now = time.monotonic()
+        with self._lock:
+            last, held = self._last.get(key, (None, 0))
+            if last is not None and now - last < self.interval:
+                self._last[key] = (last, held + 1)
+                return None
+            self._last[key] = (now, 0)
+            return held
+
+
+class JsonFormatter(RedactingFormatter):
+    """One JSON object per record: time (UTC), level, logger, message, the message's
+    fields where the record has them, and the traceback; every value redacted."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+            .isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": redact(record.getMessage()),
+        }
+        for key in FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                entry[key] = redact(str(value))
+        if record.exc_info:
+            entry["exception"] = redact(self.formatException(record.exc_info))
+        return json.dumps(entry, ensure_ascii=False)

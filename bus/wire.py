@@ -1,0 +1,97 @@
+"""The wire, checked before anything is decoded or stored.
+
+A transport hands over headers as the broker carried them: text, but also bytes, numbers,
+booleans, tables, lists or nothing. idembus's own headers (``idembus.*``) must be text —
+valid UTF-8 — or the message is not one idembus can read: coercing them (``str(v)``, a
+lossy decode) made two different non-UTF-8 message ids one, and the second was
+acknowledged as a duplicate. :func:`text_headers` keeps what is text and says what is not;
+:func:`problem_with` adds the checks every transport shares (size, the message id's form).
+Such a message goes to the error queue with the reason, its bytes unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import headers as h
+
+if TYPE_CHECKING:
+    from .transports.base import Delivery
+
+#: Longest message id accepted, in characters (a uuid has 36). Ids are part of storage keys,
+#: which databases index with limits of their own (PostgreSQL: about 2,700 bytes a row).
+MAX_MESSAGE_ID_LENGTH = 200
+#: Largest body an endpoint accepts unless told otherwise (``Endpoint(max_message_bytes=)``).
+DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
+#: Longest ``repr`` of a non-text header value kept for an operator to see.
+_SHOWN = 200
+_PREFIX = "idembus."
+
+
+def text_headers(raw: Mapping[Any, Any]) -> tuple[dict[str, str], str | None]:
+    """The headers whose names and values are UTF-8 text, and what is wrong, if anything.
+
+    An ``idembus.*`` header whose value is anything but text is a problem; it is kept in
+    the result as a bounded ``repr`` so that the error-queue copy shows it. Other headers
+    that are not text are not idembus's business and are left out (RabbitMQ adds
+    ``x-delivery-count`` numbers on quorum queues). Never raises.
+    """
+    headers: dict[str, str] = {}
+    problems: list[str] = []
+    for name, value in raw.items():
+        if not _is_text(name):
+            continue
+        if _is_text(value):
+            headers[name] = value
+        elif name.startswith(_PREFIX):
+            problems.append(f"header {name} is {_kind(value)}, not UTF-8 text")
+            headers[name] = shown(value)
+    return headers, "; ".join(problems) or None
+
+
+def problem_with(delivery: Delivery, *, max_message_bytes: int) -> str | None:
+    """The first reason ``delivery`` cannot be taken as an idembus message, found before
+    decoding: what its transport found (``wire_error``), a body over
+    ``max_message_bytes``, a message id too long or with control characters. A missing id
+    is left to the decoder, which says so."""
+    if delivery.wire_error:
+        return delivery.wire_error
+    size = len(delivery.body)
+    if size > max_message_bytes:
+        return f"the body of {size} bytes exceeds max_message_bytes={max_message_bytes}"
+    message_id = delivery.headers.get(h.MESSAGE_ID)
+    if message_id:
+        if len(message_id) > MAX_MESSAGE_ID_LENGTH:
+            return (f"the {h.MESSAGE_ID} header has {len(message_id)} characters; at most "
+                    f"{MAX_MESSAGE_ID_LENGTH} are accepted")
+        if any(ord(character) < 32 or ord(character) == 127 for character in message_id):
+            return f"the {h.MESSAGE_ID} header {shown(message_id)} has control characters"
+    return None
+
+
+def _is_text(value: Any) -> bool:
+    """A ``str`` that is valid UTF-8 (py-amqp reads encoded surrogates into ``str``)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "text that is not valid UTF-8"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    if value is None:
+        return "empty (void)"
+    return f"a {type(value).__name__}"
+
+
+def shown(value: Any) -> str:
+    """A bounded, printable ``repr`` of ``value``."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"

@@ -1,0 +1,64 @@
+"""The one redaction function knows every form a password takes in idembus's configuration."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from idembus.redaction import MASK, RedactingFormatter, redact
+
+SECRET = "Sup3r-s3cret"
+
+
+@pytest.mark.parametrize("text", [
+    f"amqp://guest:{SECRET}@127.0.0.1:5672//",
+    f"amqps://guest:{SECRET}@broker.example/vhost?heartbeat=10",
+    f"redis://:{SECRET}@127.0.0.1:6379/0",
+    f"redis://user:{SECRET}@host:6379/0",
+    f"postgresql://app:{SECRET}@db:5432/sales",
+    f"postgresql://app:{SECRET}/with/slash@db:5432/sales",
+    f"postgresql://app:p@{SECRET}@db:5432/sales",
+    f"host=db user=app password={SECRET} dbname=sales",
+    f"host=db password = {SECRET} dbname=sales",
+    f"host=db password='{SECRET} with spaces' dbname=sales",
+    f"host=db password='{SECRET}\\'quoted' dbname=sales",
+    f'host=db password="{SECRET}" dbname=sales',
+    f"postgresql://db/sales?user=app&password={SECRET}&sslmode=require",
+    f"host=db sslpassword={SECRET}",
+    f"HOST=db PASSWORD={SECRET}",
+    f"options {{'password': '{SECRET}', 'ssl': True}}",
+    f'{{"password": "{SECRET}"}}',
+    f"cannot connect to amqp://guest:{SECRET}@127.0.0.1:5672//: [Errno 111] refused",
+])
+def test_a_password_in_any_known_form_is_masked(text: str) -> None:
+    redacted = redact(text)
+
+    assert SECRET not in redacted
+    assert MASK in redacted
+
+
+def test_what_surrounds_a_password_stays_readable() -> None:
+    assert redact(f"amqp://guest:{SECRET}@127.0.0.1:5672//") == "amqp://guest:***@127.0.0.1:5672//"
+    assert (redact(f"host=db password='{SECRET} x' dbname=sales")
+            == "host=db password=*** dbname=sales")
+    assert redact("memory:// and redis://127.0.0.1:6379/0") == "memory:// and redis://127.0.0.1:6379/0"
+
+
+def test_extra_secrets_are_hidden_wherever_they_appear() -> None:
+    assert redact(f"basic auth admin {SECRET} refused", secrets=[SECRET, ""]) == (
+        "basic auth admin *** refused")
+
+
+def test_the_formatter_hides_passwords_in_messages_and_tracebacks() -> None:
+    formatter = RedactingFormatter("%(message)s")
+    try:
+        raise ConnectionError(f"refused by postgresql://u:{SECRET}@db/x")
+    except ConnectionError:
+        record = logging.LogRecord("t", logging.ERROR, __file__, 1, "url %s", (
+            f"amqp://u:{SECRET}@h//",), exc_info=__import__("sys").exc_info())
+
+    line = formatter.format(record)
+
+    assert SECRET not in line
+    assert "ConnectionError" in line
