@@ -366,3 +366,44 @@ def test_a_due_or_past_delivery_time_is_sent_at_once(
     transport.send(message(destination, delay=0))
     # Publisher confirms: once send returns, the messages are in the queue.
     assert transport.pending(destination) == 2
+
+
+@pytest.mark.amqp
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_messages_whose_queue_was_deleted_while_they_waited_are_kept_and_stall_nothing(
+    queue_type: str, queue: Callable[[str], str],
+) -> None:
+    # Given more delayed messages for a deleted queue than RabbitMQ's dead-letter worker
+    # holds in flight (32) -- on quorum levels, unroutable ones used to stay at the head of
+    # level 0 forever and stop it for every endpoint --
+    transport = KombuTransport(AMQP_URL, queue_type=queue_type)
+    levels = delays.Topology.for_queue_type(queue_type)
+    try:
+        doomed, destination = queue(f"deleted-{queue_type}"), f"kept-{uuid.uuid4().hex[:8]}"
+        transport.declare(destination)
+        orphans = [message(doomed, delay=1) for _ in range(40)]
+        for orphan in orphans:
+            transport.send(orphan)
+        transport.delete_queue(doomed)
+        # When a message for a queue that exists follows them through the same level,
+        sent = message(destination, delay=1)
+        transport.send(sent)
+        # Then it arrives on time,
+        delivery, arrived = next_arrival(transport, destination)
+        assert delivery.headers[h.MESSAGE_ID] == sent.message_id
+        assert_on_time(sent, arrived)
+        # and every orphan waits in the undeliverable queue with its headers.
+        wanted = {orphan.message_id for orphan in orphans}
+        deadline = time.monotonic() + TIMEOUT
+        found: dict[str, Delivery] = {}
+        while wanted - found.keys() and time.monotonic() < deadline:
+            with transport.inspect(levels.undeliverable) as waiting:
+                for kept in waiting:
+                    if kept.headers.get(h.MESSAGE_ID) in wanted:
+                        found[kept.headers[h.MESSAGE_ID]] = kept
+                        kept.ack()
+        assert found.keys() == wanted
+        assert all(kept.headers[h.DELIVER_AT] for kept in found.values())
+    finally:
+        transport.delete_queue(destination)
+        transport.close()

@@ -47,6 +47,15 @@ its level until the next level has it. Their names differ so that a broker that 
 one never sees the other redeclared with other arguments, and a deployment can move from
 one to the other while the old levels drain.
 
+A message whose destination queue was deleted while it waited matches no binding of the
+delivery exchange. Rather than drop it (classic levels) or keep retrying it at the head of
+level 0 (quorum levels dead-letter at least once: RabbitMQ holds an unroutable message in
+the level and retries it, and 32 such messages stop the level for everyone — seen on
+RabbitMQ 3.10), the delivery exchange has an *alternate exchange*, ``<prefix>.undeliverable``,
+which routes whatever matches no binding into the queue of the same name, headers and
+routing key (hence the destination's name) unchanged. Nothing is lost and no level stalls;
+an operator moves them on or purges them.
+
 Everything here but :meth:`Topology.declare` and :meth:`Topology.bind_destination` is
 arithmetic.
 """
@@ -156,6 +165,17 @@ class Topology:
         """Where level 0 dead-letters to; binds every destination of a delayed message."""
         return f"{self.prefix}.deliver"
 
+    @property
+    def undeliverable(self) -> str:
+        """The alternate exchange of :attr:`deliver_exchange`, and its queue: delayed
+        messages whose destination no longer exists."""
+        return f"{self.prefix}.undeliverable"
+
+    @property
+    def queue_arguments(self) -> dict[str, Any]:
+        """Arguments of a queue of this topology's type that is not a level."""
+        return {"x-queue-type": "quorum"} if self.quorum else {}
+
     def levels(self) -> list[Level]:
         """Every level, lowest first (each binds the one below)."""
         return [Level(number, self.prefix, self.quorum) for number in range(LEVELS)]
@@ -166,8 +186,13 @@ class Topology:
         return level_name(delay.bit_length() - 1, self.prefix)
 
     def declare(self, channel: Any) -> None:
-        """Declare the delivery exchange and every level, bindings included. Idempotent."""
-        _exchange(self.deliver_exchange)(channel).declare()
+        """Declare the delivery exchange (with its alternate exchange and queue) and every
+        level, bindings included. Idempotent."""
+        undeliverable = Exchange(self.undeliverable, type="fanout", durable=True)
+        Queue(self.undeliverable, exchange=undeliverable, durable=True,
+              queue_arguments=self.queue_arguments or None)(channel).declare()
+        Exchange(self.deliver_exchange, type="topic", durable=True,
+                 arguments={"alternate-exchange": self.undeliverable})(channel).declare()
         for level in self.levels():
             # Declares the level's exchange and queue and binds the queue for bit = 1 ...
             Queue(level.name, exchange=_exchange(level.name), routing_key=level.hold_key,

@@ -307,8 +307,9 @@ class KombuTransport(Transport):
                 if isinstance(classified, DestinationRefused) and "inequivalent arg" in str(exc):
                     raise ConfigurationError(
                         f"the delay levels on {self.safe_url} exist with other arguments "
-                        f"({exc}); delete the {self._delay_levels.prefix}.* queues after "
-                        "they have delivered their messages") from exc
+                        f"({exc}); once its {self._delay_levels.prefix}.* queues have "
+                        "delivered their messages, delete those queues and exchanges and "
+                        "start again") from exc
                 raise classified if classified is not None else exc from exc
         self._delay_bound.add(queue)
 
