@@ -7,6 +7,8 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 
+from .errors import EndpointBlocked
+from .health import Health
 from .policies import Backoff
 from .redaction import redact
 from .storage.errors import StorageUnavailable
@@ -20,12 +22,18 @@ class Periodic(ABC):
 
     :meth:`round` returns the seconds until the next round. A round that raises is tried
     again after a growing wait (``backoff``): an unreachable broker or database is logged as
-    a warning, anything else with its traceback. :meth:`wake` starts the next round early.
+    a warning; a refusal only an operator can end (:class:`~bus.errors.EndpointBlocked`)
+    at ERROR and recorded in ``health`` under the thread's name (``idembus status`` shows
+    it) until a round succeeds; anything else with its traceback. :meth:`wake` starts the
+    next round early.
     """
 
-    def __init__(self, name: str, *, backoff: Backoff | None = None) -> None:
+    def __init__(self, name: str, *, backoff: Backoff | None = None,
+                 health: Health | None = None) -> None:
         self.name = name
         self._backoff = backoff or Backoff()
+        #: Where this thread says what blocks it (the endpoint's, when it runs one).
+        self.health = health or Health()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -64,11 +72,17 @@ class Periodic(ABC):
             try:
                 wait = self.round()
                 failures = 0
+                self.health.resolved(self.name)
             except (StorageUnavailable, TransportUnavailable) as outage:
                 wait = self._backoff.delay(failures)
                 failures += 1
-                log.warning("%s: %s; trying again in %.1fs", self.name, redact(str(outage)),
-                            wait)
+                if isinstance(outage, EndpointBlocked):
+                    self.health.problem(self.name, outage)
+                    log.error("%s: %s; trying again in %.1fs", self.name,
+                              redact(str(outage)), wait)
+                else:
+                    log.warning("%s: %s; trying again in %.1fs", self.name,
+                                redact(str(outage)), wait)
             except Exception:
                 wait = self._backoff.delay(failures)
                 failures += 1

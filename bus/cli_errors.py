@@ -42,7 +42,7 @@ from .loading import load_endpoint
 from .parking import ParkedDelivery, parked_deliveries
 from .recoverability import without_failure_headers
 from .redaction import redact
-from .storage.errors import StorageUnavailable
+from .storage.errors import StorageError
 from .supervisor import EXIT_CONFIGURATION
 from .transports.base import Delivery
 from .transports.errors import TransportUnavailable
@@ -216,7 +216,7 @@ def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Deli
             own = [delivery for delivery in deliveries
                    if args.all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name]
             yield endpoint, [*own, *parked_deliveries(endpoint.storage, endpoint.name)]
-    except (TransportUnavailable, StorageUnavailable) as unreadable:
+    except (TransportUnavailable, StorageError) as unreadable:
         raise ConfigurationError(f"cannot read the failed messages of {endpoint.name}: "
                                  f"{redact(str(unreadable))}") from unreadable
     finally:

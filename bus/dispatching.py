@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from .background import Periodic
 from .envelope import Envelope, utc_now
 from .errors import MessageRefused
+from .health import Health
 from .journal import Journal
 from .parking import park_outgoing
 from .policies import Backoff
@@ -94,8 +95,8 @@ class DelayedDeliveries(Periodic):
     def __init__(self, transport: Transport, storage: Storage, *, name: str,
                  interval: float = 0.5, batch: int = 100, lease: float = 30.0,
                  backoff: Backoff | None = None, owner: str | None = None,
-                 max_attempts: int = 5) -> None:
-        super().__init__(name, backoff=backoff)
+                 max_attempts: int = 5, health: Health | None = None) -> None:
+        super().__init__(name, backoff=backoff, health=health)
         self._transport = transport
         self._storage = storage
         self._interval = interval

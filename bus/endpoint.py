@@ -221,14 +221,15 @@ class Endpoint:
         # Without native delay on the broker, deferred messages wait in the storage.
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
-            interval=delayed_poll_interval, owner=name)
+            interval=delayed_poll_interval, owner=name, health=self.health)
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
         self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
                                        endpoint=name,
                                        grace=outbox_grace, keep_bodies=not compact_after_dispatch,
                                        journal_retention=(journal_retention if self.journal
-                                                          else None))
+                                                          else None),
+                                       health=self.health)
         self._run_outbox = outbox
         #: The audit trail of this endpoint (``audit=True``), else ``None``.
         self.audit = AuditTrail(self.storage, self.signals, endpoint=name) if audit else None

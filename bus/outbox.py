@@ -43,6 +43,7 @@ import uuid
 from .background import Periodic
 from .dispatching import Dispatcher
 from .envelope import Envelope, utc_now
+from .health import Health
 from .parking import park_outgoing
 from .policies import Backoff
 from .redaction import redact
@@ -71,12 +72,13 @@ class OutboxDispatcher(Periodic):
         journal_retention: datetime.timedelta | None = None,
         backoff: Backoff | None = None,
         max_attempts: int = 5,
+        health: Health | None = None,
     ) -> None:
         if lease_ttl <= 0 or grace < 0:
             raise ValueError("lease_ttl must be positive and grace not negative")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        super().__init__(name, backoff=backoff)
+        super().__init__(name, backoff=backoff, health=health)
         self._storage = storage
         self._dispatcher = dispatcher
         #: Whose entries this dispatcher repairs (``None``: every endpoint's, as before
@@ -124,6 +126,14 @@ class OutboxDispatcher(Periodic):
                                 self.owner)
                     self.lease = None
                     break
+                except (StorageUnavailable, TransportUnavailable):
+                    raise
+                except Exception:
+                    # Even parking or counting failed: this entry is tried again next round,
+                    # and the others go on.
+                    log.exception("repairing %s %s (%s) failed, and so did setting it aside; "
+                                  "trying again next round", entry.aggregate_type,
+                                  entry.aggregate_id, entry.key)
         finally:
             if self.lease is not None:
                 self._housekeeping(now)
@@ -134,11 +144,13 @@ class OutboxDispatcher(Periodic):
         count it, and at ``max_attempts`` park what is left and mark it anyway (0)."""
         address = (entry.aggregate_type, entry.aggregate_id, entry.key)
         sent: list[Envelope] = []
+        done: set[str] = set()  # sent, or parked because the broker refused it
         try:
             for envelope in entry.outgoing:
                 if self._dispatcher.dispatch_committed(envelope,
                                                        endpoint=self.endpoint or ""):
                     sent.append(envelope)
+                done.add(envelope.message_id)
             self._mark(entry, sent)
         except (StaleLease, StorageUnavailable, TransportUnavailable):
             raise
@@ -149,9 +161,10 @@ class OutboxDispatcher(Periodic):
                             *address, attempts, self.max_attempts, redact(str(error)))
                 self._storage.note_repair_failure(*address)
                 return 0
-            for envelope in entry.outgoing[len(sent):]:
-                park_outgoing(self._storage, envelope, error, endpoint=self.endpoint or "",
-                              attempts=attempts)
+            for envelope in entry.outgoing:
+                if envelope.message_id not in done:
+                    park_outgoing(self._storage, envelope, error,
+                                  endpoint=self.endpoint or "", attempts=attempts)
             self._mark(entry, sent)
             return 0
         log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",

@@ -16,7 +16,7 @@ import datetime
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import headers as h
 from . import wire
@@ -38,7 +38,12 @@ from .redaction import redact
 from .registry import MessageRegistry
 from .signals import EndpointSignals
 from .storage.base import PARKED_FROM_ERROR_QUEUE, Storage
-from .storage.errors import CommitOutcomeUnknown, StorageUnavailable
+from .storage.errors import (
+    CommitOutcomeUnknown,
+    StorageAccessDenied,
+    StorageError,
+    StorageUnavailable,
+)
 from .transports.base import Delivery
 from .transports.errors import DestinationRefused, TransportUnavailable
 
@@ -52,6 +57,16 @@ class _Failure:
     error: Exception
     attempts: int
     policy: RetryPolicy
+
+
+@dataclass
+class _Dispatching:
+    """How far the dispatch of one handler's outgoing messages got, across the re-attempts
+    an outage forces: what went out (or was parked) is not sent or counted again."""
+
+    sent: list[Envelope] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    redispatch_counted: bool = False
 
 
 class MessageProcessor:
@@ -75,11 +90,10 @@ class MessageProcessor:
         outage_backoff: Backoff | None = None,
         health: Health | None = None,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
-        storage: Storage | None = None,
+        storage: Storage,
     ) -> None:
         self._endpoint = endpoint
-        #: Where a message goes when the error queue refuses it (``None``: nowhere; the
-        #: delivery goes back to the broker).
+        #: Where a message goes when the error queue refuses it (:mod:`bus.parking`).
         self._storage = storage
         self._error_queue = error_queue
         self._registry = registry
@@ -135,6 +149,7 @@ class MessageProcessor:
         attempts = 0
         outages = 0
         outcome: Outcome | None = None
+        dispatching = _Dispatching()
         commit_may_have_landed = False
         while True:
             attempts += 1
@@ -145,7 +160,7 @@ class MessageProcessor:
                         commit_may_have_landed=commit_may_have_landed)
                     self._faults.reached(CrashPoint.AFTER_COMMIT,
                                          delivery.headers[h.MESSAGE_ID])
-                self._dispatch(outcome, delivery.headers)
+                self._dispatch(outcome, delivery.headers, dispatching)
                 self._health.resolved()
                 return None
             except (StorageUnavailable, TransportUnavailable) as outage:
@@ -231,34 +246,73 @@ class MessageProcessor:
                            attempt=round_number, error=error, delay=delay)
         delivery.ack()
 
-    def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str]) -> None:
-        sent = []
+    def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str],
+                  progress: _Dispatching) -> None:
+        """Send what ``outcome`` left (what an earlier attempt sent or parked is done), then
+        mark it dispatched."""
         for envelope in outcome.outgoing:
-            if self._dispatcher.dispatch_committed(envelope, endpoint=self._endpoint):
-                sent.append(envelope)
+            if envelope.message_id in progress.done:
+                continue
+            went_out = self._dispatcher.dispatch_committed(envelope, endpoint=self._endpoint)
+            progress.done.add(envelope.message_id)
+            if went_out:
+                progress.sent.append(envelope)
                 self._signals.emit("dispatched", message_id=envelope.message_id,
                                    message_type=envelope.message_type, envelope=envelope)
         if not outcome.outgoing:
             return
-        if outcome.duplicate:
+        if outcome.duplicate and not progress.redispatch_counted:
+            progress.redispatch_counted = True
             self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing),
                                message_id=incoming.get(h.MESSAGE_ID),
                                message_type=incoming.get(h.MESSAGE_TYPE),
                                handler=outcome.handler,
                                time_sent=incoming.get(h.TIME_SENT))
         self._dispatcher.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id,
-                                         outcome.key, sent, keep_bodies=not self._compact)
+                                         outcome.key, progress.sent,
+                                         keep_bodies=not self._compact)
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Bad input found before decoding: straight to the error queue with ``reason``."""
         self._dead_letter(delivery, MalformedMessage(reason), attempts=0)
 
     def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
-        """Forward the delivery, byte for byte, to the error queue; then acknowledge it."""
-        headers = failure_headers(
-            delivery.headers, error, queue=delivery.queue, immediate_attempts=attempts,
-            delayed_attempts=_delayed_rounds(delivery),
-        )
+        """Forward the delivery, byte for byte, to the error queue (or park it, if the
+        broker refuses the copy); then acknowledge it.
+
+        Until one of them takes it the message keeps its place: an outage, or a storage
+        that refuses even a copy without the body, is waited out with backoff (logged, and
+        the latter shown by ``idembus status``) — never a hot loop, never dropped."""
+        message_id = delivery.headers.get(h.MESSAGE_ID) or "a message without id"
+        waits = 0
+        while True:
+            try:
+                self._move_aside(delivery, error, attempts=attempts)
+                break
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                blocked: BusError = outage
+            except StorageError as refused:
+                blocked = StorageAccessDenied(
+                    f"the error queue refused {message_id} and the storage refused to park "
+                    f"it, even without its body: {redact(str(refused))}")
+            if self._stopping.is_set():
+                raise blocked
+            delay = self._outage_backoff.delay(waits)
+            waits += 1
+            self._note_outage(blocked, f"{self._endpoint} (moving it aside)", message_id,
+                              delay)
+            self._stopping.wait(delay)
+        self._health.resolved()
+        self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
+                           time_sent=delivery.headers.get(h.TIME_SENT))
+        delivery.ack()
+
+    def _move_aside(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
+        """One try at the error queue, then at parking; raises what stopped both."""
+        delayed = _delayed_rounds(delivery)
+        headers = failure_headers(delivery.headers, error, queue=delivery.queue,
+                                  immediate_attempts=attempts, delayed_attempts=delayed)
         body = delivery.body.decode("utf-8", "surrogateescape")
         content_type = delivery.content_type or h.CONTENT_TYPE
         try:
@@ -266,27 +320,20 @@ class MessageProcessor:
                                                destination=self._error_queue,
                                                content_type=content_type))
         except DestinationRefused as refused:
-            if self._storage is None:
-                raise
             # The broker will not take the copy: keep the message in the storage instead.
-            # If the storage cannot either, the error propagates and the delivery waits.
             original = Envelope(dict(delivery.headers), body, delivery.queue, content_type)
             park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
-                 envelope=original, queue=delivery.queue, attempts=attempts, error=error,
-                 refusal=refused)
-        else:
-            log.warning("moved %s from %s to %s: %s",
-                        delivery.headers.get(h.MESSAGE_ID, "a message"), delivery.queue,
-                        self._error_queue, headers[h.EXCEPTION_MESSAGE],
-                        exc_info=(type(error), error, error.__traceback__)
-                        if error.__traceback__ is not None else None,
-                        extra={"endpoint": self._endpoint,
-                               "message_id": delivery.headers.get(h.MESSAGE_ID),
-                               "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
-        self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
-                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
-                           time_sent=delivery.headers.get(h.TIME_SENT))
-        delivery.ack()
+                 envelope=original, queue=delivery.queue, attempts=attempts,
+                 delayed_attempts=delayed, error=error, refusal=refused)
+            return
+        log.warning("moved %s from %s to %s: %s",
+                    delivery.headers.get(h.MESSAGE_ID, "a message"), delivery.queue,
+                    self._error_queue, headers[h.EXCEPTION_MESSAGE],
+                    exc_info=(type(error), error, error.__traceback__)
+                    if error.__traceback__ is not None else None,
+                    extra={"endpoint": self._endpoint,
+                           "message_id": delivery.headers.get(h.MESSAGE_ID),
+                           "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
 
 
 def _delayed_rounds(delivery: Delivery) -> int:

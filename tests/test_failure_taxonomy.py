@@ -21,7 +21,11 @@ from idembus.handlers import Handler, handles
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
-from idembus.transports.errors import BrokerAccessDenied, DestinationRefused
+from idembus.transports.errors import (
+    BrokerAccessDenied,
+    DestinationRefused,
+    TransportUnavailable,
+)
 from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter
 
@@ -315,3 +319,60 @@ def test_a_refused_delayed_retry_sends_the_message_to_the_error_queue_instead(
     copy = failing.transport.get(failing.error_queue)
     assert copy is not None
     assert "the payment service said no" in copy.headers[h.EXCEPTION_MESSAGE]
+
+
+class BrokerLostAfterOneSend(KombuTransport):
+    """Sends to ``watched`` fail with a lost connection once, after the first went out."""
+
+    def __init__(self, *args: Any, watched: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watched = watched
+        self.sends: list[str] = []
+        self.lost = False
+
+    def send(self, envelope: Any) -> None:
+        if envelope.destination == self.watched:
+            if len(self.sends) == 1 and not self.lost:
+                self.lost = True
+                raise TransportUnavailable("connection reset by peer (simulated)")
+            self.sends.append(envelope.message_id)
+        super().send(envelope)
+
+
+class SendsThree(AccountHandler):
+    """Applies the deposit, then sends three copies of it to ``watched``."""
+
+    watched = ""
+
+    @handles
+    def deposit(self, message: Deposit) -> None:
+        super().deposit(message)
+        for _ in range(3):
+            self.bus.send(Deposit(account="x", amount=message.amount), to=self.watched)
+
+
+def test_an_outage_in_the_middle_of_a_dispatch_sends_and_counts_only_what_is_left(
+    make_endpoint: MakeEndpoint, transport_url: str, make_transport: Callable[..., Any],
+) -> None:
+    # Given an endpoint that sends three messages and loses the broker after the first
+    watched = make_endpoint("watched", handlers=[])
+    watched.transport.declare(watched.name)
+    SendsThree.watched = watched.name
+    transport = BrokerLostAfterOneSend(transport_url, exchange=make_transport().exchange_name,
+                                       watched=watched.name)
+    accounts = make_endpoint("accounts", handlers=[SendsThree], transport=transport,
+                             outage_backoff=NO_WAIT)
+    dispatched = SignalCounter(accounts, "dispatched")
+    accounts.start()
+
+    # When a deposit arrives
+    accounts.bus.send(Deposit(account="a", amount=5))
+
+    # Then after the outage only what had not gone out is sent again: each message once,
+    # counted once, and nothing is a duplicate or a redispatch
+    assert dispatched.wait_for(4)  # the deposit itself, then its three messages
+    wait_until_idle([accounts])
+    assert transport.lost
+    assert len(transport.sends) == len(set(transport.sends)) == 3
+    assert (accounts.counters["dispatched"], accounts.counters["handled"]) == (4, 1)
+    assert (accounts.counters["duplicate"], accounts.counters["redispatched"]) == (0, 0)

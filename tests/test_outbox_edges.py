@@ -5,16 +5,22 @@ trimming whatever the entries do, and repairs only its own endpoint's entries.""
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
+import time
 import uuid
 from typing import Any
 
 import pytest
 
+from idembus import Backoff
 from idembus import headers as h
 from idembus.dispatching import DelayedDeliveries, Dispatcher
 from idembus.envelope import Envelope, utc_now
+from idembus.health import Health
 from idembus.outbox import OutboxDispatcher
 from idembus.storage.base import PARKED_OUTGOING, AggregateRecord
+from idembus.storage.errors import StorageAccessDenied
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
 from idembus.transports.kombu import KombuTransport
@@ -122,6 +128,48 @@ def test_an_entry_failing_otherwise_is_retried_then_parked_after_max_attempts():
     assert parked.envelope.headers[h.IMMEDIATE_ATTEMPTS] == "3"
 
 
+class CannotPark(MemoryStorage):
+    """A storage whose parking fails with an error nobody foresaw."""
+
+    def park(self, parked: Any) -> None:
+        raise RuntimeError("parking broke (simulated)")
+
+
+def test_an_entry_that_cannot_even_be_set_aside_does_not_hold_up_the_entries_after_it():
+    # Given an old entry whose message is refused and cannot be parked, and newer ones
+    storage, transport = CannotPark(), Troubled()
+    transport.refused = {"gone"}
+    crashed(storage, "a", command("gone"))
+    crashed(storage, "b", command("billing"))
+    crashed(storage, "c", command("shipping"))
+    dispatcher = outbox(storage, transport, max_attempts=1)
+
+    # When the outbox makes its rounds (giving up on an entry at its first failure)
+    # Then the newer entries are repaired in the first, and the old one waits, every round
+    assert dispatcher.run_once() == 2
+    assert pending(storage) == ["a"]
+    assert dispatcher.run_once() == 0
+    assert pending(storage) == ["a"] and len(transport.sent) == 2
+
+
+def test_a_refused_message_is_parked_once_however_many_rounds_its_entry_takes():
+    # Given an entry with a message its queue refuses and one that fails otherwise
+    storage, transport = MemoryStorage(), Troubled()
+    transport.refused, transport.broken = {"gone"}, {"flaky"}
+    refused, doomed = command("gone"), command("flaky")
+    crashed(storage, "a", refused, doomed)
+    dispatcher = outbox(storage, transport, max_attempts=3)
+
+    # When the outbox makes rounds until it gives up on the entry
+    for _ in range(3):
+        assert dispatcher.run_once() == 0
+
+    # Then each message is parked exactly once and the entry is done
+    assert pending(storage) == []
+    assert sorted(p.envelope.message_id for p in storage.parked_messages("sales")) == sorted(
+        [refused.message_id, doomed.message_id])
+
+
 class Expiring(MemoryStorage):
     """Counts the outbox's housekeeping calls."""
 
@@ -221,3 +269,51 @@ def test_a_delayed_message_failing_otherwise_is_parked_after_max_attempts():
     [parked] = storage.parked_messages("sales")
     assert parked.envelope.message_id == doomed.message_id
     assert storage.claim_due(utc_now() + datetime.timedelta(minutes=5)) == []
+
+
+class LoginRefusedUntilAllowed(MemoryStorage):
+    """Refuses the outbox's lease until ``allow`` is set, as a database refuses a login."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allow = threading.Event()
+        self.refusals = 0
+
+    def acquire_lease(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.allow.is_set():
+            self.refusals += 1
+            raise StorageAccessDenied("password authentication failed for user app")
+        return super().acquire_lease(*args, **kwargs)
+
+
+def test_an_outbox_the_database_refuses_logs_at_error_and_shows_it_until_it_works(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given an outbox dispatcher whose database refuses its login
+    storage, transport = LoginRefusedUntilAllowed(), Troubled()
+    health = Health()
+    crashed(storage, "a", command("billing"))
+    dispatcher = outbox(storage, transport, health=health, backoff=Backoff((0.01,)))
+    dispatcher.start()
+    try:
+        # Then it says so at ERROR and in its health, under its own name, and keeps trying
+        assert wait_until(lambda: storage.refusals >= 2)
+        assert "password authentication failed" in health.problems()[dispatcher.name]
+        assert any(record.levelno == logging.ERROR and "password authentication" in
+                   record.getMessage() for record in caplog.records)
+
+        # When the database takes it again, the entry is repaired and the problem is gone
+        storage.allow.set()
+        dispatcher.wake()
+        assert wait_until(lambda: pending(storage) == [] and not health.problems())
+    finally:
+        dispatcher.stop()
+
+
+def wait_until(condition: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

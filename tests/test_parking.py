@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 import types
 import uuid
 from typing import Any
@@ -17,13 +19,14 @@ from idembus import headers as h
 from idembus.cli import main
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, handles
-from idembus.storage.errors import StorageUnavailable
+from idembus.parking import BODY_NOT_KEPT, park_outgoing
+from idembus.storage.errors import StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, require_service
 from tests.hostile import WireMessage, plain_amqp, publish
-from tests.support import Account, Deposit, SignalCounter
+from tests.support import Account, Deposit, Ledger, SignalCounter
 
 NO_RETRIES = RetryPolicy(immediate_retries=0, delayed=())
 
@@ -171,23 +174,105 @@ def test_a_purged_parked_message_is_gone(
         endpoint.close()
 
 
-def test_when_the_storage_cannot_park_either_the_message_waits_in_its_queue(
+def test_when_the_storage_cannot_park_either_the_message_waits_in_place_and_is_parked_once(
     names: tuple[str, str],
 ) -> None:
     # Given an endpoint whose error queue refuses copies and whose storage fails once
     storage = ParkFailsOnce()
     endpoint, signals = start(names, storage)
+    dead_lettered = SignalCounter(endpoint, "dead_lettered")
     try:
         # When a deposit fails
         failed_id = endpoint.bus.send(Deposit(account="closed", amount=5))
 
-        # Then the first delivery goes back to the queue, and the next one is parked
-        assert signals["failed"].wait_for(2)
+        # Then the handler ran once: the message waited for the storage, then was parked
+        assert dead_lettered.wait_for(1)
         endpoint.stop()
+        assert signals["failed"].count == 1
         assert storage.park_attempts == 2
         assert [p.envelope.message_id for p in storage.parked_messages(endpoint.name)] == [
             failed_id]
         assert endpoint.transport.pending(endpoint.name) == 0
+    finally:
+        endpoint.close()
+
+
+class RefusesBodies(MemoryStorage):
+    """A storage that refuses to park any message with a body (as MongoDB refuses a
+    document over 16 MB), and, while ``refuse_all`` is set, any message at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.park_attempts = 0
+        self.refuse_all = threading.Event()
+        self.refused_all = threading.Event()
+
+    def park(self, parked: Any) -> None:
+        self.park_attempts += 1
+        if self.refuse_all.is_set():
+            self.refused_all.set()
+            raise StorageRefused("document too large (simulated)")
+        if parked.envelope.body:
+            raise StorageRefused("BSON document too large (simulated)")
+        super().park(parked)
+
+
+def test_a_message_neither_the_broker_nor_the_storage_will_keep_whole_is_parked_without_body(
+    names: tuple[str, str],
+) -> None:
+    # Given an endpoint whose error queue refuses copies and whose storage refuses bodies
+    storage = RefusesBodies()
+    endpoint, signals = start(names, storage)
+    dead_lettered = SignalCounter(endpoint, "dead_lettered")
+    try:
+        # When a deposit fails, and a good one follows
+        failed_id = endpoint.bus.send(Deposit(account="closed", amount=5))
+        endpoint.bus.send(Deposit(account="open", amount=7))
+
+        # Then the endpoint goes on, and the failed one is parked with its headers, the
+        # reason, and what its body was (size and digest), never dropped without a trace
+        assert dead_lettered.wait_for(1) and signals["handled"].wait_for(1)
+        endpoint.stop()
+        [parked] = storage.parked_messages(endpoint.name)
+        assert parked.envelope.message_id == failed_id
+        assert parked.envelope.body == ""
+        note = parked.envelope.headers[BODY_NOT_KEPT]
+        assert "sha256" in note and "BSON document too large" in note
+        assert "account closed is closed" in parked.envelope.headers[h.EXCEPTION_MESSAGE]
+    finally:
+        endpoint.close()
+
+
+def test_when_nothing_will_keep_a_failed_message_the_endpoint_waits_with_backoff_and_says_so(
+    names: tuple[str, str],
+) -> None:
+    # Given an endpoint whose error queue refuses copies and whose storage refuses to park
+    storage = RefusesBodies()
+    storage.refuse_all.set()
+    endpoint, signals = start(names, storage)
+    dead_lettered = SignalCounter(endpoint, "dead_lettered")
+    try:
+        # When a deposit fails
+        failed_id = endpoint.bus.send(Deposit(account="closed", amount=5))
+
+        # Then the message keeps its place (the handler ran once), the endpoint reports
+        # what blocks it, and it tries again with backoff rather than in a hot loop
+        assert storage.refused_all.wait(10)
+        deadline = time.monotonic() + 10
+        while not endpoint.health.problems() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "refused to park" in endpoint.health.problems()["storage"]
+        attempts_before = storage.park_attempts
+        time.sleep(0.5)  # a window in which a hot loop would try thousands of times
+        assert storage.park_attempts - attempts_before <= 12
+        assert signals["failed"].count == 1
+
+        # When the storage takes it again, the message is parked and the problem is gone
+        storage.refuse_all.clear()
+        assert dead_lettered.wait_for(1, timeout=15)
+        assert [p.envelope.message_id for p in storage.parked_messages(endpoint.name)] == [
+            failed_id]
+        assert endpoint.health.problems() == {}
     finally:
         endpoint.close()
 
@@ -227,3 +312,73 @@ def test_on_rabbitmq_a_copy_too_large_for_a_frame_is_parked_and_the_endpoint_goe
         endpoint.close()
         endpoint.transport.delete_queue(queue)
         endpoint.transport.delete_queue(error_queue)
+
+
+def errors_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+               make: Any, *args: str) -> tuple[int, str, str]:
+    """``idembus errors ARGS`` on the endpoint ``make()`` builds."""
+    module_name = f"parking_app_{uuid.uuid4().hex[:8]}"
+    module = types.ModuleType(module_name)
+    module.endpoint = make  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module_name, module)
+    capsys.readouterr()
+    status = main(["errors", args[0], f"{module_name}:endpoint", *args[1:]])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_an_event_the_outbox_parked_is_listed_and_published_again_by_idembus_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given an event of "sales" that the outbox parked, and a subscriber of its type
+    suffix = uuid.uuid4().hex[:8]
+    exchange, storage = f"parking-events-{suffix}", MemoryStorage()
+    event = Envelope({h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: "test.Deposited",
+                      h.INTENT: "publish", h.ORIGINATING_ENDPOINT: f"sales-{suffix}"},
+                     '{"account": "a", "amount": 3}', destination=None)
+    park_outgoing(storage, event, RuntimeError("refused five times (simulated)"),
+                  endpoint=f"sales-{suffix}", attempts=5)
+    ledger = Ledger()
+    subscriber = Endpoint(f"ledger-{suffix}", handlers=[ledger], storage=MemoryStorage(),
+                          transport=KombuTransport("memory://", exchange=exchange))
+    recorded = SignalCounter(subscriber, "handled")
+    subscriber.start()
+
+    def sales() -> Endpoint:
+        return Endpoint(f"sales-{suffix}", storage=storage, error_queue=f"error-{suffix}",
+                        transport=KombuTransport("memory://", exchange=exchange))
+
+    try:
+        # When the operator lists the failed messages of sales, then retries the event
+        status, out, _ = errors_cli(monkeypatch, capsys, sales, "list", "--json")
+        assert status == 0
+        [row] = json.loads(out)
+        assert (row["message_id"], row["parked"]) == (event.message_id, True)
+        status, _, _ = errors_cli(monkeypatch, capsys, sales, "retry", event.message_id)
+
+        # Then it is published again, with its id, to its subscribers, and no longer parked
+        assert status == 0
+        assert recorded.wait_for(1)
+        assert [entry[0] for entry in ledger.entries] == [event.message_id]
+        assert storage.parked_messages(f"sales-{suffix}") == []
+    finally:
+        subscriber.close()
+
+
+class CannotListParked(MemoryStorage):
+    def parked_messages(self, endpoint: str) -> list[Any]:
+        raise StorageUnavailable("connection refused (simulated)")
+
+
+def test_errors_list_says_it_cannot_read_the_parked_messages_instead_of_showing_none(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    def sales() -> Endpoint:
+        return Endpoint(f"sales-{uuid.uuid4().hex[:8]}", storage=CannotListParked(),
+                        transport=KombuTransport("memory://"))
+
+    status, out, err = errors_cli(monkeypatch, capsys, sales, "list")
+
+    assert status == 2
+    assert "cannot read the failed messages" in err and "connection refused" in err
+    assert "0 failed message" not in out
