@@ -8,7 +8,8 @@ importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the m
 progress and exits; with ``--workers N`` it supervises N processes of the endpoint
 (:mod:`bus.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
 be abandoned (they are redelivered) or the broker or database cannot be reached (try again);
-2 for a configuration error (trying again would not help).
+2 for a configuration error, including a broker or database refusing this endpoint's login
+or privileges (trying again would not help).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status
-from .errors import BusError, ConfigurationError
+from .errors import BusError, ConfigurationError, EndpointBlocked
 from .loading import load_endpoint
 from .logs import JsonFormatter
 from .redaction import RedactingFormatter, redact
@@ -81,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.handler(args)
         return status
+    except EndpointBlocked as exc:  # a refused login or privilege: no retry cures it
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIGURATION
     except (StorageUnavailable, TransportUnavailable) as exc:
         print(f"idembus: {redact(str(exc))}", file=sys.stderr)
         return EXIT_UNAVAILABLE

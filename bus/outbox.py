@@ -8,8 +8,8 @@ longer than ``grace`` seconds, dispatches their messages with their original ids
 them.
 
 It looks every ``lease_ttl / 2`` seconds, and at once when the storage notifies it: on a
-MongoDB replica set it follows a change stream (:mod:`storage.mongo_changes`, verified only
-against a replica set); on mongomock and PostgreSQL it polls.
+MongoDB replica set it follows a change stream (:mod:`storage.mongo_changes`, never yet
+run against a server); on mongomock and PostgreSQL it polls.
 
 One dispatcher works at a time per endpoint: it holds the endpoint's lease (taken with
 find-and-modify, renewed every ``lease_ttl / 2`` seconds) whose fencing token grows each

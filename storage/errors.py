@@ -47,8 +47,9 @@ class CommitOutcomeUnknown(StorageUnavailable):
 
 
 class StorageAccessDenied(StorageUnavailable, EndpointBlocked):
-    """The database refuses this endpoint (login or privilege refused, tables missing):
-    nothing works until an operator acts. Waited out like an outage, logged at ERROR."""
+    """The database refuses this endpoint (login or privilege refused, tables missing or of
+    another shape, the database dropped): nothing works until an operator acts. Waited out
+    like an outage, logged at ERROR; met by ``verify`` at start, a configuration error."""
 
 
 class StorageRefused(StorageError, MessageRefused):

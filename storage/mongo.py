@@ -29,6 +29,12 @@ Features
   positions start again from 1.
 * No transactions, sessions or replica set needed; documents are the unit of atomicity,
   so sharding by ``_id`` needs nothing more.
+* The aggregate collections idembus writes are noted in ``idembus_aggregates`` (before the
+  first commit to each, by each process); the outbox scans those and no other collection,
+  and only those get the index serving that scan (``idembus_undispatched``), made when a
+  collection is noted and again by ``migrate``/``verify``. Collections written before this
+  note existed are recognised at ``migrate`` by the shape of their first document; other
+  collections of the database, and views, are never scanned or indexed.
 
 mongomock
 =========
@@ -58,6 +64,7 @@ import pymongo
 import pymongo.errors
 
 from ..envelope import Envelope, utc_now
+from ..errors import ConfigurationError
 from ..redaction import redact
 from . import mongo_changes
 from .base import (
@@ -103,7 +110,10 @@ RETENTION_INDEX = "idembus_retention"
 UNDISPATCHED_INDEX = "idembus_undispatched"
 #: Messages parked with their reason (``idembus errors``).
 PARKED = "idembus_parked"
-_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED})
+#: The aggregate collections idembus wrote, one document ``{_id: <collection name>}`` each.
+AGGREGATES = "idembus_aggregates"
+_INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED,
+                                   AGGREGATES})
 #: How often one entry's append may lose the race for the next position before giving up.
 _APPEND_TRIES = 1000
 
@@ -131,8 +141,8 @@ class MongoStorage(Storage):
         #: Inbox records (stateless handlers) whose messages were dispatched are deleted by
         #: the server's TTL monitor this long after they were processed.
         self.retention = retention
-        #: Aggregate collections whose undispatched index this process has ensured.
-        self._indexed: set[str] = set()
+        #: Aggregate collections this process has noted in AGGREGATES and indexed.
+        self._owned: set[str] = set()
         self._owns_client = isinstance(client, str)
         if isinstance(client, str):
             # Fail a start-up check in seconds, not pymongo's 30, unless the URL says otherwise.
@@ -188,6 +198,7 @@ class MongoStorage(Storage):
         collection = self.database[loaded.aggregate_type]
         new_state = dict(state) if state is not None else None
         with self._guard, _translated():
+            self._own(loaded.aggregate_type)  # before the write: the outbox must find it
             if not loaded.exists:
                 try:
                     collection.insert_one(
@@ -257,10 +268,7 @@ class MongoStorage(Storage):
         if endpoint is not None:  # entries written before "endpoint" existed match too
             pending["endpoint"] = {"$in": [endpoint, None]}
         with self._guard, _translated():
-            for name in self.database.list_collection_names():
-                if name in _INTERNAL_COLLECTIONS:
-                    continue
-                self._index_undispatched(name)
+            for name in self._aggregate_collections():
                 for document in self.database[name].find(
                         {"processed": {"$elemMatch": pending}}).limit(limit):
                     for entry in document["processed"]:
@@ -280,14 +288,41 @@ class MongoStorage(Storage):
                 {"_id": aggregate_id, "processed.key": key},
                 {"$inc": {"processed.$.attempts": 1}})
 
-    def _index_undispatched(self, name: str) -> None:
-        """Serve the outbox's scan of an aggregate collection with an index (once per
-        collection and process; creating an existing index is a no-op on the server)."""
-        if name not in self._indexed:
-            self.database[name].create_index(
-                [("processed.dispatched", pymongo.ASCENDING), ("processed.at", pymongo.ASCENDING)],
-                name=UNDISPATCHED_INDEX)
-            self._indexed.add(name)
+    def _own(self, name: str) -> None:
+        """Note ``name`` as an aggregate collection of idembus's and give it the index that
+        serves the outbox's scan (once per collection and process; both writes are no-ops
+        when done before)."""
+        if name in self._owned:
+            return
+        self.database[AGGREGATES].update_one(
+            {"_id": name}, {"$setOnInsert": {"noted_at": utc_now()}}, upsert=True)
+        self.database[name].create_index(
+            [("processed.dispatched", pymongo.ASCENDING), ("processed.at", pymongo.ASCENDING)],
+            name=UNDISPATCHED_INDEX)
+        self._owned.add(name)
+
+    def _aggregate_collections(self) -> list[str]:
+        """The aggregate collections idembus noted, in name order."""
+        return sorted(str(d["_id"]) for d in self.database[AGGREGATES].find({}, {"_id": 1}))
+
+    def _own_existing_collections(self) -> None:
+        """Note and index the aggregate collections that exist: those noted before, and
+        those written before the note existed (recognised by their first document). Views,
+        system collections and idembus's own are left alone; so is any collection whose
+        first document is not an aggregate's."""
+        noted = set(self._aggregate_collections())
+        for name in sorted(self._plain_collections() - _INTERNAL_COLLECTIONS):
+            if name in noted or _is_aggregate(self.database[name].find_one()):
+                self._own(name)
+
+    def _plain_collections(self) -> set[str]:
+        """The names of the database's collections, without views and system collections.
+        mongomock has no views and cannot filter by type, so it lists every name."""
+        if self.process_local:
+            names = self.database.list_collection_names()
+        else:
+            names = self.database.list_collection_names(filter={"type": "collection"})
+        return {name for name in names if not name.startswith("system.")}
 
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
                       now: datetime.datetime) -> Lease | None:
@@ -534,9 +569,12 @@ class MongoStorage(Storage):
                 {"_id": {"$in": list(parked_ids)}}).deleted_count)
 
     def migrate(self) -> None:
+        """Create the indexes: delayed messages by due time, the journal's, each aggregate
+        collection's undispatched index, and with ``retention`` the inbox's TTL index."""
         with self._guard, _translated():
             self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
             self._index_journal()
+            self._own_existing_collections()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified
                 # with mongomock's index options only: mongomock never deletes by TTL.
@@ -547,9 +585,18 @@ class MongoStorage(Storage):
                 )
 
     def verify(self) -> None:
-        with self._guard, _translated():
-            self.client.admin.command("ping")
-        self.migrate()
+        """Check at start that MongoDB answers, then :meth:`migrate`. A refused login or
+        privilege fails the start with :class:`~bus.errors.ConfigurationError` (exit status
+        2, one line): no wait cures it."""
+        try:
+            with self._guard, _translated():
+                self.client.admin.command("ping")
+            self.migrate()
+        except StorageAccessDenied as refused:
+            raise ConfigurationError(
+                f"{refused}; check the user, password and authSource of the connection "
+                "string, and that the user's roles allow reading, writing and creating "
+                "indexes in the database") from refused
 
     def close(self) -> None:
         if self._owns_client:
@@ -586,6 +633,17 @@ def _translated() -> Iterator[None]:
     except (pymongo.errors.PyMongoError, bson.errors.BSONError, OverflowError) as exc:
         # OverflowError: BSON's encoder on an integer beyond 64 bits.
         raise StorageRefused(f"MongoDB refused the data: {redact(str(exc))}") from exc
+
+
+def _is_aggregate(document: Mapping[str, Any] | None) -> bool:
+    """True if ``document`` has the shape of an aggregate idembus committed: an integer
+    version and processed entries with a key and a dispatched flag."""
+    if document is None or isinstance(document.get("version"), bool):
+        return False
+    processed = document.get("processed")
+    return (isinstance(document.get("version"), int) and isinstance(processed, list)
+            and bool(processed) and isinstance(processed[0], Mapping)
+            and {"key", "dispatched"} <= processed[0].keys())
 
 
 def _scheduled_id(envelope: Envelope) -> str:

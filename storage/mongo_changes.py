@@ -1,11 +1,14 @@
 """Waking the outbox dispatcher from a MongoDB change stream (replica sets and sharded
 clusters only).
 
-**Verified only against a replica set**, which cannot run on the machines this project is
-built on: this path is written against pymongo's documented API (``Database.watch``,
-``ChangeStream.try_next``, ``resume_token``, ``start_at_operation_time``) and guarded, so
-that on mongomock or a standalone server the dispatcher polls instead. Nothing here is
-exercised by mongomock, and nothing fakes what mongomock lacks.
+**Never run against a server**: no replica set is available where this project is built
+and tested, so the stream itself has not been verified at all. This path is written against
+pymongo's documented API (``Database.watch``, ``ChangeStream.try_next``, ``resume_token``,
+``start_at_operation_time``) and guarded, so that on mongomock or a standalone server the
+dispatcher polls instead. Only the filter (:func:`commit_pipeline`) is tested, by mongomock's
+aggregation over change events shaped as the server documents them; nothing else here is
+exercised by mongomock, and nothing fakes what mongomock lacks. If the stream fails, the
+dispatcher logs it and polls.
 
 How it works: the watcher follows the commits in the endpoint's database
 (:func:`commit_pipeline`: aggregate and inbox writes, not idembus's own collections and not
@@ -70,8 +73,9 @@ def commit_pipeline() -> list[dict[str, Any]]:
     """The change-stream filter: only what a commit writes. Inserts and replacements of
     documents in aggregate collections and the inbox, and updates that change an
     aggregate's ``version`` or add an inbox entry — not idembus's own collections (leases,
-    status, audit, journal, delayed and parked messages), whose writes would otherwise
-    wake the dispatcher on every status report, and not dispatch marks."""
+    status, audit, journal, delayed and parked messages, the note of aggregate
+    collections), whose writes would otherwise wake the dispatcher on every status
+    report, and not dispatch marks."""
     return [{"$match": {"$and": [
         {"operationType": {"$in": ["insert", "update", "replace"]}},
         {"$or": [{"ns.coll": INBOX}, {"ns.coll": {"$not": {"$regex": "^idembus_"}}}]},

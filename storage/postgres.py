@@ -89,7 +89,12 @@ from .batching import Batcher
 from .errors import StaleLease, StorageAccessDenied
 from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
-from .postgres_errors import classified, login_problem
+from .postgres_errors import (
+    classified,
+    discards_connection,
+    is_privilege_refusal,
+    login_problem,
+)
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -279,21 +284,34 @@ class PostgresStorage(Storage):
 
     def verify(self) -> None:
         """Check at start that the schema is in place — only reads, so a role without DDL
-        rights can run an endpoint. If something is missing, create it when the role may;
-        otherwise fail with :class:`~bus.errors.ConfigurationError` (exit status 2) saying
-        to run ``idembus migrate`` with a role that may."""
-        with self._connection() as connection:
-            missing = self._missing_schema(connection)
+        rights can run an endpoint. If something is missing, create it when the role may.
+        What only an operator can cure fails the start with
+        :class:`~bus.errors.ConfigurationError` (exit status 2, one line): a refused login
+        or database, a role that may not create what is missing (run ``idembus migrate``
+        with a role that may), a table of the same name that idembus cannot use."""
+        try:
+            with self._connection() as connection:
+                missing = self._missing_schema(connection)
+        except StorageAccessDenied as refused:
+            raise ConfigurationError(
+                f"{refused}; check the role, password and database of the connection "
+                "string, and that the role may connect") from refused
         if not missing:
             return
         try:
             self.migrate()
         except StorageAccessDenied as refused:
+            if is_privilege_refusal(refused):
+                raise ConfigurationError(
+                    f"PostgreSQL at {redact(self.conninfo)} lacks {', '.join(missing)} and "
+                    f"this role may not create them ({refused}); run `idembus migrate "
+                    "package.module:endpoint` once with a role that may, then start again"
+                ) from refused
             raise ConfigurationError(
-                f"PostgreSQL at {redact(self.conninfo)} lacks {', '.join(missing)} and this "
-                f"role may not create them ({refused}); run `idembus migrate "
-                "package.module:endpoint` once with a role that may, then start again"
-            ) from refused
+                f"PostgreSQL at {redact(self.conninfo)}: {', '.join(missing)} cannot be "
+                f"created or brought up to date ({refused}); a table of that name that "
+                "idembus did not create is in the way: rename or drop it, or give the "
+                "endpoint another table_prefix") from refused
 
     def _missing_schema(self, connection: psycopg.Connection[Any]) -> list[str]:
         """The tables and later-added columns of this schema that do not exist."""
@@ -364,8 +382,8 @@ class PostgresStorage(Storage):
                  Jsonb([envelope.to_record() for envelope in outgoing]),
                  Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
         document = Jsonb(dict(state)) if state is not None else None
-        try:
-            with self._connection() as connection:
+        with self._connection() as connection:
+            try:
                 if loaded.aggregate_type == INBOX:
                     written = connection.execute(self._insert_inbox, entry).rowcount
                 elif loaded.exists:
@@ -375,8 +393,8 @@ class PostgresStorage(Storage):
                 else:
                     written = connection.execute(self._create_and_record, (
                         loaded.aggregate_type, loaded.aggregate_id, document, *entry)).rowcount
-        except psycopg.errors.UniqueViolation:
-            written = 0  # the processed row exists: the message was handled
+            except psycopg.errors.UniqueViolation:
+                written = 0  # the processed row exists: the message was handled
         if written != 1:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
@@ -717,8 +735,8 @@ class PostgresStorage(Storage):
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection; driver failures become storage errors by the
-        taxonomy of :mod:`storage.postgres_errors` (a unique violation, which callers read
-        as a lost race, passes through)."""
+        taxonomy of :mod:`storage.postgres_errors`. A connection that may be attached to a
+        read-only standby is closed, so that the pool connects afresh."""
         try:
             if not self._opened:
                 with self._opening:
@@ -726,9 +744,12 @@ class PostgresStorage(Storage):
                         self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
             with self._pool.connection() as connection:
-                yield connection
-        except psycopg.errors.UniqueViolation:
-            raise
+                try:
+                    yield connection
+                except psycopg.Error as exc:
+                    if discards_connection(exc):
+                        connection.close()  # the pool replaces a closed connection
+                    raise
         except PoolTimeout as exc:
             refusal = login_problem(self.conninfo, self._connect_timeout)
             raise (refusal or classified(exc, redact(self.conninfo))) from exc

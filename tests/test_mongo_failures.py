@@ -4,9 +4,13 @@ MongoDB server can run here)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import mongomock
 import pymongo.errors
 import pytest
 
+from idembus.errors import ConfigurationError
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.mongo import MongoStorage, _translated
 
@@ -47,3 +51,28 @@ def test_a_state_bson_cannot_hold_fails_the_message_on_mongomock() -> None:
     loaded = storage.load("Account", "a")
     with pytest.raises(StorageRefused):
         storage.commit(loaded, key="k", state={"n": 2**70}, outgoing=())
+
+
+class RefusingServer:
+    """A client whose server refuses the login, as pymongo reports it (code 18)."""
+
+    def __init__(self) -> None:
+        self._databases = mongomock.MongoClient()
+        self.admin = self
+
+    def __getitem__(self, name: str) -> Any:
+        return self._databases[name]
+
+    def command(self, name: str) -> Any:
+        raise pymongo.errors.OperationFailure(
+            "Authentication failed for mongodb://app:hunter22@db/x", code=18)
+
+
+def test_a_refused_login_at_start_is_a_configuration_error() -> None:
+    storage = MongoStorage(RefusingServer(), database="taxonomy")
+
+    with pytest.raises(ConfigurationError) as raised:
+        storage.verify()
+
+    assert "code 18" in str(raised.value) and "hunter22" not in str(raised.value)
+    assert isinstance(raised.value.__cause__, StorageAccessDenied)

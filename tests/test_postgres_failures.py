@@ -4,12 +4,17 @@ and what no retry cures (the message's own data), which must reach the error que
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import secrets
 import sys
+import threading
+import time
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -17,6 +22,7 @@ import pytest
 from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.cli import main
+from idembus.envelope import Envelope, utc_now
 from idembus.storage.base import AggregateRecord
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.postgres import PostgresStorage
@@ -41,18 +47,82 @@ def storage() -> Iterator[PostgresStorage]:
     cleaner.close()
 
 
+@contextlib.contextmanager
+def create_revoked_from_public(conninfo: str, schema: str = "public") -> Iterator[None]:
+    """PUBLIC may not create in ``schema`` while inside; afterwards it may again if it could
+    before (PostgreSQL before 15 grants it on ``public``): a shared database is left as it
+    was found."""
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        row = admin.execute("SELECT has_schema_privilege('public', %s, 'CREATE')",
+                            (schema,)).fetchone()
+        granted = bool(row and row[0])
+        if granted:
+            admin.execute(f"REVOKE CREATE ON SCHEMA {schema} FROM PUBLIC")
+    try:
+        yield
+    finally:
+        if granted:
+            with psycopg.connect(conninfo, autocommit=True) as admin:
+                admin.execute(f"GRANT CREATE ON SCHEMA {schema} TO PUBLIC")
+
+
 @pytest.fixture
 def limited_role() -> Iterator[str]:
-    """A login role with no rights beyond connecting (PostgreSQL 15: no CREATE on public)."""
+    """A login role with no rights beyond connecting (no CREATE on public, as from
+    PostgreSQL 15 on)."""
     require_service(POSTGRES_URL, "PostgreSQL")
     role = f"idembus_lp_{uuid.uuid4().hex[:8]}"
+    with create_revoked_from_public(POSTGRES_URL):
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"CREATE ROLE {role} LOGIN")
+        try:
+            yield role
+        finally:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+                admin.execute(f"DROP OWNED BY {role}")
+                admin.execute(f"DROP ROLE {role}")
+
+
+def prefix_of(storage: PostgresStorage) -> str:
+    return storage._aggregates.removesuffix("_aggregates")
+
+
+def with_settings(conninfo: str, **settings: str) -> str:
+    """``conninfo`` whose sessions start with these server settings."""
+    options = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    return f"{conninfo}{'&' if '?' in conninfo else '?'}options={quote(options, safe='')}"
+
+
+def poll_until(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Look at ``condition`` every 20 ms until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_public_create_is_granted_back_after_the_limited_role_is_done() -> None:
+    # Given a schema where PUBLIC may create (as public before PostgreSQL 15)
+    require_service(POSTGRES_URL, "PostgreSQL")
+    schema = f"idembus_acl_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f"CREATE ROLE {role} LOGIN")
-        admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
-    yield role
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
-        admin.execute(f"DROP OWNED BY {role}")
-        admin.execute(f"DROP ROLE {role}")
+        admin.execute(f"CREATE SCHEMA {schema}")
+        admin.execute(f"GRANT CREATE ON SCHEMA {schema} TO PUBLIC")
+    may_create = "SELECT has_schema_privilege('public', %s, 'CREATE')"
+    try:
+        # When PUBLIC's right is revoked for a test, and the test is done
+        with create_revoked_from_public(POSTGRES_URL, schema):
+            with psycopg.connect(POSTGRES_URL) as probe:
+                assert probe.execute(may_create, (schema,)).fetchone() == (False,)
+
+        # Then PUBLIC may create there again
+        with psycopg.connect(POSTGRES_URL) as probe:
+            assert probe.execute(may_create, (schema,)).fetchone() == (True,)
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"DROP SCHEMA {schema}")
 
 
 def test_a_nul_character_is_refused_for_this_message(storage: PostgresStorage) -> None:
@@ -118,6 +188,95 @@ def test_an_unreachable_server_is_an_outage() -> None:
         down.close()
 
 
+@contextlib.contextmanager
+def row_locked(storage: PostgresStorage, aggregate_id: str) -> Iterator[None]:
+    """Another session holds the lock of an aggregate's row (a long transaction, a
+    migration) while inside."""
+    with psycopg.connect(POSTGRES_URL) as holder:
+        holder.execute(f"SELECT 1 FROM {storage._aggregates} WHERE aggregate_type = 'Account' "
+                       "AND aggregate_id = %s FOR UPDATE", (aggregate_id,))
+        yield
+        holder.rollback()
+
+
+@pytest.mark.parametrize("setting, sqlstate", [
+    ({"lock_timeout": "100"}, "55P03"),
+    ({"statement_timeout": "100"}, "57014"),
+], ids=["lock_timeout", "statement_timeout"])
+def test_a_lock_not_granted_in_time_is_waited_out_and_the_commit_then_applies(
+    storage: PostgresStorage, setting: dict[str, str], sqlstate: str,
+) -> None:
+    # Given an aggregate whose row another session holds, and an endpoint that gives up
+    # waiting for a lock after 100 ms
+    storage.commit(AggregateRecord("Account", "a"), key="H/m1", state={"balance": 1},
+                   outgoing=())
+    impatient = PostgresStorage(with_settings(POSTGRES_URL, **setting),
+                                table_prefix=prefix_of(storage))
+    try:
+        loaded = impatient.load("Account", "a")
+
+        # When it commits while the row is held
+        with row_locked(storage, "a"), pytest.raises(StorageUnavailable) as raised:
+            impatient.commit(loaded, key="H/m2", state={"balance": 2}, outgoing=())
+
+        # Then that is an outage (the message keeps its place), not the message's fault
+        assert type(raised.value) is StorageUnavailable
+        assert sqlstate in str(raised.value)
+
+        # And once the row is free the same commit applies
+        impatient.commit(loaded, key="H/m2", state={"balance": 2}, outgoing=())
+        assert storage.load("Account", "a").state == {"balance": 2}
+    finally:
+        impatient.close()
+
+
+def test_a_server_turned_read_only_is_an_outage_and_its_connection_is_not_used_again(
+    storage: PostgresStorage,
+) -> None:
+    # Given an endpoint whose pooled connection is to a server that turned read-only, as
+    # the old primary does when a failover makes it a standby
+    with storage._connection() as connection:
+        connection.execute("SET default_transaction_read_only = on")
+
+    # When it commits
+    with pytest.raises(StorageUnavailable) as raised:
+        storage.commit(AggregateRecord("Account", "a"), key="H/m1", state={"balance": 1},
+                       outgoing=())
+
+    # Then that is an outage, not the message's fault
+    assert type(raised.value) is StorageUnavailable and "25006" in str(raised.value)
+
+    # And the next attempt connects afresh instead of asking the read-only server again
+    storage.commit(AggregateRecord("Account", "a"), key="H/m1", state={"balance": 1},
+                   outgoing=())
+    assert storage.load("Account", "a").state == {"balance": 1}
+
+
+def test_a_connection_the_administrator_ends_is_an_outage_and_the_next_attempt_reconnects(
+    storage: PostgresStorage,
+) -> None:
+    # Given an endpoint connected under a name of its own
+    name = f"idembus-terminated-{uuid.uuid4().hex[:8]}"
+    named = PostgresStorage(f"{POSTGRES_URL}?application_name={name}",
+                            table_prefix=prefix_of(storage))
+    sessions = "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+    try:
+        named.load("Account", "a")
+
+        # When an administrator terminates its session
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f"SELECT pg_terminate_backend(pid) FROM ({sessions}) s", (name,))
+            assert poll_until(lambda: admin.execute(sessions, (name,)).fetchone() is None)
+
+        # Then its next request meets an outage, and the one after reconnects
+        with pytest.raises(StorageUnavailable) as raised:
+            named.load("Account", "a")
+        assert type(raised.value) is StorageUnavailable
+        assert named.load("Account", "a").version == 0
+    finally:
+        named.close()
+
+
 def test_a_message_postgres_refuses_reaches_the_error_queue_and_the_next_is_applied(
     storage: PostgresStorage,
 ) -> None:
@@ -146,47 +305,128 @@ def test_a_message_postgres_refuses_reaches_the_error_queue_and_the_next_is_appl
 
 
 class Away(KombuTransport):
-    """memory:// whose publishes fail while ``away`` (the broker went down)."""
+    """memory:// that fails while ``away`` (the broker went down) and notes the ids of the
+    messages it put on the wire."""
 
-    away = True
+    def __init__(self, url: str = "memory://", *, away: bool = True) -> None:
+        super().__init__(url)
+        self.away = away
+        self.sent: list[str] = []
 
-    def publish(self, envelope: Any) -> None:
+    def dispatch(self, envelope: Envelope) -> None:
         if self.away:
             raise TransportUnavailable("the broker is away (simulated)")
-        super().publish(envelope)
+        super().dispatch(envelope)
+        self.sent.append(envelope.message_id)
 
 
 def test_two_endpoints_on_one_database_each_repair_their_own_entries_with_their_settings(
     storage: PostgresStorage,
 ) -> None:
-    # Given two endpoints on one PostgreSQL database: accounts journals its events, audit
-    # does not; and an operation of accounts committed while its broker was away
+    # Given two endpoints on one PostgreSQL database, each with a storage of its own as
+    # in two processes: accounts journals its events and compacts what it dispatched;
+    # audit journals nothing and keeps the bodies
     suffix = uuid.uuid4().hex[:8]
-    journaling = Away("memory://")
-    accounts = Endpoint(f"pg-accounts-{suffix}", transport=journaling, storage=storage,
-                        journal=True, outbox=False, outbox_grace=0)
-    other_storage = PostgresStorage(POSTGRES_URL, table_prefix=storage._aggregates
-                                    .removesuffix("_aggregates"))
-    audit = Endpoint(f"pg-audit-{suffix}", transport=KombuTransport("memory://"),
-                     storage=other_storage, outbox=False, outbox_grace=0)
+    accounts_broker, audit_broker = Away(), Away()
+    accounts = Endpoint(f"pg-accounts-{suffix}", transport=accounts_broker, storage=storage,
+                        journal=True, compact_after_dispatch=True, outbox=False,
+                        outbox_grace=0)
+    audit = Endpoint(f"pg-audit-{suffix}", transport=audit_broker,
+                     storage=PostgresStorage(POSTGRES_URL, table_prefix=prefix_of(storage)),
+                     journal=False, compact_after_dispatch=False, outbox=False,
+                     outbox_grace=0)
     try:
-        with accounts.unit_of_work(Account, "a", operation_id=str(uuid.uuid4())) as work:
-            work.state.balance = 5
-            event_id = work.bus.publish(Deposited(account="a", amount=5))
-        journaling.away = False
+        # And each committed an operation while its broker was away
+        committed = {}
+        for endpoint, account in ((accounts, "a"), (audit, "b")):
+            with endpoint.unit_of_work(Account, account, operation_id=str(uuid.uuid4())) as work:
+                work.state.balance = 5
+                event_id = work.bus.publish(Deposited(account=account, amount=5))
+            committed[account] = (work.key, event_id)
+        accounts_broker.away = audit_broker.away = False
 
-        # When the other endpoint's outbox makes its round
-        # Then it leaves the entry alone: it would send it without journaling it
-        assert audit.outbox.run_once() == 0
+        def entry(account: str) -> Any:
+            key = committed[account][0]
+            return storage.load("Account", account, key).processed[key]
+
+        # When audit's outbox makes its round
+        assert audit.outbox.run_once() == 1
+
+        # Then it sent its own event alone, journaled nothing and kept the body
+        assert audit_broker.sent == [committed["b"][1]]
         assert storage.read_journal(after=0) == []
+        assert entry("b").dispatched and len(entry("b").outgoing) == 1
+        assert not entry("a").dispatched
 
-        # When the committing endpoint's outbox makes its round
-        # Then the event is sent and journaled, as that endpoint does
+        # When accounts' outbox makes its round
         assert accounts.outbox.run_once() == 1
-        assert [entry.message_id for entry in storage.read_journal(after=0)] == [event_id]
+
+        # Then it sent its own event, journaled it and dropped the body, keeping the id
+        assert accounts_broker.sent == [committed["a"][1]]
+        assert [e.message_id for e in storage.read_journal(after=0)] == [committed["a"][1]]
+        assert entry("a").dispatched and entry("a").outgoing == ()
+        assert entry("a").outgoing_ids == (committed["a"][1],)
+        assert len(entry("b").outgoing) == 1
     finally:
         audit.close()
         accounts.close()
+
+
+class ClaimsNoted(PostgresStorage):
+    """A PostgreSQL storage that notes when its delayed-message poller claimed."""
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.claims: list[datetime.datetime] = []
+        self._claimed = threading.Condition()
+
+    def _claim_due(self, now: datetime.datetime, *, limit: int, lease: float,
+                   owner: str | None) -> list[Envelope]:
+        found = super()._claim_due(now, limit=limit, lease=lease, owner=owner)
+        with self._claimed:
+            self.claims.append(now)
+            self._claimed.notify_all()
+        return found
+
+    def wait_for_claim_after(self, moment: datetime.datetime, timeout: float = 15.0) -> bool:
+        with self._claimed:
+            return self._claimed.wait_for(
+                lambda: any(now > moment for now in self.claims), timeout)
+
+
+def test_two_endpoints_on_one_database_each_deliver_the_messages_they_deferred(
+    storage: PostgresStorage,
+) -> None:
+    # Given two endpoints on one PostgreSQL database, with brokers that cannot hold
+    # messages back (deferred messages wait in the storage)
+    suffix = uuid.uuid4().hex[:8]
+    sales_broker, billing_broker = Away(away=False), Away(away=False)
+    billing_storage = ClaimsNoted(POSTGRES_URL, table_prefix=prefix_of(storage))
+    sales = Endpoint(f"pg-sales-{suffix}", transport=sales_broker, storage=storage,
+                     outbox=False, delayed_poll_interval=0.05)
+    billing = Endpoint(f"pg-billing-{suffix}", transport=billing_broker,
+                       storage=billing_storage, outbox=False, delayed_poll_interval=0.05)
+    target = f"pg-target-{suffix}"
+    sales_broker.declare(target)
+    try:
+        # When sales defers a command, and billing's poller looks after it is due
+        billing.start()
+        due = utc_now() + datetime.timedelta(milliseconds=300)
+        deferred = sales.bus.send(Deposit(account="a", amount=1), to=target, deliver_at=due)
+        assert billing_storage.wait_for_claim_after(due)
+
+        # Then billing leaves it alone
+        assert billing_broker.sent == [] and sales_broker.pending(target) == 0
+
+        # When sales runs
+        sales.start()
+
+        # Then sales delivers it, with its own broker
+        assert poll_until(lambda: sales_broker.pending(target) == 1)
+        assert sales_broker.sent == [deferred] and billing_broker.sent == []
+    finally:
+        billing.close()
+        sales.close()
 
 
 def test_a_role_without_ddl_rights_runs_on_a_migrated_schema_and_is_told_to_migrate_otherwise(
