@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 
 from .errors import EndpointBlocked
@@ -34,6 +35,10 @@ class Periodic(ABC):
         self._backoff = backoff or Backoff()
         #: Where this thread says what blocks it (the endpoint's, when it runs one).
         self.health = health or Health()
+        #: :meth:`wake_in`: one timer at a time, and the latest moment a round is wanted.
+        self._timer: threading.Timer | None = None
+        self._wanted_at = 0.0
+        self._timer_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -50,6 +55,10 @@ class Periodic(ABC):
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Stop after the current round; True if a thread was running."""
         self.request_stop()
+        with self._timer_lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         thread, self._thread = self._thread, None
         if thread is None:
             return False
@@ -64,6 +73,27 @@ class Periodic(ABC):
     def wake(self) -> None:
         """Start the next round now."""
         self._wake.set()
+
+    def wake_in(self, seconds: float) -> None:
+        """Start a round ``seconds`` from now (if none starts before). Calls made while a
+        wake is pending share one timer, which fires again for the latest of them."""
+        with self._timer_lock:
+            self._wanted_at = max(self._wanted_at, time.monotonic() + seconds)
+            if self._timer is None and not self._stop.is_set():
+                self._start_timer(seconds)
+
+    def _start_timer(self, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, self._timer_fired)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _timer_fired(self) -> None:
+        self.wake()
+        with self._timer_lock:
+            self._timer = None
+            remaining = self._wanted_at - time.monotonic()
+            if remaining > 0 and not self._stop.is_set():
+                self._start_timer(remaining)
 
     def run(self) -> None:
         """Do rounds in the calling thread until stopped."""

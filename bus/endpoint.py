@@ -103,6 +103,11 @@ class Endpoint:
     outbox, outbox_grace:
         Run the outbox dispatcher (:mod:`bus.outbox`) in this endpoint, and how long
         committed messages may stay undispatched before it sends them.
+    defer_fresh_redispatch:
+        Seconds (default 0: never). A duplicate that finds its entry committed less than
+        this long ago and not yet marked dispatched does not send the stored messages
+        itself: the committer does, or, if it died, the outbox once ``outbox_grace`` has
+        passed. Fewer copies downstream, slower recovery from a crash; needs ``outbox``.
     compact_after_dispatch:
         Drop the stored bodies of outgoing messages once the broker confirmed them (their
         ids stay). Turn off if the transport has no publisher confirms and you would rather
@@ -138,6 +143,7 @@ class Endpoint:
         status_interval: float = 5.0,
         outbox: bool = True,
         outbox_grace: float = 10.0,
+        defer_fresh_redispatch: float = 0.0,
         audit: bool = False,
         journal: bool | Sequence[type[Event]] = False,
         journal_retention: datetime.timedelta = DEFAULT_JOURNAL_RETENTION,
@@ -155,6 +161,10 @@ class Endpoint:
         if max_message_bytes < 1:
             raise ConfigurationError(
                 f"max_message_bytes must be at least 1, got {max_message_bytes}")
+        if defer_fresh_redispatch < 0 or (defer_fresh_redispatch and not outbox):
+            raise ConfigurationError(
+                f"defer_fresh_redispatch={defer_fresh_redispatch!r}: give 0 or more seconds, "
+                "and keep outbox=True: the outbox sends what a crashed committer left")
         if error_queue == name:
             raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
         self.name = name
@@ -197,6 +207,7 @@ class Endpoint:
             signals=self.signals,
             faults=faults,
             conflicts=conflict_policy or ConflictPolicy(),
+            defer_fresh_redispatch=defer_fresh_redispatch,
         )
         self._processor = MessageProcessor(
             endpoint=name,
@@ -215,6 +226,7 @@ class Endpoint:
             health=self.health,
             max_message_bytes=max_message_bytes,
             storage=self.storage,
+            left_to_outbox=lambda: self.outbox.wake_in(outbox_grace),
         )
         #: Sends and publishes from outside handlers, at once (or when deferred, later).
         self.bus = Bus(name, self.router, dispatcher.dispatch_now)

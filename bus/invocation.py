@@ -9,6 +9,7 @@ race reloads and runs the handler again on the fresh state (bounded, with jitter
 from __future__ import annotations
 
 import copy
+import datetime
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 
 from . import headers as h
 from .context import MessageContext
-from .envelope import Envelope, parse_utc
+from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
 from .faults import CrashPoint, FaultInjector
 from .handlers.base import AggregateHandler
@@ -46,6 +47,10 @@ class Outcome:
     outgoing: tuple[Envelope, ...]
     duplicate: bool
     handler: str = ""
+    #: A duplicate whose entry was committed moments ago and is not yet marked dispatched:
+    #: its sending is left to the committer, or to the outbox once its grace has passed
+    #: (``Endpoint(defer_fresh_redispatch=...)``).
+    left_to_outbox: bool = False
 
 
 class HandlerInvoker:
@@ -60,8 +65,11 @@ class HandlerInvoker:
         signals: EndpointSignals,
         faults: FaultInjector,
         conflicts: ConflictPolicy,
+        defer_fresh_redispatch: float = 0.0,
     ) -> None:
         self._endpoint = endpoint
+        #: Seconds during which a duplicate leaves an undispatched entry to its committer.
+        self._defer_fresh = datetime.timedelta(seconds=defer_fresh_redispatch)
         self._router = router
         self._storage = storage
         self._signals = signals
@@ -93,6 +101,7 @@ class HandlerInvoker:
         for attempt in range(self._conflicts.attempts):
             loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
+            committed_at: datetime.datetime | None  # of the entry a duplicate found
             if previous is None:
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
@@ -110,23 +119,33 @@ class HandlerInvoker:
                         self._conflicts.pause(attempt)
                     continue
                 except AlreadyProcessed as duplicate:
-                    stored = duplicate.outgoing
+                    # Committed between our load and our commit: moments ago.
+                    stored, committed_at = duplicate.outgoing, utc_now()
                 else:
                     self._signals.emit("handled", **details)
                     return Outcome(aggregate_type, aggregate_id, key, tuple(outgoing), False,
                                    binding.handler_name)
             else:
                 stored = previous.outgoing
+                committed_at = None if previous.dispatched else previous.at
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)
                 return Outcome(aggregate_type, aggregate_id, key, stored, False,
                                binding.handler_name)
             self._signals.emit("duplicate", **details)
-            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name)
+            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name,
+                           left_to_outbox=self._is_fresh(stored, committed_at))
         raise ConflictRetriesExhausted(
             f"{binding.handler_name} lost {self._conflicts.attempts} optimistic races on "
             f"{aggregate_type} {aggregate_id!r} while handling {context.message_id}"
         )
+
+    def _is_fresh(self, stored: tuple[Envelope, ...],
+                  committed_at: datetime.datetime | None) -> bool:
+        """Whether a duplicate leaves ``stored`` (undispatched, committed at
+        ``committed_at``) to its committer and the outbox instead of re-sending it."""
+        return (bool(stored) and committed_at is not None and bool(self._defer_fresh)
+                and utc_now() - committed_at < self._defer_fresh)
 
     def _notice_forgotten_window(
         self, loaded: AggregateRecord, headers: Mapping[str, str], details: Mapping[str, Any]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import headers as h
@@ -91,10 +91,13 @@ class MessageProcessor:
         health: Health | None = None,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         storage: Storage,
+        left_to_outbox: Callable[[], None] = lambda: None,
     ) -> None:
         self._endpoint = endpoint
         #: Where a message goes when the error queue refuses it (:mod:`bus.parking`).
         self._storage = storage
+        #: Called when a duplicate left an entry to the outbox (which then looks sooner).
+        self._left_to_outbox = left_to_outbox
         self._error_queue = error_queue
         self._registry = registry
         self._table = table
@@ -249,7 +252,15 @@ class MessageProcessor:
     def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str],
                   progress: _Dispatching) -> None:
         """Send what ``outcome`` left (what an earlier attempt sent or parked is done), then
-        mark it dispatched."""
+        mark it dispatched; or, for a duplicate of an entry committed moments ago, leave it
+        to the committer and the outbox."""
+        if outcome.left_to_outbox:
+            self._signals.emit("left_to_outbox", key=outcome.key, count=len(outcome.outgoing),
+                               message_id=incoming.get(h.MESSAGE_ID),
+                               message_type=incoming.get(h.MESSAGE_TYPE),
+                               handler=outcome.handler)
+            self._left_to_outbox()
+            return
         for envelope in outcome.outgoing:
             if envelope.message_id in progress.done:
                 continue

@@ -21,6 +21,7 @@ SIGNAL_NAMES = (
     "handled",        # a handler committed its effects for the first time
     "duplicate",      # a handler found the message already processed
     "redispatched",   # a duplicate's stored outgoing messages were sent again
+    "left_to_outbox", # a duplicate left a fresh, undispatched entry to its committer
     "dispatched",     # one outgoing message reached the broker
     "conflict",       # a commit lost an optimistic race and will be retried
     "failed",         # a handler attempt raised
@@ -43,6 +44,7 @@ class EndpointSignals:
     handled: Signal
     duplicate: Signal
     redispatched: Signal
+    left_to_outbox: Signal
     dispatched: Signal
     conflict: Signal
     failed: Signal
