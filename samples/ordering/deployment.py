@@ -19,6 +19,10 @@ Environment
 ``ORDERING_NAMESPACE``  keeps deployments that share a broker and a database apart
                         (default ``ordering``): lower-case letters, digits and ``_``,
                         starting with a letter, at most 24 characters
+``ORDERING_DEFER_FRESH_REDISPATCH``  seconds during which a duplicate leaves a fresh,
+                        undispatched entry to its committer and the outbox (default 0:
+                        ``Endpoint(defer_fresh_redispatch=...)``)
+``ORDERING_STATUS_INTERVAL``  seconds between status reports (default 5)
 
 Names derived from the namespace ``ns``
 =======================================
@@ -67,6 +71,10 @@ class Deployment:
     namespace: str = DEFAULT_NAMESPACE
     #: Consumer threads of each endpoint process (``idembus run --concurrency`` overrides).
     concurrency: int = 1
+    #: ``Endpoint(defer_fresh_redispatch=...)`` of every endpoint.
+    defer_fresh_redispatch: float = 0.0
+    #: ``Endpoint(status_interval=...)`` of every endpoint.
+    status_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -82,13 +90,17 @@ class Deployment:
             transport_url=environ.get("ORDERING_TRANSPORT") or DEFAULT_TRANSPORT,
             postgres_url=environ.get("ORDERING_POSTGRES") or DEFAULT_POSTGRES,
             namespace=environ.get("ORDERING_NAMESPACE") or DEFAULT_NAMESPACE,
+            defer_fresh_redispatch=float(environ.get("ORDERING_DEFER_FRESH_REDISPATCH") or 0),
+            status_interval=float(environ.get("ORDERING_STATUS_INTERVAL") or 5),
         )
 
     def environment(self) -> dict[str, str]:
         """The ``ORDERING_*`` variables that make the factories build this deployment."""
         return {"ORDERING_TRANSPORT": self.transport_url,
                 "ORDERING_POSTGRES": self.postgres_url,
-                "ORDERING_NAMESPACE": self.namespace}
+                "ORDERING_NAMESPACE": self.namespace,
+                "ORDERING_DEFER_FRESH_REDISPATCH": str(self.defer_fresh_redispatch),
+                "ORDERING_STATUS_INTERVAL": str(self.status_interval)}
 
     # -- names ---------------------------------------------------------------------------
 
@@ -129,6 +141,8 @@ class Deployment:
             handlers=[handler],
             error_queue=self.error_queue,
             concurrency=self.concurrency,
+            defer_fresh_redispatch=self.defer_fresh_redispatch,
+            status_interval=self.status_interval,
         )
 
     # -- schema --------------------------------------------------------------------------

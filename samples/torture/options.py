@@ -33,6 +33,8 @@ class Options:
     #: Leave the queues and tables in place for a post-mortem.
     keep: bool = False
     rabbitmqctl: str = "rabbitmqctl"
+    #: ``Endpoint(defer_fresh_redispatch=...)`` of the workers (0: re-send at once).
+    defer_fresh_redispatch: float = 0.0
 
     @property
     def duplicate_count(self) -> int:
@@ -77,6 +79,10 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                         help="leave the queues and tables in place afterwards")
     parser.add_argument("--rabbitmqctl", default=Options.rabbitmqctl,
                         help="the rabbitmqctl command of the broker's node (%(default)s)")
+    parser.add_argument("--defer-fresh-redispatch", type=float,
+                        default=Options.defer_fresh_redispatch, metavar="SECONDS",
+                        help="a duplicate leaves an entry committed less than SECONDS ago to "
+                             "its committer and the outbox (%(default)s: re-sends at once)")
     args = parser.parse_args(argv)
     if args.orders < 1:
         parser.error("--orders must be at least 1")
@@ -91,5 +97,5 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         kill_interval=args.kill_interval, broker_restart=args.broker_restart,
         transport=args.transport, postgres=args.postgres, seed=args.seed,
         timeout=args.timeout, log_dir=args.log_dir, keep=args.keep,
-        rabbitmqctl=args.rabbitmqctl,
+        rabbitmqctl=args.rabbitmqctl, defer_fresh_redispatch=args.defer_fresh_redispatch,
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from idembus.storage.base import Storage
 from samples.ordering.audit import StoreAudit, audit
-from samples.ordering.deployment import Deployment
+from samples.ordering.deployment import ENDPOINTS, Deployment
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,26 @@ def read_stores(deployment: Deployment, order_ids: Sequence[str]) -> StoreAudit:
         gateway.close()
         for storage in storages.values():
             storage.close()
+
+
+#: The counters a torture run's notes show, per endpoint.
+COUNTED = ("handled", "duplicate", "redispatched", "left_to_outbox")
+
+
+def counted(deployment: Deployment) -> str:
+    """Each endpoint's counters of :data:`COUNTED`, summed over its processes' reports:
+    ``sales handled=… duplicate=…; billing …``."""
+    parts = []
+    for name in ENDPOINTS:
+        storage = deployment.storage(name)
+        try:
+            reports = storage.status_reports(deployment.queue(name))
+        finally:
+            storage.close()
+        figures = " ".join(f"{counter}={sum(r.counters.get(counter, 0) for r in reports)}"
+                           for counter in COUNTED)
+        parts.append(f"{name} {figures}")
+    return "; ".join(parts)
 
 
 def gateway_calls(deployment: Deployment) -> int:

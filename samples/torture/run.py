@@ -27,6 +27,7 @@ from samples.torture.quiescence import wait_until_drained, wait_until_shipped
 from samples.torture.rabbitmq import QueueProbe, Rabbitmqctl
 from samples.torture.report import (
     TortureReport,
+    counted,
     gateway_calls,
     make_report,
     read_stores,
@@ -36,6 +37,9 @@ from samples.torture.workers import Supervisors
 
 log = logging.getLogger(__name__)
 
+#: Seconds between the workers' status reports: a killed worker's counts since its last
+#: report are lost, so the counters in the notes are at most this far behind.
+STATUS_INTERVAL = 1.0
 #: Seconds the workers may take to start, and to be back after the chaos stopped.
 STARTUP_TIMEOUT = 120.0
 RECOVERY_TIMEOUT = 120.0
@@ -65,7 +69,9 @@ def torture(options: Options) -> Outcome:
         raise CannotRun(f"{options.rabbitmqctl} cannot reach the broker's node: run as "
                            "root (or the rabbitmq user) or pass --no-broker-restart")
     deployment = Deployment(options.transport, options.postgres,
-                            namespace=f"torture_{uuid.uuid4().hex[:8]}")
+                            namespace=f"torture_{uuid.uuid4().hex[:8]}",
+                            defer_fresh_redispatch=options.defer_fresh_redispatch,
+                            status_interval=STATUS_INTERVAL)
     log_dir = pathlib.Path(options.log_dir or tempfile.mkdtemp(prefix="idembus-torture-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     restart = BrokerRestart(rabbitmqctl) if options.broker_restart else None
@@ -158,6 +164,8 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
         f"supervisors, {sum(w.count(' ERROR ') for w in logs)} ERROR log lines, "
         f"{sum(w.count('Traceback') for w in logs)} tracebacks",
     ]
+    notes.append("counters (status reports; a killed worker's last second is lost): "
+                 + counted(deployment))
     if restart is not None:
         notes.append(f"broker: down for {restart.outage:.1f}s")
     if stats.unexpected_errors:
