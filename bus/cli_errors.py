@@ -198,6 +198,7 @@ def retried_envelope(delivery: Delivery) -> Envelope:
         body=delivery.body.decode("utf-8", "surrogateescape"),
         destination=queue,
         content_type=delivery.content_type or h.CONTENT_TYPE,
+        content_encoding=delivery.content_encoding,
     )
 
 

@@ -9,6 +9,9 @@ from typing import Any
 
 from . import headers as h
 
+#: The content encoding of the bodies idembus writes (JSON text).
+TEXT_ENCODING = "utf-8"
+
 
 @dataclass(frozen=True)
 class Envelope:
@@ -23,6 +26,11 @@ class Envelope:
     destination: str | None = None
     #: Only a dead-lettered copy of a foreign message carries anything but JSON.
     content_type: str = h.CONTENT_TYPE
+    #: The content encoding the body is published with. ``body`` holds the bytes as they
+    #: are (``bytes.decode("utf-8", "surrogateescape")``) whatever this says: a
+    #: dead-lettered copy keeps the original's encoding (``latin-1``, ``gzip``) next to its
+    #: unchanged bytes. ``None``: the original had none (kombu then writes ``binary``).
+    content_encoding: str | None = TEXT_ENCODING
 
     @property
     def message_id(self) -> str:
@@ -51,6 +59,8 @@ class Envelope:
                                   "destination": self.destination}
         if self.content_type != h.CONTENT_TYPE:
             record["content_type"] = self.content_type
+        if self.content_encoding != TEXT_ENCODING:
+            record["content_encoding"] = self.content_encoding
         return record
 
     @classmethod
@@ -61,6 +71,7 @@ class Envelope:
             body=record["body"],
             destination=record.get("destination"),
             content_type=record.get("content_type", h.CONTENT_TYPE),
+            content_encoding=record.get("content_encoding", TEXT_ENCODING),
         )
 
 

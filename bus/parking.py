@@ -67,7 +67,8 @@ def park(storage: Storage, *, endpoint: str, source: str, envelope: Envelope,
     parked = ParkedMessage(
         parked_id=parked_id(source, endpoint, queue, envelope), endpoint=endpoint,
         source=source,
-        envelope=Envelope(headers, envelope.body, envelope.destination, envelope.content_type),
+        envelope=Envelope(headers, envelope.body, envelope.destination, envelope.content_type,
+                          envelope.content_encoding),
         parked_at=utc_now())
     try:
         storage.park(parked)
@@ -94,7 +95,7 @@ def _without_body(parked: ParkedMessage, original: Envelope,
     kept = parked.envelope
     return ParkedMessage(parked.parked_id, parked.endpoint, parked.source,
                          Envelope({**kept.headers, BODY_NOT_KEPT: note}, "", kept.destination,
-                                  kept.content_type),
+                                  kept.content_type, kept.content_encoding),
                          parked.parked_at)
 
 
@@ -115,7 +116,8 @@ class ParkedDelivery(Delivery):
     def __init__(self, storage: Storage, parked: ParkedMessage) -> None:
         super().__init__(queue=PARKED_QUEUE, headers=parked.envelope.headers,
                          body=parked.envelope.body.encode("utf-8", "surrogateescape"),
-                         content_type=parked.envelope.content_type, redelivered=False)
+                         content_type=parked.envelope.content_type, redelivered=False,
+                         content_encoding=parked.envelope.content_encoding)
         self.parked = parked
         self._storage = storage
 
@@ -124,7 +126,7 @@ class ParkedDelivery(Delivery):
         without one is published again)."""
         envelope = self.parked.envelope
         return Envelope(without_failure_headers(envelope.headers), envelope.body,
-                        envelope.destination, envelope.content_type)
+                        envelope.destination, envelope.content_type, envelope.content_encoding)
 
     def _ack(self) -> None:
         self._storage.unpark([self.parked.parked_id])

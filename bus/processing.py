@@ -241,6 +241,7 @@ class MessageProcessor:
             body=delivery.body.decode("utf-8", "surrogateescape"),
             destination=delivery.queue,
             content_type=delivery.content_type or h.CONTENT_TYPE,
+            content_encoding=delivery.content_encoding,
         ))
         log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
                  delivery.headers.get(h.MESSAGE_ID), round_number, delay, error)
@@ -329,10 +330,12 @@ class MessageProcessor:
         try:
             self._dispatcher.dispatch(Envelope(headers=headers, body=body,
                                                destination=self._error_queue,
-                                               content_type=content_type))
+                                               content_type=content_type,
+                                               content_encoding=delivery.content_encoding))
         except DestinationRefused as refused:
             # The broker will not take the copy: keep the message in the storage instead.
-            original = Envelope(dict(delivery.headers), body, delivery.queue, content_type)
+            original = Envelope(dict(delivery.headers), body, delivery.queue, content_type,
+                                delivery.content_encoding)
             park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
                  envelope=original, queue=delivery.queue, attempts=attempts,
                  delayed_attempts=delayed, error=error, refusal=refused)

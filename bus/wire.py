@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 MAX_MESSAGE_ID_LENGTH = 200
 #: Largest body an endpoint accepts unless told otherwise (``Endpoint(max_message_bytes=)``).
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
+#: Header listing the headers left out of a delivery because they are not text (and not
+#: ``idembus.*``): ``'x-count' (a int), 'blob' (bytes)``. The copies idembus makes of the
+#: message (error queue, delayed retry) carry it; the headers it names are not in them.
+DROPPED_HEADERS = "idembus.wire.dropped_headers"
 #: Longest ``repr`` of a non-text header value kept for an operator to see.
 _SHOWN = 200
+#: Longest :data:`DROPPED_HEADERS` value, in characters.
+_DROPPED_SHOWN = 1000
 _PREFIX = "idembus."
 
 
@@ -34,20 +40,40 @@ def text_headers(raw: Mapping[Any, Any]) -> tuple[dict[str, str], str | None]:
 
     An ``idembus.*`` header whose value is anything but text is a problem; it is kept in
     the result as a bounded ``repr`` so that the error-queue copy shows it. Other headers
-    that are not text are not idembus's business and are left out (RabbitMQ adds
-    ``x-delivery-count`` numbers on quorum queues). Never raises.
+    that are not text are not idembus's business: they are left out, and
+    :data:`DROPPED_HEADERS` lists them (name and kind, bounded), so that a copy of the
+    message — in the error queue, or sent back for a delayed retry — says what it lost.
+    A transport leaves out its broker's bookkeeping before calling this. Never raises.
     """
     headers: dict[str, str] = {}
     problems: list[str] = []
+    dropped: list[str] = []
     for name, value in raw.items():
         if not _is_text(name):
+            dropped.append(f"{shown(name)} (a name that is not UTF-8 text)")
             continue
         if _is_text(value):
             headers[name] = value
         elif name.startswith(_PREFIX):
             problems.append(f"header {name} is {_kind(value)}, not UTF-8 text")
             headers[name] = shown(value)
+        else:
+            dropped.append(f"{shown(name)} ({_kind(value)})")
+    if dropped:
+        earlier = headers.get(DROPPED_HEADERS)
+        headers[DROPPED_HEADERS] = _bounded_list([earlier, *dropped] if earlier else dropped)
     return headers, "; ".join(problems) or None
+
+
+def _bounded_list(items: list[str]) -> str:
+    """``items`` joined by ``, ``, within :data:`_DROPPED_SHOWN` characters."""
+    text = ""
+    for index, item in enumerate(items):
+        joined = f"{text}, {item}" if text else item
+        if len(joined) > _DROPPED_SHOWN:
+            return f"{text}, … {len(items) - index} more" if text else f"… {len(items)} more"
+        text = joined
+    return text
 
 
 def problem_with(delivery: Delivery, *, max_message_bytes: int) -> str | None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 
-from ..envelope import Envelope
+from ..envelope import TEXT_ENCODING, Envelope
 
 
 def envelope_bytes(envelope: Envelope) -> bytes:
-    """Headers, destination and content type, as ASCII JSON (lone surrogates escaped)."""
+    """Headers, destination, content type and encoding, as ASCII JSON (lone surrogates
+    escaped)."""
     return json.dumps({"headers": dict(envelope.headers), "destination": envelope.destination,
-                       "content_type": envelope.content_type}).encode("ascii")
+                       "content_type": envelope.content_type,
+                       "content_encoding": envelope.content_encoding}).encode("ascii")
 
 
 def body_bytes(envelope: Envelope) -> bytes:
@@ -24,4 +26,5 @@ def envelope_from(stored: bytes, body: bytes) -> Envelope:
     """Inverse of :func:`envelope_bytes` and :func:`body_bytes`."""
     fields = json.loads(stored.decode("ascii"))
     return Envelope(headers=fields["headers"], body=body.decode("utf-8", "surrogateescape"),
-                    destination=fields["destination"], content_type=fields["content_type"])
+                    destination=fields["destination"], content_type=fields["content_type"],
+                    content_encoding=fields.get("content_encoding", TEXT_ENCODING))

@@ -56,6 +56,7 @@ class Delivery(ABC):
         content_type: str | None,
         redelivered: bool,
         wire_error: str | None = None,
+        content_encoding: str | None = None,
     ) -> None:
         self.queue = queue
         #: Every header whose value is text; a transport that met a value it could not
@@ -65,6 +66,9 @@ class Delivery(ABC):
         #: The body as the broker holds it: never decompressed or decoded.
         self.body = body
         self.content_type = content_type
+        #: The content encoding the message arrived with (``None``: it had none). The body
+        #: is never decoded by it; an error-queue copy is published with it unchanged.
+        self.content_encoding = content_encoding
         self.redelivered = redelivered
         #: Why the message cannot be read as idembus's wire format, found by the transport
         #: before anything was decoded (a header that is not text, a compressed body); the

@@ -278,10 +278,12 @@ def _check_delay(delay: int) -> None:
         raise ValueError(f"a delay is 1 to {MAX_DELAY} seconds, not {delay}")
 
 
-def without_dead_letter_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
-    """``headers`` without what RabbitMQ added when it dead-lettered the message."""
+def without_dead_letter_headers(headers: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``headers`` without what RabbitMQ added when it dead-lettered the message. A name
+    that is not text (py-amqp gives bytes for one that is not UTF-8) is kept as it is."""
     return {name: value for name, value in headers.items()
-            if name != DEAD_LETTER_HEADER and not name.startswith(DEAD_LETTER_PREFIXES)}
+            if not isinstance(name, str)
+            or name != DEAD_LETTER_HEADER and not name.startswith(DEAD_LETTER_PREFIXES)}
 
 
 def _exchange(name: str) -> Exchange:

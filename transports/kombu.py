@@ -9,8 +9,10 @@ Features
   Delayed delivery is native (``native_delay``) and needs no plugin: a message whose
   ``idembus.deliver_at`` is in the future goes through the delay levels of
   ``transports/delays.py``, which hold it in the broker until then (rounded up to a second).
+  ``declare`` declares the delay levels (once per transport) and binds the queue to their
+  delivery exchange, so that a broker whose delay topology differs fails at start.
   Deliveries do not show the ``x-death`` / ``x-first-death-*`` / ``x-last-death-*`` headers
-  dead-lettering adds: they are broker bookkeeping.
+  dead-lettering adds, nor quorum queues' ``x-delivery-count``: they are broker bookkeeping.
 * ``redis://``: the same topology emulated by kombu; no publisher confirms.
 * ``memory://``: the embedded default. Its broker state is shared by every connection in
   the process (even across virtual hosts), so give every test its own queue and exchange
@@ -44,13 +46,23 @@ Sends are loud: a command sent to a queue nobody declared fails with
 RabbitMQ sends are published ``mandatory`` (an unroutable message comes back as
 ``NO_ROUTE``); memory:// asks its broker (a passive declare); on redis://, where an empty
 queue does not exist as a key, ``declare`` records every queue in the set
-``_idembus.queues`` and sends look there.
+``_idembus.queues`` and sends look there — and, for a queue an older idembus declared
+without recording it, at the bindings of the events exchange (then record it). Such a queue
+without subscriptions cannot be told from a mistyped name: it is refused until its endpoint
+restarts.
 
 Received messages are taken as the broker holds them: kombu would decompress a body with a
 ``compression`` header before anyone could refuse it (a 242-byte bz2 body took a consumer to
-2.6 GiB), so channels here keep bodies raw, and such a message, one with another content
-encoding, or one whose ``idembus.*`` headers are not text (:func:`bus.wire.text_headers`)
-arrives with ``Delivery.wire_error`` set, for the endpoint to send to the error queue as is.
+2.6 GiB), and py-amqp would decode it by its content encoding (a latin-1 ``é`` then went to
+the error queue as UTF-8), so channels here keep bodies raw, and such a message, one with
+another content encoding, or one whose ``idembus.*`` headers are not text
+(:func:`bus.wire.text_headers`) arrives with ``Delivery.wire_error`` set, for the endpoint to
+send to the error queue as is; ``Delivery.content_encoding`` and an envelope's
+``content_encoding`` carry the encoding on to the copy. Other headers that are not text are
+left out and named in ``idembus.wire.dropped_headers``. A content type or other AMQP
+property that is not UTF-8 — on which py-amqp stopped the consumer, and then the next, on
+the same message — is read as surrogate escapes (:func:`_lenient_frames`) and published on
+as its bytes.
 
 Connection String
 =================
@@ -66,7 +78,10 @@ Options
 ``reconnect_backoff`` waits between attempts to reconnect a consumer (bus.policies.Backoff)
 ``queue_type``       RabbitMQ queues: ``"quorum"`` (default: replicated, and dead-lettering
                      at least once, which the delay levels need) or ``"classic"``
-``queue_arguments``  further arguments of every queue declared (RabbitMQ ``x-*``)
+``queue_arguments``  further arguments of every queue declared (RabbitMQ ``x-*``), the
+                     error queue included: ``x-max-length`` there drops failed messages,
+                     ``x-delivery-limit`` lets the broker drop a message idembus never saw
+                     fail
 """
 
 from __future__ import annotations
@@ -75,11 +90,14 @@ import contextlib
 import datetime
 import importlib.util
 import logging
+import re
+import struct
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import amqp.exceptions
+import amqp.method_framing
 import kombu
 import kombu.exceptions
 from kombu import Exchange, Queue, binding
@@ -113,6 +131,11 @@ REDIS_QUEUES = "_idembus.queues"
 #: Content encodings of a body that is the bytes themselves (kombu writes ``binary`` for
 #: bytes and ``utf-8`` for text).
 _PLAIN_ENCODINGS = frozenset({"", "utf-8", "utf8", "binary", "identity"})
+#: Headers a broker adds to a delivery for its own bookkeeping (RabbitMQ's quorum queues
+#: count redeliveries): not the sender's, so neither read nor listed as dropped.
+_BROKER_HEADERS = frozenset({"x-delivery-count"})
+#: How RabbitMQ names what a PRECONDITION_FAILED is about.
+_ENTITY = re.compile(r"for (queue|exchange) '(.*?)' in vhost")
 #: Room left in an AMQP frame for what a content header holds besides the headers.
 _FRAME_MARGIN = 1024
 #: What py-amqp raises when the broker refuses a login or its virtual host at connection.
@@ -158,6 +181,8 @@ class KombuTransport(Transport):
         self.native_delay = self._is_amqp
         if confirm_publish and self._is_amqp:
             options.setdefault("confirm_publish", True)
+        if self._is_amqp:
+            options.setdefault("frame_handler", _lenient_frames)
         self.publisher_confirms = bool(options.get("confirm_publish"))
         self._transport_options = options
         if queue_type not in QUEUE_TYPES:
@@ -198,10 +223,13 @@ class KombuTransport(Transport):
 
     def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
         """Declare ``queue`` (durable, of this transport's queue type) bound to the event
-        types ``subscriptions``. A queue that exists with other arguments is a
-        configuration error saying what differs; a refusal of the endpoint's own queue is
-        ``BrokerAccessDenied``."""
+        types ``subscriptions``. On RabbitMQ also declare the delay levels (once per
+        transport) and bind ``queue`` to their delivery exchange, so that a broker whose
+        topology differs fails here, at start, not at the first delayed retry. A queue or
+        exchange that exists with other arguments is a configuration error saying what to
+        change; a refusal of the endpoint's own queue is ``BrokerAccessDenied``."""
         bindings = [binding(self._events, routing_key=name) for name in sorted(subscriptions)]
+        delayed = self.native_delay and _takes_delayed(queue)
         scope = self._channel()
         with scope as channel:
             try:
@@ -211,21 +239,77 @@ class KombuTransport(Transport):
                       queue_arguments=self._queue_arguments or None)(channel).declare()
                 if self._is_redis:
                     channel.client.sadd(REDIS_QUEUES, queue)
+                if delayed:
+                    self._declare_delays(channel, queue)
             except Exception as exc:
-                raise self._declare_failure(queue, exc, scope.connection) from exc
+                raise self._topology_failure(exc, scope.connection, f"declaring queue {queue!r}",
+                                             refusal=BrokerAccessDenied) from exc
         self._known_queues.add(queue)
+        if delayed:
+            self._delay_bound.add(queue)
 
-    def _declare_failure(self, queue: str, error: Exception,
-                         connection: kombu.Connection) -> Exception:
-        if "inequivalent arg" in str(error):
-            return ConfigurationError(
-                f"queue {queue!r} exists on {self.safe_url} with other arguments than "
-                f"{self._queue_arguments or 'none'} ({error}). Declare it as it is — "
-                f"KombuTransport(queue_type='classic' or 'quorum', queue_arguments=...) — "
-                "or move its messages elsewhere, delete it and start again.")
-        classified = _classified(error, connection, f"declaring queue {queue!r}",
-                                 refusal=BrokerAccessDenied, url=self.safe_url)
+    def _declare_delays(self, channel: Any, queue: str) -> None:
+        """Declare the delay levels (once per transport) and bind ``queue``, which exists,
+        to their delivery exchange (idempotent). After a failure the levels are declared
+        again next time: a broker that lost its definitions gets them back."""
+        try:
+            if not self._delay_levels_declared:
+                self._delay_levels.declare(channel)
+                self._delay_levels_declared = True
+            self._delay_levels.bind_destination(channel, queue)
+        except BaseException:
+            self._delay_levels_declared = False
+            raise
+
+    def _topology_failure(self, error: Exception, connection: kombu.Connection, what: str,
+                          *, refusal: type[TransportError]) -> Exception:
+        """What a failure to declare or bind is: a ``ConfigurationError`` saying what to
+        change if the broker holds something declared otherwise; else the taxonomy."""
+        mismatch = self._mismatch(error)
+        if mismatch is not None:
+            return mismatch
+        classified = _classified(error, connection, what, refusal=refusal, url=self.safe_url)
         return classified if classified is not None else error
+
+    def _mismatch(self, error: BaseException) -> ConfigurationError | None:
+        """A ``ConfigurationError`` naming the queue or exchange that RabbitMQ holds with
+        other arguments (``inequivalent arg``) or refuses the arguments of (``invalid
+        arg``), and what to do; ``None`` for any other error."""
+        text = next((str(cause) for cause in _causes(error)
+                     if "inequivalent arg" in str(cause) or "invalid arg" in str(cause)), None)
+        if text is None:
+            return None
+        found = _ENTITY.search(text)
+        kind, name = (found.group(1), found.group(2)) if found else ("queue or exchange", "?")
+        said = redact(text)
+        levels = self._delay_levels
+        if name.startswith(f"{levels.prefix}."):
+            if "invalid arg" in text and levels.quorum:
+                advice = ("quorum delay levels need RabbitMQ 3.10 or later; upgrade it or use "
+                          "KombuTransport(queue_type='classic')")
+            else:
+                advice = (f"they were declared otherwise (by another idembus version or by "
+                          f"hand): once the {levels.prefix}.* queues are empty, delete the "
+                          f"{levels.prefix}.* queues and exchanges and start again; or use "
+                          f"the other queue_type, whose levels are apart")
+            return ConfigurationError(
+                f"the delay levels on {self.safe_url} do not match this idembus: {kind} "
+                f"{name!r} ({said}); {advice}")
+        if kind == "exchange":
+            return ConfigurationError(
+                f"exchange {name!r} exists on {self.safe_url} with other arguments than a "
+                f"durable topic exchange ({said}); use another name — "
+                f"KombuTransport(exchange=...) — or delete it and start again")
+        if "invalid arg" in text:
+            return ConfigurationError(
+                f"RabbitMQ on {self.safe_url} refuses the arguments of {kind} {name!r}: "
+                f"{self._queue_arguments or 'none'} ({said}); correct "
+                "KombuTransport(queue_type=..., queue_arguments=...)")
+        return ConfigurationError(
+            f"{kind} {name!r} exists on {self.safe_url} with other arguments than "
+            f"{self._queue_arguments or 'none'} ({said}). Declare it as it is — "
+            "KombuTransport(queue_type='classic' or 'quorum', queue_arguments=...) — "
+            "or move its messages elsewhere, delete it and start again.")
 
     # -- publishing -------------------------------------------------------------------
 
@@ -250,7 +334,7 @@ class KombuTransport(Transport):
         with scope as channel:
             try:
                 if self._is_redis:
-                    known = bool(channel.client.sismember(REDIS_QUEUES, queue))
+                    known = self._redis_knows(channel, queue)
                 else:
                     channel.queue_declare(queue=queue, passive=True)
                     known = True
@@ -262,10 +346,26 @@ class KombuTransport(Transport):
                 else:
                     raise classified if classified is not None else exc from exc
         if not known:
+            older = (f" (or one started by an older idembus, which did not record it in "
+                     f"{REDIS_QUEUES}: restart that endpoint)" if self._is_redis else "")
             raise DestinationRefused(
-                f"no queue {queue!r} on {self.safe_url}: no endpoint declared it (start the "
-                "endpoint that consumes it, or correct the route)")
+                f"no queue {queue!r} on {self.safe_url}: no endpoint declared it{older} "
+                "(start the endpoint that consumes it, or correct the route)")
         self._known_queues.add(queue)
+
+    def _redis_knows(self, channel: Any, queue: str) -> bool:
+        """Whether ``queue`` was declared on Redis: recorded in :data:`REDIS_QUEUES`, or —
+        declared by an idembus that did not record queues yet — bound to this transport's
+        events exchange (then it is recorded now). An empty queue is no key in Redis, so a
+        queue without subscriptions that such an endpoint declared cannot be told from a
+        mistyped name: it is refused until its endpoint restarts."""
+        if channel.client.sismember(REDIS_QUEUES, queue):
+            return True
+        bound = any(len(entry) == 3 and entry[2] == queue
+                    for entry in channel.get_table(self.exchange_name))
+        if bound:
+            channel.client.sadd(REDIS_QUEUES, queue)
+        return bound
 
     def _delay_of(self, envelope: Envelope) -> int:
         """Seconds the broker must hold ``envelope`` (0: deliver at once)."""
@@ -291,26 +391,17 @@ class KombuTransport(Transport):
             raise
 
     def _bind_for_delays(self, queue: str) -> None:
-        """Declare the delay levels (once) and bind ``queue`` to their delivery exchange;
-        a queue that does not exist is refused, as a send to it is."""
+        """Declare the delay levels (once) and bind ``queue`` to their delivery exchange,
+        for a send to a queue this transport did not declare; a queue that does not exist
+        is refused, as a send to it is."""
         scope = self._channel()
         with scope as channel:
             try:
-                if not self._delay_levels_declared:
-                    self._delay_levels.declare(channel)
-                    self._delay_levels_declared = True
-                self._delay_levels.bind_destination(channel, queue)
+                self._declare_delays(channel, queue)
             except Exception as exc:
-                classified = _classified(exc, scope.connection,
-                                         f"binding {queue!r} to the delay levels",
-                                         refusal=DestinationRefused, url=self.safe_url)
-                if isinstance(classified, DestinationRefused) and "inequivalent arg" in str(exc):
-                    raise ConfigurationError(
-                        f"the delay levels on {self.safe_url} exist with other arguments "
-                        f"({exc}); once its {self._delay_levels.prefix}.* queues have "
-                        "delivered their messages, delete those queues and exchanges and "
-                        "start again") from exc
-                raise classified if classified is not None else exc from exc
+                raise self._topology_failure(exc, scope.connection,
+                                             f"binding {queue!r} to the delay levels",
+                                             refusal=DestinationRefused) from exc
         self._delay_bound.add(queue)
 
     def publish(self, envelope: Envelope) -> None:
@@ -331,8 +422,8 @@ class KombuTransport(Transport):
                 exchange=exchange,
                 routing_key=routing_key,
                 headers=dict(envelope.headers),
-                content_type=envelope.content_type,
-                content_encoding="utf-8",
+                content_type=_as_sent(envelope.content_type),
+                content_encoding=_as_sent(envelope.content_encoding),
                 delivery_mode=2,
                 declare=declare or [],
                 mandatory=mandatory,
@@ -444,8 +535,12 @@ class KombuTransport(Transport):
         return failures + 1
 
     def _raw_channel(self, connection: kombu.Connection) -> Any:
-        """A new channel whose messages keep their bodies as the broker holds them."""
+        """A new channel whose messages keep their bodies as the broker holds them: neither
+        decompressed by kombu (:class:`_RawBody`) nor decoded by py-amqp by their content
+        encoding (which turned a latin-1 body into text that was then written as UTF-8)."""
         channel = connection.channel()
+        if hasattr(channel, "auto_decode"):
+            channel.auto_decode = False
         base = type(channel).Message
         raw = self._raw_message_classes.get(base)
         if raw is None:
@@ -596,15 +691,23 @@ class _KombuDelivery(Delivery):
     def __init__(self, queue: str, message: kombu.Message, *, settled: bool = False,
                  native_requeue: bool = True,
                  outage: tuple[type[BaseException], ...] = ()) -> None:
-        raw = delays.without_dead_letter_headers(message.headers or {})
-        headers, problem = wire.text_headers(raw)
+        try:
+            raw = {name: value for name, value
+                   in delays.without_dead_letter_headers(message.headers or {}).items()
+                   if name not in _BROKER_HEADERS}
+            headers, problem = wire.text_headers(raw)
+            problem = _joined(problem, _encoding_problem(raw, message.content_encoding))
+        except Exception as exc:  # input nobody foresaw: refused, never a stopped consumer
+            log.exception("could not read the headers of a message of %r", queue)
+            headers, problem = {}, f"its headers could not be read: {wire.shown(exc)}"
         super().__init__(
             queue=queue,
             headers=headers,
-            body=_as_bytes(message.body),
+            body=_as_bytes(message.body, message.content_encoding),
             content_type=message.content_type,
+            content_encoding=message.content_encoding,
             redelivered=bool(message.delivery_info.get("redelivered")),
-            wire_error=_joined(problem, _encoding_problem(raw, message.content_encoding)),
+            wire_error=problem,
         )
         self._message = message
         self.settled = settled
@@ -748,7 +851,7 @@ def _is_redis_auth_error(error: BaseException) -> bool:
 
 def _encoding_problem(headers: Mapping[str, Any], encoding: str | None) -> str | None:
     """A body idembus would have to decode or decompress to read: refused as received."""
-    if headers.get("compression") is not None:
+    if "compression" in headers:  # whatever it says: kombu would decompress by it
         return (f"the body is compressed ({wire.shown(headers['compression'])}); idembus "
                 "does not decompress what it receives")
     if (encoding or "").strip().lower() not in _PLAIN_ENCODINGS:
@@ -774,12 +877,117 @@ class _RawBody:
         self.errors = []
 
 
-def _as_bytes(body: Any) -> bytes:
+def _as_bytes(body: Any, encoding: str | None) -> bytes:
+    """The body's bytes. Channels here do not decode bodies (:meth:`KombuTransport.
+    _raw_channel`); should a driver have decoded one anyway, it is encoded back with the
+    encoding it was decoded by, never re-encoded as UTF-8 (a latin-1 ``b"\\xe9"`` would
+    become ``b"\\xc3\\xa9"``). An empty body stays empty (``"".encode("utf-16")`` is a
+    byte order mark)."""
     if isinstance(body, bytes):
         return body
     if isinstance(body, str):
-        return body.encode("utf-8", "surrogateescape")
+        if not body:  # py-amqp's body of a message without one (no body frame)
+            return b""
+        try:
+            return body.encode(encoding or "utf-8", "surrogateescape")
+        except LookupError:  # an encoding Python does not know cannot have decoded it
+            return body.encode("utf-8", "surrogateescape")
     return bytes(body)
+
+
+def _as_sent(text: str | None) -> Any:
+    """A content type or encoding as its bytes went over the wire: text that a content
+    header carried as bytes that are not UTF-8 (see :func:`_lenient_frames`) goes back out
+    as those bytes (py-amqp writes bytes as they are), not as the escapes."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            return text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # surrogates that were on the wire as such
+            return text.encode("utf-8", "surrogatepass")
+    return text
+
+
+#: The properties of a basic content header, by flag bit, in wire order, by kind: a short
+#: string (``s``), the headers table (``F``), an octet (``o``), a timestamp (``T``).
+_PROPERTIES = ((0x8000, "s"), (0x4000, "s"), (0x2000, "F"), (0x1000, "o"), (0x0800, "o"),
+               (0x0400, "s"), (0x0200, "s"), (0x0100, "s"), (0x0080, "s"), (0x0040, "T"),
+               (0x0020, "s"), (0x0010, "s"), (0x0008, "s"), (0x0004, "s"))
+#: Where a content header's property flags start: after class id, weight and body size.
+_FLAGS_AT = 12
+_SHORTSTR_MAX = 255
+
+
+def _lenient_frames(connection: Any, callback: Any, **options: Any) -> Callable[[Any], Any]:
+    """py-amqp's frame reader for the connections here, except for a content header whose
+    short-string properties (content type and encoding, message id, type, ...) are not
+    UTF-8: py-amqp raised ``UnicodeDecodeError`` on it, the consumer died, and the broker
+    gave the same message to the next one — one message stopped an endpoint for good.
+    Such a header is read again with those bytes as surrogate escapes (at most 255 bytes
+    of them), so the message arrives: idembus reads no AMQP property but the content type
+    and encoding, and refuses a message whose content type or encoding is not text."""
+    on_frame = amqp.method_framing.frame_handler(connection, callback, **options)
+
+    def on_any_frame(frame: Any) -> Any:
+        try:
+            return on_frame(frame)
+        except UnicodeDecodeError:
+            frame_type, channel, payload = frame
+            if frame_type != 2:  # only a content header carries what a publisher chose
+                raise
+            return on_frame((frame_type, channel, _escaped_header(bytes(payload))))
+
+    return on_any_frame
+
+
+def _escaped_header(payload: bytes) -> bytes:
+    """A basic content header with every short string that is not UTF-8 escaped."""
+    (flags,) = struct.unpack_from(">H", payload, _FLAGS_AT)
+    offset = _FLAGS_AT + 2
+    rewritten = bytearray(payload[:offset])
+    for bit, kind in _PROPERTIES:
+        if not flags & bit:
+            continue
+        if kind == "s":
+            size = payload[offset]
+            text = _escaped(payload[offset + 1:offset + 1 + size])
+            rewritten += bytes([len(text)]) + text
+            offset += 1 + size
+            continue
+        (size,) = struct.unpack_from(">I", payload, offset) if kind == "F" else (0,)
+        width = {"F": 4 + size, "o": 1, "T": 8}[kind]
+        rewritten += payload[offset:offset + width]
+        offset += width
+    return bytes(rewritten + payload[offset:])
+
+
+def _escaped(raw: bytes) -> bytes:
+    """``raw`` if it is UTF-8 (surrogates allowed, as py-amqp reads it); else its
+    surrogate-escaped form, cut to a short string's 255 bytes between characters."""
+    try:
+        raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "surrogateescape")
+        escaped = text.encode("utf-8", "surrogatepass")
+        while len(escaped) > _SHORTSTR_MAX:
+            text = text[:-1]
+            escaped = text.encode("utf-8", "surrogatepass")
+        return escaped
+    return raw
+
+
+def _takes_delayed(queue: str) -> bool:
+    """Whether delayed messages can be routed to ``queue`` by name (see
+    :func:`delays.check_queue_name`)."""
+    try:
+        delays.check_queue_name(queue)
+    except ValueError as exc:
+        log.warning("%s", exc)
+        return False
+    return True
 
 
 def _close_quietly(connection: kombu.Connection) -> None:
