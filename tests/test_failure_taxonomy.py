@@ -370,7 +370,7 @@ def test_an_outage_in_the_middle_of_a_dispatch_sends_and_counts_only_what_is_lef
 
     # Then after the outage only what had not gone out is sent again: each message once,
     # counted once, and nothing is a duplicate or a redispatch
-    assert dispatched.wait_for(4)  # the deposit itself, then its three messages
+    assert dispatched.wait_for(4)  # the Deposited event, then the three copies
     wait_until_idle([accounts])
     assert transport.lost
     assert len(transport.sends) == len(set(transport.sends)) == 3
