@@ -23,7 +23,7 @@ from .journal import Journal
 from .parking import park_outgoing
 from .policies import Backoff
 from .redaction import redact
-from .storage.base import Lease, Storage, scheduled_key
+from .storage.base import Lease, Storage
 from .transports.base import Transport
 from .transports.errors import DestinationRefused, TransportUnavailable
 
@@ -88,8 +88,11 @@ class DelayedDeliveries(Periodic):
     was deferred for any poller.
 
     Message by message: an outage ends the round (the claims expire and the next round
-    takes them again); a message the broker refuses for good, or that failed otherwise
-    ``max_attempts`` times, is parked (:mod:`bus.parking`) and forgotten here.
+    takes them again) and counts as no attempt; a message the broker refuses for good, or
+    that failed otherwise ``max_attempts`` times, is parked (:mod:`bus.parking`) and
+    forgotten here. Failures are counted with the message in the storage
+    (``Storage.note_scheduled_failure``): every poller of every process, and a poller
+    restarted, gives up after the same number.
     """
 
     def __init__(self, transport: Transport, storage: Storage, *, name: str,
@@ -103,9 +106,8 @@ class DelayedDeliveries(Periodic):
         self._batch = batch
         self._lease = lease
         self.owner = owner
+        #: How often one message may fail (other than by an outage) before it is parked.
         self.max_attempts = max_attempts
-        #: Failed sends per scheduled message, in this process.
-        self._failures: dict[tuple[str, str, str], int] = {}
 
     def round(self) -> float:
         self.send_due()
@@ -127,21 +129,22 @@ class DelayedDeliveries(Periodic):
     def _send(self, envelope: Envelope) -> bool:
         """Send one due message; True when it is done with (sent or parked). An outage
         raises: the round ends, and the claims left expire."""
-        key = scheduled_key(envelope)
         try:
             self._transport.dispatch(envelope)
         except TransportUnavailable:
             raise
         except Exception as error:
-            attempts = self._failures[key] = self._failures.get(key, 0) + 1
+            attempts = self._storage.note_scheduled_failure(envelope)
+            if attempts == 0:  # another poller sent it and forgot it meanwhile
+                log.info("sending delayed message %s failed, but it is no longer scheduled: "
+                         "%s", envelope.message_id, redact(str(error)))
+                return False
             if not isinstance(error, MessageRefused) and attempts < self.max_attempts:
                 log.warning("sending delayed message %s failed (attempt %d of %d): %s",
                             envelope.message_id, attempts, self.max_attempts,
                             redact(str(error)))
                 return False
-            del self._failures[key]
             park_outgoing(self._storage, envelope, error, endpoint=self.owner or "",
                           attempts=attempts)
             return True
-        self._failures.pop(key, None)
         return True

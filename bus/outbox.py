@@ -89,7 +89,8 @@ class OutboxDispatcher(Periodic):
         self.lease_ttl = lease_ttl
         self.grace = grace
         self._batch = batch
-        self._keep_bodies = keep_bodies
+        #: Whether marks keep the bodies of what was sent (``compact_after_dispatch=False``).
+        self.keep_bodies = keep_bodies
         #: How often one entry may fail (other than by an outage) before its messages are
         #: parked and it is marked; the count is kept with the entry, in the storage.
         self.max_attempts = max_attempts
@@ -174,7 +175,7 @@ class OutboxDispatcher(Periodic):
     def _mark(self, entry: Undispatched, sent: list[Envelope]) -> None:
         self._dispatcher.mark_dispatched(
             entry.aggregate_type, entry.aggregate_id, entry.key, sent,
-            keep_bodies=self._keep_bodies, lease=self.lease)
+            keep_bodies=self.keep_bodies, lease=self.lease)
 
     def _housekeeping(self, now: datetime.datetime) -> None:
         """Expire processed entries and trim the journal, each whatever the other did."""

@@ -32,11 +32,15 @@ It also keeps **delayed messages** for transports that cannot hold them back the
 (memory://, Redis): ``schedule(envelope, due)`` stores one, ``claim_due(now)`` hands the
 due ones to one poller at a time (a claim is a lease: if that poller dies, another claims
 them again once the lease ran out), ``forget_scheduled`` removes what was dispatched.
-Delivery is at least once, and a message dispatched twice keeps its id.
+Delivery is at least once, and a message dispatched twice keeps its id. A send that fails
+(not by an outage) is counted with the message (``note_scheduled_failure``), so that every
+poller, in any process and after any restart, gives up on it after the same number.
 
 For the **outbox dispatcher**, which repairs crashes between commit and dispatch, a backend
 lists entries never marked dispatched (``undispatched``) and keeps **leases**
 (``acquire_lease``/``release_lease``) whose fencing token guards the dispatcher's marks.
+``overdue`` sums up, per endpoint, what has waited too long for either (the entries and
+delayed messages of a renamed or retired endpoint, which no running dispatcher sends).
 
 A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
 the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
@@ -103,6 +107,27 @@ class Undispatched:
     outgoing: tuple[Envelope, ...]
     #: How often the outbox failed to repair it so far (:meth:`Storage.note_repair_failure`).
     attempts: int = 0
+
+
+#: :attr:`Overdue.kind` of undispatched outbox entries.
+OVERDUE_ENTRIES = "entries"
+#: :attr:`Overdue.kind` of delayed messages whose due time has passed.
+OVERDUE_DELAYED = "delayed messages"
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """How much of one kind has waited too long for one endpoint (:meth:`Storage.overdue`)."""
+
+    #: The endpoint that committed the entries (``idembus.originating_endpoint`` of their
+    #: first message) or deferred the messages; ``None``: not recorded (any endpoint's
+    #: dispatcher or poller sends those).
+    endpoint: str | None
+    #: :data:`OVERDUE_ENTRIES` or :data:`OVERDUE_DELAYED`.
+    kind: str
+    count: int
+    #: When the oldest of them was committed, or was due (UTC).
+    since: datetime.datetime
 
 
 @dataclass(frozen=True)
@@ -313,6 +338,18 @@ class Storage(ABC):
         :attr:`Undispatched.attempts`), so that a bounded number of attempts holds whoever
         holds the lease."""
 
+    def overdue(self, before: datetime.datetime) -> list[Overdue]:
+        """What has waited since before ``before`` (an aware datetime), per endpoint and
+        kind: undispatched entries committed before it, and scheduled messages due before it
+        (claimed or not). Ordered by endpoint (``None`` first), entries before delayed
+        messages. For operators (``idembus dispatcher --list-stranded``), not per message."""
+        found = self._overdue(_aware(before, "before"))
+        return sorted(found, key=lambda o: (o.endpoint is not None, o.endpoint or "",
+                                            o.kind != OVERDUE_ENTRIES))
+
+    @abstractmethod
+    def _overdue(self, before: datetime.datetime) -> list[Overdue]: ...
+
     @abstractmethod
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
                       now: datetime.datetime) -> Lease | None:
@@ -358,6 +395,15 @@ class Storage(ABC):
     @abstractmethod
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
         """Remove scheduled envelopes (after they were dispatched)."""
+
+    @abstractmethod
+    def note_scheduled_failure(self, envelope: Envelope) -> int:
+        """Count one failed send of the scheduled ``envelope`` (by :func:`scheduled_key`)
+        and return how many it has had, this one included: the count is kept with the
+        message, so it holds for every poller and across restarts. Scheduling the same entry
+        again keeps its count; a new entry (the next delayed round) starts at 0, and
+        forgetting the entry forgets its count. Returns 0 if it is no longer scheduled
+        (another poller sent and forgot it)."""
 
     @abstractmethod
     def write_audit(self, records: Sequence[AuditRecord]) -> None:

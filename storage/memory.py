@@ -15,11 +15,14 @@ from typing import Any
 from ..envelope import Envelope, utc_now
 from .base import (
     DEFAULT_PROCESSED_WINDOW,
+    OVERDUE_DELAYED,
+    OVERDUE_ENTRIES,
     AggregateRecord,
     AuditRecord,
     JournalBounds,
     JournalEntry,
     Lease,
+    Overdue,
     ParkedMessage,
     ProcessedMessage,
     StatusReport,
@@ -239,6 +242,28 @@ class MemoryStorage(Storage):
             for envelope in envelopes:
                 self._scheduled.pop(scheduled_key(envelope), None)
 
+    def note_scheduled_failure(self, envelope: Envelope) -> int:
+        with self._lock:
+            entry = self._scheduled.get(scheduled_key(envelope))
+            if entry is None:
+                return 0
+            entry.attempts += 1
+            return entry.attempts
+
+    def _overdue(self, before: datetime.datetime) -> list[Overdue]:
+        waiting: list[tuple[str | None, str, datetime.datetime]] = []
+        with self._lock:
+            waiting.extend(
+                (committed_by(entry.outgoing), OVERDUE_ENTRIES, entry.at)
+                for record in self._records.values() for entry in record.processed.values()
+                if not entry.dispatched and entry.at is not None and entry.at < before)
+            waiting.extend((entry.owner, OVERDUE_DELAYED, entry.due)
+                           for entry in self._scheduled.values() if entry.due < before)
+        groups: dict[tuple[str | None, str], list[datetime.datetime]] = {}
+        for endpoint, kind, since in waiting:
+            groups.setdefault((endpoint, kind), []).append(since)
+        return [Overdue(endpoint, kind, len(times), min(times))
+                for (endpoint, kind), times in groups.items()]
 
     def write_audit(self, records: Sequence[AuditRecord]) -> None:
         with self._lock:
@@ -335,3 +360,5 @@ class _Scheduled:
     due: datetime.datetime
     owner: str | None = None
     leased_until: datetime.datetime | None = None
+    #: Failed sends so far (``note_scheduled_failure``).
+    attempts: int = 0

@@ -72,11 +72,14 @@ from .base import (
     DEFAULT_PROCESSED_WINDOW,
     INBOX,
     OUTBOX_LEASE,
+    OVERDUE_DELAYED,
+    OVERDUE_ENTRIES,
     AggregateRecord,
     AuditRecord,
     JournalBounds,
     JournalEntry,
     Lease,
+    Overdue,
     ParkedMessage,
     ProcessedMessage,
     StatusReport,
@@ -288,6 +291,36 @@ class MongoStorage(Storage):
                 {"_id": aggregate_id, "processed.key": key},
                 {"$inc": {"processed.$.attempts": 1}})
 
+    def _overdue(self, before: datetime.datetime) -> list[Overdue]:
+        pending = {"dispatched": False, "at": {"$lt": before}}
+        entries = [
+            {"$match": {"processed": {"$elemMatch": pending}}},
+            {"$unwind": "$processed"},
+            {"$match": {"processed.dispatched": False, "processed.at": {"$lt": before}}},
+            {"$group": {"_id": "$processed.endpoint", "count": {"$sum": 1},
+                        "since": {"$min": "$processed.at"}}},
+        ]
+        delayed = [
+            {"$match": {"due": {"$lt": before}}},
+            {"$group": {"_id": "$owner", "count": {"$sum": 1}, "since": {"$min": "$due"}}},
+        ]
+        groups: dict[tuple[str | None, str], tuple[int, datetime.datetime]] = {}
+
+        def add(kind: str, rows: Iterator[Mapping[str, Any]]) -> None:
+            for row in rows:
+                since: datetime.datetime = row["since"]
+                if since.tzinfo is None:  # stored in UTC; mongomock returns it naive
+                    since = since.replace(tzinfo=datetime.timezone.utc)
+                count, oldest = groups.get((row["_id"], kind), (0, since))
+                groups[row["_id"], kind] = (count + int(row["count"]), min(oldest, since))
+
+        with self._guard, _translated():
+            for name in self._aggregate_collections():
+                add(OVERDUE_ENTRIES, self.database[name].aggregate(entries))
+            add(OVERDUE_DELAYED, self._delayed_messages.aggregate(delayed))
+        return [Overdue(endpoint, kind, count, since)
+                for (endpoint, kind), (count, since) in groups.items()]
+
     def _own(self, name: str) -> None:
         """Note ``name`` as an aggregate collection of idembus's and give it the index that
         serves the outbox's scan (once per collection and process; both writes are no-ops
@@ -398,15 +431,17 @@ class MongoStorage(Storage):
             "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
         if owner is not None:  # "None" also matches documents written before owners
             wanted["owner"] = {"$in": [owner, None]}
+        taken: list[Any] = []  # a lease too short to outlive this loop must not repeat one
         with self._guard, _translated():
             while len(claimed) < limit:
                 document = self._delayed_messages.find_one_and_update(
-                    wanted,
+                    {**wanted, "_id": {"$nin": taken}} if taken else wanted,
                     {"$set": {"leased_until": until}},
                     sort=[("due", pymongo.ASCENDING)],
                 )
                 if document is None:
                     break
+                taken.append(document["_id"])
                 claimed.append(Envelope.from_record(document["envelope"]))
         return claimed
 
@@ -416,6 +451,13 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             self._delayed_messages.delete_many(
                 {"_id": {"$in": [_scheduled_id(envelope) for envelope in envelopes]}})
+
+    def note_scheduled_failure(self, envelope: Envelope) -> int:
+        with self._guard, _translated():
+            document = self._delayed_messages.find_one_and_update(
+                {"_id": _scheduled_id(envelope)}, {"$inc": {"attempts": 1}},
+                projection={"attempts": True}, return_document=pymongo.ReturnDocument.AFTER)
+        return 0 if document is None else int(document["attempts"])
 
     def write_audit(self, records: Sequence[AuditRecord]) -> None:
         if not records:

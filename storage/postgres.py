@@ -22,7 +22,7 @@ Features
   background thread: a per-message UPDATE cost a quarter of the throughput. A mark lost in
   a crash only means a late duplicate re-sends its messages, which downstream deduplicates.
 * Delayed messages wait in ``<prefix>_scheduled``; pollers claim due rows with
-  ``FOR UPDATE SKIP LOCKED`` and a lease.
+  ``FOR UPDATE SKIP LOCKED`` and a lease. Each row counts its failed sends (``attempts``).
 * Processed rows are not bounded by count (``processed_window`` is ``None``); with
   ``retention=`` the ones whose messages were dispatched are deleted once older than it, in
   batches of 1000 by the outbox dispatcher's rounds. Undispatched rows are never deleted.
@@ -73,11 +73,14 @@ from ..errors import ConfigurationError
 from ..redaction import redact
 from .base import (
     INBOX,
+    OVERDUE_DELAYED,
+    OVERDUE_ENTRIES,
     AggregateRecord,
     AuditRecord,
     JournalBounds,
     JournalEntry,
     Lease,
+    Overdue,
     ParkedMessage,
     ProcessedMessage,
     StatusReport,
@@ -211,11 +214,16 @@ class PostgresStorage(Storage):
                     due timestamptz NOT NULL,
                     leased_until timestamptz,
                     owner text,
+                    attempts integer NOT NULL DEFAULT 0,
                     PRIMARY KEY (message_id, destination, deliver_at)
                 )""")
             if not _has_column(connection, self._scheduled, "owner"):  # older schema
                 connection.execute(f"""
                     ALTER TABLE {self._scheduled} ADD COLUMN IF NOT EXISTS owner text""")
+            if not _has_column(connection, self._scheduled, "attempts"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._scheduled}
+                    ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._scheduled}_due ON {self._scheduled} (due)""")
             connection.execute(f"""
@@ -320,7 +328,8 @@ class PostgresStorage(Storage):
             (list(self._tables),)).fetchall()
         missing = sorted(set(self._tables) - {row[0] for row in present})
         for table, column in ((self._aggregates, "updated_at"), (self._scheduled, "owner"),
-                              (self._status, "problems"), (self._processed, "attempts")):
+                              (self._status, "problems"), (self._processed, "attempts"),
+                              (self._scheduled, "attempts")):
             if table not in missing and not _has_column(connection, table, column):
                 missing.append(f"{table}.{column}")
         return missing
@@ -480,6 +489,19 @@ class PostgresStorage(Storage):
                 "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                 (aggregate_type, aggregate_id, key))
 
+    def _overdue(self, before: datetime.datetime) -> list[Overdue]:
+        with self._connection() as connection:
+            entries = connection.execute(
+                f"SELECT outgoing->0->'headers'->>%s, count(*), min(processed_at) "
+                f"FROM {self._processed} WHERE NOT dispatched AND processed_at < %s GROUP BY 1",
+                (h.ORIGINATING_ENDPOINT, before)).fetchall()
+            delayed = connection.execute(
+                f"SELECT owner, count(*), min(due) FROM {self._scheduled} WHERE due < %s "
+                "GROUP BY owner", (before,)).fetchall()
+        return [Overdue(endpoint, kind, int(count), _utc(since) or before)
+                for kind, rows in ((OVERDUE_ENTRIES, entries), (OVERDUE_DELAYED, delayed))
+                for endpoint, count, since in rows]
+
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
                       now: datetime.datetime) -> Lease | None:
         until = now + datetime.timedelta(seconds=ttl)
@@ -543,6 +565,14 @@ class PostgresStorage(Storage):
                 "(SELECT * FROM unnest(%s::text[], %s::text[], %s::text[]))",
                 (ids, destinations, times),
             )
+
+    def note_scheduled_failure(self, envelope: Envelope) -> int:
+        with self._connection() as connection:
+            row = connection.execute(
+                f"UPDATE {self._scheduled} SET attempts = attempts + 1 "
+                "WHERE (message_id, destination, deliver_at) = (%s, %s, %s) RETURNING attempts",
+                scheduled_key(envelope)).fetchone()
+        return 0 if row is None else int(row[0])
 
     def write_audit(self, records: Sequence[AuditRecord]) -> None:
         if not records:

@@ -2,8 +2,11 @@
 
 ``schedule(envelope, due)`` keeps an envelope until its time, ``claim_due(now)`` hands the
 due ones to one poller at a time under a lease, ``forget_scheduled`` removes what was
-dispatched. Time is driven through the ``now`` argument from a fixed clock, never by
-sleeping, so a lease of 30 seconds runs out in no time.
+dispatched, ``note_scheduled_failure`` counts failed sends with the message. Time is driven
+through the ``now`` argument from a fixed clock, never by sleeping, so a lease of 30
+seconds runs out in no time. The pollers' part (:class:`bus.dispatching.DelayedDeliveries`
+giving up after a bounded number of failures, whoever made them) runs on every backend
+too, on the real clock. ``overdue`` (what waits too long, per endpoint) is at the end.
 """
 
 from __future__ import annotations
@@ -17,10 +20,19 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from idembus import headers as h
-from idembus.envelope import Envelope
-from idembus.storage.base import Storage
+from idembus.dispatching import DelayedDeliveries
+from idembus.envelope import Envelope, utc_now
+from idembus.storage.base import (
+    OVERDUE_DELAYED,
+    OVERDUE_ENTRIES,
+    AggregateRecord,
+    Overdue,
+    Storage,
+)
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
+from idembus.transports.errors import TransportUnavailable
+from idembus.transports.kombu import KombuTransport
 from tests.conftest import MONGODB_URL
 
 StorageFactory = Callable[..., Storage]
@@ -204,6 +216,21 @@ def test_an_envelope_whose_lease_ran_out_is_claimed_again(
     assert reclaimed == [message]
     assert storage.claim_due(at(LEASE + 2), lease=LEASE) == []
     assert storage.claim_due(at(2 * LEASE + 2), lease=LEASE) == [message]
+
+
+def test_a_claim_whose_lease_ends_at_once_still_hands_out_each_envelope_once(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given two due envelopes
+    storage = storage_factory()
+    first, second = delayed(), delayed()
+    storage.schedule(first, at(-1))
+    storage.schedule(second, at(0))
+
+    # When a poller claims them with a lease of no length (it wants them again next round)
+    # Then each is in its claim once, and the next claim takes them again
+    assert storage.claim_due(at(0), lease=0.0) == [first, second]
+    assert storage.claim_due(at(0), lease=0.0) == [first, second]
 
 
 # -- forget_scheduled ------------------------------------------------------------------------
@@ -442,3 +469,244 @@ def test_a_poller_claims_what_its_endpoint_scheduled_and_what_any_poller_may_sen
     # Then it gets its own and the unowned one, never billing's, which billing's gets
     assert sorted(ids(claimed)) == sorted(ids([sales, anyone]))
     assert ids(storage.claim_due(at(1), lease=LEASE, owner="billing")) == ids([billing])
+
+
+# -- failure counts ----------------------------------------------------------------------------
+
+
+def test_each_failed_send_is_counted_with_its_scheduled_message(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given two scheduled messages, and one message id deferred to two destinations
+    storage = storage_factory()
+    first, second = delayed("billing", message_id="m-1"), delayed("shipping", message_id="m-1")
+    other = delayed()
+    for message in (first, second, other):
+        storage.schedule(message, at(0))
+
+    # When sends of them fail, Then each failure returns the message's own count so far
+    assert storage.note_scheduled_failure(first) == 1
+    assert storage.note_scheduled_failure(first) == 2
+    assert storage.note_scheduled_failure(second) == 1
+    assert storage.note_scheduled_failure(other) == 1
+    assert storage.note_scheduled_failure(first) == 3
+
+    # And counting changes nothing else: the messages are still claimed as scheduled
+    assert sorted(ids(storage.claim_due(at(0)))) == sorted(ids([first, second, other]))
+
+
+def test_a_failure_count_is_kept_in_the_database_for_every_storage_instance(
+    two_instances: tuple[Storage, Storage],
+) -> None:
+    # Given a message whose sends failed twice through one process's storage
+    first, second = two_instances
+    message = delayed()
+    first.schedule(message, at(0))
+    first.note_scheduled_failure(message)
+    first.note_scheduled_failure(message)
+
+    # When another process's storage counts the next failure, Then it is the third
+    assert second.note_scheduled_failure(message) == 3
+
+
+def test_scheduling_a_message_again_keeps_its_count_and_its_next_round_starts_afresh(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given a delayed message whose send failed once
+    storage = storage_factory()
+    message = delayed()
+    storage.schedule(message, at(0))
+    assert storage.note_scheduled_failure(message) == 1
+
+    # When a redelivered handler schedules it again, Then the count goes on
+    storage.schedule(message, at(0))
+    assert storage.note_scheduled_failure(message) == 2
+
+    # And the message deferred for its next delayed round is a new entry, counted afresh
+    next_round = message.with_headers({h.DELIVER_AT: at(20).isoformat()})
+    storage.schedule(next_round, at(20))
+    assert storage.note_scheduled_failure(next_round) == 1
+    assert storage.note_scheduled_failure(message) == 3
+
+
+def test_a_forgotten_message_has_no_count_and_scheduling_it_anew_starts_from_zero(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given a message whose send failed, and that another poller then sent and forgot
+    storage = storage_factory()
+    message = delayed()
+    storage.schedule(message, at(0))
+    storage.note_scheduled_failure(message)
+    storage.forget_scheduled([message])
+
+    # When this poller counts its failure, Then there is nothing left to count
+    assert storage.note_scheduled_failure(message) == 0
+
+    # And scheduled anew, it starts from nothing
+    storage.schedule(message, at(0))
+    assert storage.note_scheduled_failure(message) == 1
+
+
+class Failing(KombuTransport):
+    """memory:// whose sends raise ``failure`` (when set), and that notes what it sent."""
+
+    def __init__(self) -> None:
+        super().__init__("memory://")
+        self.failure: Exception | None = None
+        self.sent: list[str] = []
+
+    def send(self, envelope: Envelope) -> None:
+        if self.failure is not None:
+            raise self.failure
+        self.sent.append(envelope.message_id)
+
+
+def a_poller(transport: Failing, storage: Storage, *, max_attempts: int) -> DelayedDeliveries:
+    """The delayed-message poller of the endpoint ``sales``, whose claims end at once (so
+    that each round takes the failed message again)."""
+    return DelayedDeliveries(transport, storage, name="delays", owner="sales",
+                             max_attempts=max_attempts, lease=0.0)
+
+
+def after_a_restart(storage: Storage) -> Storage:
+    """The storage a restarted process opens: a new object where the data outlives one."""
+    return storage if storage.process_local else another_instance(storage)
+
+
+def due_now() -> datetime.datetime:
+    return utc_now() - datetime.timedelta(seconds=1)
+
+
+def test_a_poller_restarted_after_two_failures_parks_the_message_at_its_third(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given a due message whose sends fail with an error nobody foresaw
+    storage = storage_factory()
+    transport = Failing()
+    transport.failure = RuntimeError("unforeseen trouble (simulated)")
+    message = delayed()
+    storage.schedule(message, due_now(), owner="sales")
+
+    # When a poller fails it twice, and then its process ends
+    crashed = a_poller(transport, storage, max_attempts=3)
+    assert crashed.send_due() == 0
+    assert crashed.send_due() == 0
+    assert storage.parked_messages("sales") == []
+
+    # When the restarted process's new poller, on a storage of its own, fails it once
+    restarted = after_a_restart(storage)
+    try:
+        assert a_poller(transport, restarted, max_attempts=3).send_due() == 1
+
+        # Then that was the third failure: the message is parked with the reason, and gone
+        [parked] = restarted.parked_messages("sales")
+        assert parked.envelope.message_id == message.message_id
+        assert parked.envelope.headers[h.IMMEDIATE_ATTEMPTS] == "3"
+        assert "unforeseen trouble" in parked.envelope.headers[h.EXCEPTION_MESSAGE]
+        assert restarted.claim_due(utc_now() + datetime.timedelta(minutes=5)) == []
+    finally:
+        if restarted is not storage:
+            restarted.close()
+
+
+def test_outages_use_up_no_attempts_whichever_poller_meets_them(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given a due message, and a poller allowed three failures
+    storage = storage_factory()
+    transport = Failing()
+    message = delayed()
+    storage.schedule(message, due_now(), owner="sales")
+    first = a_poller(transport, storage, max_attempts=3)
+
+    # When its send fails once, then the broker is away for three rounds
+    transport.failure = RuntimeError("unforeseen trouble (simulated)")
+    assert first.send_due() == 0
+    transport.failure = TransportUnavailable("the broker is away (simulated)")
+    for _ in range(3):
+        with pytest.raises(TransportUnavailable):
+            first.send_due()
+
+    # And after a restart, away for two more, then failing once more
+    restarted = after_a_restart(storage)
+    try:
+        second = a_poller(transport, restarted, max_attempts=3)
+        for _ in range(2):
+            with pytest.raises(TransportUnavailable):
+                second.send_due()
+        transport.failure = RuntimeError("unforeseen trouble (simulated)")
+        assert second.send_due() == 0
+
+        # Then only the two real failures counted: nothing is parked yet
+        assert restarted.parked_messages("sales") == []
+
+        # And the third real failure parks it
+        assert second.send_due() == 1
+        [parked] = restarted.parked_messages("sales")
+        assert parked.envelope.headers[h.IMMEDIATE_ATTEMPTS] == "3"
+    finally:
+        if restarted is not storage:
+            restarted.close()
+
+
+# -- overdue: what waits too long, per endpoint ------------------------------------------------
+
+
+def command_of(endpoint: str | None) -> Envelope:
+    """An outgoing command committed by ``endpoint`` (``None``: from before endpoints were
+    recorded: no ``idembus.originating_endpoint``)."""
+    headers = {h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: "test.Deposit",
+               h.INTENT: h.Intent.SEND.value}
+    if endpoint is not None:
+        headers[h.ORIGINATING_ENDPOINT] = endpoint
+    return Envelope(headers, '{"account": "a", "amount": 1}', "billing")
+
+
+def commit_entry(storage: Storage, aggregate_id: str, endpoint: str | None) -> datetime.datetime:
+    """Commit an entry with one message of ``endpoint``'s, never dispatched; when it was
+    committed, as the storage says."""
+    key = f"H/{aggregate_id}"
+    storage.commit(AggregateRecord("Account", aggregate_id), key=key, state={},
+                   outgoing=[command_of(endpoint)])
+    committed = storage.load("Account", aggregate_id, key).processed[key].at
+    assert committed is not None
+    return committed
+
+
+def test_overdue_counts_per_endpoint_the_entries_and_delayed_messages_waiting_since_before(
+    storage_factory: StorageFactory,
+) -> None:
+    # Given undispatched entries of two endpoints and one from before endpoints were
+    # recorded, one entry that was dispatched, and delayed messages past due (one claimed)
+    storage = storage_factory()
+    sales_first = commit_entry(storage, "s1", "sales")
+    commit_entry(storage, "s2", "sales")
+    retired = commit_entry(storage, "o1", "old-sales")
+    legacy = commit_entry(storage, "l1", None)
+    commit_entry(storage, "o2", "old-sales")
+    storage.mark_dispatched("Account", "o2", "H/o2")
+    storage.flush()
+    hour_ago = (utc_now() - datetime.timedelta(hours=1)).replace(microsecond=0)
+    for seconds in (0, 30):
+        storage.schedule(delayed(), hour_ago + datetime.timedelta(seconds=seconds),
+                         owner="old-sales")
+    storage.schedule(delayed(), hour_ago + datetime.timedelta(minutes=1))
+    storage.schedule(delayed(), utc_now() + datetime.timedelta(hours=1), owner="old-sales")
+    assert len(storage.claim_due(hour_ago + datetime.timedelta(seconds=1))) == 1
+
+    # When an operator asks what waits since before a minute from now
+    found = storage.overdue(utc_now() + datetime.timedelta(minutes=1))
+
+    # Then each endpoint's count and oldest time is there, unrecorded endpoints first
+    assert found == [
+        Overdue(None, OVERDUE_ENTRIES, 1, legacy),
+        Overdue(None, OVERDUE_DELAYED, 1, hour_ago + datetime.timedelta(minutes=1)),
+        Overdue("old-sales", OVERDUE_ENTRIES, 1, retired),
+        Overdue("old-sales", OVERDUE_DELAYED, 2, hour_ago),
+        Overdue("sales", OVERDUE_ENTRIES, 2, sales_first),
+    ]
+
+    # And what has waited for less long is not overdue
+    assert storage.overdue(hour_ago + datetime.timedelta(seconds=10)) == [
+        Overdue("old-sales", OVERDUE_DELAYED, 1, hour_ago)]
+    assert storage.overdue(hour_ago) == []
