@@ -11,6 +11,10 @@ import pydantic
 
 from .errors import HandlerContractError, MessageError, RoutingError
 
+#: Errors no retry can fix, whatever a policy lists: bad input, no route, a broken contract.
+ALWAYS_UNRECOVERABLE: tuple[type[BaseException], ...] = (
+    MessageError, RoutingError, HandlerContractError)
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -18,7 +22,8 @@ class RetryPolicy:
     they all failed, the message comes back after each of the ``delayed`` waits (seconds),
     with its immediate retries each time; then it goes to the error queue.
 
-    Exceptions of the ``unrecoverable`` types skip every retry: no attempt could fix them.
+    Exceptions of the ``unrecoverable`` types skip every retry: no attempt could fix them;
+    idembus's own :data:`ALWAYS_UNRECOVERABLE` do so even when a policy lists other types.
     Set on an endpoint (``Endpoint(retry_policy=...)``) or on one handler class
     (``retry_policy = RetryPolicy(...)``).
     """
@@ -37,13 +42,17 @@ class RetryPolicy:
 
     def should_retry(self, error: BaseException, attempts: int) -> bool:
         """Try again at once after ``attempts`` attempts failed with ``error``?"""
-        return not isinstance(error, self.unrecoverable) and attempts <= self.immediate_retries
+        return not self.is_unrecoverable(error) and attempts <= self.immediate_retries
 
     def delay_after(self, error: BaseException, rounds: int) -> float | None:
         """The wait before delayed round ``rounds + 1``, or ``None``: give up."""
-        if isinstance(error, self.unrecoverable) or rounds >= len(self.delayed):
+        if self.is_unrecoverable(error) or rounds >= len(self.delayed):
             return None
         return self.delayed[rounds]
+
+    def is_unrecoverable(self, error: BaseException) -> bool:
+        """Whether no retry could fix ``error``."""
+        return isinstance(error, (*ALWAYS_UNRECOVERABLE, *self.unrecoverable))
 
     @property
     def longest_path(self) -> float:

@@ -220,7 +220,8 @@ class MessageProcessor:
                             delivery.headers.get(h.MESSAGE_ID), redact(str(refused)),
                             self._error_queue)
                 self._dead_letter(delivery, failure.error, attempts=failure.attempts)
-        if isinstance(failure.error, (*failure.policy.unrecoverable, MessageRefused)):
+        if failure.policy.is_unrecoverable(failure.error) or isinstance(failure.error,
+                                                                        MessageRefused):
             return  # the message's own fault: says nothing about the dependencies
         pause = self._breaker.failed()
         if pause:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from idembus import Endpoint
+from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.errors import HandlerContractError
 from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
@@ -120,3 +120,38 @@ def test_a_coroutine_returned_by_a_plain_method_is_closed_and_fails_the_message(
     # filterwarnings=error: a coroutine left unclosed would fail this test with a warning
     with pytest.raises(HandlerContractError, match="returned a coroutine|returned <coroutine"):
         handle(HandsBackACoroutine, Deposit(account="a", amount=1))
+
+
+def test_a_policy_with_its_own_unrecoverable_types_still_never_retries_a_broken_contract(
+    make_endpoint: Callable[..., Endpoint],
+) -> None:
+    # Given a retry policy that lists only its own unrecoverable type
+    accounts = make_endpoint("returning-own-policy", handlers=[Returning],
+                             retry_policy=RetryPolicy(immediate_retries=3, delayed=(60.0,),
+                                                      unrecoverable=(KeyError,)))
+    dead_lettered = SignalCounter(accounts, "dead_lettered")
+    accounts.start()
+
+    # When a handler breaks the contract
+    accounts.bus.send(Deposit(account="a", amount=5))
+
+    # Then the message still goes to the error queue at once, without any retry
+    assert dead_lettered.wait_for(1)
+    wait_until_idle([accounts])
+    assert (accounts.counters["failed"], accounts.counters["retried"]) == (1, 0)
+
+
+def test_an_async_new_state_is_refused() -> None:
+    class AsyncNewState(AggregateHandler[Account]):
+        def aggregate_id(self, message: Deposit) -> str:
+            return message.account
+
+        async def new_state(self, aggregate_id: str, message: Any) -> Account:  # type: ignore[override]
+            return Account()
+
+        @handles
+        def deposit(self, message: Deposit) -> None:
+            self.state.balance += message.amount
+
+    with pytest.raises(HandlerDefinitionError, match="AsyncNewState.new_state"):
+        Endpoint("async-new-state", handlers=[AsyncNewState], storage=MemoryStorage())
