@@ -45,5 +45,7 @@ class AuditTrail:
         """Wait until every record so far is written."""
         self._batcher.flush()
 
-    def close(self) -> None:
-        self._batcher.close()
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Write what is pending, waiting at most ``timeout`` seconds (what is left is
+        logged at ERROR with a count, never waited for forever)."""
+        self._batcher.close(timeout)

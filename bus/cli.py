@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status
+from . import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status, logs
 from .errors import BusError, ConfigurationError, EndpointBlocked
 from .loading import load_endpoint
-from .logs import JsonFormatter
-from .redaction import RedactingFormatter, redact
+from .redaction import redact
 from .storage.errors import StorageUnavailable
 from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
 from .transports.errors import TransportUnavailable
@@ -76,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _log_redacted(args.log_level, args.log_format)
+    logs.configure(args.log_level, args.log_format)
+    logs.log_uncaught()
     if getattr(args, "app_dir", None):
         sys.path.insert(0, os.path.abspath(args.app_dir))
     try:
@@ -91,15 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BusError as exc:
         print(f"idembus: {redact(str(exc))}", file=sys.stderr)
         return EXIT_CONFIGURATION
-
-
-def _log_redacted(level: str, form: str) -> None:
-    """Log to stderr through a redacting formatter (text, or JSON lines): no line, and no
-    traceback a driver wrote, carries a password."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if form == "json" else RedactingFormatter(
-        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def _migrate(reference: str) -> int:

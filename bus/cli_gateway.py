@@ -1,18 +1,24 @@
 """``idembus gateway package.module:endpoint --listen 127.0.0.1:8042``: serve the event
 journal of the endpoint's storage as a Server-Sent Events stream (:mod:`bus.gateway`), until
-SIGINT or SIGTERM."""
+SIGINT or SIGTERM.
+
+The signals only set a flag (:class:`~bus.shutdown.StopSignals`) that the main thread looks
+at between short waits; it then stops the gateway and closes the endpoint within
+``--shutdown-timeout`` seconds. (A handler setting a ``threading.Event`` hung when SIGINT and
+SIGTERM arrived together.)
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import threading
 from typing import Any
 
 from .errors import ConfigurationError
 from .gateway import Gateway
 from .loading import load_endpoint
+from .logs import log_uncaught
+from .shutdown import Deadline, StopSignals
 
 #: Environment variable holding ``user:password`` when ``--auth`` is not given.
 AUTH_VARIABLE = "IDEMBUS_GATEWAY_AUTH"
@@ -40,29 +46,35 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                               "read the stream from another origin; repeat for several")
     gateway.add_argument("--consume", action="store_true",
                          help="also run the endpoint: consume its queue in this process")
+    gateway.add_argument("--shutdown-timeout", type=float, default=30.0,
+                         help="seconds to end the streams and, with --consume, finish the "
+                              "messages in progress after SIGINT/SIGTERM (30)")
     gateway.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    log_uncaught()  # its threads' tracebacks, redacted like the log lines
     host, port = _address(args.listen)
     endpoint = load_endpoint(args.endpoint)
-    stop = threading.Event()
-    gateway = Gateway(endpoint, host=host, port=port,
-                      auth=args.auth or os.environ.get(AUTH_VARIABLE) or None,
-                      buffer=args.buffer, heartbeat=args.heartbeat,
-                      cors_origins=args.cors_origin)
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-    try:
-        if args.consume:
-            endpoint.start()
-        gateway.start()
-        print(f"idembus gateway: {endpoint.name} on {gateway.url}", flush=True)
-        stop.wait()
-    finally:
-        gateway.stop()
-        endpoint.close()
+    gateway: Gateway | None = None
+    with StopSignals() as signals:
+        try:
+            gateway = Gateway(endpoint, host=host, port=port,
+                              auth=args.auth or os.environ.get(AUTH_VARIABLE) or None,
+                              buffer=args.buffer, heartbeat=args.heartbeat,
+                              cors_origins=args.cors_origin)
+            if args.consume:
+                endpoint.start()
+            gateway.start()
+            print(f"idembus gateway: {endpoint.name} on {gateway.url}", flush=True)
+            signals.wait()
+        finally:
+            deadline = Deadline(args.shutdown_timeout)
+            try:
+                if gateway is not None:
+                    gateway.stop(deadline.left())
+            finally:
+                endpoint.close(deadline.left())
     return 0
 
 

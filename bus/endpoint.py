@@ -59,6 +59,8 @@ from .wire import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
+#: Seconds :meth:`Endpoint.close` waits for pending audit records to be written.
+AUDIT_CLOSE_TIMEOUT = 5.0
 
 _ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -403,9 +405,12 @@ class Endpoint:
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop (see :meth:`stop`), then release the transport's and the storage's
         connections."""
-        self.stop(timeout)
-        if self.audit is not None:
-            self.audit.close()
+        deadline = Deadline(timeout)
+        self.stop(deadline.left())
+        if self.audit is not None:  # observation only: never worth the whole budget
+            left = deadline.left()
+            self.audit.close(AUDIT_CLOSE_TIMEOUT if left is None else min(left,
+                                                                          AUDIT_CLOSE_TIMEOUT))
         self.transport.close()
         self.storage.close()
 

@@ -8,6 +8,9 @@
   messages that repeat while something stays broken (an outage).
 * :class:`JsonFormatter`: one JSON object per line (``idembus run --log-format json``),
   redacted like every other line.
+* :func:`configure`: the logging of an ``idembus`` command — stderr, redacted, text or
+  JSON — and :func:`log_uncaught`, which sends what Python would print raw (an uncaught
+  exception's traceback, in any thread) through that same redacting handler.
 
 Records carry ``endpoint``, ``message_id``, ``message_type`` and ``handler`` where they
 concern one message (``extra=``); the JSON lines show them as fields.
@@ -18,8 +21,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import sys
 import threading
 import time
+from types import TracebackType
 from typing import Any
 
 from .redaction import RedactingFormatter, redact
@@ -27,6 +32,10 @@ from .signals import EndpointSignals
 
 #: The logger of the per-message lines.
 MESSAGES = logging.getLogger("idembus.messages")
+#: The logger of exceptions nothing caught (:func:`log_uncaught`).
+UNCAUGHT = logging.getLogger("idembus.uncaught")
+#: The text lines of ``idembus`` commands.
+TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 #: Fields a record may carry about its message, shown by the JSON lines.
 FIELDS = ("endpoint", "message_id", "message_type", "handler")
 _EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched")
@@ -101,3 +110,52 @@ class JsonFormatter(RedactingFormatter):
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
+
+
+def configure(level: str, form: str) -> None:
+    """Log to stderr at ``level`` through a redacting formatter — ``text`` lines or
+    ``json`` objects — uncaught exceptions included (:func:`log_uncaught`): no line, and
+    no traceback a driver or a thread wrote, carries a password."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if form == "json" else RedactingFormatter(TEXT_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    log_uncaught()
+
+
+def log_uncaught() -> None:
+    """Log to :data:`UNCAUGHT` what Python would otherwise print raw to stderr: an exception
+    nothing caught in the main thread (``sys.excepthook``, CRITICAL) or in another thread
+    (``threading.excepthook``, ERROR), and one it could only ignore, in a ``__del__`` say
+    (``sys.unraisablehook``, WARNING). The handlers of a command (:func:`configure`) then
+    format and redact them like every other line. Call it once logging is configured;
+    calling it again changes nothing."""
+    sys.excepthook = _uncaught
+    threading.excepthook = _uncaught_in_thread
+    sys.unraisablehook = _unraisable
+
+
+def _uncaught(kind: type[BaseException], error: BaseException,
+              trace: TracebackType | None) -> None:
+    UNCAUGHT.critical("uncaught %s: the command ends", kind.__name__,
+                      exc_info=(kind, error, trace))
+
+
+def _uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as Python does: a thread may end itself so
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    error = args.exc_value if args.exc_value is not None else args.exc_type()
+    UNCAUGHT.error("uncaught %s in thread %s", args.exc_type.__name__, name,
+                   exc_info=(args.exc_type, error, args.exc_traceback))
+
+
+def _unraisable(unraisable: Any) -> None:
+    try:
+        where = repr(unraisable.object)
+    except Exception:
+        where = "an object whose repr failed"
+    said = unraisable.err_msg or "Exception ignored in"
+    error = unraisable.exc_value
+    UNCAUGHT.warning("%s: %s", said, redact(where),
+                     exc_info=(unraisable.exc_type, error, unraisable.exc_traceback)
+                     if error is not None else None)

@@ -45,8 +45,10 @@ class StopSignals:
             signal.signal(signum, previous)
         self._previous.clear()
 
-    def wait(self, stop: threading.Event) -> None:
-        """Block until a stop signal arrives or ``stop`` is set."""
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Block until a stop signal arrives or ``stop`` (if given) is set."""
+        if stop is None:
+            stop = threading.Event()
         while self.received is None and not stop.is_set():
             stop.wait(POLL_INTERVAL)
 

@@ -1,4 +1,9 @@
-"""Writes that may wait: collected from any thread, applied in batches by one thread."""
+"""Writes that may wait: collected from any thread, applied in batches by one thread.
+
+Waiting for them is bounded: a write that blocks (a database without a statement timeout)
+must not wedge the process that waits for it, least of all at exit. What was not written
+in time is logged at ERROR with its count.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,11 @@ from typing import Generic, TypeVar
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Default seconds :meth:`Batcher.flush` waits for the writes.
+FLUSH_TIMEOUT = 30.0
+#: Default seconds :meth:`Batcher.close` waits for the last writes (at exit, usually).
+CLOSE_TIMEOUT = 5.0
 
 
 class Batcher(Generic[T]):
@@ -29,6 +39,8 @@ class Batcher(Generic[T]):
         self._pending: list[T] = []
         self._changed = threading.Condition()
         self._writing = 0
+        #: Items in the batch being written.
+        self._in_write = 0
         self._urgent = False
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -44,21 +56,44 @@ class Batcher(Generic[T]):
             if len(self._pending) >= self._size:
                 self._changed.notify_all()
 
-    def flush(self) -> None:
-        """Return once everything added so far was written (or dropped after a failure)."""
+    def flush(self, timeout: float | None = FLUSH_TIMEOUT) -> bool:
+        """Return once everything added so far was written (or dropped after a failure):
+        True; False if that took longer than ``timeout`` seconds (logged at ERROR, with
+        how many items are still unwritten)."""
         with self._changed:
             self._urgent = True
             self._changed.notify_all()
-            self._changed.wait_for(lambda: not self._pending and not self._writing)
+            if self._changed.wait_for(lambda: not self._pending and not self._writing,
+                                      timeout):
+                return True
+            unwritten = self._unwritten()
+        log.error("%s: %d item(s) not written after waiting %.1fs for them (a write is "
+                  "blocked)", self._name, unwritten, timeout)
+        return False
 
-    def close(self) -> None:
-        """Write what is pending, then stop the thread. Idempotent."""
+    def close(self, timeout: float | None = CLOSE_TIMEOUT) -> bool:
+        """Write what is pending, then stop the thread; True if that was done within
+        ``timeout`` seconds. Otherwise the items still unwritten are given up (logged at
+        ERROR with their count) and the thread, blocked in a write, is left behind (it is a
+        daemon). Idempotent."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
             thread = self._thread
-        if thread is not None:
-            thread.join()
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if not thread.is_alive():
+            return True
+        with self._changed:
+            unwritten = self._unwritten()
+        log.error("%s: %d item(s) not written: a write still blocked after %.1fs at close; "
+                  "giving them up", self._name, unwritten, timeout)
+        return False
+
+    def _unwritten(self) -> int:
+        """Items pending or being written (call with the lock held)."""
+        return len(self._pending) + self._in_write
 
     def _run(self) -> None:
         while True:
@@ -69,6 +104,7 @@ class Batcher(Generic[T]):
                 batch, self._pending = self._pending, []
                 self._urgent = False
                 self._writing += 1
+                self._in_write = len(batch)
                 closed = self._closed
             try:
                 if batch:
@@ -79,6 +115,7 @@ class Batcher(Generic[T]):
             finally:
                 with self._changed:
                     self._writing -= 1
+                    self._in_write = 0
                     self._changed.notify_all()
             if closed:
                 return

@@ -5,6 +5,7 @@ requests, authentication and the status."""
 from __future__ import annotations
 
 import datetime
+import logging
 import random
 import threading
 import uuid
@@ -496,3 +497,83 @@ def test_a_client_that_hangs_up_while_the_stream_is_idle_is_let_go(
         assert gateway.status()["clients"] == 1
     assert gateway.counters.wait_until(lambda counters: counters.clients == 0, timeout=10)
     assert gateway.status()["connections"] == 1
+
+
+class BrokenStorage(MemoryStorage):
+    """A storage that fails, once ``broken`` names what, with a password in its message
+    (as a driver's error may carry its connection string)."""
+
+    PASSWORD = "Gw7;Broken,Pw)Never'Shown"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken: str | None = None
+
+    def _fail(self, what: str) -> None:
+        if self.broken == what:
+            raise RuntimeError(f"{what} failed on host=db password={self.PASSWORD} dbname=x")
+
+    def journal_bounds(self) -> Any:
+        self._fail("journal_bounds")
+        return super().journal_bounds()
+
+    def records(self, aggregate_type: str) -> Any:
+        self._fail("records")
+        return super().records(aggregate_type)
+
+
+def fragments_of(password: str) -> list[str]:
+    """The pieces of ``password`` between its punctuation: none may be shown."""
+    return [piece for piece in "".join(c if c.isalnum() else " " for c in password).split()]
+
+
+def test_an_unexpected_error_answers_500_naming_only_its_type_and_is_logged_redacted(
+    gateway_for: Callable[..., Gateway], caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    storage = BrokenStorage()
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=storage, journal=True)
+    try:
+        gateway = gateway_for(endpoint)
+        storage.broken = "journal_bounds"
+        for response in (httpx.get(gateway.url + "/status"),
+                         httpx.get(gateway.url + "/", headers={**STREAM, "Last-Event-ID": "1"})):
+            assert response.status_code == 500
+            assert "RuntimeError" in response.json()["error"]
+            assert "failed on" not in response.text
+    finally:
+        endpoint.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    assert "journal_bounds failed on host=db password=*** dbname=x" in logged
+    shown = logged + "".join(capsys.readouterr())
+    assert not [piece for piece in fragments_of(BrokenStorage.PASSWORD) if piece in shown]
+
+
+def test_an_error_after_a_stream_began_is_logged_redacted_not_printed_raw(
+    gateway_for: Callable[..., Gateway], caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a storage whose aggregates cannot be read, and one to replicate
+    storage = BrokenStorage()
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=storage,
+                        handlers=[AccountHandler], journal=True)
+    try:
+        deposit(endpoint, "a", 1)
+        gateway = gateway_for(endpoint)
+        storage.broken = "records"
+
+        # When a client asks for replication: the stream has begun when reading fails
+        with httpx.Client() as client, stream(client, gateway, last="0") as response:
+            assert response.status_code == 200
+            received = take(events(response), 3)
+        assert [event.kind for event in received] == ["reset"]  # then the server hung up
+        assert gateway.counters.wait_until(lambda counters: counters.clients == 0,
+                                           timeout=10)
+    finally:
+        endpoint.close()
+
+    # Then the traceback went to the log, redacted, and nothing raw to stderr
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+    assert "Traceback" in logged and "records failed on host=db password=***" in logged
+    shown = logged + "".join(capsys.readouterr())
+    assert not [piece for piece in fragments_of(BrokenStorage.PASSWORD) if piece in shown]

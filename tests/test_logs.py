@@ -170,3 +170,57 @@ def test_idembus_run_writes_json_lines(tmp_path: pathlib.Path) -> None:
     finally:
         process.terminate()
         process.communicate(timeout=30)
+
+
+#: A program that fails in every way Python reports by itself, each time with a password.
+UNCAUGHT_PROGRAM = textwrap.dedent('''
+    import sys
+    import threading
+
+    from idembus.logs import configure
+
+    configure("INFO", sys.argv[1])
+
+
+    def in_a_thread():
+        raise RuntimeError("thread lost postgresql://app:Pw;In,Thread@db/x")
+
+
+    class Leaky:
+        def __del__(self):
+            raise ValueError("__del__ lost host=db password=Pw;In)Del dbname=x")
+
+
+    thread = threading.Thread(target=in_a_thread, name="courier")
+    thread.start()
+    thread.join()
+    Leaky()
+    raise ConnectionError("main lost amqp://guest:Pw;In'Main@broker//")
+''')
+
+
+@pytest.mark.parametrize("form", ["text", "json"])
+def test_what_nothing_caught_is_logged_redacted_in_every_thread(
+    tmp_path: pathlib.Path, form: str,
+) -> None:
+    (tmp_path / "uncaught.py").write_text(UNCAUGHT_PROGRAM)
+
+    done = subprocess.run([sys.executable, "uncaught.py", form], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          timeout=60)
+
+    output = done.stdout + done.stderr
+    assert done.returncode == 1
+    # Each failure is there, with its traceback, in the command's log format
+    text = output.decode()
+    for said in ("uncaught RuntimeError in thread courier", "Exception ignored in",
+                 "uncaught ConnectionError: the command ends", "thread lost postgresql://",
+                 "__del__ lost host=db password=***", "main lost amqp://guest:***@broker//"):
+        assert said in text, text
+    if form == "json":
+        entries = [json.loads(line) for line in done.stderr.decode().splitlines()]
+        assert {entry["level"] for entry in entries} == {"CRITICAL", "ERROR", "WARNING"}
+        assert all("Traceback" in entry["exception"] for entry in entries)
+    # And no piece of any password (the tracebacks quote the source lines too)
+    for piece in (b"In,Thread", b"Thread@", b"In)Del", b"In'Main", b"Pw;"):
+        assert piece not in output, text

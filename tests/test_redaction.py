@@ -45,6 +45,44 @@ def test_what_surrounds_a_password_stays_readable() -> None:
     assert redact("memory:// and redis://127.0.0.1:6379/0") == "memory:// and redis://127.0.0.1:6379/0"
 
 
+@pytest.mark.parametrize("value", ["abc;TailSecret99", "ab,cd", "a\\'b", "ab)cd", "ab&cd",
+                                   'ab"cd', "a\\ b", "'a b'\\''c'"])
+def test_an_unquoted_libpq_value_is_masked_up_to_white_space(value: str) -> None:
+    assert redact(f"host=db password={value} dbname=sales") == (
+        "host=db password=*** dbname=sales")
+
+
+def test_in_a_url_query_the_next_parameter_ends_the_password() -> None:
+    assert redact("postgresql://db/x?password=ab;c&sslmode=require&user=app") == (
+        "postgresql://db/x?password=***&sslmode=require&user=app")
+    assert redact("postgresql://db/x?user=app&password=a&b") == (
+        "postgresql://db/x?user=app&password=***")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("PGPASSWORD=abc;def psql", "PGPASSWORD=*** psql"),
+    ("export IDEMBUS_POSTGRES_PASSWORD='a b' ok", "export IDEMBUS_POSTGRES_PASSWORD=*** ok"),
+    ("environ({'PGPASSWORD': 'x;y', 'HOME': '/root'})",
+     "environ({'PGPASSWORD': '***', 'HOME': '/root'})"),
+    ("mongodb://h/?tlsCertificateKeyFilePassword=x;y&tls=true",
+     "mongodb://h/?tlsCertificateKeyFilePassword=***&tls=true"),
+    ("mongodb://h/?authMechanismProperties=AWS_SESSION_TOKEN:t0k;en&authSource=$external",
+     "mongodb://h/?authMechanismProperties=AWS_SESSION_TOKEN:***&authSource=$external"),
+    ("Authorization: Basic b3BzOnB3", "Authorization: Basic ***"),
+    ("{'Authorization': 'Bearer abc'}", "{'Authorization': '***'}"),
+    ("Connection(password=b'x;y', api_key=k3y)", "Connection(password=*** api_key=***"),
+    ("cannot be used: Port could not be cast to integer value as 'pw-part'. Use",
+     "cannot be used: Port could not be cast to integer value as ***. Use"),
+])
+def test_environment_assignments_and_driver_spellings_are_masked(text: str,
+                                                                 expected: str) -> None:
+    assert redact(text) == expected
+
+
+def test_a_quote_that_never_closes_hides_the_rest_of_its_line_only() -> None:
+    assert redact("password='ab cd dbname=x\nnext line") == "password=***\nnext line"
+
+
 def test_extra_secrets_are_hidden_wherever_they_appear() -> None:
     assert redact(f"basic auth admin {SECRET} refused", secrets=[SECRET, ""]) == (
         "basic auth admin *** refused")

@@ -1,9 +1,12 @@
-"""Shutdown never hangs: SIGINT and SIGTERM sent together, at any moment, to ``idembus run``
-or to a ``--workers`` supervisor, end it within ``--shutdown-timeout`` + 5 s.
+"""Shutdown never hangs: SIGINT and SIGTERM sent together, at any moment, to ``idembus run``,
+to a ``--workers`` supervisor, to ``idembus gateway`` or to ``idembus dispatcher``, end it
+within ``--shutdown-timeout`` + 5 s; signalled once running, it exits 0, and a message in
+flight is finished first.
 
-Before signal handlers only set a flag (``bus.shutdown``), handlers that called
-``Event.set()`` re-entered its lock when the second signal arrived inside the first: 6 runs
-in 20 hung here.
+"Together" is two ``kill()`` calls back to back, in either order, so that the second signal
+usually arrives while the first one's handler runs. Before signal handlers only set a flag
+(``bus.shutdown``), handlers that called ``Event.set()`` re-entered its lock when that
+happened: 6 runs in 20 of ``idembus run`` hung here, 4 in 25 of ``idembus gateway``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
@@ -28,22 +33,59 @@ SHUTDOWN_TIMEOUT = 5.0
 ALLOWED = SHUTDOWN_TIMEOUT + 5.0
 SINGLE_RUNS = 30
 SUPERVISOR_RUNS = 10
+COMMAND_RUNS = 15
+#: What a handler of a message in flight takes (well within the shutdown timeout).
+HANDLER_SECONDS = "0.5"
 
 EMBEDDED_APP = textwrap.dedent('''
+    import os
+    import sys
+    import time
+
     from idembus import Endpoint
+    from idembus.handlers import AggregateHandler, handles
     from idembus.storage.memory import MemoryStorage
-    from tests.support import AccountHandler
+    from tests.support import Account, Deposit
+
+
+    class SlowAccounts(AggregateHandler[Account]):
+        def aggregate_id(self, message: Deposit) -> str:
+            return message.account
+
+        @handles
+        def deposit(self, message: Deposit) -> None:
+            say(f"started {message.account}")
+            time.sleep(float(os.environ["APP_HANDLER_SECONDS"]))  # work that takes a while
+            self.state.balance += message.amount
+            say(f"finished {message.account}")
+
+
+    def say(line: str) -> None:
+        """One write: a line another thread prints (the gateway's banner) cannot split."""
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
 
 
     def make() -> Endpoint:
-        return Endpoint("shutdown-test", handlers=[AccountHandler], storage=MemoryStorage())
+        """With APP_IN_FLIGHT set, a deposit waits in the queue: it is in flight as soon
+        as the endpoint consumes."""
+        endpoint = Endpoint("shutdown-test", handlers=[SlowAccounts], storage=MemoryStorage(),
+                            routes={Deposit: "shutdown-test"}, journal=True)
+        if os.environ.get("APP_IN_FLIGHT"):
+            endpoint.transport.declare(endpoint.name)
+            endpoint.bus.send(Deposit(account="in-flight", amount=1))
+        return endpoint
 ''')
 
 
-def _both_signals(process: subprocess.Popen[str]) -> float:
-    """SIGINT and SIGTERM back to back; the time they were sent."""
-    process.send_signal(signal.SIGINT)
-    process.send_signal(signal.SIGTERM)
+def _both_signals(pid: int, run: int, *, group: bool = False) -> float:
+    """SIGINT and SIGTERM back to back (SIGTERM first in odd runs), to the process or to
+    its whole process group; the time they were sent."""
+    first, second = (signal.SIGTERM, signal.SIGINT) if run % 2 else (signal.SIGINT,
+                                                                      signal.SIGTERM)
+    kill = os.killpg if group else os.kill
+    kill(pid, first)
+    kill(pid, second)
     return time.monotonic()
 
 
@@ -57,42 +99,133 @@ def _ended_in_time(process: subprocess.Popen[str], sent_at: float) -> bool:
     return True
 
 
-def _single_run(directory: pathlib.Path, moment: int) -> tuple[int, bool, int | None, str]:
-    """One ``idembus run`` on memory:// signalled at ``moment``: 0..9 while it starts
-    (that many tenths of a second after launch), 10 and up once it consumes."""
+@dataclass(frozen=True)
+class Outcome:
+    """How one signalled run went."""
+
+    run: int
+    #: Signalled while starting (else once running).
+    starting: bool
+    ended: bool
+    #: Its exit status if it was signalled once running (``None`` during start-up).
+    status: int | None
+    #: True if it had a message in flight when signalled.
+    in_flight: bool
+    finished: bool
+    tail: str
+
+
+def _signalled_run(directory: pathlib.Path, run: int, arguments: list[str], ready: str,
+                   *, starting: bool, ready_on_stdout: bool = False,
+                   in_flight: bool = False) -> Outcome:
+    """``idembus ARGUMENTS`` on the embedded app, signalled with both signals: while
+    ``starting`` (a few tenths of a second after launch, before or after its handlers are
+    in place), else once ``ready`` shows in its stderr (its stdout: ``ready_on_stdout``)
+    or, with a message ``in_flight``, once its handler started."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "idembus", "run", "embedded_app:make",
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)],
-        cwd=directory, env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{directory}"},
-        text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert process.stderr is not None
-    log = LineWatcher(process.stderr)
-    consuming = False
-    if moment < 10:
-        time.sleep(moment / 10)  # a moment during start-up, not a synchronisation
+        [sys.executable, "-m", "idembus", *arguments, "--shutdown-timeout",
+         str(SHUTDOWN_TIMEOUT)],
+        cwd=directory, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{directory}",
+             "APP_HANDLER_SECONDS": HANDLER_SECONDS, "APP_IN_FLIGHT": "1" if in_flight else ""})
+    assert process.stdout is not None and process.stderr is not None
+    out, err = LineWatcher(process.stdout), LineWatcher(process.stderr)
+    running = False
+    if starting:
+        time.sleep(run % 10 / 10)  # a moment during start-up, not a synchronisation
+    elif in_flight:
+        running = out.wait_for("started in-flight", timeout=60)
     else:
-        consuming = log.wait_for("endpoint shutdown-test started", timeout=60)
-    ended = _ended_in_time(process, _both_signals(process))
-    log.join()
-    return moment, ended, process.returncode if consuming else None, "\n".join(log.lines[-5:])
+        running = (out if ready_on_stdout else err).wait_for(ready, timeout=60)
+    ended = _ended_in_time(process, _both_signals(process.pid, run))
+    out.join()
+    err.join()
+    return Outcome(run, starting, ended, process.returncode if running else None, in_flight,
+                   "finished in-flight" in out.lines, "\n".join(err.lines[-5:]))
+
+
+def _signal_many(directory: pathlib.Path, runs: int,
+                 signalled: Callable[[pathlib.Path, int], Outcome]) -> list[Outcome]:
+    (directory / "embedded_app.py").write_text(EMBEDDED_APP)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(lambda run: signalled(directory, run), range(runs)))
+
+
+def _assert_all_ended_cleanly(outcomes: list[Outcome]) -> None:
+    hung = [(o.run, o.tail) for o in outcomes if not o.ended]
+    assert not hung, f"{len(hung)} of {len(outcomes)} runs did not end in time: {hung[:3]}"
+    # A run signalled once running stopped cleanly (one signalled during start-up may die
+    # of the signal before its handlers are in place: it held no message)
+    unclean = [(o.run, o.status, o.tail) for o in outcomes if o.status not in (None, 0)]
+    assert not unclean, unclean
+    never_ready = [(o.run, o.tail) for o in outcomes if not o.starting and o.status is None]
+    assert not never_ready, never_ready
+    abandoned = [o.run for o in outcomes if o.in_flight and not o.finished]
+    assert not abandoned, f"messages in flight abandoned in runs {abandoned}"
 
 
 def test_idembus_run_signalled_twice_at_once_always_ends_in_time(
     tmp_path: pathlib.Path,
 ) -> None:
-    (tmp_path / "embedded_app.py").write_text(EMBEDDED_APP)
-    moments = [moment % 20 for moment in range(SINGLE_RUNS)]  # 10 while starting, 20 consuming
+    # Given 30 runs of one endpoint: 10 signalled while starting, 20 once consuming, half
+    # of these with a message in flight
+    def signalled(directory: pathlib.Path, run: int) -> Outcome:
+        starting = run < 10
+        return _signalled_run(directory, run, ["run", "embedded_app:make"],
+                              "endpoint shutdown-test started", starting=starting,
+                              in_flight=not starting and run % 2 == 1)
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda moment: _single_run(tmp_path, moment), moments))
+    # When each gets SIGINT and SIGTERM at once
+    outcomes = _signal_many(tmp_path, SINGLE_RUNS, signalled)
 
-    hung = [(moment, tail) for moment, ended, _, tail in results if not ended]
-    assert not hung, f"{len(hung)} of {SINGLE_RUNS} runs did not end in time: {hung[:3]}"
-    # A run signalled while consuming stopped cleanly (one signalled during start-up may die
-    # of the signal before its handlers are in place: it held no message)
-    unclean = [(moment, status, tail) for moment, _, status, tail in results
-               if status not in (None, 0)]
-    assert not unclean, unclean
+    # Then each ended in time, cleanly, its message finished
+    _assert_all_ended_cleanly(outcomes)
+
+
+def test_idembus_gateway_signalled_twice_at_once_always_ends_in_time(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Given 15 gateways: 5 signalled while starting, 5 while serving, 5 that also consume
+    # with a message in flight
+    def signalled(directory: pathlib.Path, run: int) -> Outcome:
+        starting = run < 5
+        consume = not starting and run % 2 == 1
+        return _signalled_run(
+            directory, run, ["gateway", "embedded_app:make", "--listen", "127.0.0.1:0",
+                             *(["--consume"] if consume else [])],
+            "idembus gateway: shutdown-test on http://", starting=starting,
+            ready_on_stdout=True, in_flight=consume)
+
+    # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly
+    _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+
+
+def test_idembus_dispatcher_signalled_twice_at_once_always_ends_in_time(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Given 15 dispatchers running alone: 5 signalled while starting, 10 once running
+    def signalled(directory: pathlib.Path, run: int) -> Outcome:
+        return _signalled_run(directory, run, ["dispatcher", "embedded_app:make"],
+                              "outbox dispatcher of shutdown-test running alone",
+                              starting=run < 5)
+
+    # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly
+    _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+
+
+def _start_supervisor(app: App, busy: bool) -> Running:  # noqa: F811
+    """``idembus run --workers 2`` in a process group of its own (as a terminal or a
+    service manager starts it), so that a signal can reach the workers too."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "idembus", "run", "worker_app:make", "--workers", "2",
+         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--log-level", "INFO"],
+        cwd=app.directory, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=app.environment(APP_HANDLER_SECONDS=HANDLER_SECONDS if busy else "0"),
+        start_new_session=True)
+    assert process.stdout is not None and process.stderr is not None
+    running = Running(process, LineWatcher(process.stdout), LineWatcher(process.stderr))
+    app.running.append(running)
+    return running
 
 
 @pytest.mark.amqp
@@ -102,17 +235,17 @@ def test_a_supervisor_signalled_twice_at_once_always_ends_in_time(app: App) -> N
     for run in range(SUPERVISOR_RUNS):
         # Given a supervisor of two workers, in half the runs with a deposit in progress
         busy = run % 2 == 1
-        supervisor: Running = app.start(
-            "--workers", "2", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--log-level",
-            "INFO", APP_HANDLER_SECONDS="1" if busy else "0")
+        supervisor = _start_supervisor(app, busy)
         assert supervisor.err.wait_for(", 1 consumer(s), ", count=2), (
-            supervisor.err.lines[-20:])
+            "\n".join(supervisor.err.lines[-40:]))
         if busy:
             app.send(Deposit(account=f"run-{run}", amount=run))
             assert supervisor.out.wait_for(f"started run-{run}")
 
-        # When SIGINT and SIGTERM reach the supervisor together
-        sent_at = _both_signals(supervisor.process)
+        # When SIGINT and SIGTERM reach it together — in some runs its workers too, as
+        # Ctrl-C in a terminal and a service manager's stop do
+        group = run % 4 >= 2
+        sent_at = _both_signals(supervisor.process.pid, run, group=group)
 
         # Then it and its workers end within the shutdown timeout and 5 s, cleanly
         assert _ended_in_time(supervisor.process, sent_at), (run, supervisor.err.lines[-20:])

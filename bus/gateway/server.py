@@ -3,6 +3,11 @@
 A thread per connection (:class:`http.server.ThreadingHTTPServer`): a stream's thread
 mostly waits on its subscription, and a slow client only ever blocks its own thread — the
 hub never waits for it (:mod:`bus.gateway.hub`).
+
+Nothing it says carries a password: answers and log lines go through
+:func:`~bus.redaction.redact`, an unexpected error is answered with a 500 that names only
+its type, and tracebacks are logged redacted (``http.server`` would print them raw to
+stderr).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
+import traceback
 import urllib.parse
 from collections.abc import Sequence
 from http import HTTPStatus
@@ -26,6 +33,7 @@ from pydantic import BaseModel
 from ..errors import BadStreamRequest, ConfigurationError
 from ..handlers.base import AggregateHandler
 from ..redaction import redact
+from ..shutdown import Deadline
 from ..storage.errors import StorageUnavailable
 from .hub import JournalHub
 from .request import filters_from, resume_point
@@ -101,7 +109,7 @@ class Gateway:
         self._stopping.clear()
         self.hub.start()
         try:
-            server = ThreadingHTTPServer(self._address, _handler_for(self))
+            server = _Server(self._address, _handler_for(self))
         except OSError as error:
             self.hub.stop()
             raise ConfigurationError(
@@ -113,13 +121,15 @@ class Gateway:
         self._thread.start()
         log.info("event gateway of %s listening on %s", self.endpoint.name, self.url)
 
-    def stop(self) -> None:
-        """Stop accepting, end every stream, release the port."""
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting, end every stream, release the port; the waits for the journal's
+        reader and the server's thread share ``timeout`` seconds."""
+        deadline = Deadline(timeout)
         self._stopping.set()
         server, self._server = self._server, None
         if server is not None:
             server.shutdown()
-        self.hub.stop()
+        self.hub.stop(deadline.left())
         with self._lock:
             connections = list(self._connections)
         for connection in connections:
@@ -127,7 +137,7 @@ class Gateway:
         if server is not None:
             server.server_close()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(deadline.left())
             self._thread = None
 
     def status(self) -> dict[str, Any]:
@@ -180,6 +190,9 @@ class Gateway:
         except StorageUnavailable as error:
             _answer(handler, HTTPStatus.SERVICE_UNAVAILABLE, _unavailable(error))
             return
+        except Exception as error:
+            _failed(handler, error)
+            return
         handler.send_response(HTTPStatus.OK)
         handler.send_header("Content-Type", "text/event-stream; charset=utf-8")
         handler.send_header("Cache-Control", "no-cache")
@@ -224,6 +237,8 @@ def _handler_for(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
                     _answer(self, HTTPStatus.OK, gateway.status())
                 except StorageUnavailable as error:
                     _answer(self, HTTPStatus.SERVICE_UNAVAILABLE, _unavailable(error))
+                except Exception as error:
+                    _failed(self, error)
             elif path == "/":
                 if not _accepts_stream(self.headers.get("Accept")):
                     _answer(self, HTTPStatus.NOT_ACCEPTABLE, {
@@ -252,9 +267,31 @@ def _handler_for(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
             super().end_headers()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            log.debug("%s " + format, self.address_string(), *args)
+            if log.isEnabledFor(logging.DEBUG):  # the request line may carry a password
+                log.debug("%s %s", self.address_string(), redact(format % args))
 
     return GatewayRequestHandler
+
+
+class _Server(ThreadingHTTPServer):
+    """:class:`~http.server.ThreadingHTTPServer` whose unexpected errors are logged with
+    their traceback redacted, instead of printed raw to stderr."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # the client went away
+            log.debug("connection from %s ended: %s", client_address, redact(str(error)))
+            return
+        log.error("a request from %s failed:\n%s", client_address,
+                  redact(traceback.format_exc().rstrip()))
+
+
+def _failed(handler: BaseHTTPRequestHandler, error: Exception) -> None:
+    """Answer 500 for an unexpected error, naming only its type; log it redacted."""
+    log.error("answering %s failed:\n%s", handler.path.partition("?")[0],
+              redact("".join(traceback.format_exception(error)).rstrip()))
+    _answer(handler, HTTPStatus.INTERNAL_SERVER_ERROR, {
+        "error": f"the gateway failed to answer ({type(error).__name__}); its log says why"})
 
 
 def _aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:
