@@ -96,15 +96,10 @@ def start(names: tuple[str, str], storage: MemoryStorage) -> tuple[Endpoint, dic
 def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
         endpoint: Endpoint, *args: str) -> tuple[int, str]:
     """``idembus errors ARGS`` on a second, never started endpoint sharing the storage."""
-    module_name = f"parking_app_{uuid.uuid4().hex[:8]}"
-    module = types.ModuleType(module_name)
-    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+    status, out, _ = errors_cli(monkeypatch, capsys, lambda: Endpoint(
         endpoint.name, transport=KombuTransport("memory://"), storage=endpoint.storage,
-        error_queue=endpoint.error_queue)
-    monkeypatch.setitem(sys.modules, module_name, module)
-    capsys.readouterr()
-    status = main(["errors", args[0], f"{module_name}:endpoint", *args[1:]])
-    return status, capsys.readouterr().out
+        error_queue=endpoint.error_queue), *args)
+    return status, out
 
 
 def test_a_message_the_error_queue_refuses_is_parked_listed_and_retried(
