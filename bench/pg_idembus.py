@@ -1,7 +1,7 @@
 """The idembus variant: ``idembus run bench.pg_handlers:factory --workers W --concurrency T``.
 
 Input: ``IncrementCounter`` commands exactly as ``endpoint.bus.send`` puts them on the wire
-(body and headers built by idembus' own :class:`~bus.sending.Bus`), with ids that are the
+(body and headers built by idembus' own :class:`~idembus.sending.Bus`), with ids that are the
 same when the run sends them again (the duplicate path). The storage's two tables are
 created by ``PostgresStorage.migrate`` and the 1000 aggregates are inserted at version 1
 before the run (as the peers' rows are), so that every timed message updates an existing

@@ -8,7 +8,7 @@ processed record and one event in one transaction, publish the event with publis
 confirms to a sink queue, mark it dispatched in batches), applied to messages that are all
 available before the clock starts:
 
-* ``spark replay 1p`` / ``2p`` — :func:`bus.spark.replay.replay` of a cached DataFrame of the
+* ``spark replay 1p`` / ``2p`` — :func:`idembus.spark.replay.replay` of a cached DataFrame of the
   messages with 1 and 2 partitions on ``local[2]``: each partition builds the endpoint once
   and feeds its rows to the endpoint's processor. The clock covers the whole call: the
   driver's check of the endpoint, the shuffle by aggregate id, the sort, the tasks;

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 from .errors import EndpointBlocked
 from .health import Health
+from .logs import Throttle
 from .policies import Backoff
 from .redaction import redact
 from .storage.errors import StorageUnavailable
@@ -23,10 +24,12 @@ class Periodic(ABC):
 
     :meth:`round` returns the seconds until the next round. A round that raises is tried
     again after a growing wait (``backoff``): an unreachable broker or database is logged as
-    a warning; a refusal only an operator can end (:class:`~bus.errors.EndpointBlocked`)
+    a warning; a refusal only an operator can end (:class:`~idembus.errors.EndpointBlocked`)
     at ERROR and recorded in ``health`` under the thread's name (``idembus status`` shows
-    it) until a round succeeds; anything else with its traceback. :meth:`wake` starts the
-    next round early.
+    it) until a round succeeds; anything else with its traceback. While the same cause
+    repeats, one warning and one ERROR line of it are written every 10 s at most, saying
+    how many were held back (:attr:`outage_lines`); an ERROR is never held back by warnings.
+    :meth:`wake` starts the next round early.
     """
 
     def __init__(self, name: str, *, backoff: Backoff | None = None,
@@ -42,6 +45,8 @@ class Periodic(ABC):
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Repeated outage lines: one per cause (and level) every 10 s, with a count.
+        self.outage_lines = Throttle(10.0)
 
     @abstractmethod
     def round(self) -> float:
@@ -106,16 +111,22 @@ class Periodic(ABC):
             except (StorageUnavailable, TransportUnavailable) as outage:
                 wait = self._backoff.delay(failures)
                 failures += 1
-                if isinstance(outage, EndpointBlocked):
-                    self.health.problem(self.name, outage)
-                    log.error("%s: %s; trying again in %.1fs", self.name,
-                              redact(str(outage)), wait)
-                else:
-                    log.warning("%s: %s; trying again in %.1fs", self.name,
-                                redact(str(outage)), wait)
+                self._note_outage(outage, wait)
             except Exception:
                 wait = self._backoff.delay(failures)
                 failures += 1
                 log.exception("%s failed; trying again in %.1fs", self.name, wait)
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _note_outage(self, outage: StorageUnavailable | TransportUnavailable,
+                     wait: float) -> None:
+        """Log ``outage`` (see the class docstring) and record a refusal in ``health``."""
+        blocked = isinstance(outage, EndpointBlocked)
+        if blocked:
+            self.health.problem(self.name, outage)
+        level = logging.ERROR if blocked else logging.WARNING
+        held = self.outage_lines.allow(f"{logging.getLevelName(level)} {type(outage).__name__}")
+        if held is not None:
+            log.log(level, "%s: %s; trying again in %.1fs%s", self.name, redact(str(outage)),
+                    wait, self.outage_lines.said(held))

@@ -3,10 +3,10 @@
     idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
     idembus migrate package.module:endpoint
 
-``endpoint`` names an :class:`~bus.endpoint.Endpoint`, or a function returning one, in an
+``endpoint`` names an :class:`~idembus.endpoint.Endpoint`, or a function returning one, in an
 importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
 progress and exits; with ``--workers N`` it supervises N processes of the endpoint
-(:mod:`bus.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
+(:mod:`idembus.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
 be abandoned (they are redelivered) or the broker or database cannot be reached (try again);
 2 for a configuration error, including a broker or database refusing this endpoint's login
 or privileges (trying again would not help).

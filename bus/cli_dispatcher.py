@@ -1,8 +1,8 @@
 """``idembus dispatcher package.module:endpoint``: run the endpoint's outbox dispatcher
-alone (:mod:`bus.outbox`), without consuming its queue, until SIGINT or SIGTERM.
+alone (:mod:`idembus.outbox`), without consuming its queue, until SIGINT or SIGTERM.
 
 The dispatcher works in its own thread; the signals only set a flag
-(:class:`~bus.shutdown.StopSignals`) that the main thread looks at between short waits. It
+(:class:`~idembus.shutdown.StopSignals`) that the main thread looks at between short waits. It
 then stops the dispatcher (giving its lease up) and closes the endpoint within
 ``--shutdown-timeout`` seconds. (A handler asking the dispatcher to stop took a lock, and
 hung when SIGINT and SIGTERM arrived together.)

@@ -2,15 +2,25 @@
 
     idembus errors list  package.module:endpoint [--type T] [--exception E] [--json]
     idembus errors show  package.module:endpoint ID [--json]
+    idembus errors export package.module:endpoint FILE [--type T] [--exception E]
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
 
 The endpoint is loaded (not started) for its transport, ``error_queue`` and storage, and
-closed at the end. Messages the broker refused even a place in the error queue are parked in
-the storage (:mod:`bus.parking`): they are listed, shown, retried and purged with the error
-queue's (``KEPT IN``: ``parked``); a retried one goes to its own destination. The queue is
-read with ``Transport.inspect``: messages are taken unsettled and every one not retried or
-purged goes back (its place in the queue may change).
+closed at the end. One whose broker or storage lives inside one process (memory://,
+MemoryStorage, an embedded mongomock) is refused with exit status 2: another process
+cannot see its error queue or its parked messages. Messages the broker refused even a place
+in the error queue are parked in the storage (:mod:`idembus.parking`): they are listed,
+shown, retried and purged with the error queue's (``KEPT IN``: ``parked``); a retried one
+goes to its own destination.
+
+``list``, ``show`` and ``export`` only read: they go through the error queue a page
+(:data:`PAGE` messages) at a time with ``KombuTransport.browse``, printing as they go, so
+that a long error queue never has to fit in memory; nothing is lost, and no message is
+read twice (on RabbitMQ the messages read stay unacknowledged, out of everyone else's
+reach, until the end; on Redis and memory:// each page goes back behind the rest once
+read). ``retry`` and ``purge`` take the whole queue unsettled with ``Transport.inspect``
+and every message not retried or purged goes back (its place in the queue may change).
 
 ``retry`` sends each selected message back to the queue that failed it
 (``idembus.failed_queue``) with the failure headers removed, so its attempt counters start
@@ -30,15 +40,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import textwrap
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from . import headers as h
 from .envelope import Envelope, parse_utc
 from .errors import ConfigurationError
-from .loading import load_endpoint
+from .loading import load_endpoint, refuse_process_local
 from .parking import ParkedDelivery, parked_deliveries
 from .recoverability import without_failure_headers
 from .redaction import redact
@@ -52,6 +63,9 @@ if TYPE_CHECKING:
 
 #: Longest exception message shown by ``errors list`` (``--json`` gives it whole).
 _SHORT_MESSAGE = 60
+#: How many messages of the error queue ``list``, ``show`` and ``export`` hold at a time
+#: (and ``list`` prints at a time).
+PAGE = 100
 _MISSING = "-"
 
 
@@ -206,22 +220,65 @@ def retried_envelope(delivery: Delivery) -> Envelope:
 
 
 @contextmanager
-def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Delivery]]]:
-    """The endpoint (not started) and the deliveries of its error queue that failed in its
-    own queue (every one with ``--all-endpoints``: error queues are often shared), then
-    the messages it parked in its storage; closed after. A broker or database that cannot
-    be read is a ConfigurationError (exit status 2, one line), never "0 messages"."""
+def _endpoint(args: argparse.Namespace) -> Iterator[Endpoint]:
+    """The endpoint (not started), closed after. One whose broker or storage lives inside
+    one process is refused (its error queue and parked messages are out of this process's
+    sight), and a broker or database that cannot be read is a ConfigurationError (exit
+    status 2, one line): never "0 messages"."""
     endpoint = load_endpoint(args.endpoint)
     try:
-        with endpoint.transport.inspect(endpoint.error_queue) as deliveries:
-            own = [delivery for delivery in deliveries
-                   if args.all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name]
-            yield endpoint, [*own, *parked_deliveries(endpoint.storage, endpoint.name)]
+        refuse_process_local(endpoint.transport, endpoint=endpoint.name, role="transport",
+                             unseen="error queue")
+        refuse_process_local(endpoint.storage, endpoint=endpoint.name, role="storage",
+                             unseen="parked messages")
+        yield endpoint
     except (TransportUnavailable, StorageError) as unreadable:
         raise ConfigurationError(f"cannot read the failed messages of {endpoint.name}: "
                                  f"{redact(str(unreadable))}") from unreadable
     finally:
         endpoint.close()
+
+
+def _own(args: argparse.Namespace, endpoint: Endpoint,
+         deliveries: Iterable[Delivery]) -> Iterator[Delivery]:
+    """The deliveries of the error queue that failed in the endpoint's own queue (every one
+    with ``--all-endpoints``: error queues are often shared), then the messages it parked
+    in its storage."""
+    for delivery in deliveries:
+        if args.all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name:
+            yield delivery
+    yield from parked_deliveries(endpoint.storage, endpoint.name)
+
+
+@contextmanager
+def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Delivery]]]:
+    """The endpoint and its failed messages (:func:`_own`), all taken unsettled for the
+    block (``Transport.inspect``): for commands that retry or purge some of them."""
+    with _endpoint(args) as endpoint, \
+            endpoint.transport.inspect(endpoint.error_queue) as deliveries:
+        yield endpoint, list(_own(args, endpoint, deliveries))
+
+
+@runtime_checkable
+class _Browsing(Protocol):
+    """A transport that reads a queue a page at a time (``KombuTransport.browse``)."""
+
+    def browse(self, queue: str, *,
+               page: int = ...) -> AbstractContextManager[Iterator[Delivery]]: ...
+
+
+@contextmanager
+def _failed_messages(args: argparse.Namespace) -> Iterator[tuple[Endpoint, Iterator[Delivery]]]:
+    """The endpoint and its failed messages (:func:`_own`) one after the other, for
+    commands that only read them: at most :data:`PAGE` of the error queue are held at a
+    time where the transport can browse, whatever the length of the queue."""
+    with _endpoint(args) as endpoint:
+        transport = endpoint.transport
+        reading = (transport.browse(endpoint.error_queue, page=PAGE)
+                   if isinstance(transport, _Browsing)
+                   else transport.inspect(endpoint.error_queue))
+        with reading as deliveries:
+            yield endpoint, _own(args, endpoint, deliveries)
 
 
 def printable(text: str, *, lines: bool = False) -> str:
@@ -235,27 +292,60 @@ def printable(text: str, *, lines: bool = False) -> str:
 
 def _list(args: argparse.Namespace) -> int:
     selection = Selection(message_type=args.type, exception=args.exception)
-    with _error_queue(args) as (endpoint, deliveries):
-        failed = [FailedMessage.of(d) for d in deliveries if selection.matches(d)]
-    if args.json:
-        print(json.dumps([asdict(message) for message in failed], indent=2))
-        return 0
-    if failed:
-        _print_table([_COLUMN_TITLES] + [message.columns() for message in failed])
-    print(f"{len(failed)} failed message(s) in {endpoint.error_queue!r}")
+    with _failed_messages(args) as (endpoint, deliveries):
+        failed = (FailedMessage.of(d) for d in deliveries if selection.matches(d))
+        count = _print_json(failed) if args.json else _print_rows(failed)
+    if not args.json:
+        print(f"{count} failed message(s) in {endpoint.error_queue!r}")
     return 0
 
 
-def _print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+def _print_json(messages: Iterable[FailedMessage]) -> int:
+    """Print ``messages`` as one JSON array (as ``json.dumps(..., indent=2)`` would), each
+    as soon as it is read; how many there were."""
+    count = 0
+    for message in messages:
+        text = textwrap.indent(json.dumps(asdict(message), indent=2), "  ")
+        print(("[\n" if count == 0 else ",\n") + text, end="")
+        count += 1
+    print("\n]" if count else "[]")
+    return count
+
+
+def _print_rows(messages: Iterable[FailedMessage]) -> int:
+    """Print ``messages`` as a table, :data:`PAGE` rows at a time (each column as wide as
+    its widest cell so far); how many there were."""
+    widths = [len(title) for title in _COLUMN_TITLES]
+    rows: list[list[str]] = []
+    count = 0
+    for message in messages:
+        if count == 0:
+            rows.append(_COLUMN_TITLES)
+        rows.append(message.columns())
+        count += 1
+        if len(rows) >= PAGE:
+            widths = _print_table(rows, widths)
+            rows = []
+    if rows:
+        _print_table(rows, widths)
+    return count
+
+
+def _print_table(rows: list[list[str]], widths: list[int]) -> list[int]:
+    """Print ``rows``, each column at least as wide as ``widths`` says; the widths used."""
+    widths = [max(widths[column], *(len(row[column]) for row in rows))
+              for column in range(len(widths))]
     for row in rows:
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         print(printable("  ".join(cells).rstrip()))
+    return widths
 
 
 def _show(args: argparse.Namespace) -> int:
-    with _error_queue(args) as (endpoint, deliveries):
-        chosen = Selection(ids=(args.id,)).pick(deliveries, endpoint.error_queue)
+    selection = Selection(ids=(args.id,))
+    with _failed_messages(args) as (endpoint, deliveries):
+        chosen = selection.pick([d for d in deliveries if selection.matches(d)],
+                                endpoint.error_queue)
         shown = [_described(delivery) for delivery in chosen]
     if args.json:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
@@ -291,10 +381,11 @@ def _export(args: argparse.Namespace) -> int:
     (message_id, message_type, body, headers without the failure story, and when and where
     it failed). They stay in the error queue: purge them once replayed."""
     selection = Selection(message_type=args.type, exception=args.exception)
-    with _error_queue(args) as (endpoint, deliveries):
-        chosen = [d for d in deliveries if selection.matches(d)]
+    written = 0
+    with _failed_messages(args) as (endpoint, deliveries):
         with open(args.file, "w", encoding="utf-8") as out:
-            for delivery in chosen:
+            for delivery in (d for d in deliveries if selection.matches(d)):
+                written += 1
                 out.write(json.dumps({
                     "message_id": delivery.headers.get(h.MESSAGE_ID),
                     "message_type": delivery.headers.get(h.MESSAGE_TYPE),
@@ -303,7 +394,7 @@ def _export(args: argparse.Namespace) -> int:
                     "failed_queue": delivery.headers.get(h.FAILED_QUEUE),
                     "time_of_failure": delivery.headers.get(h.TIME_OF_FAILURE),
                 }, ensure_ascii=False) + "\n")
-    print(f"{len(chosen)} message(s) of {endpoint.error_queue!r} written to {args.file}")
+    print(f"{written} message(s) of {endpoint.error_queue!r} written to {args.file}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """``idembus spark replay ...``, ``idembus spark report ...`` and ``idembus spark reconcile
 ...`` (the ``[spark]`` extra).
 
-The options are declared by :mod:`bus.spark.replay_cli`, :mod:`bus.spark.report_cli` and
-:mod:`bus.spark.reconcile_cli`, which import pyspark only when a command runs.
+The options are declared by :mod:`idembus.spark.replay_cli`, :mod:`idembus.spark.report_cli` and
+:mod:`idembus.spark.reconcile_cli`, which import pyspark only when a command runs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """``idembus status package.module:endpoint [--json]``: the counters of an endpoint's
-processes, as each last reported them to the storage (:mod:`bus.status`)."""
+processes, as each last reported them to the storage (:mod:`idembus.status`).
+
+The reports of other processes can only be read from a storage they share: an endpoint on
+a process-local storage (MemoryStorage, an embedded mongomock) is refused with exit status
+2 and the reason, never shown as "0 process(es) running".
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from .envelope import format_utc, utc_now
-from .loading import load_endpoint
+from .loading import load_endpoint, refuse_process_local
 from .signals import SIGNAL_NAMES
 from .storage.base import StatusReport
 
@@ -37,6 +42,10 @@ def _status(args: argparse.Namespace) -> int:
     endpoint = load_endpoint(args.endpoint)
     now = utc_now()
     try:
+        # Another process's reports are in a shared storage only; in a process-local one
+        # this command would always find "0 process(es) running".
+        refuse_process_local(endpoint.storage, endpoint=endpoint.name, role="storage",
+                             unseen="status reports")
         endpoint.storage.forget_status(endpoint.name, updated_before=now - FORGOTTEN_AFTER)
         reports = endpoint.storage.status_reports(endpoint.name)
         stale_after = datetime.timedelta(seconds=_STALE_AFTER_INTERVALS * endpoint.status_interval)

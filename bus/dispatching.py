@@ -6,7 +6,7 @@ transport. A deferred one goes to the transport too when the broker can hold it 
 the :class:`DelayedDeliveries` poller of every running endpoint on that storage sends it
 when it is due. Either way it survives a restart of the endpoint.
 
-With a journal (:mod:`bus.journal`), events that went out are also appended to the
+With a journal (:mod:`idembus.journal`), events that went out are also appended to the
 storage's event journal before their senders mark them dispatched.
 """
 
@@ -52,7 +52,7 @@ class Dispatcher:
     def dispatch_committed(self, envelope: Envelope, *, endpoint: str) -> bool:
         """Dispatch an outgoing message that is stored with its entry; if the broker
         refuses it for good (its queue refused, too large for it), park it in the storage
-        instead (:mod:`bus.parking`), so that the entry can be marked and nothing waits on
+        instead (:mod:`idembus.parking`), so that the entry can be marked and nothing waits on
         it forever. True if it went out; raises on an outage, or if it cannot be parked."""
         try:
             self.dispatch(envelope)
@@ -89,7 +89,7 @@ class DelayedDeliveries(Periodic):
 
     Message by message: an outage ends the round (the claims expire and the next round
     takes them again) and counts as no attempt; a message the broker refuses for good, or
-    that failed otherwise ``max_attempts`` times, is parked (:mod:`bus.parking`) and
+    that failed otherwise ``max_attempts`` times, is parked (:mod:`idembus.parking`) and
     forgotten here. Failures are counted with the message in the storage
     (``Storage.note_scheduled_failure``): every poller of every process, and a poller
     restarted, gives up after the same number.

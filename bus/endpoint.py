@@ -73,9 +73,9 @@ class Endpoint:
     name:
         The endpoint's name, also its queue and the reply address of what it sends.
     transport:
-        A :class:`~transports.base.Transport`, or a kombu URL (default ``memory://``).
+        A :class:`~idembus.transports.base.Transport`, or a kombu URL (default ``memory://``).
     storage:
-        A :class:`~storage.base.Storage`; default: an embedded mongomock database.
+        A :class:`~idembus.storage.base.Storage`; default: an embedded mongomock database.
     handlers:
         Handler classes (created once, without arguments) or handler instances.
     routes:
@@ -101,9 +101,9 @@ class Endpoint:
         Seconds between reports of the counters to the storage (``idembus status``).
     audit:
         Keep an audit record of every handled, duplicate, redispatched, failed and
-        dead-lettered message in the storage (:mod:`bus.audit`), for analysis.
+        dead-lettered message in the storage (:mod:`idembus.audit`), for analysis.
     outbox, outbox_grace:
-        Run the outbox dispatcher (:mod:`bus.outbox`) in this endpoint, and how long
+        Run the outbox dispatcher (:mod:`idembus.outbox`) in this endpoint, and how long
         committed messages may stay undispatched before it sends them.
     defer_fresh_redispatch:
         Seconds (default 0: never). A duplicate that finds its entry committed less than
@@ -116,13 +116,13 @@ class Endpoint:
         redispatch than risk a message the broker lost.
     journal, journal_retention:
         Append the events this endpoint publishes to the storage's event journal
-        (:mod:`bus.journal`, served by ``idembus gateway``): ``True`` for every event, or a
+        (:mod:`idembus.journal`, served by ``idembus gateway``): ``True`` for every event, or a
         list of Event types; and how long entries are kept (default 7 days).
     max_message_bytes:
         Larger bodies go to the error queue unread, with the reason (default 1 MiB,
-        :data:`bus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
+        :data:`idembus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
     fault_injector:
-        Test hook: called at every crash point (:mod:`bus.faults`).
+        Test hook: called at every crash point (:mod:`idembus.faults`).
     """
 
     def __init__(
@@ -286,7 +286,7 @@ class Endpoint:
         new_state: Callable[[], StateT] | None = None,
     ) -> UnitOfWork[StateT]:
         """Change one aggregate from outside handlers in one write (see
-        :mod:`bus.unit_of_work`): ``with endpoint.unit_of_work(Order, order_id) as work:``.
+        :mod:`idembus.unit_of_work`): ``with endpoint.unit_of_work(Order, order_id) as work:``.
 
         ``operation_id`` makes a retried operation (an HTTP request with an idempotency
         key) take effect once; ``new_state`` builds the state of an aggregate that does not
@@ -430,7 +430,7 @@ class Endpoint:
         """One consumer thread: consume until stopped, whatever the transport raises.
 
         The transport waits out outages itself. What it cannot wait out — the broker
-        refusing this endpoint (:class:`~bus.errors.EndpointBlocked`) or a bug — is logged
+        refusing this endpoint (:class:`~idembus.errors.EndpointBlocked`) or a bug — is logged
         (at ERROR) and shown by ``idembus status``, and consuming starts again after a
         growing wait, once declaring the queue works again: never a live process that
         consumes nothing.

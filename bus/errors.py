@@ -1,11 +1,11 @@
 """Every error idembus raises, as one tree.
 
 Each package root keeps its own errors module, and every class below derives from
-:class:`BusError`, so ``except bus.BusError`` catches them all::
+:class:`BusError`, so ``except idembus.BusError`` catches them all::
 
     BusError
     ├── ConfigurationError          bad wiring; raised while an endpoint starts
-    │   └── handlers.errors.HandlerDefinitionError
+    │   └── idembus.handlers.errors.HandlerDefinitionError
     ├── RoutingError                a command has no destination, a reply no return address
     ├── HandlerContractError        a handler broke the calling contract on a message (also a
     │                               TypeError): returned a value, gave no aggregate id
@@ -13,7 +13,7 @@ Each package root keeps its own errors module, and every class below derives fro
     │   ├── MalformedMessage        not JSON, wrong content type, a required header missing
     │   ├── UnknownMessageType      the type header names no registered message
     │   └── InvalidMessage          the body does not match the message's schema
-    ├── storage.errors.StorageError
+    ├── idembus.storage.errors.StorageError
     │   ├── ConcurrencyConflict     the aggregate changed since it was loaded (retry)
     │   ├── AlreadyProcessed        the message was handled before (carries its outgoing)
     │   ├── ConflictRetriesExhausted
@@ -22,7 +22,7 @@ Each package root keeps its own errors module, and every class below derives fro
     │   │   ├── CommitOutcomeUnknown    ... during a commit, which may have been applied
     │   │   └── StorageAccessDenied     permanent for the endpoint (+ EndpointBlocked)
     │   └── StorageRefused          permanent for this message (+ MessageRefused)
-    └── transports.errors.TransportError
+    └── idembus.transports.errors.TransportError
         ├── TransportUnavailable    transient: connection lost or refused, broker restarting
         │   └── BrokerAccessDenied      permanent for the endpoint (+ EndpointBlocked)
         └── DestinationRefused      permanent for this message (+ MessageRefused)
@@ -40,7 +40,7 @@ The failure taxonomy (README, "When the infrastructure fails") is read off this 
   in an outage, and the endpoint keeps trying. Met while starting, it is a configuration
   error (exit status 2).
 
-``SimulatedCrash`` (in :mod:`bus.faults`) is deliberately *not* in this tree: it stands
+``SimulatedCrash`` (in :mod:`idembus.faults`) is deliberately *not* in this tree: it stands
 for a process dying and derives from ``BaseException`` so that no handler can swallow it.
 """
 

@@ -1,6 +1,6 @@
 """What keeps an endpoint process from working right now, for ``idembus status``.
 
-Failures that are *permanent for the endpoint* (:class:`~bus.errors.EndpointBlocked`: a
+Failures that are *permanent for the endpoint* (:class:`~idembus.errors.EndpointBlocked`: a
 refused login, the endpoint's own queue refused, missing tables) are not any message's
 fault and do not go away by waiting; the endpoint keeps trying, logs each attempt at ERROR
 and records the problem here until an attempt succeeds. The status reporter writes the

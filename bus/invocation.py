@@ -83,7 +83,7 @@ class HandlerInvoker:
         """Run the binding's handler on ``message`` once per (handler, message id).
 
         ``commit_may_have_landed``: an earlier attempt of this very delivery lost the
-        database during its commit (:class:`~storage.errors.CommitOutcomeUnknown`). Finding
+        database during its commit (:class:`~idembus.storage.errors.CommitOutcomeUnknown`). Finding
         the message recorded then means that commit was applied: it counts as handled, not
         as a duplicate, and what it stored is dispatched without a ``redispatched``.
         """

@@ -1,4 +1,11 @@
-"""Finding an endpoint from a command line: ``package.module:endpoint``."""
+"""Finding an endpoint from a command line: ``package.module:endpoint``.
+
+The user's modules are looked for in the working directory *after* the installed packages
+(``--app-dir`` puts a directory first on purpose), so that a file of the user's named like
+a library (``psycopg.py``, ``kombu.py``) never stands in for it: :func:`load_endpoint`
+appends the working directory to ``sys.path``, and :func:`working_directory_last` takes it
+off the front, where ``python -m idembus`` finds it.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +48,34 @@ def load_endpoint(reference: str) -> Any:
             "returning one)"
         )
     return target
+
+
+def working_directory_last(path: list[str]) -> None:
+    """Take the working directory off the front of ``path`` (``sys.path``), where Python
+    puts it for ``python -m`` and ``python -c`` (as ``''``), so that the user's modules
+    come after the installed packages (:func:`load_endpoint` adds it back at the end).
+    Nothing changes under ``-P`` / ``PYTHONSAFEPATH``, where Python put nothing there."""
+    if getattr(sys.flags, "safe_path", False) or not path:
+        return
+    if path[0] in ("", os.getcwd()):
+        del path[0]
+
+
+def refuse_process_local(part: Any, *, endpoint: str, role: str, unseen: str) -> None:
+    """Refuse a command run in a process of its own on an endpoint whose ``role``
+    (``"storage"`` or ``"transport"``) ``part`` lives inside one process (``process_local``:
+    memory://, :class:`~idembus.storage.memory.MemoryStorage`, an embedded mongomock): the
+    command would find none of the endpoint's ``unseen`` and say so as if there were none.
+    A :class:`~idembus.errors.ConfigurationError` (exit status 2) naming the reason."""
+    if not getattr(part, "process_local", False):
+        return
+    shared = ("a database (PostgreSQL, MongoDB)" if role == "storage"
+              else "a broker (RabbitMQ, Redis)")
+    raise ConfigurationError(
+        f"the {role} of endpoint {endpoint!r} ({type(part).__name__}) is process-local: "
+        f"another process cannot see its {unseen}. Give the endpoint {shared} that its "
+        "processes share."
+    )
 
 
 def built_by_loading(reference: str, endpoint: Any) -> bool:

@@ -5,7 +5,10 @@
   signals (connected only when DEBUG is on for ``idembus.messages``, so it costs nothing
   otherwise).
 * :class:`Throttle`: one line per cause per interval, with how many were held back, for
-  messages that repeat while something stays broken (an outage).
+  messages that repeat while something stays broken (an outage): a message that waits
+  (:mod:`idembus.processing`), an endpoint's helper threads (:mod:`idembus.background`),
+  its status reports (:mod:`idembus.status`) and a consumer reconnecting
+  (:mod:`idembus.transports.kombu`).
 * :class:`JsonFormatter`: one JSON object per line (``idembus run --log-format json``),
   redacted like every other line.
 * :func:`configure`: the logging of an ``idembus`` command — stderr, redacted, text or
@@ -89,6 +92,10 @@ class Throttle:
                 return None
             self._last[key] = (now, 0)
             return held
+
+    def said(self, held: int) -> str:
+        """What a line let through adds about the ``held`` ones before it (``""``: none)."""
+        return f" ({held} more such line(s) held back in {self.interval:g}s)" if held else ""
 
 
 class JsonFormatter(RedactingFormatter):

@@ -8,7 +8,7 @@ longer than ``grace`` seconds, dispatches their messages with their original ids
 them.
 
 It looks every ``lease_ttl / 2`` seconds, and at once when the storage notifies it: on a
-MongoDB replica set it follows a change stream (:mod:`storage.mongo_changes`, never yet
+MongoDB replica set it follows a change stream (:mod:`idembus.storage.mongo_changes`, never yet
 run against a server); on mongomock and PostgreSQL it polls.
 
 One dispatcher works at a time per endpoint: it holds the endpoint's lease (taken with
@@ -21,7 +21,7 @@ that endpoint's transport, journal and compaction: endpoints sharing a storage k
 own choices.
 
 It repairs entry by entry. An outage ends the round (the next waits with backoff); a
-message the broker refuses for good is parked (:mod:`bus.parking`) and its entry marked;
+message the broker refuses for good is parked (:mod:`idembus.parking`) and its entry marked;
 an entry that fails otherwise is tried again on the next rounds and, after
 ``max_attempts`` failures, its messages are parked with the reason and it is marked. No
 entry blocks the others, and expiring processed entries and trimming the journal run

@@ -1,7 +1,7 @@
 """The life of one delivery: decode, handle, dispatch, acknowledge.
 
 For each handler of the message type: invoke it (exactly once per handler and message id,
-see :mod:`bus.invocation`), dispatch the outgoing messages it committed or had committed
+see :mod:`idembus.invocation`), dispatch the outgoing messages it committed or had committed
 before, and only when every handler is done acknowledge the delivery.
 
 When a handler keeps raising, its retry policy decides: immediate retries, then delayed
@@ -94,7 +94,7 @@ class MessageProcessor:
         left_to_outbox: Callable[[], None] = lambda: None,
     ) -> None:
         self._endpoint = endpoint
-        #: Where a message goes when the error queue refuses it (:mod:`bus.parking`).
+        #: Where a message goes when the error queue refuses it (:mod:`idembus.parking`).
         self._storage = storage
         #: Called when a duplicate left an entry to the outbox (which then looks sooner).
         self._left_to_outbox = left_to_outbox

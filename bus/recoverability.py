@@ -40,7 +40,7 @@ def failure_headers(
     The story is bounded, so that the copy fits the broker whatever the error said: the
     exception message and stack trace are cut to their limits and, when the original
     headers leave less room than that within :data:`HEADERS_BUDGET`, further. Both pass
-    through :func:`~bus.redaction.redact`: an error about a database must not carry its
+    through :func:`~idembus.redaction.redact`: an error about a database must not carry its
     password into the error queue.
     """
     reason = error.reason if isinstance(error, MessageError) else str(error)

@@ -2,7 +2,8 @@
 
 Every running endpoint writes its counters (kept from its signals) every few seconds, and
 once more when it stops, under an instance name of its own; ``idembus status`` reads the
-reports of every process of the endpoint, on every machine that shares its storage.
+reports of every process of the endpoint, on every machine that shares its storage. A
+report that cannot be written is a warning, one per cause every 10 s while it lasts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class StatusReporter(Periodic):
         self._storage = storage
         self._endpoint = endpoint
         self._counters = counters
-        #: What blocks the process now (:class:`~bus.health.Health`), with every report.
+        #: What blocks the process now (:class:`~idembus.health.Health`), with every report.
         self._problems = problems or dict
         self._interval = interval
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -56,5 +57,7 @@ class StatusReporter(Periodic):
                 problems=dict(self._problems()),
             ))
         except Exception as exc:  # observation only: never let it stop the endpoint
-            log.warning("could not report the status of %s: %s", self._endpoint,
-                        redact(str(exc)))
+            held = self.outage_lines.allow(type(exc).__name__)  # one line per 10 s
+            if held is not None:
+                log.warning("could not report the status of %s: %s%s", self._endpoint,
+                            redact(str(exc)), self.outage_lines.said(held))

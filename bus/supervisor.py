@@ -33,6 +33,15 @@ EXIT_CONFIGURATION = 2
 SUPERVISOR_PID = "IDEMBUS_SUPERVISOR_PID"
 #: A worker that lived this long before dying is restarted without delay.
 _HEALTHY_AFTER = 30.0
+#: What a worker runs (``python -c``): ``python -m idembus``, except that the working
+#: directory Python put first on ``sys.path`` goes before ``idembus`` is imported.
+WORKER_BOOTSTRAP = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '' and not getattr(sys.flags, 'safe_path', False):\n"
+    "    del sys.path[0]\n"
+    "from idembus.cli import main\n"
+    "sys.exit(main())\n"
+)
 
 
 @dataclass
@@ -99,12 +108,16 @@ class Supervisor:
         """Process ids of the running workers."""
         return [w.process.pid for w in self._workers if w.process and w.process.poll() is None]
 
+    def worker_command(self) -> list[str]:
+        """The command line of one worker: ``idembus run`` of the endpoint, in this
+        interpreter, with the working directory off the front of ``sys.path`` before
+        anything is imported, on every Python version (``-P`` exists from 3.11 on only):
+        no module of the user's stands in for a library (the loader adds it last)."""
+        return [sys.executable, "-c", WORKER_BOOTSTRAP, "run", self.reference,
+                *self._arguments]
+
     def _spawn(self, worker: _Worker) -> None:
-        # -P (Python 3.11+): the working directory does not go first on sys.path, so no
-        # module of the user's can stand in for idembus's (the loader adds it last).
-        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-        command = [sys.executable, *safe_path, "-m", "idembus", "run", self.reference,
-                   *self._arguments]
+        command = self.worker_command()
         environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index),
                        SUPERVISOR_PID: str(os.getpid())}
         worker.process = subprocess.Popen(command, env=environment)

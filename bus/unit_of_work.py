@@ -8,9 +8,9 @@ one-write guarantee handlers have::
 On leaving the block the new state and the recorded messages are committed in one
 conditional write keyed by the operation id, and only then dispatched. Give the operation
 id of the request (an idempotency key) and a retried request is recognised: entering the
-block raises :class:`~storage.errors.AlreadyProcessed` after sending again whatever the
+block raises :class:`~idembus.storage.errors.AlreadyProcessed` after sending again whatever the
 first attempt stored and did not get to send. Another writer changing the aggregate meanwhile
-makes the exit raise :class:`~storage.errors.ConcurrencyConflict`: nothing was written, try
+makes the exit raise :class:`~idembus.storage.errors.ConcurrencyConflict`: nothing was written, try
 again. An exception inside the block writes nothing.
 """
 

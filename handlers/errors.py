@@ -1,4 +1,4 @@
-"""Errors about handler classes (the tree is drawn in :mod:`bus.errors`)."""
+"""Errors about handler classes (the tree is drawn in :mod:`idembus.errors`)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ three calls:
     succeeds only if the aggregate is still at ``loaded.version`` and ``key`` is not yet
     recorded. Creating an aggregate (``loaded.version == 0``) is an insert, so two creators
     race like two updaters. When the write is refused the backend looks again and raises
-    :class:`~storage.errors.AlreadyProcessed` (with the stored outgoing messages) if ``key``
-    is now recorded, or :class:`~storage.errors.ConcurrencyConflict` otherwise. No lock,
+    :class:`~idembus.storage.errors.AlreadyProcessed` (with the stored outgoing messages) if ``key``
+    is now recorded, or :class:`~idembus.storage.errors.ConcurrencyConflict` otherwise. No lock,
     no pre-check query, no multi-document transaction.
 
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
@@ -315,7 +315,7 @@ class Storage(ABC):
                         journal: Sequence[JournalEntry] = ()) -> None:
         """Record that ``key``'s outgoing messages were dispatched and, unless
         ``keep_bodies``, forget their bodies (keeping their ids). With ``lease`` the write
-        is fenced: it is applied at once and raises :class:`~storage.errors.StaleLease` if
+        is fenced: it is applied at once and raises :class:`~idembus.storage.errors.StaleLease` if
         another owner has taken the lease since.
 
         ``journal``: entries of the dispatched events to append to the event journal no

@@ -1,4 +1,4 @@
-"""Errors raised by storage backends (the tree is drawn in :mod:`bus.errors`).
+"""Errors raised by storage backends (the tree is drawn in :mod:`idembus.errors`).
 
 Backends translate their driver's exceptions into these, so the endpoint treats every
 backend alike.

@@ -1,4 +1,4 @@
-"""Helpers the database backends share for the event journal (see :mod:`storage.base`)."""
+"""Helpers the database backends share for the event journal (see :mod:`idembus.storage.base`)."""
 
 from __future__ import annotations
 

@@ -294,7 +294,7 @@ class PostgresStorage(Storage):
         """Check at start that the schema is in place — only reads, so a role without DDL
         rights can run an endpoint. If something is missing, create it when the role may.
         What only an operator can cure fails the start with
-        :class:`~bus.errors.ConfigurationError` (exit status 2, one line): a refused login
+        :class:`~idembus.errors.ConfigurationError` (exit status 2, one line): a refused login
         or database, a role that may not create what is missing (run ``idembus migrate``
         with a role that may), a table of the same name that idembus cannot use."""
         try:
@@ -765,7 +765,7 @@ class PostgresStorage(Storage):
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A pooled autocommit connection; driver failures become storage errors by the
-        taxonomy of :mod:`storage.postgres_errors`. A connection that may be attached to a
+        taxonomy of :mod:`idembus.storage.postgres_errors`. A connection that may be attached to a
         read-only standby is closed, so that the pool connects afresh."""
         try:
             if not self._opened:

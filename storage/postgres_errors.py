@@ -5,7 +5,7 @@ psycopg's classes follow the DB-API, not this taxonomy: a program limit (``54000
 ``OperationalError`` like a lost connection, and a read-only standby's refusal (``25006``)
 an ``InternalError``. So the SQLSTATE decides:
 
-* *transient* (:class:`~storage.errors.StorageUnavailable`), waited out with backoff while
+* *transient* (:class:`~idembus.storage.errors.StorageUnavailable`), waited out with backoff while
   the message keeps its place: classes ``08`` (connection exception), ``40`` (serialization
   failure, deadlock), ``53`` (insufficient resources: disk full, out of memory, too many
   connections), ``57`` (operator intervention: shutdown, crash recovery, starting up, a
@@ -22,7 +22,7 @@ an ``InternalError``. So the SQLSTATE decides:
   failing over; treating them as the message's would send every message of that time to
   the error queue. A message that really always times out waits in place, logged at
   WARNING each time, until the timeout is raised.
-* *permanent for the endpoint* (:class:`~storage.errors.StorageAccessDenied`), logged at
+* *permanent for the endpoint* (:class:`~idembus.storage.errors.StorageAccessDenied`), logged at
   ERROR, shown in ``idembus status``, and a configuration error at start: ``28`` (login
   refused), ``3D000`` (no such database), ``3F000`` (no such schema), ``42`` (a privilege
   missing, a table or column missing or of another type: the data of a message only ever
@@ -30,7 +30,7 @@ an ``InternalError``. So the SQLSTATE decides:
   ``0A000`` (a feature the server lacks), ``57P04`` (the database was dropped: no wait
   brings it back), ``XX001``/``XX002`` (data or index corrupted), ``F0`` (the server's
   configuration file). Without a SQLSTATE: libpq's words for a refused login.
-* *permanent for this message* (:class:`~storage.errors.StorageRefused`): everything else
+* *permanent for this message* (:class:`~idembus.storage.errors.StorageRefused`): everything else
   the server or psycopg refuses — ``22`` data exceptions (a NUL character, a bad escape),
   ``23`` integrity, ``54`` program limits (an index row too large), psycopg's own
   ``DataError`` for text it cannot send. The message fails like any other and goes to the

@@ -1,4 +1,4 @@
-"""storage.batching.Batcher: deferred writes, applied in batches from one thread."""
+"""idembus.storage.batching.Batcher: deferred writes, applied in batches from one thread."""
 
 from __future__ import annotations
 

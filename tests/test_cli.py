@@ -103,3 +103,38 @@ def test_app_dir_says_where_the_app_lives(app_dir, tmp_path_factory):
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     handles_then_stops_on_sigterm(
         idembus("run", "cli_app:make", "--app-dir", str(app_dir), cwd=elsewhere))
+
+
+#: Modules of the user's named like libraries the command line imports, in the working
+#: directory: none may be imported instead of the library.
+SHADOWS = ("kombu", "psycopg", "json")
+
+
+def shadowing_modules(directory: pathlib.Path) -> None:
+    for name in SHADOWS:
+        (directory / f"{name}.py").write_text(
+            f"raise ImportError('the user module {name}.py was imported')\n")
+
+
+def test_python_dash_m_idembus_imports_no_module_of_the_working_directory_for_a_library(
+    app_dir,
+):
+    # Given files named like libraries next to the app (which imports psycopg's storage)
+    shadowing_modules(app_dir)
+    (app_dir / "cli_app.py").write_text(
+        "import idembus.storage.postgres  # noqa: F401  (imports psycopg)\n" + APP)
+
+    # When `python -m idembus run` starts there
+    process = idembus("run", "cli_app:make", cwd=app_dir)
+
+    # Then it runs the app (found in the working directory, after the installed packages)
+    # with the real libraries
+    try:
+        assert process.stdout is not None
+        handled = process.stdout.readline().strip()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        process.kill()
+    assert "the user module" not in stderr, stderr
+    assert handled == "handled from-cli" and process.returncode == 0, stderr

@@ -9,24 +9,31 @@ messages go straight to the error queue. The CLI runs in-process (``idembus.cli.
 endpoint reference of its own: a module in ``sys.modules`` whose ``endpoint`` function
 builds a second, never started endpoint with the same name, error queue and broker, as
 ``idembus errors`` in another process would. It is closed by the CLI, the running one is
-not.
+not. ``idembus errors`` refuses a broker or storage that lives inside one process; the
+memory:// broker and the storage the tool endpoint uses are shared by the CLI and the
+endpoint *in this test process*, and say so (:class:`SharedMemoryStorage`,
+:func:`shared_in_this_process`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from idembus import Endpoint, RetryPolicy
+import idembus.transports.kombu as kombu_transport
+from idembus import Endpoint, RetryPolicy, cli_errors
 from idembus import headers as h
 from idembus.cli import main
+from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.recoverability import FAILURE_HEADERS
 from idembus.storage.memory import MemoryStorage
@@ -37,6 +44,20 @@ from tests.support import Account, Deposit, Deposited, Ledger, SignalCounter
 
 MakeEndpoint = Callable[..., Endpoint]
 NO_RETRIES = RetryPolicy(immediate_retries=0, delayed=())
+
+
+class SharedMemoryStorage(MemoryStorage):
+    """A MemoryStorage shared in this test process: the CLI, run in-process by these tests,
+    sees what another endpoint object wrote to it, as another process sees a database."""
+
+    process_local = False
+
+
+def shared_in_this_process(transport: KombuTransport) -> KombuTransport:
+    """``transport`` as a broker other processes could reach: memory:// is one, for the
+    CLI run in this test process (RabbitMQ and Redis are anyway)."""
+    transport.process_local = False
+    return transport
 
 
 class AccountFrozen(Exception):
@@ -126,8 +147,8 @@ def app(make_endpoint: MakeEndpoint, make_transport: Callable[..., KombuTranspor
     module = types.ModuleType(module_name)
 
     def tool_endpoint() -> Endpoint:
-        return Endpoint(endpoint.name, transport=make_transport(), storage=MemoryStorage(),
-                        error_queue=endpoint.error_queue)
+        return Endpoint(endpoint.name, transport=shared_in_this_process(make_transport()),
+                        storage=SharedMemoryStorage(), error_queue=endpoint.error_queue)
 
     module.endpoint = tool_endpoint  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module_name, module)
@@ -502,7 +523,7 @@ def test_an_unreachable_broker_is_exit_2_with_one_line_never_zero_messages(
     module = types.ModuleType("unreachable_errors_app")
     module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
         "unreachable", transport=KombuTransport("amqp://guest:guest@127.0.0.1:1//"),
-        storage=MemoryStorage())
+        storage=SharedMemoryStorage())
     monkeypatch.setitem(sys.modules, "unreachable_errors_app", module)
 
     status, out, err = idembus(capsys, "list", "unreachable_errors_app:endpoint")
@@ -510,3 +531,130 @@ def test_an_unreachable_broker_is_exit_2_with_one_line_never_zero_messages(
     assert status == EXIT_CONFIGURATION
     assert "cannot read the failed messages of unreachable" in err
     assert len(err.strip().splitlines()) == 1 and "message(s)" not in out
+
+
+# -- what another process can see --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("transport", "storage", "unseen"), [
+    ("memory://", SharedMemoryStorage, "transport of endpoint 'local' (KombuTransport) is "
+     "process-local: another process cannot see its error queue"),
+    ("shared memory://", MemoryStorage, "storage of endpoint 'local' (MemoryStorage) is "
+     "process-local: another process cannot see its parked messages"),
+    ("memory://", None, "transport of endpoint 'local' (KombuTransport) is process-local"),
+], ids=["memory-broker", "memory-storage", "defaults"])
+@pytest.mark.parametrize("command", [("list",), ("show", "m-1"), ("retry", "--all"),
+                                     ("purge", "--all", "--yes")],
+                         ids=lambda command: command[0])
+def test_an_endpoint_another_process_cannot_see_is_refused_with_exit_2_and_the_reason(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    transport: str, storage: type[MemoryStorage] | None, unseen: str,
+    command: tuple[str, ...],
+) -> None:
+    # Given an endpoint whose broker or storage lives inside its own process (the defaults:
+    # memory:// and an embedded mongomock)
+    def local() -> Endpoint:
+        broker = KombuTransport("memory://")
+        if transport.startswith("shared"):
+            shared_in_this_process(broker)
+        return Endpoint("local", transport=broker,
+                        **({"storage": storage()} if storage is not None else {}))
+
+    module = types.ModuleType("process_local_errors_app")
+    module.endpoint = local  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "process_local_errors_app", module)
+
+    # When idembus errors looks at it
+    status, out, err = idembus(capsys, command[0], "process_local_errors_app:endpoint",
+                               *command[1:])
+
+    # Then it refuses with exit status 2 and says why, in one line, instead of "0 messages"
+    assert status == EXIT_CONFIGURATION
+    assert unseen in err
+    assert len(err.strip().splitlines()) == 1 and out == ""
+
+
+# -- long error queues -------------------------------------------------------------------
+
+
+class HeldMessages:
+    """Counts the broker messages this process holds (kombu message objects not yet
+    garbage) and the most it held at once."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self._lock = threading.Lock()
+
+    def created(self, message: object) -> None:
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        weakref.finalize(message, self._released)
+
+    def _released(self) -> None:
+        with self._lock:
+            self.now -= 1
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldMessages:
+    """Every message kombu hands this process (a raw message of idembus's channels)."""
+    spy = HeldMessages()
+    original = kombu_transport._RawBody.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        spy.created(self)
+
+    monkeypatch.setattr(kombu_transport._RawBody, "__init__", counted)
+    return spy
+
+
+def test_a_long_error_queue_is_listed_and_exported_a_page_at_a_time_and_kept_whole(
+    make_transport: Callable[..., KombuTransport], queue_name: Callable[[str], str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    held: HeldMessages, tmp_path: Any,
+) -> None:
+    # Given an error queue of 60 failed messages, read 10 at a time
+    monkeypatch.setattr(cli_errors, "PAGE", 10)
+    name, error_queue = queue_name("long"), queue_name("long-error")
+    transport = make_transport()
+    transport.declare(error_queue)
+    sent = [f"m-{number:02d}" for number in range(60)]
+    for message_id in sent:
+        transport.send(Envelope(
+            {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit", h.FAILED_QUEUE: name,
+             h.EXCEPTION_TYPE: "builtins.ValueError", h.EXCEPTION_MESSAGE: "no"},
+            '{"account": "a", "amount": 1}', error_queue))
+    module = types.ModuleType("long_errors_app")
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        name, transport=shared_in_this_process(make_transport()),
+        storage=SharedMemoryStorage(), error_queue=error_queue)
+    monkeypatch.setitem(sys.modules, "long_errors_app", module)
+
+    # When it is listed, as a table and as JSON, and exported
+    status, table, _ = idembus(capsys, "list", "long_errors_app:endpoint")
+    assert status == 0
+    listed_most = held.most
+    status, out, _ = idembus(capsys, "list", "long_errors_app:endpoint", "--json")
+    assert status == 0
+    rows = json.loads(out)
+    export = tmp_path / "failed.json"
+    status, _, _ = idembus(capsys, "export", "long_errors_app:endpoint", str(export))
+    assert status == 0
+
+    # Then every message is there once (in the order of the queue, which RabbitMQ's quorum
+    # queues may change as messages come back)
+    lines = table.splitlines()
+    assert lines[0].startswith("MESSAGE ID") and lines[-1].startswith("60 failed message(s)")
+    assert sorted(line.split()[0] for line in lines[1:-1]) == sent
+    assert sorted(row["message_id"] for row in rows) == sent
+    assert sorted(json.loads(line)["message_id"]
+                  for line in export.read_text().splitlines()) == sent
+    # And the process never held more than about a page of them, not the whole queue
+    assert 0 < listed_most <= 2 * cli_errors.PAGE, listed_most
+    assert held.most <= 2 * cli_errors.PAGE, held.most
+    # And nothing left the error queue
+    with transport.inspect(error_queue) as deliveries:
+        assert sorted(d.headers[h.MESSAGE_ID] for d in deliveries) == sent

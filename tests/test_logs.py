@@ -1,6 +1,7 @@
 """Logs an operator can read: what an endpoint is at start, what it did at stop, one DEBUG
 line per message and handler, the traceback of a dead-lettered message, repeated outage
-lines held back, and JSON lines for machines — every one redacted."""
+lines held back (in every thread that waits out an outage), and JSON lines for machines —
+every one redacted."""
 
 from __future__ import annotations
 
@@ -8,21 +9,34 @@ import json
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
-from idembus import RetryPolicy
+from idembus import Backoff, RetryPolicy
+from idembus.background import Periodic
 from idembus.endpoint import _described
+from idembus.faults import CrashPoint
 from idembus.handlers import handles
 from idembus.logs import JsonFormatter, Throttle
+from idembus.status import StatusReporter
+from idembus.storage.base import StatusReport
+from idembus.storage.errors import StorageAccessDenied, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.support import AccountHandler, Deposit, SignalCounter
+from tests.test_failure_matrix import CrashAt
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -86,6 +100,36 @@ def test_debug_shows_each_message_and_handler_with_milliseconds(
     assert handled.handler == "AccountHandler" and handled.getMessage().endswith(" ms)")
 
 
+def test_debug_shows_what_a_handler_sent_and_what_its_redelivery_sent_again(
+    make_endpoint, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given an endpoint that dies once after committing a deposit, before sending Deposited
+    caplog.set_level(logging.DEBUG, logger="idembus.messages")
+    deposit_id = str(uuid.uuid4())
+    accounts = make_endpoint("accounts", handlers=[AccountHandler],
+                             fault_injector=CrashAt(CrashPoint.AFTER_COMMIT, deposit_id))
+    redispatched = SignalCounter(accounts, "redispatched")
+    with accounts:
+        accounts.bus.send(Deposit(account="a", amount=1), message_id=deposit_id)
+        assert redispatched.wait_for(1)
+        wait_until_idle([accounts])
+
+    # Then the redelivery's line says which handler's stored messages went out again
+    lines = messages(caplog, "idembus.messages")
+    [again] = [r for r in lines if " redispatched " in r.getMessage()]
+    assert again.message_id == deposit_id and again.handler == "AccountHandler"
+    assert f"{deposit_id} by AccountHandler (" in again.getMessage()
+    assert again.getMessage().endswith(" ms)")
+    # And the line of the message that went out names it, not the deposit
+    [sent] = [r for r in lines if " dispatched " in r.getMessage()]
+    assert sent.message_type == "test.Deposited" and sent.message_id != deposit_id
+    assert sent.message_id in sent.getMessage() and sent.getMessage().endswith(" ms)")
+    # And the JSON lines carry the handler where there is one
+    entry = json.loads(JsonFormatter().format(again))
+    assert (entry["handler"], entry["message_id"]) == ("AccountHandler", deposit_id)
+    assert "handler" not in json.loads(JsonFormatter().format(sent))
+
+
 def test_the_message_lines_cost_nothing_without_debug(
     make_endpoint, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -133,17 +177,163 @@ def test_a_repeated_line_is_let_through_once_per_interval_with_a_count() -> None
     assert throttle.allow("outage") == 2
 
 
+class Failures:
+    """Counts the failures of something that keeps failing, and lets a test wait for them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = threading.Condition()
+
+    def happened(self) -> None:
+        with self._changed:
+            self.count += 1
+            self._changed.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 20.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.count >= count, timeout)
+
+
+class DatabaseDown(Periodic):
+    """A helper thread whose database stays down: each round raises ``errors`` in turn."""
+
+    def __init__(self, failures: Failures, *errors: type[StorageUnavailable]) -> None:
+        super().__init__("idembus-test-helper", backoff=Backoff((0.001,)))
+        self.failures = failures
+        self.errors = errors
+
+    def round(self) -> float:
+        self.failures.happened()
+        raise self.errors[self.failures.count % len(self.errors)]("the database is down")
+
+
+class ReportsRefused(MemoryStorage):
+    """A storage that cannot take status reports (its database is down)."""
+
+    def __init__(self, failures: Failures) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def report_status(self, report: StatusReport) -> None:
+        self.failures.happened()
+        raise StorageUnavailable("the database is down")
+
+
+class BrokerDown(KombuTransport):
+    """memory://, except that no connection to it can be made (the broker is down)."""
+
+    def __init__(self, failures: Failures) -> None:
+        super().__init__("memory://", reconnect_backoff=Backoff((0.001,)))
+        self.failures = failures
+
+    def _connect(self) -> Any:
+        self.failures.happened()
+        raise TransportUnavailable("cannot connect to the broker: it is down")
+
+
+@dataclass
+class Outage:
+    """Something that keeps failing in a thread of its own, and where it says so."""
+
+    failures: Failures
+    throttle: Throttle
+    logger: str
+    start: Callable[[], None]
+    stop: Callable[[], None]
+
+
+def helper_thread(failures: Failures) -> Outage:
+    thread = DatabaseDown(failures, StorageUnavailable)
+    return Outage(failures, thread.outage_lines, "idembus.background", thread.start,
+                  thread.stop)
+
+
+def status_reports(failures: Failures) -> Outage:
+    reporter = StatusReporter(ReportsRefused(failures), "sales", dict, interval=0.001)
+    return Outage(failures, reporter.outage_lines, "idembus.status", reporter.start,
+                  reporter.stop)
+
+
+def consumer(failures: Failures) -> Outage:
+    transport, stop = BrokerDown(failures), threading.Event()
+    thread = threading.Thread(target=transport.consume, args=("sales", lambda d: None),
+                              kwargs={"stop": stop}, daemon=True)
+
+    def stopped() -> None:
+        stop.set()
+        if thread.ident is not None:
+            thread.join(10)
+
+    return Outage(failures, transport.reconnect_lines, "idembus.transports.kombu",
+                  thread.start, stopped)
+
+
+@pytest.fixture(params=[helper_thread, status_reports, consumer],
+                ids=["helper-thread", "status-reports", "consumer"])
+def outage(request: pytest.FixtureRequest) -> Iterator[Outage]:
+    made: Outage = request.param(Failures())
+    made.throttle.interval = 3600  # no second line until the test says so
+    yield made
+    made.stop()
+
+
+def test_an_outage_that_lasts_is_one_line_per_interval_with_how_many_were_held_back(
+    outage: Outage, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=outage.logger)
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in messages(caplog, outage.logger)]
+
+    # When it fails 50 times in a row, a millisecond apart
+    outage.start()
+    assert outage.failures.wait_for(50)
+
+    # Then it said so once
+    assert len(lines()) == 1, lines()
+    assert "down" in lines()[0] and "held back" not in lines()[0]
+
+    # When the interval is over, the next line says how many were held back
+    outage.throttle.interval = 0
+    assert outage.failures.wait_for(outage.failures.count + 2)
+    held = re.search(r"\((\d+) more such line\(s\) held back in 0s\)", lines()[1])
+    assert held is not None, lines()
+    assert int(held.group(1)) >= 45
+
+
+def test_a_refusal_is_said_at_error_while_the_warnings_of_an_outage_are_held_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a helper thread whose database is down, and refuses its login in between
+    caplog.set_level(logging.WARNING, logger="idembus.background")
+    failures = Failures()
+    thread = DatabaseDown(failures, StorageUnavailable, StorageAccessDenied)
+    thread.outage_lines.interval = 3600
+    thread.start()
+    try:
+        # When both keep happening
+        assert failures.wait_for(50)
+    finally:
+        thread.stop()
+
+    # Then each was said once: the ERROR of the refusal is not held back by the warnings
+    levels = [r.levelno for r in messages(caplog, "idembus.background")]
+    assert sorted(levels) == [logging.WARNING, logging.ERROR], levels
+    assert "the database is down" in thread.health.problems().get(thread.name, "")
+
+
 def test_json_lines_carry_the_message_fields_and_no_password() -> None:
     record = logging.LogRecord("idembus.processing", logging.WARNING, __file__, 1,
                                "moved %s: %s", ("m-1", "postgresql://app:Pw-Json@db/x down"),
                                None)
     record.endpoint, record.message_id, record.message_type = "sales", "m-1", "test.Deposit"
+    record.handler = "AccountHandler"
 
     entry = json.loads(JsonFormatter().format(record))
 
     assert entry["level"] == "WARNING" and entry["logger"] == "idembus.processing"
-    assert (entry["endpoint"], entry["message_id"], entry["message_type"]) == (
-        "sales", "m-1", "test.Deposit")
+    assert (entry["endpoint"], entry["message_id"], entry["message_type"], entry["handler"]) == (
+        "sales", "m-1", "test.Deposit", "AccountHandler")
     assert "Pw-Json" not in json.dumps(entry)
     assert entry["time"].endswith("+00:00")
 

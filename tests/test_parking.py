@@ -311,10 +311,19 @@ def test_on_rabbitmq_a_copy_too_large_for_a_frame_is_parked_and_the_endpoint_goe
 
 def errors_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                make: Any, *args: str) -> tuple[int, str, str]:
-    """``idembus errors ARGS`` on the endpoint ``make()`` builds."""
+    """``idembus errors ARGS`` on the endpoint ``make()`` builds, whose memory:// broker and
+    storage are shared in this test process as a broker and a database are between
+    processes (``idembus errors`` refuses process-local ones)."""
     module_name = f"parking_app_{uuid.uuid4().hex[:8]}"
     module = types.ModuleType(module_name)
-    module.endpoint = make  # type: ignore[attr-defined]
+
+    def shared() -> Endpoint:
+        endpoint = make()
+        for part in (endpoint.transport, endpoint.storage):
+            monkeypatch.setattr(part, "process_local", False)
+        return endpoint
+
+    module.endpoint = shared  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module_name, module)
     capsys.readouterr()
     status = main(["errors", args[0], f"{module_name}:endpoint", *args[1:]])

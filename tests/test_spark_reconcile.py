@@ -1,5 +1,5 @@
 """Reconciling stored aggregates with a dump of the source data on Spark
-(bus.spark.reconcile, ``idembus spark reconcile``), on the shared ``local[2,3]`` session.
+(idembus.spark.reconcile, ``idembus spark reconcile``), on the shared ``local[2,3]`` session.
 
 Everything touching the endpoint runs on the driver, so these tests use in-process
 endpoints (memory:// and MemoryStorage); Spark's workers only read the dump.

@@ -1,4 +1,4 @@
-"""Replaying messages on Spark (bus.spark.replay) through an endpoint on PostgreSQL and
+"""Replaying messages on Spark (idembus.spark.replay) through an endpoint on PostgreSQL and
 RabbitMQ, on the shared ``local[2,3]`` session (tasks retried up to 3 times).
 
 Spark's workers are separate processes that import the endpoint by reference. Each test

@@ -1,4 +1,9 @@
-"""Endpoints report their counters to their storage; ``idembus status`` prints them."""
+"""Endpoints report their counters to their storage; ``idembus status`` prints them.
+
+The CLI runs in-process here, on a second endpoint object sharing the running endpoint's
+storage: a :class:`~tests.test_cli_errors.SharedMemoryStorage`, shared in this test process
+as a database is between processes (``idembus status`` refuses a process-local one).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from idembus.cli_status import render, summarise
 from idembus.storage.base import StatusReport
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
+from tests.test_cli_errors import SharedMemoryStorage
 from tests.test_failure_taxonomy import RefusedLoginForAWhile
 
 NOW = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=datetime.timezone.utc)
@@ -46,7 +52,7 @@ def test_a_running_endpoint_reports_its_counters_and_status_prints_them(
     make_endpoint, make_transport, exposed, capsys
 ):
     # Given an endpoint that reports every 50 ms and handled two deposits
-    storage = MemoryStorage()
+    storage = SharedMemoryStorage()
     service = make_endpoint("status", handlers=[AccountHandler], storage=storage,
                             status_interval=0.05)
     handled = SignalCounter(service, "handled")
@@ -109,7 +115,7 @@ def test_status_shows_what_blocks_a_running_process_and_forgets_it_once_resolved
     make_endpoint, exposed, capsys
 ):
     # Given an endpoint whose broker refuses its login (password in the URL it reports)
-    storage = MemoryStorage()
+    storage = SharedMemoryStorage()
     transport = RefusedLoginForAWhile("memory://")
     service = make_endpoint("blocked", handlers=[AccountHandler], storage=storage,
                             transport=transport, status_interval=0.05)
@@ -135,7 +141,7 @@ def test_status_hides_processes_not_heard_of_for_an_hour_and_forgets_them_after_
     exposed, capsys
 ):
     # Given reports of a running process, one silent for two hours, one for two days
-    storage = MemoryStorage()
+    storage = SharedMemoryStorage()
     now = datetime.datetime.now(datetime.timezone.utc)
     for instance, age in (("now", 0), ("hours", 2 * 3600), ("days", 2 * 86400)):
         moment = now - datetime.timedelta(seconds=age)
@@ -154,3 +160,23 @@ def test_status_hides_processes_not_heard_of_for_an_hour_and_forgets_them_after_
     assert {r.instance for r in storage.status_reports("sales")} == {"now", "hours"}
     assert main(["status", exposed(viewer), "--all", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["instances"]) == 2
+
+
+@pytest.mark.parametrize("storage", ["memory", "mongomock"])
+def test_status_refuses_a_storage_no_other_process_can_read_with_exit_2_and_the_reason(
+    exposed, capsys, storage: str
+):
+    # Given an endpoint whose storage lives inside its process, with a report in it
+    local = Endpoint("local", storage=MemoryStorage() if storage == "memory" else None,
+                     handlers=[AccountHandler])
+    local.storage.report_status(StatusReport("local", "here", {"handled": 1}, NOW, NOW))
+
+    # When idembus status looks at it
+    status = main(["status", exposed(local)])
+
+    # Then it refuses in one line, instead of "0 process(es) running" for every endpoint
+    out, err = capsys.readouterr()
+    assert status == 2 and out == ""
+    assert "storage of endpoint 'local'" in err
+    assert "is process-local: another process cannot see its status reports" in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""bus.testing.handle: unit-testing a handler without a broker."""
+"""idembus.testing.handle: unit-testing a handler without a broker."""
 
 from __future__ import annotations
 

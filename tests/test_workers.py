@@ -22,6 +22,7 @@ import pytest
 from idembus.routing import Router
 from idembus.sending import Bus
 from idembus.storage.postgres import PostgresStorage
+from idembus.supervisor import Supervisor
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import Deposit
@@ -130,9 +131,11 @@ class App:
                 "APP_ERROR_QUEUE": self.error_queue, "APP_PREFIX": self.prefix,
                 "APP_TRANSPORT": AMQP_URL, "APP_POSTGRES": POSTGRES_URL, **extra}
 
-    def start(self, *arguments: str, **extra: str) -> Running:
+    def start(self, *arguments: str, command: tuple[str, ...] = (sys.executable, "-m", "idembus"),
+              **extra: str) -> Running:
+        """``idembus run worker_app:make ARGUMENTS`` (``command``: how idembus is started)."""
         process = subprocess.Popen(
-            [sys.executable, "-m", "idembus", "run", "worker_app:make", *arguments],
+            [*command, "run", "worker_app:make", *arguments],
             cwd=self.directory, env=self.environment(**extra), text=True,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
@@ -264,3 +267,39 @@ def test_workers_stop_by_themselves_when_their_supervisor_is_killed(app):
     assert wait_until(lambda: not any(pathlib.Path(f"/proc/{pid}").exists() for pid in workers),
                       timeout=30), workers
     assert supervisor.err.wait_for("is gone; stopping this worker", count=2)
+
+
+def test_a_users_modules_named_like_libraries_do_not_stand_in_for_them_in_workers(app):
+    # Given files named like the libraries a worker imports, in the working directory (one
+    # of them, pydantic, imported by `import idembus` itself)
+    for name in ("psycopg", "kombu", "json", "pydantic"):
+        (app.directory / f"{name}.py").write_text(
+            f"raise ImportError('the user module {name}.py was imported')\n")
+
+    # When two workers run there, supervised by the installed command (whose own sys.path
+    # starts with its script's directory, not the working directory)
+    installed = str(pathlib.Path(sys.executable).parent / "idembus")
+    supervisor = app.start("--workers", "2", command=(installed,))
+
+    # Then each worker imports the real libraries, and the workers handle a deposit
+    log = supervisor.err
+    assert log.wait_for(", 1 consumer(s), ", count=2), log.lines[-20:]
+    app.send(Deposit(account="a", amount=3))
+    assert wait_until(lambda: app.accounts() == {"a": {"balance": 3, "deposits": 1}})
+    supervisor.process.send_signal(signal.SIGTERM)
+    assert supervisor.process.wait(timeout=60) == 0, log.lines[-20:]
+    assert not any("the user module" in line for line in log.lines), log.lines[-20:]
+
+
+def test_a_worker_takes_the_working_directory_off_the_front_of_sys_path_on_any_python(
+    tmp_path: pathlib.Path,
+):
+    # The worker's command does not depend on -P (Python 3.11+ only): start it as a worker
+    # would, up to the point where it has imported the command line, and look
+    command = Supervisor("app:make", workers=1).worker_command()
+    assert "-P" not in command
+    probe = command[2].replace("sys.exit(main())", "print(repr(sys.path[0]))")
+    done = subprocess.run([command[0], "-c", probe], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == repr(str(ROOT))  # what came after the working directory

@@ -1,4 +1,4 @@
-"""Errors raised by transports (the tree is drawn in :mod:`bus.errors`).
+"""Errors raised by transports (the tree is drawn in :mod:`idembus.errors`).
 
 Broker driver errors are translated into these at the transport boundary.
 """

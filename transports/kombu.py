@@ -56,7 +56,7 @@ Received messages are taken as the broker holds them: kombu would decompress a b
 2.6 GiB), and py-amqp would decode it by its content encoding (a latin-1 ``é`` then went to
 the error queue as UTF-8), so channels here keep bodies raw, and such a message, one with
 another content encoding, or one whose ``idembus.*`` headers are not text
-(:func:`bus.wire.text_headers`) arrives with ``Delivery.wire_error`` set, for the endpoint to
+(:func:`idembus.wire.text_headers`) arrives with ``Delivery.wire_error`` set, for the endpoint to
 send to the error queue as is; ``Delivery.content_encoding`` and an envelope's
 ``content_encoding`` carry the encoding on to the copy. Other headers that are not text are
 left out and named in ``idembus.wire.dropped_headers``. A content type or other AMQP
@@ -75,7 +75,9 @@ Options
 ``confirm_publish``  wait for publisher confirms where the broker has them (``True``)
 ``polling_interval`` seconds between polls of virtual transports (memory:// 5 ms, redis:// 0.1 s)
 ``transport_options`` passed to kombu unchanged
-``reconnect_backoff`` waits between attempts to reconnect a consumer (bus.policies.Backoff)
+``reconnect_backoff`` waits between attempts to reconnect a consumer
+                     (:class:`idembus.policies.Backoff`); the warning about it is written
+                     once per queue and cause every 10 s at most, with a count
 ``queue_type``       RabbitMQ queues: ``"quorum"`` (default: replicated, and dead-lettering
                      at least once, which the delay levels need) or ``"classic"``
 ``queue_arguments``  further arguments of every queue declared (RabbitMQ ``x-*``), the
@@ -93,7 +95,7 @@ import logging
 import re
 import struct
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping
 from typing import Any
 
 import amqp.exceptions
@@ -106,6 +108,7 @@ from .. import headers as h
 from .. import wire
 from ..envelope import Envelope
 from ..errors import ConfigurationError
+from ..logs import Throttle
 from ..policies import Backoff
 from ..redaction import redact
 from . import delays
@@ -166,6 +169,9 @@ class KombuTransport(Transport):
         #: The URL as it may be shown: without its password.
         self.safe_url = redact(url)
         self._reconnect_backoff = reconnect_backoff or Backoff()
+        #: A consumer's repeated reconnection warnings: one per queue and cause every 10 s,
+        #: with how many were held back.
+        self.reconnect_lines = Throttle(10.0)
         options = dict(transport_options or {})
         scheme = url.split("://", 1)[0] if "://" in url else url
         if polling_interval is None:
@@ -529,8 +535,11 @@ class KombuTransport(Transport):
         self, queue: str, error: BaseException, failures: int, stop: threading.Event
     ) -> int:
         delay = self._reconnect_backoff.delay(failures)
-        log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs",
-                    queue, self.safe_url, redact(str(error)), delay)
+        held = self.reconnect_lines.allow(f"{queue} {type(error).__name__}")
+        if held is not None:
+            log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs%s",
+                        queue, self.safe_url, redact(str(error)), delay,
+                        self.reconnect_lines.said(held))
         stop.wait(delay)
         return failures + 1
 
@@ -585,6 +594,74 @@ class KombuTransport(Transport):
                     _give_back(taken)
                 raise
             _give_back(taken)
+
+    @contextlib.contextmanager
+    def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
+        """Read the messages waiting in ``queue`` now, each once, holding at most ``page`` of
+        them in this process at a time (``idembus errors list`` of a long error queue).
+
+        ``with transport.browse(queue) as messages: for delivery in messages: ...`` — the
+        deliveries are for reading: settle none of them. They are taken as
+        :meth:`inspect` takes them, a page at a time, and nothing is lost whatever happens:
+
+        * RabbitMQ: every message read stays unacknowledged on this tool's channel, so
+          nobody else receives it meanwhile and it is not read twice; the process keeps
+          only the current page. When the block ends, however it ends, ``basic.recover``
+          gives them all back; where they go is the broker's choice, as for
+          :meth:`inspect` (a quorum queue puts what comes back behind what was never
+          taken, not always in the order it was read). Had the process died, the broker
+          would have given them back when its connection closed.
+        * memory:// and redis://: each page goes back once read, as :meth:`inspect` gives
+          messages back — a copy published to ``queue``, then the original acknowledged —
+          so it lands behind the messages not read yet. Reading stops after as many
+          messages as were waiting at the start: those copies, and whatever arrives
+          meanwhile, are not read again, and the order of the queue is kept.
+        """
+        if page < 1:
+            raise ValueError(f"page must be at least 1, got {page}")
+        waiting = self.pending(queue)  # also: a missing queue has nothing to read
+        scope = self._channel()
+        with scope as channel:
+            held: list[_KombuDelivery] = []
+
+            def read() -> Generator[Delivery, None, None]:
+                nonlocal held
+                remaining = waiting
+                while remaining > 0:
+                    held = self._take(channel, queue, min(page, remaining), scope.connection)
+                    if not held:
+                        return
+                    remaining -= len(held)
+                    yield from held
+                    if not self._is_amqp:
+                        _give_back(held)
+                    held = []  # RabbitMQ keeps them, unacknowledged, until the end
+
+            messages = read()
+            try:
+                yield messages
+            except BaseException:
+                messages.close()
+                with contextlib.suppress(Exception):  # logged; the caller's error matters
+                    self._put_back(channel, queue, held, scope.connection)
+                raise
+            messages.close()
+            self._put_back(channel, queue, held, scope.connection)
+
+    def _put_back(self, channel: Any, queue: str, held: list[_KombuDelivery],
+                  connection: kombu.Connection) -> None:
+        """The end of :meth:`browse`: every message still unacknowledged goes back."""
+        if not self._is_amqp:
+            _give_back(held)  # the page being read when the block ended
+            return
+        try:
+            channel.basic_recover(requeue=True)
+        except Exception as exc:
+            classified = _classified(exc, connection, f"giving back the messages of {queue!r}",
+                                     refusal=TransportUnavailable, url=self.safe_url)
+            if classified is None:
+                raise
+            raise classified from exc
 
     def _take(self, channel: Any, queue: str, count: int,
               connection: kombu.Connection) -> list[_KombuDelivery]:

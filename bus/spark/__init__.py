@@ -1,14 +1,14 @@
 """The data pipeline on Spark (the ``[spark]`` extra): bulk work through the same handlers
 with the same guarantee as live traffic.
 
-* :mod:`bus.spark.replay` — feed a DataFrame of messages (an archive, a backfill, the error
+* :mod:`idembus.spark.replay` — feed a DataFrame of messages (an archive, a backfill, the error
   queue's export) through an endpoint's handlers, and a ``foreachBatch`` sink for
   Structured Streaming. Spark re-executes tasks; the storage's deduplication makes a
   re-executed task apply nothing twice.
-* :mod:`bus.spark.source` — a Python data source reading the audit trail from the storage.
-* :mod:`bus.spark.report` — per message type and endpoint: counts, duplicates,
+* :mod:`idembus.spark.source` — a Python data source reading the audit trail from the storage.
+* :mod:`idembus.spark.report` — per message type and endpoint: counts, duplicates,
   redispatches, failures, latency percentiles; a table and a PNG chart.
-* :mod:`bus.spark.reconcile` — compare the stored aggregates with a dump of the source
+* :mod:`idembus.spark.reconcile` — compare the stored aggregates with a dump of the source
   data and publish and journal an ``idembus.Reconciled`` event per difference (missing,
   stale, deleted).
 

@@ -55,7 +55,7 @@ business.
 
 Everything touching the endpoint (its storage, its transport) runs on the driver; Spark's
 workers see only the dump and (type, id, updated_at) rows. So, unlike
-:func:`bus.spark.replay.replay`, reconciling accepts a process-local endpoint
+:func:`idembus.spark.replay.replay`, reconciling accepts a process-local endpoint
 (``memory://``, ``MemoryStorage``, mongomock), useful in-process and in tests.
 
 This module imports pyspark only inside the functions that run Spark: :class:`Reconciled`
@@ -114,7 +114,7 @@ _MILLIS = r"^-?[0-9]{1,15}$"
 #: ISO 8601, extended form: date, optional time (hh:mm, seconds, fraction), optional zone.
 _ISO = (r"^([0-9]{4}-[0-9]{2}-[0-9]{2})(?:[Tt ]([0-9]{2}:[0-9]{2})(:[0-9]{2}(?:\.[0-9]+)?)?)?"
         r"([Zz]|[+-][0-9]{2}(?::?[0-9]{2})?)?$")
-#: A valid parent reference (as :func:`bus.messages.parents_of` checks).
+#: A valid parent reference (as :func:`idembus.messages.parents_of` checks).
 _PARENT = r"^[^,\s]+$"
 
 
@@ -219,7 +219,7 @@ def reconcile(spark: SparkSession, endpoint: Endpoint | str, dump_paths: Sequenc
 
     ``endpoint`` is an Endpoint or a ``package.module:attribute`` reference to one (an
     endpoint a factory builds for the call is closed afterwards). Raises :class:`BadDump`
-    for an unreadable dump, :class:`~bus.errors.ConfigurationError` for a type the endpoint
+    for an unreadable dump, :class:`~idembus.errors.ConfigurationError` for a type the endpoint
     does not store.
     """
     if isinstance(endpoint, str):

@@ -1,6 +1,6 @@
 """``idembus spark reconcile package.module:endpoint --dump FILE...``: the endpoint's stored
 aggregates compared with an authoritative dump on Spark, and a ``Reconciled`` event
-published and journaled per difference (:func:`bus.spark.reconcile.reconcile`)."""
+published and journaled per difference (:func:`idembus.spark.reconcile.reconcile`)."""
 
 from __future__ import annotations
 

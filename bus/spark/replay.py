@@ -11,7 +11,7 @@ number or a time), so each aggregate sees its messages in order. Every partition
 endpoint from its reference (``package.module:attribute``, an Endpoint or a function returning
 one, imported in the worker: nothing is pickled but the reference and the column names),
 does **not** start its consumers, and hands each row to the endpoint's
-:class:`~bus.processing.MessageProcessor` exactly like a message taken from its queue: the
+:class:`~idembus.processing.MessageProcessor` exactly like a message taken from its queue: the
 handlers' effects commit through the endpoint's storage, deduplicated per handler and message
 id; outgoing messages leave through its transport with their deterministic ids; bad input
 goes to its error queue; a handler that keeps failing is retried as the endpoint's retry
@@ -27,7 +27,7 @@ share the storage and the broker, so an endpoint on a process-local one (``memor
 mongomock) is refused.
 
 While the database or the broker is unreachable a partition waits and tries again, as a
-consumer does (see :class:`~bus.policies.Backoff`); the task does not fail meanwhile.
+consumer does (see :class:`~idembus.policies.Backoff`); the task does not fail meanwhile.
 
 :func:`foreach_batch_sink` applies a Structured Streaming query's micro-batches the same way;
 a micro-batch Spark runs again after a failure changes nothing.

@@ -1,5 +1,5 @@
 """``idembus spark replay package.module:make_endpoint FILE...``: messages from JSON lines or
-Parquet files through the endpoint's handlers on Spark (:func:`bus.spark.replay.replay`)."""
+Parquet files through the endpoint's handlers on Spark (:func:`idembus.spark.replay.replay`)."""
 
 from __future__ import annotations
 

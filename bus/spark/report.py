@@ -2,7 +2,7 @@
 type, how many messages arrived, how many were handled, found duplicate, redispatched,
 failed or dead-lettered, and the processing latency of the handled ones.
 
-The aggregation runs on Spark (DataFrame functions over :func:`bus.spark.source.audit_frame`);
+The aggregation runs on Spark (DataFrame functions over :func:`idembus.spark.source.audit_frame`);
 only its result, one row per (endpoint, message type), comes back to the driver, where it
 becomes a text table, ``report.csv`` and the chart ``report.png``.
 

@@ -1,5 +1,5 @@
 """``idembus spark report package.module:endpoint``: the audit trail analysed on Spark
-(:func:`bus.spark.report.report`): a table per message type and endpoint, and a PNG."""
+(:func:`idembus.spark.report.report`): a table per message type and endpoint, and a PNG."""
 
 from __future__ import annotations
 

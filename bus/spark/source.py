@@ -9,7 +9,7 @@ or, once :class:`AuditSource` is registered, ``spark.read.format("idembus_audit"
 .option("endpoint", "myshop.sales:make_endpoint").option("partitions", "8").load()``.
 
 Each of the ``partitions`` Spark partitions resolves the endpoint reference itself, in its
-worker (:func:`bus.loading.load_endpoint`), reads its part of the trail with
+worker (:func:`idembus.loading.load_endpoint`), reads its part of the trail with
 ``storage.read_audit(part=i, parts=n)`` and closes the endpoint again. So:
 
 * the module naming the endpoint must be importable by Spark's workers (an installed
@@ -18,7 +18,7 @@ worker (:func:`bus.loading.load_endpoint`), reads its part of the trail with
   number of parts, never a client, a pool or a lock;
 * the storage must be one that other processes share: PostgreSQL or a MongoDB server.
   memory and mongomock live inside one process, which the workers cannot see, so they are
-  refused with a :class:`~bus.errors.ConfigurationError`.
+  refused with a :class:`~idembus.errors.ConfigurationError`.
 """
 
 from __future__ import annotations

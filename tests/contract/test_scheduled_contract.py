@@ -4,7 +4,7 @@
 due ones to one poller at a time under a lease, ``forget_scheduled`` removes what was
 dispatched, ``note_scheduled_failure`` counts failed sends with the message. Time is driven
 through the ``now`` argument from a fixed clock, never by sleeping, so a lease of 30
-seconds runs out in no time. The pollers' part (:class:`bus.dispatching.DelayedDeliveries`
+seconds runs out in no time. The pollers' part (:class:`idembus.dispatching.DelayedDeliveries`
 giving up after a bounded number of failures, whoever made them) runs on every backend
 too, on the real clock. ``overdue`` (what waits too long, per endpoint) is at the end.
 """
