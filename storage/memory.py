@@ -7,6 +7,7 @@ import bisect
 import copy
 import dataclasses
 import datetime
+import heapq
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -211,11 +212,24 @@ class MemoryStorage(Storage):
             raise StaleLease(f"lease {lease.name!r} token {lease.token} was superseded"
                              f" by {held.token if held else 'nobody'}")
 
+    #: Records ``records`` copies per look under the lock (it pages through a type).
+    records_page = 1000
+
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
-        with self._lock:
-            chosen = [r for (t, _), r in self._records.items() if t == aggregate_type]
-        return iter([dataclasses.replace(record, updated_at=_last_commit(record))
-                     for record in copy.deepcopy(chosen)])
+        """The records of one type in pages of ``records_page``, by id (keyset): one page
+        is copied at a time, and the lock is not held between pages."""
+        after: str | None = None
+        while True:
+            with self._lock:
+                ids = heapq.nsmallest(self.records_page, (
+                    aggregate_id for (kind, aggregate_id) in self._records
+                    if kind == aggregate_type and (after is None or aggregate_id > after)))
+                page = copy.deepcopy([self._records[aggregate_type, i] for i in ids])
+            for record in page:
+                yield dataclasses.replace(record, updated_at=_last_commit(record))
+            if len(ids) < self.records_page:
+                return
+            after = ids[-1]
 
     def _schedule(self, envelope: Envelope, due: datetime.datetime,
                   owner: str | None) -> None:

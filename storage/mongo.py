@@ -400,10 +400,22 @@ class MongoStorage(Storage):
         if held is None or int(held["token"]) != lease.token:
             raise StaleLease(f"lease {lease.name!r} token {lease.token} was superseded")
 
+    #: Documents ``records`` reads per query (it pages through a type).
+    records_page = 1000
+
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
-        with self._guard, _translated():
-            documents = list(self.database[aggregate_type].find())
-        return (_record_from(aggregate_type, document) for document in documents)
+        """The records of one type in pages of ``records_page``, by ``_id`` (keyset): one
+        page in memory at a time, and no cursor held between pages."""
+        wanted: dict[str, Any] = {}
+        while True:
+            with self._guard, _translated():
+                documents = list(self.database[aggregate_type].find(wanted)
+                                 .sort("_id", 1).limit(self.records_page))
+            for document in documents:
+                yield _record_from(aggregate_type, document)
+            if len(documents) < self.records_page:
+                return
+            wanted = {"_id": {"$gt": documents[-1]["_id"]}}
 
     # -- delayed messages ---------------------------------------------------------------
 

@@ -21,7 +21,9 @@ class Received:
 
 
 def events(response: httpx.Response) -> Iterator[Received]:
-    """The events of a streaming response, until the server closes it."""
+    """The events of a streaming response, until the server closes it. Keep the iterator
+    while the stream should stay open: once it is dropped, httpx closes the connection (the
+    gateway notices at once)."""
     fields: dict[str, str] = {}
     data: list[str] = []
     for line in response.iter_lines():

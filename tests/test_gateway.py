@@ -1,13 +1,16 @@
 """The event gateway, read by a real HTTP client (httpx) over a socket: positions as ids,
 resuming with Last-Event-ID, filters, full replication then live, slow clients, bad
-requests, authentication and the status."""
+requests, authentication, CORS, the client limit, the status and the health check."""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import random
+import re
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +19,9 @@ import httpx
 import pytest
 
 from idembus import Endpoint, Event
+from idembus.errors import ConfigurationError
 from idembus.gateway import Gateway
+from idembus.storage.base import StatusReport
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from tests.sse_client import Received, events, take
@@ -252,6 +257,8 @@ def test_a_millisecond_timestamp_resumes_from_the_journal_when_it_reaches_back_t
     ("1.5", "is not a journal position"),
     ("99", "ahead of the journal"),
     ("99999999999999", "in the future"),
+    ("99999999999999999999", "out of range"),
+    ("9" * 5000, "out of range"),
 ])
 def test_a_bad_last_event_id_gets_a_400_with_the_reason(
     accounts: Endpoint, gateway_for: Callable[..., Gateway], value: str, reason: str,
@@ -378,6 +385,11 @@ class JournalUnreachable(MemoryStorage):
             raise StorageUnavailable("connection refused")
         return super().journal_bounds()
 
+    def read_journal(self, *args: Any, **options: Any) -> Any:
+        if self.down:
+            raise StorageUnavailable("connection refused")
+        return super().read_journal(*args, **options)
+
 
 def test_an_unreachable_storage_gets_a_503_not_a_broken_stream(
     gateway_for: Callable[..., Gateway],
@@ -447,7 +459,7 @@ def test_pages_of_an_allowed_origin_may_read_the_stream_and_others_may_not(
     preflight = httpx.options(gateway.url + "/", headers={
         **app, "Access-Control-Request-Method": "GET",
         "Access-Control-Request-Headers": "last-event-id, authorization"})
-    assert preflight.status_code == 204
+    assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "https://app.example.com"
     assert "Last-Event-ID" in preflight.headers["access-control-allow-headers"]
     allowed = httpx.get(gateway.url + "/status", headers=app, auth=("u", "p"))
@@ -493,7 +505,8 @@ def test_a_client_that_hangs_up_while_the_stream_is_idle_is_let_go(
 ) -> None:
     gateway = gateway_for(accounts, heartbeat=3600.0)  # no keep-alive write would notice
     with httpx.Client() as client, stream(client, gateway) as response:
-        assert next(events(response)).kind == "retry"
+        received = events(response)  # kept: dropping the reader closes the connection
+        assert next(received).kind == "retry"
         assert gateway.status()["clients"] == 1
     assert gateway.counters.wait_until(lambda counters: counters.clients == 0, timeout=10)
     assert gateway.status()["connections"] == 1
@@ -577,3 +590,113 @@ def test_an_error_after_a_stream_began_is_logged_redacted_not_printed_raw(
     assert "Traceback" in logged and "records failed on host=db password=***" in logged
     shown = logged + "".join(capsys.readouterr())
     assert not [piece for piece in fragments_of(BrokenStorage.PASSWORD) if piece in shown]
+
+
+def test_the_health_check_needs_no_credentials_and_says_when_the_journal_cannot_be_read(
+    gateway_for: Callable[..., Gateway],
+) -> None:
+    storage = JournalUnreachable()
+    endpoint = Endpoint(f"accounts-{uuid.uuid4().hex[:8]}", storage=storage, journal=True)
+    try:
+        gateway = gateway_for(endpoint, auth="reader:s3cret")
+        healthy = httpx.get(gateway.url + "/healthz")
+        assert (healthy.status_code, healthy.json()) == (200, {"status": "ok"})
+        storage.down = True
+        deadline = time.monotonic() + 10
+        while (answer := httpx.get(gateway.url + "/healthz")).status_code == 200:
+            assert time.monotonic() < deadline, "the health check never noticed"
+            threading.Event().wait(0.05)
+        assert answer.status_code == 503
+        assert "the journal cannot be read (StorageUnavailable" in answer.json()["reason"]
+        assert "connection refused" not in answer.text  # the details are for the log
+        assert gateway.counters.unauthorized == 0
+    finally:
+        endpoint.close()
+
+
+def test_the_status_names_hosts_and_pids_only_to_an_authenticated_client(
+    gateway_for: Callable[..., Gateway],
+) -> None:
+    def instances(**options: Any) -> list[str]:
+        endpoint = Endpoint("reported", storage=MemoryStorage(), journal=True)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        endpoint.storage.report_status(StatusReport(
+            endpoint="reported", instance="db-host-7:4242:a1b2c3", counters={"handled": 3},
+            started_at=now, updated_at=now))
+        try:
+            gateway = gateway_for(endpoint, **options)
+            status = httpx.get(gateway.url + "/status", auth=("u", "p")).json()
+            return [i["instance"] for i in status["endpoint"]["instances"]]
+        finally:
+            endpoint.close()
+
+    assert instances() == ["a1b2c3"]  # anybody may read it: no host, no pid
+    assert instances(auth="u:p") == ["db-host-7:4242:a1b2c3"]
+
+
+def test_streams_beyond_max_clients_are_answered_503_while_health_and_status_still_answer(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, max_clients=2)
+    with httpx.Client() as client, stream(client, gateway) as first, \
+            stream(client, gateway) as second:
+        readers = [events(first), events(second)]  # kept: dropping one hangs up
+        assert [next(reader).kind for reader in readers] == ["retry", "retry"]
+        refused = client.get(gateway.url + "/", headers=STREAM)
+        assert refused.status_code == 503
+        assert "at most 2 streams" in refused.json()["error"]
+        assert refused.headers["retry-after"] == "5"
+        assert client.get(gateway.url + "/healthz").status_code == 200
+        assert client.get(gateway.url + "/status").json()["over_capacity"] == 1
+    # Once one hangs up, a stream is served again
+    assert gateway.counters.wait_until(lambda counters: counters.clients == 0, timeout=10)
+    with httpx.Client() as client, stream(client, gateway) as third:
+        assert third.status_code == 200
+
+
+def test_any_origin_may_read_but_never_with_credentials(
+    accounts: Endpoint, gateway_for: Callable[..., Gateway],
+) -> None:
+    gateway = gateway_for(accounts, cors_origins=["*"])
+    page = {"Origin": "https://anywhere.example"}
+    answer = httpx.get(gateway.url + "/status", headers=page)
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in answer.headers
+    preflight = httpx.options(gateway.url + "/", headers={
+        **page, "Access-Control-Request-Method": "GET",
+        "Access-Control-Request-Headers": "last-event-id"})
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-credentials" not in preflight.headers
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"auth": "reader:"}, "no password"),
+    ({"auth": ":s3cret"}, "no user"),
+    ({"auth": "reader"}, "no colon"),
+    ({"cors_origins": ["*", "https://app.example.com"]}, "give '*' alone"),
+    ({"max_clients": 0}, "max_clients must be at least 1"),
+])
+def test_a_gateway_that_would_be_unsafe_or_useless_is_refused_with_the_reason(
+    accounts: Endpoint, options: dict[str, Any], reason: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(reason)) as refused:
+        Gateway(accounts, port=0, **options)
+    assert "s3cret" not in str(refused.value)
+
+
+def test_stopping_ends_every_stream_cleanly_and_releases_the_port(
+    accounts: Endpoint,
+) -> None:
+    gateway = Gateway(accounts, port=0, poll_interval=0.02)
+    gateway.start()
+    with httpx.Client() as client, stream(client, gateway) as response:
+        received = events(response)
+        assert next(received).kind == "retry"
+        started = time.monotonic()
+        gateway.stop(timeout=10)
+        assert list(received) == []  # the stream ended: no error, nothing more
+    assert time.monotonic() - started < 5
+    with socket.socket() as probe:  # the port can be listened on again
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+        probe.bind(gateway.address)
+        probe.listen()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import Deposit
 from tests.test_workers import App, LineWatcher, Running, app  # noqa: F401 (the fixture)
 
@@ -68,9 +69,18 @@ EMBEDDED_APP = textwrap.dedent('''
 
     def make() -> Endpoint:
         """With APP_IN_FLIGHT set, a deposit waits in the queue: it is in flight as soon
-        as the endpoint consumes."""
-        endpoint = Endpoint("shutdown-test", handlers=[SlowAccounts], storage=MemoryStorage(),
-                            routes={Deposit: "shutdown-test"}, journal=True)
+        as the endpoint consumes. APP_NAME, APP_TRANSPORT and APP_POSTGRES put it on a
+        shared broker and database (the gateway refuses process-local ones)."""
+        name = os.environ.get("APP_NAME") or "shutdown-test"
+        storage = MemoryStorage()
+        if os.environ.get("APP_POSTGRES"):
+            from idembus.storage.postgres import PostgresStorage
+
+            storage = PostgresStorage(os.environ["APP_POSTGRES"],
+                                      table_prefix=name.replace("-", "_"))
+        endpoint = Endpoint(name, handlers=[SlowAccounts], storage=storage,
+                            transport=os.environ.get("APP_TRANSPORT") or "memory://",
+                            routes={Deposit: name}, journal=True)
         if os.environ.get("APP_IN_FLIGHT"):
             endpoint.transport.declare(endpoint.name)
             endpoint.bus.send(Deposit(account="in-flight", amount=1))
@@ -117,7 +127,7 @@ class Outcome:
 
 def _signalled_run(directory: pathlib.Path, run: int, arguments: list[str], ready: str,
                    *, starting: bool, ready_on_stdout: bool = False,
-                   in_flight: bool = False) -> Outcome:
+                   in_flight: bool = False, app_env: dict[str, str] | None = None) -> Outcome:
     """``idembus ARGUMENTS`` on the embedded app, signalled with both signals: while
     ``starting`` (a few tenths of a second after launch, before or after its handlers are
     in place), else once ``ready`` shows in its stderr (its stdout: ``ready_on_stdout``)
@@ -127,7 +137,8 @@ def _signalled_run(directory: pathlib.Path, run: int, arguments: list[str], read
          str(SHUTDOWN_TIMEOUT)],
         cwd=directory, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{directory}",
-             "APP_HANDLER_SECONDS": HANDLER_SECONDS, "APP_IN_FLIGHT": "1" if in_flight else ""})
+             "APP_HANDLER_SECONDS": HANDLER_SECONDS, "APP_IN_FLIGHT": "1" if in_flight else "",
+             **(app_env or {})})
     assert process.stdout is not None and process.stderr is not None
     out, err = LineWatcher(process.stdout), LineWatcher(process.stderr)
     running = False
@@ -182,22 +193,52 @@ def test_idembus_run_signalled_twice_at_once_always_ends_in_time(
     _assert_all_ended_cleanly(outcomes)
 
 
+@pytest.mark.amqp
+@pytest.mark.postgres
 def test_idembus_gateway_signalled_twice_at_once_always_ends_in_time(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, unique: str,
 ) -> None:
-    # Given 15 gateways: 5 signalled while starting, 5 while serving, 5 that also consume
-    # with a message in flight
+    # Given 15 gateways on PostgreSQL (a gateway refuses a process-local storage): 5
+    # signalled while starting, 5 while serving, 5 that also consume from RabbitMQ with a
+    # message in flight
+    require_service(POSTGRES_URL, "PostgreSQL")
+    require_service(AMQP_URL, "RabbitMQ")
+    names = [f"shutdown-gw-{unique}-{run}" for run in range(COMMAND_RUNS)]
+
     def signalled(directory: pathlib.Path, run: int) -> Outcome:
         starting = run < 5
         consume = not starting and run % 2 == 1
         return _signalled_run(
             directory, run, ["gateway", "embedded_app:make", "--listen", "127.0.0.1:0",
                              *(["--consume"] if consume else [])],
-            "idembus gateway: shutdown-test on http://", starting=starting,
-            ready_on_stdout=True, in_flight=consume)
+            f"idembus gateway: {names[run]} on http://", starting=starting,
+            ready_on_stdout=True, in_flight=consume,
+            app_env={"APP_NAME": names[run], "APP_POSTGRES": POSTGRES_URL,
+                 "APP_TRANSPORT": AMQP_URL if consume else "memory://"})
 
     # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly
-    _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+    try:
+        _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+    finally:
+        _drop(names)
+
+
+def _drop(names: list[str]) -> None:
+    """Remove the runs' queues and tables."""
+    from idembus.storage.postgres import PostgresStorage
+    from idembus.transports.kombu import KombuTransport
+
+    transport = KombuTransport(AMQP_URL)
+    try:
+        for name in names:
+            transport.delete_queue(name)
+            storage = PostgresStorage(POSTGRES_URL, table_prefix=name.replace("-", "_"))
+            try:
+                storage.drop_tables()
+            finally:
+                storage.close()
+    finally:
+        transport.close()
 
 
 def test_idembus_dispatcher_signalled_twice_at_once_always_ends_in_time(

@@ -1,17 +1,43 @@
 """The event gateway: the event journal as a resumable Server-Sent Events stream.
 
 ``idembus gateway package.module:endpoint --listen 127.0.0.1:8042`` (or :class:`Gateway`)
-serves ``GET /`` with ``Accept: text/event-stream`` and ``GET /status``. See README, "The
-event stream", for the protocol: ids are journal positions, ``Last-Event-ID`` resumes,
-``0`` or a millisecond timestamp asks for full replication, ``types=`` and ``parents=``
-filter.
+serves ``GET /`` with ``Accept: text/event-stream``, ``GET /status`` and ``GET /healthz``.
+See README, "The event stream", for the protocol: ids are journal positions,
+``Last-Event-ID`` resumes, ``0`` or a millisecond timestamp asks for full replication,
+``types=`` and ``parents=`` filter.
 
 Modules: :mod:`~bus.gateway.hub` follows the journal and fans new entries out to clients;
+:mod:`~bus.gateway.encoded` encodes each entry once for all of them;
 :mod:`~bus.gateway.request` reads a client's request (resume point, filters);
-:mod:`~bus.gateway.stream` writes one client's stream; :mod:`~bus.gateway.server` is the
-HTTP server; :mod:`~bus.gateway.sse` formats events.
+:mod:`~bus.gateway.stream` produces one client's stream; :mod:`~bus.gateway.server` is the
+HTTP API (a Starlette app), :mod:`~bus.gateway.response` the streaming response,
+:mod:`~bus.gateway.auth` its credentials; :mod:`~bus.gateway.service` serves it with uvicorn
+(:mod:`~bus.gateway.protocol`: per-connection timeouts); :mod:`~bus.gateway.sse` formats
+events.
+
+The HTTP side needs Starlette and uvicorn (``pip install 'idembus[web]'``): they are
+imported with :class:`Gateway`, not with this package.
 """
 
-from .server import Gateway
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .service import Gateway
 
 __all__ = ["Gateway"]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "Gateway":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from .service import Gateway
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if missing not in ("starlette", "uvicorn", "anyio", "h11"):
+            raise
+        raise ImportError(f"the event gateway needs {missing}: pip install 'idembus[web]'",
+                          name=missing) from error
+    return Gateway

@@ -9,6 +9,9 @@ cannot set headers) is one of:
 * a millisecond Unix timestamp (13 digits: anything from 10^12 on, September 2001): the
   events recorded since then, or, if the journal no longer reaches that far back,
   replication of the aggregates changed since then.
+
+Anything else — not a whole number, more than :data:`LONGEST` digits, a timestamp in the
+future — is a :class:`~bus.errors.BadStreamRequest` (a 400 with the reason).
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ from ..storage.base import JournalEntry
 
 #: A ``Last-Event-ID`` from this value on is a millisecond timestamp, not a position.
 TIMESTAMP_FROM = 10**12
+
+#: The most digits a ``Last-Event-ID`` may have: positions and timestamps fit a signed
+#: 64-bit integer (PostgreSQL's ``bigint``).
+LONGEST = 19
+
+#: How far ahead of this machine's clock a timestamp may be (the client's clock may run
+#: fast).
+CLOCK_SKEW = datetime.timedelta(minutes=5)
 
 #: Query parameters a stream request may carry.
 PARAMETERS = ("types", "parents", "last_event_id")
@@ -52,18 +63,24 @@ def resume_point(value: str | None) -> Resume:
     text = value.strip()
     if not text.isdigit() or not text.isascii():
         raise BadStreamRequest(
-            f"Last-Event-ID {value!r} is not a journal position: send the id of the last event"
-            " received (a whole number), 0 for full replication, or a Unix time in "
+            f"Last-Event-ID {_shown(value)} is not a journal position: send the id of the last "
+            "event received (a whole number), 0 for full replication, or a Unix time in "
             "milliseconds")
-    number = int(text)
+    digits = text.lstrip("0") or "0"
+    if len(digits) > LONGEST or int(digits) >= 2**63:
+        raise BadStreamRequest(
+            f"Last-Event-ID {_shown(text)} is out of range: journal positions and millisecond "
+            "timestamps are below 2^63")
+    number = int(digits)
     if number == 0:
         return Resume(Mode.REPLICATE)
     if number < TIMESTAMP_FROM:
         return Resume(Mode.AFTER, position=number)
-    since = datetime.datetime.fromtimestamp(number / 1000, datetime.timezone.utc)
-    if since > datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5):
+    latest = datetime.datetime.now(datetime.timezone.utc) + CLOCK_SKEW
+    if number > latest.timestamp() * 1000:
         raise BadStreamRequest(f"Last-Event-ID {value!r} read as a millisecond timestamp is "
-                         f"{since.isoformat()}, in the future")
+                               "in the future")
+    since = datetime.datetime.fromtimestamp(number / 1000, datetime.timezone.utc)
     return Resume(Mode.SINCE, since=since)
 
 
@@ -111,6 +128,11 @@ def _listed(query: Mapping[str, Sequence[str]], name: str) -> frozenset[str] | N
         raise BadStreamRequest(f"{name}= needs a comma-separated list without empty items, "
                          f"got {','.join(values)!r}")
     return frozenset(items)
+
+
+def _shown(value: str) -> str:
+    """``value`` quoted, cut short if long (it goes back in an answer)."""
+    return repr(value) if len(value) <= 40 else repr(value[:40]) + "..."
 
 
 def _references(aggregate_type: str | None, aggregate_id: str | None,

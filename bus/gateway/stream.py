@@ -15,35 +15,53 @@ cannot serve is a 400, one it no longer holds becomes full replication), then wr
    the storage up to the hub's position;
 3. **live**: entries the hub offers, with a comment every ``heartbeat`` seconds when idle.
 
+The stream is an async generator of chunks run on the gateway's event loop; what touches
+the storage (reading the journal or the aggregates, encoding) runs in worker threads, a
+page at a time, so memory stays bounded however large the storage is. Journal events are
+encoded once and shared by every client (:mod:`bus.gateway.encoded`).
+
 Every event with an ``id`` is a journal position, strictly increasing within a stream, so a
 client that reconnects with the last id it saw gets each event once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import enum
+import itertools
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import traceback
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
+import anyio
 from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from ..errors import BadStreamRequest
-from ..storage.base import AggregateRecord, JournalEntry, Storage
+from ..redaction import redact
+from ..storage.base import AggregateRecord, Storage
+from ..storage.errors import StorageUnavailable
 from . import sse
+from .encoded import Batch
 from .hub import JournalHub, Subscription
 from .request import Filters, Mode, Resume
 
-#: Journal entries read from the storage per page while catching up.
+log = logging.getLogger(__name__)
+
+#: Journal entries (or aggregate states) read from the storage per page.
 PAGE = 500
-
-#: Seconds between looks, while a live stream is idle, for a client that hung up.
-LOOK_FOR_HANGUPS = 1.0
-
-Write = Callable[[bytes], None]
 
 
 class Start(enum.Enum):
@@ -94,13 +112,17 @@ def plan(resume: Resume, storage: Storage) -> Plan:
 class StreamCounters:
     """What the gateway's streams did (``GET /status``); updated under ``lock``."""
 
+    #: Streams open now (and being opened).
     clients: int = 0
+    #: Streams served since the start.
     connections: int = 0
     events_sent: int = 0
     states_sent: int = 0
     replications: int = 0
     rejected: int = 0
     unauthorized: int = 0
+    #: Stream requests answered 503 because ``max_clients`` streams were open.
+    over_capacity: int = 0
     lock: threading.Condition = dataclasses.field(default_factory=threading.Condition,
                                                   repr=False)
 
@@ -141,62 +163,94 @@ class StreamSettings:
 
 
 class ClientStream:
-    """Writes one client's stream until it disconnects, falls too far behind, or the
-    gateway stops."""
+    """One client's stream: :meth:`chunks` yields what to send until the client is gone
+    (the server then stops iterating), falls too far behind, or the gateway stops."""
 
-    def __init__(self, settings: StreamSettings, filters: Filters, start: Plan, write: Write,
-                 disconnect: Callable[[], None],
-                 gone: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, settings: StreamSettings, filters: Filters, start: Plan) -> None:
         self._settings = settings
         self._filters = filters
         self._plan = start
-        self._write = write
-        self._disconnect = disconnect
-        self._gone = gone
+        self._unfiltered = filters.types is None and filters.parents is None
+        #: The newest journal position the stream has passed (sent, or filtered out).
+        self.position = start.position
 
-    def run(self) -> None:
-        """Write the stream; returns when it ends (a write to a gone client raises
-        ``OSError``, which the server expects)."""
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The chunks of the stream. An error ends it — logged, redacted — and never
+        escapes: the response has begun, and the client resumes when it reconnects."""
+        try:
+            async for chunk in self._stream():
+                yield chunk
+        except StorageUnavailable as error:
+            log.warning("ending a stream: %s (the client resumes when it reconnects)",
+                        redact(str(error)))
+        except Exception:
+            log.error("a stream failed; ended it (the client resumes when it reconnects):\n%s",
+                      redact(traceback.format_exc().rstrip()))
+
+    async def _stream(self) -> AsyncIterator[bytes]:
         settings = self._settings
-        if self._plan.start is Start.LIVE:
-            subscription, position = settings.hub.subscribe(settings.buffer, self._disconnect)
-            self._write(sse.retry(settings.reconnect_ms))  # once subscribed: nothing missed
-            self._live(subscription, position)
-            return
-        self._write(sse.retry(settings.reconnect_ms))
-        position = self._plan.position
-        if self._plan.start is Start.REPLICATE:
-            position = self._replicate()
-        position = self._catch_up(position, until=None)
-        subscription, hub_position = settings.hub.subscribe(settings.buffer, self._disconnect)
-        if position < hub_position:
-            position = self._catch_up(position, until=hub_position)
-        self._live(subscription, position)
+        subscription: Subscription | None = None
+        try:
+            if self._plan.start is Start.LIVE:
+                subscription, ready, self.position = self._subscribe()
+                yield sse.retry(settings.reconnect_ms)  # once subscribed: nothing missed
+            else:
+                yield sse.retry(settings.reconnect_ms)
+                if self._plan.start is Start.REPLICATE:
+                    async for chunk in self._replicate():
+                        yield chunk
+                async for chunk in self._catch_up(until=None):
+                    yield chunk
+                if settings.stopping.is_set():
+                    return
+                subscription, ready, hub_position = self._subscribe()
+                async for chunk in self._catch_up(until=hub_position):
+                    yield chunk
+            async for chunk in self._live(subscription, ready):
+                yield chunk
+        finally:
+            if subscription is not None:
+                settings.hub.unsubscribe(subscription)
 
-    def _replicate(self) -> int:
+    def _subscribe(self) -> tuple[Subscription, asyncio.Event, int]:
+        """Subscribe to the hub; the hub wakes this loop through ``ready``."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:  # called in the hub's thread
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:
+                pass  # the loop is closed: the stream is over
+
+        subscription, position = self._settings.hub.subscribe(self._settings.buffer, wake)
+        return subscription, ready, position
+
+    async def _replicate(self) -> AsyncIterator[bytes]:
         settings = self._settings
         settings.counters.add(replications=1)
-        position = settings.storage.journal_bounds().newest
-        self._write(sse.event("reset", {"reason": self._plan.reason, "position": position}))
-        chunk: list[bytes] = []
+        bounds = await run_in_threadpool(settings.storage.journal_bounds)
+        position = bounds.newest
+        yield sse.event("reset", {"reason": self._plan.reason, "position": position})
         for aggregate_type in self._replicated_types():
-            for record in settings.storage.records(aggregate_type):
+            records = await run_in_threadpool(settings.storage.records, aggregate_type)
+            more = True
+            while more:
                 if settings.stopping.is_set():
-                    return position
-                if self._wanted(record):
-                    chunk.append(sse.state_event(record))
-                if len(chunk) >= PAGE:
-                    self._write_states(chunk)
-        self._write_states(chunk)
-        self._write(sse.event("live", {"position": position}, event_id=position))
-        return position
+                    return
+                states, more = await run_in_threadpool(self._states, records)
+                if states:
+                    yield b"".join(states)
+                    settings.counters.add(states_sent=len(states))
+        self.position = position
+        yield sse.event("live", {"position": position}, event_id=position)
 
-    def _write_states(self, chunk: list[bytes]) -> None:
-        """Write the state events gathered so far, and empty ``chunk``."""
-        if chunk:
-            self._write(b"".join(chunk))
-            self._settings.counters.add(states_sent=len(chunk))
-            chunk.clear()
+    def _states(self, records: Iterator[AggregateRecord]) -> tuple[list[bytes], bool]:
+        """The next page of ``records`` (in a worker thread): the wanted ones encoded, and
+        whether more may follow."""
+        page = list(itertools.islice(records, PAGE))
+        return [sse.state_event(record) for record in page if self._wanted(record)], (
+            len(page) == PAGE)
 
     def _replicated_types(self) -> list[str]:
         known = sorted(self._settings.aggregates)
@@ -220,50 +274,62 @@ class ClientStream:
         state: Any = model.model_validate(record.state)
         return tuple(state.journal_parents())
 
-    def _catch_up(self, position: int, *, until: int | None) -> int:
-        """Send journal entries after ``position`` (up to ``until``) from the storage."""
-        storage = self._settings.storage
+    async def _catch_up(self, *, until: int | None) -> AsyncIterator[bytes]:
+        """The journal entries after :attr:`position` (up to ``until``), from the storage."""
         while not self._settings.stopping.is_set():
-            limit = PAGE if until is None else min(PAGE, until - position)
+            limit = PAGE if until is None else min(PAGE, until - self.position)
             if limit <= 0:
                 break
-            entries = storage.read_journal(after=position, limit=limit)
-            if entries:
-                position = self._send(entries, position)
-            if len(entries) < limit:
+            batch = await run_in_threadpool(self._read, self.position, limit)
+            chunk = self._select(batch)
+            if chunk:
+                yield chunk
+            if len(batch) < limit:
                 break
-        return position
 
-    def _live(self, subscription: Subscription, position: int) -> None:
+    def _read(self, after: int, limit: int) -> Batch:
+        """A page of the journal, encoded (in a worker thread)."""
+        entries = self._settings.storage.read_journal(after=after, limit=limit)
+        return self._settings.hub.cache.batch(entries)
+
+    async def _live(self, subscription: Subscription, ready: asyncio.Event,
+                    ) -> AsyncIterator[bytes]:
         settings = self._settings
         quiet_since = time.monotonic()
-        try:
-            while not settings.stopping.is_set() and not subscription.closed.is_set():
-                # Short waits: a client that hung up is let go within a second, not at the
-                # next keep-alive.
-                entries = subscription.take(min(settings.heartbeat, LOOK_FOR_HANGUPS))
-                if entries:
-                    position = self._send(entries, position)
-                    quiet_since = time.monotonic()
-                elif self._gone():
-                    return
-                elif time.monotonic() - quiet_since >= settings.heartbeat:
-                    self._write(sse.comment("keep-alive"))
-                    quiet_since = time.monotonic()
-        finally:
-            settings.hub.unsubscribe(subscription)
+        while not settings.stopping.is_set():
+            ready.clear()  # before taking: a wake-up after this is not lost
+            batches = subscription.take()
+            if batches:
+                for batch in batches:
+                    chunk = self._select(batch)
+                    if chunk:
+                        yield chunk
+                        quiet_since = time.monotonic()
+                continue
+            if subscription.closed:
+                return  # fell behind (overflowed), or the gateway stops
+            left = settings.heartbeat - (time.monotonic() - quiet_since)
+            if left <= 0:
+                yield sse.comment("keep-alive")
+                quiet_since = time.monotonic()
+                continue
+            with anyio.move_on_after(left):
+                await ready.wait()
 
-    def _send(self, entries: Iterable[JournalEntry], position: int) -> int:
-        """Write the entries after ``position`` that pass the filters; return the newest
-        position seen."""
-        chunk: list[bytes] = []
-        for entry in entries:
-            if entry.position <= position:
-                continue  # already sent from the storage before the hub caught up
-            position = entry.position
-            if self._filters.matches(entry):
-                chunk.append(sse.journal_event(entry))
-        if chunk:
-            self._write(b"".join(chunk))
-            self._settings.counters.add(events_sent=len(chunk))
-        return position
+    def _select(self, batch: Batch) -> bytes:
+        """What of ``batch`` this client gets: the events after :attr:`position` that pass
+        its filters, as the shared encoded bytes (the batch's own joined bytes when it takes
+        all of it)."""
+        if batch.last <= self.position:
+            return b""  # already sent from the storage before the hub caught up
+        if self._unfiltered and batch.first > self.position:
+            data, count = batch.joined, len(batch)
+        else:
+            chosen = [event.data for event in batch.events
+                      if event.entry.position > self.position
+                      and self._filters.matches(event.entry)]
+            data, count = b"".join(chosen), len(chosen)
+        self.position = batch.last
+        if count:
+            self._settings.counters.add(events_sent=count)
+        return data
