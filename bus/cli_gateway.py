@@ -1,5 +1,5 @@
 """``idembus gateway package.module:endpoint --listen 127.0.0.1:8042``: serve the event
-journal of the endpoint's storage as a Server-Sent Events stream (:mod:`bus.gateway`), until
+journal of the endpoint's storage as a Server-Sent Events stream (:mod:`idembus.gateway`), until
 SIGINT or SIGTERM.
 
 Credentials come from ``$IDEMBUS_GATEWAY_AUTH`` or ``--auth-file``, never from the command
@@ -8,7 +8,7 @@ journal no other process can write — a process-local storage without ``--consu
 ``--consume`` on a process-local transport nothing else can send to — is refused (exit
 status 2) instead of serving an empty stream.
 
-The signals only set a flag (:class:`~bus.shutdown.StopSignals`) that the main thread looks
+The signals only set a flag (:class:`~idembus.shutdown.StopSignals`) that the main thread looks
 at between short waits; it then stops the gateway and closes the endpoint within
 ``--shutdown-timeout`` seconds. (A handler setting a ``threading.Event`` hung when SIGINT and
 SIGTERM arrived together.)

@@ -640,7 +640,7 @@ class MongoStorage(Storage):
 
     def verify(self) -> None:
         """Check at start that MongoDB answers, then :meth:`migrate`. A refused login or
-        privilege fails the start with :class:`~bus.errors.ConfigurationError` (exit status
+        privilege fails the start with :class:`~idembus.errors.ConfigurationError` (exit status
         2, one line): no wait cures it."""
         try:
             with self._guard, _translated():

@@ -6,13 +6,13 @@ See README, "The event stream", for the protocol: ids are journal positions,
 ``Last-Event-ID`` resumes, ``0`` or a millisecond timestamp asks for full replication,
 ``types=`` and ``parents=`` filter.
 
-Modules: :mod:`~bus.gateway.hub` follows the journal and fans new entries out to clients;
-:mod:`~bus.gateway.encoded` encodes each entry once for all of them;
-:mod:`~bus.gateway.request` reads a client's request (resume point, filters);
-:mod:`~bus.gateway.stream` produces one client's stream; :mod:`~bus.gateway.server` is the
-HTTP API (a Starlette app), :mod:`~bus.gateway.response` the streaming response,
-:mod:`~bus.gateway.auth` its credentials; :mod:`~bus.gateway.service` serves it with uvicorn
-(:mod:`~bus.gateway.protocol`: per-connection timeouts); :mod:`~bus.gateway.sse` formats
+Modules: :mod:`~idembus.gateway.hub` follows the journal and fans new entries out to clients;
+:mod:`~idembus.gateway.encoded` encodes each entry once for all of them;
+:mod:`~idembus.gateway.request` reads a client's request (resume point, filters);
+:mod:`~idembus.gateway.stream` produces one client's stream; :mod:`~idembus.gateway.server` is the
+HTTP API (a Starlette app), :mod:`~idembus.gateway.response` the streaming response,
+:mod:`~idembus.gateway.auth` its credentials; :mod:`~idembus.gateway.service` serves it with uvicorn
+(:mod:`~idembus.gateway.protocol`: per-connection timeouts); :mod:`~idembus.gateway.sse` formats
 events.
 
 The HTTP side needs Starlette and uvicorn (``pip install 'idembus[web]'``): they are

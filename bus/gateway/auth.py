@@ -37,7 +37,7 @@ class Credentials:
 
     @classmethod
     def parse(cls, text: str, source: str = "auth") -> Credentials:
-        """``user:password``; :class:`~bus.errors.ConfigurationError` naming ``source`` (but
+        """``user:password``; :class:`~idembus.errors.ConfigurationError` naming ``source`` (but
         not the password) if either part is empty."""
         user, colon, password = text.strip("\r\n").partition(":")
         if not colon or not user or not password:

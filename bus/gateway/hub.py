@@ -5,7 +5,7 @@ after the last position it saw, and offers each new entry to every live
 :class:`Subscription`, at most ``batch`` entries every ``interval`` seconds (the gateway
 takes half a client buffer per round, so a client that is reading keeps up with up to
 ``batch / interval`` events a second). Each round's entries are encoded once
-(:mod:`bus.gateway.encoded`) and the same bytes go to every subscription.
+(:mod:`idembus.gateway.encoded`) and the same bytes go to every subscription.
 
 A subscription's buffer is bounded: the hub never waits for a client. When a buffer is full
 the subscription is marked overflowed and closed (its buffer dropped): the client's stream

@@ -11,7 +11,7 @@ cannot set headers) is one of:
   replication of the aggregates changed since then.
 
 Anything else — not a whole number, more than :data:`LONGEST` digits, a timestamp in the
-future — is a :class:`~bus.errors.BadStreamRequest` (a 400 with the reason).
+future — is a :class:`~idembus.errors.BadStreamRequest` (a 400 with the reason).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Resume:
 
 
 def resume_point(value: str | None) -> Resume:
-    """Read a ``Last-Event-ID``; :class:`~bus.errors.BadStreamRequest` says what is wrong
+    """Read a ``Last-Event-ID``; :class:`~idembus.errors.BadStreamRequest` says what is wrong
     with it."""
     if value is None or value.strip() == "":
         return Resume(Mode.LIVE)

@@ -6,7 +6,7 @@ polled by hand). This one adds what a long-lived stream needs:
 
 * a **write timeout**: a client that accepts no data for ``write_timeout`` seconds (its
   socket buffers full: it stopped reading) has its connection aborted, through the server's
-  :data:`~bus.gateway.protocol.ABORT` extension where the server offers one — a graceful
+  :data:`~idembus.gateway.protocol.ABORT` extension where the server offers one — a graceful
   close would wait for that client forever;
 * ``on_end`` called once however the stream ends, and the chunks' generator closed (its
   ``finally`` blocks run at once, not when it is collected).

@@ -8,11 +8,11 @@ and ``GET /healthz``.
   answered 503 with the reason and ``Retry-After``;
 * a bad request is answered 400 with the reason, an unreachable storage 503; an unexpected
   error 500 naming only its type — its traceback goes to the log, redacted, like everything
-  the gateway says (:func:`~bus.redaction.redact`);
+  the gateway says (:func:`~idembus.redaction.redact`);
 * CORS (:class:`starlette.middleware.cors.CORSMiddleware`): named origins may read with
   credentials; ``*`` lets every origin read, never with credentials.
 
-:class:`~bus.gateway.service.Gateway` serves it with uvicorn.
+:class:`~idembus.gateway.service.Gateway` serves it with uvicorn.
 """
 
 from __future__ import annotations

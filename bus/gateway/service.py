@@ -52,7 +52,7 @@ START_TIMEOUT = 30.0
 class Gateway:
     """Serves an endpoint's event journal over HTTP as Server-Sent Events.
 
-    ``auth`` (``"user:password"`` or :class:`~bus.gateway.auth.Credentials`, both parts
+    ``auth`` (``"user:password"`` or :class:`~idembus.gateway.auth.Credentials`, both parts
     non-empty) protects the stream and the status with HTTP basic authentication.
     ``buffer``: live events a client may have waiting before it is disconnected (it then
     resumes with ``Last-Event-ID``): keep it above the bursts of events you expect, or a

@@ -18,7 +18,7 @@ cannot serve is a 400, one it no longer holds becomes full replication), then wr
 The stream is an async generator of chunks run on the gateway's event loop; what touches
 the storage (reading the journal or the aggregates, encoding) runs in worker threads, a
 page at a time, so memory stays bounded however large the storage is. Journal events are
-encoded once and shared by every client (:mod:`bus.gateway.encoded`).
+encoded once and shared by every client (:mod:`idembus.gateway.encoded`).
 
 Every event with an ``id`` is a journal position, strictly increasing within a stream, so a
 client that reconnects with the last id it saw gets each event once.
@@ -82,7 +82,7 @@ class Plan:
 
 
 def plan(resume: Resume, storage: Storage) -> Plan:
-    """Decide how to serve ``resume``; :class:`~bus.errors.BadStreamRequest` if it cannot be."""
+    """Decide how to serve ``resume``; :class:`~idembus.errors.BadStreamRequest` if it cannot be."""
     if resume.mode is Mode.LIVE:
         return Plan(Start.LIVE)
     if resume.mode is Mode.REPLICATE:
