@@ -48,6 +48,7 @@ import httpx
 from pydantic import BaseModel
 
 from bench.pg_common import POSTGRES_URL
+from bench.pg_procs import resident_kib
 from idembus import Endpoint, Event
 from idembus.gateway import Gateway
 from idembus.storage.base import JournalEntry
@@ -197,14 +198,6 @@ def raise_open_files_limit(needed: int) -> bool:
     return True
 
 
-def memory_mib(pid: int, field: str = "VmRSS") -> float:
-    """``field`` of ``/proc/<pid>/status`` (VmRSS: resident now; VmHWM: its peak) in MiB."""
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise LookupError(f"no {field} for process {pid}")
-
-
 def run_load(postgres_url: str, *, idle: int, streams: int, events: int,
              timeout: float = 300.0) -> LoadReport:
     """``idembus gateway`` as a process of its own on a fresh PostgreSQL prefix, loaded with
@@ -247,7 +240,7 @@ async def _load(url: str, pid: int, storage: PostgresStorage, *, idle: int, stre
     async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=0)) as client:
         assert (await client.get("/healthz")).status_code == 200
-        rss_start = memory_mib(pid)
+        rss_start = resident_kib(pid) / 1024
         writers = await _idle_connections(host, int(port), idle)
         subscribed = asyncio.Semaphore(0)
         readers = [_Reader(client, events, subscribed) for _ in range(streams)]
@@ -256,7 +249,7 @@ async def _load(url: str, pid: int, storage: PostgresStorage, *, idle: int, stre
             for _ in readers:
                 await subscribed.acquire()
             status = (await client.get("/status")).json()
-            rss_connected = memory_mib(pid)
+            rss_connected = resident_kib(pid) / 1024
             started = time.perf_counter()
             await asyncio.to_thread(_append, storage, events)
             appended = time.perf_counter()
@@ -267,7 +260,7 @@ async def _load(url: str, pid: int, storage: PostgresStorage, *, idle: int, stre
                 task.cancel()
             for writer in writers:
                 writer.close()
-        rss_peak = memory_mib(pid, "VmHWM")
+        rss_peak = resident_kib(pid, "VmHWM") / 1024
     return LoadReport(
         idle=idle, streams=streams, appended=events,
         delivered=[reader.received for reader in readers],

@@ -157,12 +157,13 @@ def service_pids(names: Sequence[str]) -> list[int]:
     return found
 
 
-def resident_kib(pid: int) -> int:
-    """VmRSS of ``pid`` in KiB."""
+def resident_kib(pid: int, field: str = "VmRSS") -> int:
+    """``field`` of ``/proc/<pid>/status`` in KiB (VmRSS: resident now; VmHWM: its peak);
+    ``LookupError`` once the process has gone."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise LookupError(f"no VmRSS for pid {pid}")
+    raise LookupError(f"no {field} for pid {pid}")
 
 
 def machine_busy_seconds() -> float:

@@ -31,6 +31,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from bench.pg_procs import resident_kib
 from idembus import headers as h
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.base import Delivery
@@ -91,7 +92,7 @@ class MemorySampler:
     value since the last :meth:`take_peak`."""
 
     def __init__(self, pid: int, interval: float = RSS_INTERVAL) -> None:
-        self._path = pathlib.Path(f"/proc/{pid}/status")
+        self._pid = pid
         self._interval = interval
         self._peak = 0
         self._samples = 0
@@ -103,8 +104,8 @@ class MemorySampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                kib = _status_kib(self._path, "VmRSS")
-            except (OSError, AssertionError):  # the process has ended
+                kib = resident_kib(self._pid)
+            except (OSError, LookupError):  # the process has ended
                 return
             with self._lock:
                 self._peak = max(self._peak, kib)
@@ -114,7 +115,7 @@ class MemorySampler:
     def take_peak(self) -> tuple[int, int]:
         """The highest sample (KiB) since the last call, one taken now included, and how
         many samples that is."""
-        now = _status_kib(self._path, "VmRSS")
+        now = resident_kib(self._pid)
         with self._lock:
             found = (max(self._peak, now), self._samples + 1)
             self._peak, self._samples = 0, 0
@@ -123,13 +124,6 @@ class MemorySampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-
-
-def _status_kib(path: pathlib.Path, field_name: str) -> int:
-    for line in path.read_text().splitlines():
-        if line.startswith(f"{field_name}:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field_name} in {path}")
 
 
 @dataclass
@@ -207,7 +201,7 @@ class HostileTarget:
 
     def peak_memory_kib(self) -> int:
         """The endpoint process's peak resident memory (VmHWM)."""
-        return _status_kib(pathlib.Path(f"/proc/{self.process.pid}/status"), "VmHWM")
+        return resident_kib(self.process.pid, "VmHWM")
 
     def assert_memory_bounded(self) -> None:
         """The highest resident memory sampled since the last look is under the limit."""
