@@ -18,15 +18,15 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,spark,test]'
+	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test]'
 	touch $@
 
 $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,spark,test,bench]'
+	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,bench]'
 	touch $@
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,spark,test,lint]'
+	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,lint]'
 	touch $@
 
 demo: $(VENV)/.demo

@@ -19,19 +19,19 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import headers as h
-from .endpoint import Endpoint
-from .envelope import Envelope
-from .faults import FaultInjector
-from .handlers.base import AggregateHandler, Handler
-from .handlers.registration import HandlerTable
-from .invocation import HandlerInvoker
-from .messages import Command, Message, is_message_type, message_name
-from .policies import ConflictPolicy
-from .routing import Router
-from .signals import EndpointSignals
-from .storage.base import AggregateRecord
-from .storage.memory import MemoryStorage
+from .. import headers as h
+from ..endpoint import Endpoint
+from ..envelope import Envelope
+from ..faults import FaultInjector
+from ..handlers.base import AggregateHandler, Handler
+from ..handlers.registration import HandlerTable
+from ..invocation import HandlerInvoker
+from ..messages import Command, Message, is_message_type, message_name
+from ..policies import ConflictPolicy
+from ..routing import Router
+from ..signals import EndpointSignals
+from ..storage.base import AggregateRecord
+from ..storage.memory import MemoryStorage
 
 #: Consecutive idle observations required before endpoints count as quiescent.
 _SETTLED_ROUNDS = 3
