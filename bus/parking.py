@@ -27,7 +27,7 @@ from . import headers as h
 from .envelope import Envelope, utc_now
 from .recoverability import MAX_EXCEPTION_MESSAGE, failure_headers, without_failure_headers
 from .redaction import redact
-from .storage.base import PARKED_OUTGOING, ParkedMessage, Storage
+from .storage.base import PARKED_OUTGOING, ParkedMessage, ParkingStore
 from .storage.errors import StorageRefused
 from .transports.base import Delivery
 
@@ -51,7 +51,7 @@ def parked_id(source: str, endpoint: str, queue: str, envelope: Envelope) -> str
     return uuid.uuid5(_PARKED_IDS, digest.hexdigest()).hex
 
 
-def park(storage: Storage, *, endpoint: str, source: str, envelope: Envelope,
+def park(storage: ParkingStore, *, endpoint: str, source: str, envelope: Envelope,
          error: BaseException, queue: str, attempts: int = 0, delayed_attempts: int = 0,
          refusal: BaseException | None = None) -> ParkedMessage:
     """Keep ``envelope`` in ``storage`` with the story of ``error`` (and of ``refusal``,
@@ -99,7 +99,7 @@ def _without_body(parked: ParkedMessage, original: Envelope,
                          parked.parked_at)
 
 
-def park_outgoing(storage: Storage, envelope: Envelope, error: BaseException, *,
+def park_outgoing(storage: ParkingStore, envelope: Envelope, error: BaseException, *,
                   endpoint: str, attempts: int = 0) -> ParkedMessage:
     """Park a committed outgoing message that could not be sent, under the endpoint that
     sent it (``idembus.originating_endpoint``, else ``endpoint``); a retry sends it to its
@@ -113,7 +113,7 @@ class ParkedDelivery(Delivery):
     """A parked message shown among the error queue's messages by ``idembus errors``:
     acknowledging it (retried or purged) removes it from the storage."""
 
-    def __init__(self, storage: Storage, parked: ParkedMessage) -> None:
+    def __init__(self, storage: ParkingStore, parked: ParkedMessage) -> None:
         super().__init__(queue=PARKED_QUEUE, headers=parked.envelope.headers,
                          body=parked.envelope.body.encode("utf-8", "surrogateescape"),
                          content_type=parked.envelope.content_type, redelivered=False,
@@ -135,7 +135,7 @@ class ParkedDelivery(Delivery):
         """Nothing to give back: it stays parked."""
 
 
-def parked_deliveries(storage: Storage, endpoint: str) -> list[Delivery]:
+def parked_deliveries(storage: ParkingStore, endpoint: str) -> list[Delivery]:
     """The messages ``endpoint`` parked, as deliveries for ``idembus errors``; the
     storage's error if it cannot say (never an empty list that hides them)."""
     return [ParkedDelivery(storage, parked) for parked in storage.parked_messages(endpoint)]

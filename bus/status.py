@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from .background import Periodic
 from .envelope import utc_now
 from .redaction import redact
-from .storage.base import StatusReport, Storage
+from .storage.base import StatusReport, StatusStore
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class StatusReporter(Periodic):
     """A thread writing one endpoint process's counters every ``interval`` seconds."""
 
-    def __init__(self, storage: Storage, endpoint: str,
+    def __init__(self, storage: StatusStore, endpoint: str,
                  counters: Callable[[], Mapping[str, int]], *, interval: float = 5.0,
                  problems: Callable[[], Mapping[str, str]] | None = None) -> None:
         super().__init__(f"idembus-{endpoint}-status")

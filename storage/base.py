@@ -1,8 +1,29 @@
-"""The storage contract.
+"""The storage contract, in roles.
+
+A backend subclasses the roles it supports; :class:`Storage` combines them all (the memory,
+MongoDB and PostgreSQL backends). An endpoint checks at construction that its storage has
+the roles its options need (:func:`idembus.storage.roles.check_storage_roles`), and
+:mod:`idembus.testing.contract` holds one abstract test class per role for any backend.
+
+- :class:`AggregateStore` (every endpoint): ``load``, ``commit``, ``mark_dispatched``,
+  ``records``; aggregates and deduplication, described below.
+- :class:`ParkingStore` (every endpoint): ``park``, ``parked_messages``, ``unpark``; what
+  neither the broker nor the error queue took.
+- :class:`OutboxStore` (``outbox=True``): ``undispatched``, ``note_repair_failure``,
+  ``overdue``, ``acquire_lease``, ``release_lease``, ``watch``.
+- :class:`DelayedStore` (a transport without native delay): ``schedule``, ``claim_due``,
+  ``forget_scheduled``, ``note_scheduled_failure``.
+- :class:`JournalStore` (``journal=...``): ``append_journal``, ``read_journal``,
+  ``journal_bounds``, ``journal_position_at``, ``trim_journal``.
+- :class:`AuditStore` (the ``Audit`` middleware): ``write_audit``, ``read_audit``.
+- :class:`StatusStore` (status reports, ``idembus status``): ``report_status``,
+  ``status_reports``, ``forget_status``.
+
+Each shares :class:`StorageRole`: ``process_local``, ``migrate``, ``verify``, ``close``.
 
 A backend keeps one record per aggregate: its state, a version, and the messages it has
-processed, each with the outgoing messages its handler produced. The whole contract is
-three calls:
+processed, each with the outgoing messages its handler produced. Its role,
+:class:`AggregateStore`, is three calls:
 
 ``load(aggregate_type, aggregate_id, key)``
     Return the record, or an empty one at version 0 if the aggregate does not exist. Its
@@ -28,19 +49,21 @@ three calls:
     lost only means a late duplicate sends its messages again, which downstream
     deduplicates.
 
-It also keeps **delayed messages** for transports that cannot hold them back themselves
-(memory://, Redis): ``schedule(envelope, due)`` stores one, ``claim_due(now)`` hands the
-due ones to one poller at a time (a claim is a lease: if that poller dies, another claims
-them again once the lease ran out), ``forget_scheduled`` removes what was dispatched.
-Delivery is at least once, and a message dispatched twice keeps its id. A send that fails
-(not by an outage) is counted with the message (``note_scheduled_failure``), so that every
-poller, in any process and after any restart, gives up on it after the same number.
+A :class:`DelayedStore` keeps **delayed messages** for transports that cannot hold them
+back themselves (memory://, Redis): ``schedule(envelope, due)`` stores one,
+``claim_due(now)`` hands the due ones to one poller at a time (a claim is a lease: if that
+poller dies, another claims them again once the lease ran out), ``forget_scheduled``
+removes what was dispatched. Delivery is at least once, and a message dispatched twice
+keeps its id. A send that fails (not by an outage) is counted with the message
+(``note_scheduled_failure``), so that every poller, in any process and after any restart,
+gives up on it after the same number.
 
-For the **outbox dispatcher**, which repairs crashes between commit and dispatch, a backend
-lists entries never marked dispatched (``undispatched``) and keeps **leases**
-(``acquire_lease``/``release_lease``) whose fencing token guards the dispatcher's marks.
-``overdue`` sums up, per endpoint, what has waited too long for either (the entries and
-delayed messages of a renamed or retired endpoint, which no running dispatcher sends).
+For the **outbox dispatcher**, which repairs crashes between commit and dispatch, an
+:class:`OutboxStore` lists entries never marked dispatched (``undispatched``) and keeps
+**leases** (``acquire_lease``/``release_lease``) whose fencing token guards the
+dispatcher's marks. ``overdue`` sums up, per endpoint, what has waited too long for either
+(the entries and delayed messages of a renamed or retired endpoint, which no running
+dispatcher sends).
 
 A backend remembers processed messages for a bounded time or count: MongoDB and memory keep
 the newest ``processed_window`` entries of each aggregate; PostgreSQL keeps a row per message
@@ -272,11 +295,36 @@ class AggregateRecord:
         return next(iter(self.processed.values())).at
 
 
-class Storage(ABC):
-    """Base class of storage backends; see the module docstring for the contract."""
+class StorageRole:
+    """What every storage role shares: where the data lives, and the backend's lifecycle.
+
+    A backend subclasses the roles it supports (:class:`AggregateStore` and
+    :class:`ParkingStore` at least, which every endpoint needs); :class:`Storage` is all of
+    them. :func:`idembus.storage.roles.check_storage_roles` tells an endpoint whether a
+    storage has the roles its options need.
+    """
 
     #: The data lives inside this process (several worker processes cannot share it).
     process_local: bool = False
+
+    def migrate(self) -> None:
+        """Create what the backend needs (tables, indexes). Idempotent; ``idembus migrate``."""
+
+    def verify(self) -> None:
+        """Check at start-up that the backend is reachable; raise ``StorageUnavailable``."""
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+
+
+class AggregateStore(StorageRole, ABC):
+    """Aggregates and deduplication: ``load``, ``commit`` and ``mark_dispatched`` (see the
+    module docstring), and the processed window. Every endpoint needs this role.
+
+    ``mark_dispatched`` receives a ``lease`` only from the outbox dispatcher (backends with
+    :class:`OutboxStore`) and ``journal`` entries only from an endpoint with a journal
+    (backends with :class:`JournalStore`).
+    """
 
     #: How long a processed message is remembered at least; ``None``: not limited by time
     #: (by count, or kept). The endpoint checks at start that it outlasts the retry path.
@@ -324,6 +372,37 @@ class Storage(ABC):
         and the events are dispatched and journaled again."""
 
     @abstractmethod
+    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
+        """Every stored record of one aggregate type, for reports and tools (not per
+        message), with ``updated_at``."""
+
+    def flush(self) -> None:
+        """Apply every ``mark_dispatched`` made so far (backends that batch them)."""
+
+    def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
+        """Forget up to ``batch`` processed entries older than ``retention`` whose messages
+        were dispatched (never the undispatched); return how many. Backends whose server
+        expires them itself (MongoDB's TTL index) return 0. The outbox dispatcher calls
+        this on its rounds."""
+        return 0
+
+    def _refusal(self, aggregate_type: str, aggregate_id: str, key: str) -> Exception:
+        """Explain a refused conditional write by looking at the record again."""
+        current = self.load(aggregate_type, aggregate_id, key)
+        entry = current.processed.get(key)
+        if entry is not None:
+            return AlreadyProcessed(key, entry.outgoing)
+        return ConcurrencyConflict(
+            f"{aggregate_type} {aggregate_id!r} moved past the loaded version while {key} ran"
+        )
+
+
+class OutboxStore(StorageRole, ABC):
+    """The outbox dispatcher's part: entries never marked dispatched, leases with fencing
+    tokens, and what waits too long (``Endpoint(outbox=True)``, ``idembus dispatcher``).
+    Its backend also has :class:`AggregateStore`, where the entries are."""
+
+    @abstractmethod
     def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
                      endpoint: str | None = None) -> list[Undispatched]:
         """Up to ``limit`` processed entries committed before ``committed_before`` whose
@@ -340,15 +419,17 @@ class Storage(ABC):
 
     def overdue(self, before: datetime.datetime) -> list[Overdue]:
         """What has waited since before ``before`` (an aware datetime), per endpoint and
-        kind: undispatched entries committed before it, and scheduled messages due before it
-        (claimed or not). Ordered by endpoint (``None`` first), entries before delayed
-        messages. For operators (``idembus dispatcher --list-stranded``), not per message."""
+        kind: undispatched entries committed before it, and (a backend that is also a
+        :class:`DelayedStore`) scheduled messages due before it (claimed or not). Ordered by
+        endpoint (``None`` first), entries before delayed messages. For operators
+        (``idembus dispatcher --list-stranded``), not per message."""
         found = self._overdue(_aware(before, "before"))
         return sorted(found, key=lambda o: (o.endpoint is not None, o.endpoint or "",
                                             o.kind != OVERDUE_ENTRIES))
 
     @abstractmethod
-    def _overdue(self, before: datetime.datetime) -> list[Overdue]: ...
+    def _overdue(self, before: datetime.datetime) -> list[Overdue]:
+        """:meth:`overdue` in any order, ``before`` known to be aware."""
 
     @abstractmethod
     def acquire_lease(self, name: str, owner: str, *, ttl: float,
@@ -360,10 +441,19 @@ class Storage(ABC):
     def release_lease(self, lease: Lease) -> None:
         """Give the lease up at once (if ``lease`` still holds it)."""
 
-    @abstractmethod
-    def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
-        """Every stored record of one aggregate type, for reports and tools (not per
-        message), with ``updated_at``."""
+    def watch(self, wake: Callable[[], None], stop: threading.Event,
+              lease: Callable[[], Lease | None], *, lease_name: str = OUTBOX_LEASE) -> bool:
+        """Block until ``stop``, calling ``wake`` whenever new commits may have left messages
+        to dispatch; return False at once if the backend cannot watch (then the outbox
+        dispatcher polls). ``lease()`` is the watcher's current lease (named ``lease_name``):
+        progress it saves is fenced by it."""
+        return False
+
+
+class DelayedStore(StorageRole, ABC):
+    """Delayed messages, for transports that cannot hold them back themselves (memory://,
+    Redis): ``schedule``, ``claim_due`` under a lease, ``forget_scheduled`` and the failure
+    count of ``note_scheduled_failure`` (see the module docstring)."""
 
     def schedule(self, envelope: Envelope, due: datetime.datetime, *,
                  owner: str | None = None) -> None:
@@ -385,12 +475,14 @@ class Storage(ABC):
 
     @abstractmethod
     def _schedule(self, envelope: Envelope, due: datetime.datetime,
-                  owner: str | None) -> None: ...
+                  owner: str | None) -> None:
+        """:meth:`schedule`, ``due`` known to be aware."""
 
     @abstractmethod
     def _claim_due(
         self, now: datetime.datetime, *, limit: int, lease: float, owner: str | None
-    ) -> list[Envelope]: ...
+    ) -> list[Envelope]:
+        """:meth:`claim_due`, ``now`` known to be aware."""
 
     @abstractmethod
     def forget_scheduled(self, envelopes: Sequence[Envelope]) -> None:
@@ -405,14 +497,10 @@ class Storage(ABC):
         forgetting the entry forgets its count. Returns 0 if it is no longer scheduled
         (another poller sent and forgot it)."""
 
-    @abstractmethod
-    def write_audit(self, records: Sequence[AuditRecord]) -> None:
-        """Keep audit records (appended; written in batches by the endpoint)."""
 
-    @abstractmethod
-    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
-        """The audit records whose ``bucket % parts == part``: ``parts`` readers (Spark
-        partitions) together read each record once."""
+class JournalStore(StorageRole, ABC):
+    """The event journal of endpoints with ``journal=...`` (see the module docstring),
+    read by ``idembus gateway``."""
 
     @abstractmethod
     def append_journal(self, entries: Sequence[JournalEntry]) -> None:
@@ -441,6 +529,24 @@ class Storage(ABC):
         """Remove up to ``batch`` entries recorded before ``before``, never the newest;
         return how many."""
 
+
+class AuditStore(StorageRole, ABC):
+    """The audit trail of endpoints with the :class:`~idembus.audit.Audit` middleware, read
+    by ``idembus spark report``."""
+
+    @abstractmethod
+    def write_audit(self, records: Sequence[AuditRecord]) -> None:
+        """Keep audit records (appended; written in batches by the endpoint)."""
+
+    @abstractmethod
+    def read_audit(self, *, part: int = 0, parts: int = 1) -> Iterator[AuditRecord]:
+        """The audit records whose ``bucket % parts == part``: ``parts`` readers (Spark
+        partitions) together read each record once."""
+
+
+class StatusStore(StorageRole, ABC):
+    """What running endpoint processes report, read by ``idembus status``."""
+
     @abstractmethod
     def report_status(self, report: StatusReport) -> None:
         """Keep ``report``, replacing the earlier one of the same endpoint and instance."""
@@ -454,6 +560,12 @@ class Storage(ABC):
         """Remove the reports of ``endpoint`` last updated before ``updated_before``
         (processes long gone); return how many."""
 
+
+class ParkingStore(StorageRole, ABC):
+    """Where idembus keeps what neither the broker nor the error queue took, with the
+    reason, so that nothing is lost (``idembus errors`` lists, retries and purges it).
+    Every endpoint needs this role."""
+
     @abstractmethod
     def park(self, parked: ParkedMessage) -> None:
         """Keep ``parked`` (idempotent per ``parked_id``)."""
@@ -466,42 +578,17 @@ class Storage(ABC):
     def unpark(self, parked_ids: Sequence[str]) -> int:
         """Remove parked messages (retried or purged); return how many were there."""
 
-    def watch(self, wake: Callable[[], None], stop: threading.Event,
-              lease: Callable[[], Lease | None], *, lease_name: str = OUTBOX_LEASE) -> bool:
-        """Block until ``stop``, calling ``wake`` whenever new commits may have left messages
-        to dispatch; return False at once if the backend cannot watch (then the outbox
-        dispatcher polls). ``lease()`` is the watcher's current lease (named ``lease_name``):
-        progress it saves is fenced by it."""
-        return False
 
-    def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
-        """Forget up to ``batch`` processed entries older than ``retention`` whose messages
-        were dispatched (never the undispatched); return how many. Backends whose server
-        expires them itself (MongoDB's TTL index) return 0. The outbox dispatcher calls
-        this on its rounds."""
-        return 0
+class Storage(AggregateStore, OutboxStore, DelayedStore, JournalStore, AuditStore,
+              StatusStore, ParkingStore):
+    """Base class of the backends that have every role (memory, MongoDB, PostgreSQL); see
+    the module docstring for the contract. A backend with fewer roles subclasses those
+    roles instead."""
 
-    def flush(self) -> None:
-        """Apply every ``mark_dispatched`` made so far (backends that batch them)."""
 
-    def migrate(self) -> None:
-        """Create what the backend needs (tables, indexes). Idempotent; ``idembus migrate``."""
-
-    def verify(self) -> None:
-        """Check at start-up that the backend is reachable; raise ``StorageUnavailable``."""
-
-    def close(self) -> None:
-        """Release connections. Idempotent."""
-
-    def _refusal(self, aggregate_type: str, aggregate_id: str, key: str) -> Exception:
-        """Explain a refused conditional write by looking at the record again."""
-        current = self.load(aggregate_type, aggregate_id, key)
-        entry = current.processed.get(key)
-        if entry is not None:
-            return AlreadyProcessed(key, entry.outgoing)
-        return ConcurrencyConflict(
-            f"{aggregate_type} {aggregate_id!r} moved past the loaded version while {key} ran"
-        )
+#: Every role, in the order :class:`Storage` combines them.
+ROLES: tuple[type[StorageRole], ...] = (AggregateStore, OutboxStore, DelayedStore,
+                                         JournalStore, AuditStore, StatusStore, ParkingStore)
 
 
 def _aware(moment: datetime.datetime, name: str) -> datetime.datetime:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from ..background import Periodic
 from ..policies import Backoff
-from ..storage.base import Storage
+from ..storage.base import JournalStore
 from .encoded import Batch, EventCache
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Subscription:
 class JournalHub(Periodic):
     """Polls the journal and offers new entries to every subscription."""
 
-    def __init__(self, storage: Storage, *, interval: float = 0.05, batch: int = 500,
+    def __init__(self, storage: JournalStore, *, interval: float = 0.05, batch: int = 500,
                  backoff: Backoff | None = None, cache: EventCache | None = None) -> None:
         super().__init__("idembus-gateway-hub", backoff=backoff)
         self._storage = storage

@@ -51,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import BadStreamRequest
 from ..redaction import redact
-from ..storage.base import AggregateRecord, Storage
+from ..storage.base import AggregateRecord, JournalStore, Storage
 from ..storage.errors import StorageUnavailable
 from . import sse
 from .encoded import Batch
@@ -81,7 +81,7 @@ class Plan:
     reason: str = ""
 
 
-def plan(resume: Resume, storage: Storage) -> Plan:
+def plan(resume: Resume, storage: JournalStore) -> Plan:
     """Decide how to serve ``resume``; :class:`~idembus.errors.BadStreamRequest` if it cannot be."""
     if resume.mode is Mode.LIVE:
         return Plan(Start.LIVE)

@@ -39,7 +39,7 @@ from pyspark.sql.types import (
 )
 
 from ..errors import ConfigurationError
-from ..storage.base import AuditRecord, Storage
+from ..storage.base import AuditRecord, Storage, StorageRole
 
 #: The format name under which :class:`AuditSource` is registered.
 FORMAT = "idembus_audit"
@@ -147,7 +147,7 @@ def check_reference(reference: str) -> None:
         return
 
 
-def refuse_process_local(reference: str, storage: Storage) -> None:
+def refuse_process_local(reference: str, storage: StorageRole) -> None:
     """Raise a ConfigurationError naming the fix if ``storage`` cannot be read by other
     processes (memory, mongomock): Spark's workers would see an empty trail of their own."""
     if storage.process_local:

@@ -1,44 +1,13 @@
-"""The audit part of the storage contract, on every backend."""
+"""The audit role of the storage contract (:mod:`idembus.testing.contract`), on every backend.
+
+The ``storage_factory`` fixture of tests/conftest.py runs it on the in-memory backend, on
+mongomock, on PostgreSQL and, when IDEMBUS_MONGODB_URL is set, on a real MongoDB server.
+"""
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Callable
-from typing import Any
-
-from idembus.storage.base import AuditRecord
-
-UTC = datetime.timezone.utc
-START = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=UTC)
+from idembus.testing.contract import AuditStoreContract
 
 
-def record(number: int, outcome: str = "handled") -> AuditRecord:
-    return AuditRecord(endpoint="sales", handler="OrderHandler", message_id=f"m{number}",
-                       message_type="sales.PlaceOrder", outcome=outcome,
-                       time_sent=START, recorded_at=START + datetime.timedelta(seconds=number))
-
-
-def test_audit_records_are_read_back_as_written(storage_factory: Callable[..., Any]) -> None:
-    storage = storage_factory()
-    written = [record(1), record(2, "duplicate")]
-    storage.write_audit(written)
-    assert sorted(storage.read_audit(), key=lambda r: r.message_id) == written
-
-
-def test_parts_split_the_records_so_each_is_read_exactly_once(
-    storage_factory: Callable[..., Any],
-) -> None:
-    storage = storage_factory()
-    written = [record(number) for number in range(40)]
-    storage.write_audit(written)
-    parts = [list(storage.read_audit(part=part, parts=3)) for part in range(3)]
-    read = sorted(r.message_id for part in parts for r in part)
-    assert read == sorted(r.message_id for r in written)
-    assert all(parts), "forty ids should land in every one of three parts"
-
-
-def test_a_record_without_a_time_sent_is_kept(storage_factory: Callable[..., Any]) -> None:
-    storage = storage_factory()
-    bare = AuditRecord("sales", "", "m9", "x.Y", "dead_lettered", None, START)
-    storage.write_audit([bare])
-    assert list(storage.read_audit()) == [bare]
+class TestAuditStore(AuditStoreContract):
+    """AuditStoreContract on every backend of tests/conftest.py's ``storage_factory``."""

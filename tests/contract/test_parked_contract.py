@@ -1,65 +1,13 @@
-"""The parking part of the storage contract, on every backend: a parked message comes back
-exactly as it was parked, whatever bytes it carries."""
+"""The parking role of the storage contract (:mod:`idembus.testing.contract`), on every backend.
+
+The ``storage_factory`` fixture of tests/conftest.py runs it on the in-memory backend, on
+mongomock, on PostgreSQL and, when IDEMBUS_MONGODB_URL is set, on a real MongoDB server.
+"""
 
 from __future__ import annotations
 
-import datetime
-from collections.abc import Callable
-from typing import Any
-
-from idembus import headers as h
-from idembus.envelope import Envelope
-from idembus.storage.base import PARKED_FROM_ERROR_QUEUE, PARKED_OUTGOING, ParkedMessage
-
-StorageFactory = Callable[..., Any]
-UTC = datetime.timezone.utc
+from idembus.testing.contract import ParkingStoreContract
 
 
-def parked(parked_id: str, *, endpoint: str = "sales", minute: int = 0,
-           body: bytes = b'{"n": 1}') -> ParkedMessage:
-    envelope = Envelope(
-        headers={h.MESSAGE_ID: f"id-{parked_id}", h.MESSAGE_TYPE: "test.Deposit",
-                 h.EXCEPTION_MESSAGE: "NOT_FOUND - no queue 'x'", "odd.$key": "a\x00b\udcff"},
-        body=body.decode("utf-8", "surrogateescape"), destination="sales-queue",
-        content_type="application/octet-stream")
-    return ParkedMessage(parked_id, endpoint, PARKED_FROM_ERROR_QUEUE, envelope,
-                         datetime.datetime(2031, 1, 1, 12, minute, tzinfo=UTC))
-
-
-def test_a_parked_message_comes_back_byte_for_byte(storage_factory: StorageFactory) -> None:
-    storage = storage_factory()
-    hostile = parked("p1", body=b"\x00\xff\xfe{not json\x80")
-
-    storage.park(hostile)
-
-    [found] = storage.parked_messages("sales")
-    assert found == hostile
-    assert found.envelope.body.encode("utf-8", "surrogateescape") == b"\x00\xff\xfe{not json\x80"
-
-
-def test_parked_messages_are_listed_per_endpoint_oldest_first_and_parked_once(
-    storage_factory: StorageFactory,
-) -> None:
-    storage = storage_factory()
-    storage.park(parked("p2", minute=2))
-    storage.park(parked("p1", minute=1))
-    storage.park(parked("p1", minute=5))  # the same parked message again: kept once
-    storage.park(parked("other", endpoint="billing"))
-    outbox = ParkedMessage("p3", "sales", PARKED_OUTGOING, parked("x").envelope,
-                           datetime.datetime(2031, 1, 1, 12, 3, tzinfo=UTC))
-    storage.park(outbox)
-
-    assert [p.parked_id for p in storage.parked_messages("sales")] == ["p1", "p2", "p3"]
-    assert storage.parked_messages("sales")[2].source == PARKED_OUTGOING
-    assert [p.parked_id for p in storage.parked_messages("billing")] == ["other"]
-
-
-def test_unparking_removes_only_what_is_named(storage_factory: StorageFactory) -> None:
-    storage = storage_factory()
-    storage.park(parked("p1"))
-    storage.park(parked("p2", minute=1))
-
-    assert storage.unpark(["p1", "never-parked"]) == 1
-
-    assert [p.parked_id for p in storage.parked_messages("sales")] == ["p2"]
-    assert storage.unpark(["p1"]) == 0
+class TestParkingStore(ParkingStoreContract):
+    """ParkingStoreContract on every backend of tests/conftest.py's ``storage_factory``."""
