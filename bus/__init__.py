@@ -29,12 +29,16 @@ from .errors import (
     UnknownMessageType,
 )
 from .messages import Command, Event, Message, message_name
-from .policies import Backoff, ConflictPolicy, RetryPolicy
+from .pipeline import Middleware, RejectMessage, RetryLater, SkipMessage
+from .policies import Backoff, ConflictPolicy, OutboxPolicy, RetryPolicy
 from .sending import Bus
 
 if TYPE_CHECKING:
+    from .audit import Audit
     from .endpoint import Endpoint
     from .handlers import AggregateHandler, Handler, handles
+    from .journal import JournalPolicy
+    from .recovery import Recoverability
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
     from .storage.postgres import PostgresStorage
@@ -43,6 +47,9 @@ if TYPE_CHECKING:
 #: Names imported on first use, with the module (relative to this package) that has them.
 _LAZY = {
     "AggregateHandler": ".handlers",
+    "Audit": ".audit",
+    "JournalPolicy": ".journal",
+    "Recoverability": ".recovery",
     "Endpoint": ".endpoint",
     "Handler": ".handlers",
     "KombuTransport": ".transports.kombu",
@@ -54,6 +61,7 @@ _LAZY = {
 
 __all__ = [
     "AggregateHandler",
+    "Audit",
     "Backoff",
     "BreakerPolicy",
     "Bus",
@@ -66,16 +74,23 @@ __all__ = [
     "Event",
     "Handler",
     "InvalidMessage",
+    "JournalPolicy",
     "KombuTransport",
     "MalformedMessage",
     "MemoryStorage",
     "Message",
     "MessageContext",
     "MessageError",
+    "Middleware",
     "MongoStorage",
+    "OutboxPolicy",
     "PostgresStorage",
+    "Recoverability",
+    "RejectMessage",
+    "RetryLater",
     "RetryPolicy",
     "RoutingError",
+    "SkipMessage",
     "UnknownMessageType",
     "handles",
     "headers",

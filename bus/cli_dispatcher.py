@@ -113,14 +113,15 @@ def _workers_as(endpoint: Endpoint, names: Sequence[str]) -> list[Periodic]:
     own to send later."""
     own = endpoint.outbox
     dispatcher = Dispatcher(endpoint.transport, endpoint.storage, endpoint.journal,
-                            endpoint=endpoint.name)
+                            endpoint=endpoint.name, pipeline=endpoint.pipeline,
+                            keep_bodies=endpoint.dispatcher.keep_bodies)
     workers: list[Periodic] = []
     for name in names:
         workers.append(OutboxDispatcher(
             endpoint.storage, dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
             lease_ttl=own.lease_ttl, grace=own.grace, max_attempts=own.max_attempts,
             # Journal trimming is the storage's, done by the endpoint's own dispatcher.
-            keep_bodies=own.keep_bodies, journal_retention=None, health=endpoint.health))
+            journal_retention=None, health=endpoint.health))
         if not endpoint.transport.native_delay:
             workers.append(DelayedDeliveries(endpoint.transport, endpoint.storage,
                                              name=f"idembus-{name}-delayed", owner=name,

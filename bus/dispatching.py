@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from .background import Periodic
 from .envelope import Envelope, utc_now
@@ -21,6 +22,7 @@ from .errors import MessageRefused
 from .health import Health
 from .journal import Journal
 from .parking import park_outgoing
+from .pipeline import Dispatch, Pipeline
 from .policies import Backoff
 from .redaction import redact
 from .storage.base import Lease, Storage
@@ -30,51 +32,102 @@ from .transports.errors import DestinationRefused, TransportUnavailable
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class DispatchProgress:
+    """How far sending one entry's messages got, across the attempts an outage forces: what
+    went out (or was parked) is not sent again."""
+
+    #: What went out, in order (what the mark journals).
+    sent: list[Envelope] = field(default_factory=list)
+    #: Ids of what went out or was parked.
+    done: set[str] = field(default_factory=set)
+
+
 class Dispatcher:
-    """Sends or publishes envelopes, keeping deferred ones where they can wait."""
+    """Sends or publishes envelopes, keeping deferred ones where they can wait.
+
+    ``keep_bodies``: marks keep the bodies of what was sent
+    (``OutboxPolicy(compact_after_dispatch=False)``). ``pipeline``: the endpoint's
+    middleware, whose ``dispatch`` hooks run around each outgoing message sent.
+    """
 
     def __init__(self, transport: Transport, storage: Storage,
-                 journal: Journal | None = None, *, endpoint: str | None = None) -> None:
+                 journal: Journal | None = None, *, endpoint: str | None = None,
+                 pipeline: Pipeline | None = None, keep_bodies: bool = False) -> None:
         self._transport = transport
         self._storage = storage
         self._journal = journal
+        #: The endpoint's middleware (what :class:`~idembus.sending.Bus` objects record through).
+        self.pipeline = pipeline or Pipeline()
+        self.keep_bodies = keep_bodies
         #: The endpoint whose delayed-message pollers send what this dispatcher defers
         #: (``None``: any endpoint's on the storage).
         self.endpoint = endpoint
 
     def dispatch(self, envelope: Envelope) -> None:
+        """Put ``envelope`` on the wire (or, deferred on a transport without delay, in the
+        storage until it is due). No middleware: for error-queue copies and retries."""
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > utc_now():
             self._storage.schedule(envelope, due, owner=self.endpoint)
         else:
             self._transport.dispatch(envelope)
 
-    def dispatch_committed(self, envelope: Envelope, *, endpoint: str) -> bool:
+    def send_committed(self, aggregate_type: str, aggregate_id: str, key: str,
+                       outgoing: Sequence[Envelope], *, source: str,
+                       endpoint: str | None = None, progress: DispatchProgress | None = None,
+                       lease: Lease | None = None) -> DispatchProgress:
+        """Send what ``key`` committed, then mark it dispatched: the one way handlers,
+        units of work and the outbox send what they stored.
+
+        Each message not yet in ``progress`` goes out through the ``dispatch`` middleware
+        (one the broker refuses for good is parked, :meth:`dispatch_committed`); then the
+        entry is marked (fenced by ``lease``, journaling what went out). An outage raises,
+        ``progress`` keeping what is done, so the caller's next attempt sends only the rest.
+        Callers choose what to do about errors; nothing is marked unless all went out."""
+        progress = progress if progress is not None else DispatchProgress()
+        if not outgoing:
+            return progress
+        for envelope in outgoing:
+            if envelope.message_id in progress.done:
+                continue
+            if self.dispatch_committed(envelope, endpoint=endpoint, source=source):
+                progress.sent.append(envelope)
+            progress.done.add(envelope.message_id)
+        self.mark_dispatched(aggregate_type, aggregate_id, key, progress.sent, lease=lease)
+        return progress
+
+    def dispatch_committed(self, envelope: Envelope, *, endpoint: str | None = None,
+                           source: str = "handler") -> bool:
         """Dispatch an outgoing message that is stored with its entry; if the broker
         refuses it for good (its queue refused, too large for it), park it in the storage
-        instead (:mod:`idembus.parking`), so that the entry can be marked and nothing waits on
-        it forever. True if it went out; raises on an outage, or if it cannot be parked."""
+        for ``endpoint`` (default: this dispatcher's) instead (:mod:`idembus.parking`), so
+        that the entry can be marked and nothing waits on it forever. True if it went out;
+        raises on an outage, or if it cannot be parked."""
+        owner = endpoint if endpoint is not None else (self.endpoint or "")
         try:
-            self.dispatch(envelope)
+            self.pipeline.dispatch(Dispatch(envelope, owner, source),
+                                    lambda: self.dispatch(envelope))
         except DestinationRefused as refused:
-            park_outgoing(self._storage, envelope, refused, endpoint=endpoint)
+            park_outgoing(self._storage, envelope, refused, endpoint=owner)
             return False
         return True
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str,
-                        outgoing: Sequence[Envelope], *, keep_bodies: bool,
-                        lease: Lease | None = None) -> None:
+                        outgoing: Sequence[Envelope], *, lease: Lease | None = None) -> None:
         """Mark ``key``'s ``outgoing`` messages, just dispatched, in the storage; the
         journaled events among them ride with the mark
         (``Storage.mark_dispatched(..., journal=...)``)."""
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=aggregate_type, aggregate_id=aggregate_id)
         self._storage.mark_dispatched(aggregate_type, aggregate_id, key,
-                                      keep_bodies=keep_bodies, lease=lease, journal=journal)
+                                      keep_bodies=self.keep_bodies, lease=lease,
+                                      journal=journal)
 
     def dispatch_now(self, envelope: Envelope) -> None:
-        """Dispatch a message sent outside handlers, and journal it."""
-        self.dispatch(envelope)
+        """Dispatch a message sent outside handlers (``endpoint.bus``), and journal it."""
+        self.pipeline.dispatch(Dispatch(envelope, self.endpoint or "", "bus"),
+                                lambda: self.dispatch(envelope))
         if self._journal is not None:
             self._journal.record([envelope])
 

@@ -27,23 +27,22 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from .audit import AuditTrail
-from .breaker import BreakerPolicy, CircuitBreaker
+from .audit import Audit
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
 from .errors import BusError, ConfigurationError
-from .faults import FaultInjector
 from .handlers.base import AggregateHandler, Handler
 from .handlers.registration import HandlerTable
 from .health import Health
 from .invocation import HandlerInvoker
-from .journal import DEFAULT_RETENTION as DEFAULT_JOURNAL_RETENTION
-from .journal import journal_for
+from .journal import JournalPolicy, journal_for
 from .logs import MessageLog
 from .messages import Command, Event, Message, is_message_type, message_name
 from .outbox import OutboxDispatcher
-from .policies import Backoff, ConflictPolicy, RetryPolicy
+from .pipeline import Middleware, Pipeline, PropagateHeaders
+from .policies import OutboxPolicy
 from .processing import MessageProcessor
+from .recovery import Recoverability, Recovery
 from .redaction import redact
 from .registry import MessageRegistry
 from .routing import Router
@@ -51,7 +50,8 @@ from .sending import Bus
 from .shutdown import Deadline, StopSignals
 from .signals import EndpointSignals
 from .status import StatusReporter
-from .storage.base import Storage
+from .storage.base import Storage, StorageRole
+from .storage.roles import check_storage_roles
 from .transports.base import Delivery, Transport
 from .unit_of_work import UnitOfWork
 from .wire import DEFAULT_MAX_MESSAGE_BYTES
@@ -59,9 +59,6 @@ from .wire import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
-#: Seconds :meth:`Endpoint.close` waits for pending audit records to be written.
-AUDIT_CLOSE_TIMEOUT = 5.0
-
 _ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
@@ -75,7 +72,8 @@ class Endpoint:
     transport:
         A :class:`~idembus.transports.base.Transport`, or a kombu URL (default ``memory://``).
     storage:
-        A :class:`~idembus.storage.base.Storage`; default: an embedded mongomock database.
+        A storage backend (:mod:`idembus.storage.base`; it needs the roles the options below
+        use); default: an embedded mongomock database.
     handlers:
         Handler classes (created once, without arguments) or handler instances.
     routes:
@@ -86,43 +84,34 @@ class Endpoint:
         Messages the broker may push to each consumer ahead of processing.
     error_queue:
         Where bad messages and exhausted retries go.
-    retry_policy, conflict_policy:
-        Immediate and delayed retries of failing handlers (a handler class may set its own
-        ``retry_policy``); optimistic retries of lost races.
-    outage_backoff:
-        Waits between attempts while the database or broker is unreachable; a message
-        waiting out an outage keeps its place and its retries.
-    breaker_policy:
-        After how many failed messages in a row consumers pause, and for how long.
+    recoverability:
+        Retries of failing handlers, optimistic retries of lost races, the circuit breaker
+        and the backoff while the database or broker is unreachable
+        (:class:`~idembus.recovery.Recoverability`; a handler class may set its own
+        ``retry_policy``).
+    outbox:
+        What happens to committed outgoing messages (:class:`~idembus.policies.OutboxPolicy`:
+        run the outbox dispatcher here, its grace, deferred redispatch, compaction);
+        ``False`` runs no outbox dispatcher in this endpoint.
+    journal:
+        Append the events this endpoint publishes to the storage's event journal
+        (:mod:`idembus.journal`, served by ``idembus gateway``): ``True`` for every event, a
+        list of Event types, or a :class:`~idembus.journal.JournalPolicy` with a retention.
+    middleware:
+        :class:`~idembus.pipeline.Middleware` around every message, handler, commit and
+        dispatch, in this order (tracing, metrics, audit, fault injection, your own).
+    propagate_headers:
+        Names of incoming headers copied to every message the handlers send (stored with
+        them, so a redispatch carries them too).
+    max_message_bytes:
+        Larger bodies go to the error queue unread, with the reason (default 1 MiB,
+        :data:`idembus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
     delayed_poll_interval:
         Seconds between looks for due deferred messages in the storage (transports
         without native delay).
     status_interval:
-        Seconds between reports of the counters to the storage (``idembus status``).
-    audit:
-        Keep an audit record of every handled, duplicate, redispatched, failed and
-        dead-lettered message in the storage (:mod:`idembus.audit`), for analysis.
-    outbox, outbox_grace:
-        Run the outbox dispatcher (:mod:`idembus.outbox`) in this endpoint, and how long
-        committed messages may stay undispatched before it sends them.
-    defer_fresh_redispatch:
-        Seconds (default 0: never). A duplicate that finds its entry committed less than
-        this long ago and not yet marked dispatched does not send the stored messages
-        itself: the committer does, or, if it died, the outbox once ``outbox_grace`` has
-        passed. Fewer copies downstream, slower recovery from a crash; needs ``outbox``.
-    compact_after_dispatch:
-        Drop the stored bodies of outgoing messages once the broker confirmed them (their
-        ids stay). Turn off if the transport has no publisher confirms and you would rather
-        redispatch than risk a message the broker lost.
-    journal, journal_retention:
-        Append the events this endpoint publishes to the storage's event journal
-        (:mod:`idembus.journal`, served by ``idembus gateway``): ``True`` for every event, or a
-        list of Event types; and how long entries are kept (default 7 days).
-    max_message_bytes:
-        Larger bodies go to the error queue unread, with the reason (default 1 MiB,
-        :data:`idembus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
-    fault_injector:
-        Test hook: called at every crash point (:mod:`idembus.faults`).
+        Seconds between reports of the counters to the storage (``idembus status``); 0: no
+        reports (a storage without the status role).
     """
 
     def __init__(
@@ -136,21 +125,14 @@ class Endpoint:
         concurrency: int = 1,
         prefetch: int = 16,
         error_queue: str = "error",
-        retry_policy: RetryPolicy | None = None,
-        conflict_policy: ConflictPolicy | None = None,
-        compact_after_dispatch: bool = True,
-        outage_backoff: Backoff | None = None,
-        breaker_policy: BreakerPolicy | None = None,
+        recoverability: Recoverability | None = None,
+        outbox: OutboxPolicy | bool = True,
+        journal: bool | Sequence[type[Event]] | JournalPolicy = False,
+        middleware: Sequence[Middleware] = (),
+        propagate_headers: Sequence[str] = (),
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         delayed_poll_interval: float = 0.5,
         status_interval: float = 5.0,
-        outbox: bool = True,
-        outbox_grace: float = 10.0,
-        defer_fresh_redispatch: float = 0.0,
-        audit: bool = False,
-        journal: bool | Sequence[type[Event]] = False,
-        journal_retention: datetime.timedelta = DEFAULT_JOURNAL_RETENTION,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        fault_injector: FaultInjector | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
             raise ConfigurationError(
@@ -163,10 +145,6 @@ class Endpoint:
         if max_message_bytes < 1:
             raise ConfigurationError(
                 f"max_message_bytes must be at least 1, got {max_message_bytes}")
-        if defer_fresh_redispatch < 0 or (defer_fresh_redispatch and not outbox):
-            raise ConfigurationError(
-                f"defer_fresh_redispatch={defer_fresh_redispatch!r}: give 0 or more seconds, "
-                "and keep outbox=True: the outbox sends what a crashed committer left")
         if error_queue == name:
             raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
         self.name = name
@@ -177,13 +155,22 @@ class Endpoint:
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
         self._check_routes(routes or {})
-        if storage is not None and not isinstance(storage, Storage):
+        if storage is not None and not isinstance(storage, StorageRole):
             raise ConfigurationError(
-                f"storage must be a storage.Storage such as MongoStorage(...), got {storage!r}"
-            )
+                f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
         self.transport = _transport_from(transport)
-        self.storage = storage if storage is not None else _embedded_storage(name)
-        self.retry_policy = retry_policy or RetryPolicy()
+        #: How this endpoint recovers from failures.
+        self.recoverability = recoverability or Recoverability()
+        self.outbox_policy = _outbox_policy(outbox)
+        journal_policy = _journal_policy(journal)
+        if storage is not None:
+            check_storage_roles(
+                storage, outbox=self.outbox_policy.run, delayed=not self.transport.native_delay,
+                journal=bool(journal_policy.events),
+                audit=any(isinstance(item, Audit) for item in middleware),
+                status=bool(status_interval))
+        self.storage: Storage = (storage if storage is not None  # type: ignore[assignment]
+                                 else _embedded_storage(name))
         self._check_retention()
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
@@ -192,66 +179,57 @@ class Endpoint:
         self._stop = threading.Event()
         #: What keeps this process from working now (``idembus status`` shows it).
         self.health = Health()
-        self._outage_backoff = outage_backoff or Backoff()
-        faults = fault_injector or FaultInjector()
-        if journal_retention <= datetime.timedelta(0):
-            raise ConfigurationError(
-                f"journal_retention must be positive, got {journal_retention!r}")
         #: Appends published events to the event journal (``journal=...``), else ``None``.
-        self.journal = journal_for(self.storage, journal)
-        dispatcher = Dispatcher(self.transport, self.storage, self.journal, endpoint=name)
-        self._dispatcher = dispatcher
-        self._compact = compact_after_dispatch
+        self.journal = journal_for(self.storage, journal_policy.events)
+        #: The middleware around messages, handlers, commits and dispatches.
+        self.pipeline = Pipeline(
+            ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
+            + list(middleware))
+        #: Sends what handlers, units of work and ``bus`` send, and marks it.
+        self.dispatcher = Dispatcher(
+            self.transport, self.storage, self.journal, endpoint=name, pipeline=self.pipeline,
+            keep_bodies=not self.outbox_policy.compact_after_dispatch)
         invoker = HandlerInvoker(
-            endpoint=name,
-            router=self.router,
-            storage=self.storage,
-            signals=self.signals,
-            faults=faults,
-            conflicts=conflict_policy or ConflictPolicy(),
-            defer_fresh_redispatch=defer_fresh_redispatch,
+            endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
+            conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
+            defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
         )
         self._processor = MessageProcessor(
-            endpoint=name,
-            error_queue=error_queue,
-            registry=self.registry,
-            table=self.table,
-            invoker=invoker,
-            dispatcher=dispatcher,
-            signals=self.signals,
-            faults=faults,
-            retries=self.retry_policy,
-            breaker=CircuitBreaker(breaker_policy or BreakerPolicy()),
-            compact_after_dispatch=compact_after_dispatch,
-            stopping=self._stop,
-            outage_backoff=self._outage_backoff,
-            health=self.health,
-            max_message_bytes=max_message_bytes,
-            storage=self.storage,
-            left_to_outbox=lambda: self.outbox.wake_in(outbox_grace),
+            endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
+            invoker=invoker, dispatcher=self.dispatcher, signals=self.signals,
+            recovery=Recovery(name, self.recoverability, stopping=self._stop,
+                              health=self.health),
+            storage=self.storage, max_message_bytes=max_message_bytes,
+            left_to_outbox=lambda: self.outbox.wake_in(self.outbox_policy.grace),
         )
         #: Sends and publishes from outside handlers, at once (or when deferred, later).
-        self.bus = Bus(name, self.router, dispatcher.dispatch_now)
+        self.bus = Bus(name, self.router, self.pipeline.recorder(self.dispatcher.dispatch_now,
+                                                                 None))
         # Without native delay on the broker, deferred messages wait in the storage.
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
             interval=delayed_poll_interval, owner=name, health=self.health)
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
-        self.outbox = OutboxDispatcher(self.storage, dispatcher, name=f"idembus-{name}-outbox",
-                                       endpoint=name,
-                                       grace=outbox_grace, keep_bodies=not compact_after_dispatch,
-                                       journal_retention=(journal_retention if self.journal
-                                                          else None),
-                                       health=self.health)
-        self._run_outbox = outbox
-        #: The audit trail of this endpoint (``audit=True``), else ``None``.
-        self.audit = AuditTrail(self.storage, self.signals, endpoint=name) if audit else None
+        self.outbox = OutboxDispatcher(
+            self.storage, self.dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
+            grace=self.outbox_policy.grace,
+            journal_retention=journal_policy.retention if self.journal else None,
+            backoff=self.recoverability.outage_backoff, health=self.health)
         self._status = StatusReporter(self.storage, name, self.counters.snapshot,
                                       interval=status_interval, problems=self.health.problems)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
+        self.pipeline.setup(self)
+
+    @property
+    def audit(self) -> Audit | None:
+        """The :class:`~idembus.audit.Audit` middleware of this endpoint, if it has one."""
+        for item in self.pipeline.middleware:
+            if isinstance(item, Audit):
+                return item
+        return None
 
     # -- configuration checks ----------------------------------------------------------
 
@@ -294,9 +272,9 @@ class Endpoint:
         """
         return UnitOfWork(
             endpoint=self.name, router=self.router, storage=self.storage,
-            dispatcher=self._dispatcher, aggregate_type=self._aggregate_type_of(state_type),
+            dispatcher=self.dispatcher, aggregate_type=self._aggregate_type_of(state_type),
             aggregate_id=aggregate_id, state_type=state_type, operation_id=operation_id,
-            new_state=new_state, compact_after_dispatch=self._compact,
+            new_state=new_state,
         )
 
     def _aggregate_type_of(self, state_type: type[BaseModel]) -> str:
@@ -311,7 +289,7 @@ class Endpoint:
         retention = self.storage.retention
         if retention is None:
             return
-        policies = [self.retry_policy] + [
+        policies = [self.recoverability.retries] + [
             type(h).retry_policy for h in self.table.handlers if type(h).retry_policy]
         longest = max(policy.longest_path for policy in policies if policy is not None)
         if retention.total_seconds() <= longest:
@@ -339,8 +317,9 @@ class Endpoint:
         self.transport.declare(self.error_queue)
         if self._delayed is not None:
             self._delayed.start()
-        self._status.start()
-        if self._run_outbox:
+        if self.status_interval:
+            self._status.start()
+        if self.outbox_policy.run:
             self.outbox.start()
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
@@ -407,10 +386,7 @@ class Endpoint:
         connections."""
         deadline = Deadline(timeout)
         self.stop(deadline.left())
-        if self.audit is not None:  # observation only: never worth the whole budget
-            left = deadline.left()
-            self.audit.close(AUDIT_CLOSE_TIMEOUT if left is None else min(left,
-                                                                          AUDIT_CLOSE_TIMEOUT))
+        self.pipeline.close()
         self.transport.close()
         self.storage.close()
 
@@ -445,7 +421,7 @@ class Endpoint:
                                        prefetch=self.prefetch)
                 return
             except Exception as error:
-                delay = self._outage_backoff.delay(failures)
+                delay = self.recoverability.outage_backoff.delay(failures)
                 failures += 1
                 self.health.problem("transport", error)
                 if isinstance(error, BusError):
@@ -533,3 +509,20 @@ def _described(part: object) -> str:
         where = getattr(part.database, "name", None)  # type: ignore[attr-defined]
     name = type(part).__name__
     return f"{name} ({redact(str(where))})" if where else name
+
+
+def _outbox_policy(option: OutboxPolicy | bool) -> OutboxPolicy:
+    if isinstance(option, OutboxPolicy):
+        return option
+    if isinstance(option, bool):
+        return OutboxPolicy(run=option)
+    raise ConfigurationError(f"outbox must be True, False or an OutboxPolicy, got {option!r}")
+
+
+def _journal_policy(option: bool | Sequence[type[Event]] | JournalPolicy) -> JournalPolicy:
+    if isinstance(option, JournalPolicy):
+        if option.retention <= datetime.timedelta(0):
+            raise ConfigurationError(
+                f"the journal's retention must be positive, got {option.retention!r}")
+        return option
+    return JournalPolicy(events=option)

@@ -1,6 +1,10 @@
 """Crash points: where tests and the demo make an endpoint "die" without editing code paths.
 
-The endpoint calls ``fault_injector.reached(point, message_id)`` at each point below.
+A fault injector is middleware (``Endpoint(middleware=[RandomCrashes(0.1)])``): its hooks
+call ``reached(point, message_id)`` at each point below — before the commit, after a
+handler's effects are committed (or found committed), and after every handler's messages
+were dispatched, just before the delivery is acknowledged. Put it last in the list, so that
+it is the innermost.
 A :class:`SimulatedCrash` raised there escapes every ``except Exception``, like a killed
 process; the transport then requeues the delivery, which is the redelivery a broker makes
 when a consumer dies, and the endpoint goes on as a restarted process would.
@@ -12,6 +16,8 @@ import enum
 import random
 import threading
 from collections import Counter
+
+from .pipeline import HandlerCall, IncomingMessage, Middleware
 
 
 class CrashPoint(str, enum.Enum):
@@ -26,11 +32,22 @@ class SimulatedCrash(BaseException):
     """Stands for the process dying at a crash point. Not an ``Exception`` on purpose."""
 
 
-class FaultInjector:
-    """Does nothing: the production default. Subclass to inject faults."""
+class FaultInjector(Middleware):
+    """Does nothing by itself: subclass and override :meth:`reached` to inject faults."""
 
     def reached(self, point: CrashPoint, message_id: str) -> None:
         """Called at every crash point; raise :class:`SimulatedCrash` to crash there."""
+
+    def before_commit(self, call: HandlerCall) -> None:
+        self.reached(CrashPoint.BEFORE_COMMIT, call.context.message_id)
+
+    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
+        if error is None:
+            self.reached(CrashPoint.AFTER_COMMIT, call.context.message_id)
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        if error is None and incoming.outcome == "handled" and incoming.message_id:
+            self.reached(CrashPoint.AFTER_DISPATCH, incoming.message_id)
 
 
 class RandomCrashes(FaultInjector):

@@ -32,6 +32,8 @@ FAILED_QUEUE = "idembus.failed_queue"
 TIME_OF_FAILURE = "idembus.time_of_failure"
 IMMEDIATE_ATTEMPTS = "idembus.attempts.immediate"
 DELAYED_ATTEMPTS = "idembus.attempts.delayed"
+#: How often in a row middleware or a handler postponed the message (``RetryLater``).
+POSTPONEMENTS = "idembus.attempts.postponed"
 
 CONTENT_TYPE = "application/json"
 

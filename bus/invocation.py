@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import headers as h
+from .aio import run_to_completion
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
-from .faults import CrashPoint, FaultInjector
 from .handlers.base import AggregateHandler
 from .handlers.registration import HandlerBinding
 from .messages import Message
+from .pipeline import HandlerCall, Pipeline
 from .policies import ConflictPolicy
 from .routing import Router
 from .sending import Bus
@@ -63,8 +65,8 @@ class HandlerInvoker:
         router: Router,
         storage: Storage,
         signals: EndpointSignals,
-        faults: FaultInjector,
         conflicts: ConflictPolicy,
+        pipeline: Pipeline | None = None,
         defer_fresh_redispatch: float = 0.0,
     ) -> None:
         self._endpoint = endpoint
@@ -73,27 +75,33 @@ class HandlerInvoker:
         self._router = router
         self._storage = storage
         self._signals = signals
-        self._faults = faults
         self._conflicts = conflicts
+        self._pipeline = pipeline or Pipeline()
 
-    def invoke(
-        self, binding: HandlerBinding, message: Message, headers: Mapping[str, str], *,
-        commit_may_have_landed: bool = False,
-    ) -> Outcome:
-        """Run the binding's handler on ``message`` once per (handler, message id).
-
-        ``commit_may_have_landed``: an earlier attempt of this very delivery lost the
-        database during its commit (:class:`~idembus.storage.errors.CommitOutcomeUnknown`). Finding
-        the message recorded then means that commit was applied: it counts as handled, not
-        as a duplicate, and what it stored is dispatched without a ``redispatched``.
-        """
-        context = MessageContext(
+    def context_for(self, binding: HandlerBinding, headers: Mapping[str, str]) -> MessageContext:
+        """What ``binding``'s handler knows of the message with ``headers``."""
+        return MessageContext(
             message_id=headers[h.MESSAGE_ID],
             message_type=headers[h.MESSAGE_TYPE],
             headers=headers,
             handler_name=binding.handler_name,
             endpoint=self._endpoint,
         )
+
+    def invoke(
+        self, binding: HandlerBinding, call: HandlerCall, *,
+        commit_may_have_landed: bool = False,
+    ) -> Outcome:
+        """Run the binding's handler on ``call.message`` once per (handler, message id),
+        the commit inside the pipeline's ``commit`` stage; sets ``call.duplicate`` and
+        ``call.outgoing``.
+
+        ``commit_may_have_landed``: an earlier attempt of this very delivery lost the
+        database during its commit (:class:`~idembus.storage.errors.CommitOutcomeUnknown`). Finding
+        the message recorded then means that commit was applied: it counts as handled, not
+        as a duplicate, and what it stored is dispatched without a ``redispatched``.
+        """
+        context, message, headers = call.context, call.message, call.context.headers
         key = context.dedup_key
         aggregate_type, aggregate_id = self._address(binding, message, key)
         details = {"message_id": context.message_id, "message_type": context.message_type,
@@ -106,9 +114,10 @@ class HandlerInvoker:
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
                 state, outgoing = self._run(binding, message, context, loaded)
-                self._faults.reached(CrashPoint.BEFORE_COMMIT, context.message_id)
+                call.outgoing = outgoing
                 try:
-                    self._storage.commit(loaded, key=key, state=state, outgoing=outgoing)
+                    self._pipeline.commit(call, functools.partial(
+                        self._storage.commit, loaded, key=key, state=state, outgoing=outgoing))
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -128,10 +137,12 @@ class HandlerInvoker:
             else:
                 stored = previous.outgoing
                 committed_at = None if previous.dispatched else previous.at
+            call.outgoing = stored
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)
                 return Outcome(aggregate_type, aggregate_id, key, stored, False,
                                binding.handler_name)
+            call.duplicate = True
             self._signals.emit("duplicate", **details)
             return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name,
                            left_to_outbox=self._is_fresh(stored, committed_at))
@@ -183,7 +194,8 @@ class HandlerInvoker:
     ) -> tuple[dict[str, Any] | None, list[Envelope]]:
         outgoing: list[Envelope] = []
         handler = copy.copy(binding.handler)
-        handler.bus = Bus(self._endpoint, self._router, outgoing.append, context)
+        handler.bus = Bus(self._endpoint, self._router,
+                          self._pipeline.recorder(outgoing.append, context), context)
         handler.context = context
         if isinstance(handler, AggregateHandler):
             if loaded.exists:
@@ -202,10 +214,18 @@ class HandlerInvoker:
 
 
 def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:
-    """Run the handling method; a method that returns something has misunderstood the
-    contract (handlers record what they send through ``self.bus``), and whatever it meant
-    by the value would be lost: fail the message instead of committing."""
-    returned = getattr(handler, binding.method_name)(message)
+    """Run the handling method; an ``async def`` one runs to completion on the consumer
+    thread's event loop (:mod:`idembus.aio`) before anything is committed. A method that
+    returns something has misunderstood the contract (handlers record what they send
+    through ``self.bus``), and whatever it meant by the value would be lost: fail the
+    message instead of committing."""
+    method = getattr(handler, binding.method_name)
+    returned = method(message)
+    # As registration judges it: an async def behind any decorators. A plain def that
+    # returns a coroutine is not run.
+    if inspect.iscoroutine(returned) and inspect.iscoroutinefunction(
+            inspect.unwrap(getattr(method, "__func__", method))):
+        returned = run_to_completion(returned)
     if returned is None:
         return
     if inspect.iscoroutine(returned):

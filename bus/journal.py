@@ -15,20 +15,22 @@ other by two threads or processes are appended as their dispatches complete, pos
 other order.
 
 The journal belongs to the storage: endpoints sharing a storage share one journal, and its
-retention (``journal_retention``, default 7 days) is applied by whichever endpoint's outbox
-dispatcher holds the lease — the shortest retention among them wins in effect.
+retention (``JournalPolicy(retention=...)``, default 7 days) is applied by whichever
+endpoint's outbox dispatcher holds the lease — the shortest retention among them wins in
+effect.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from . import headers as h
 from .envelope import Envelope
 from .errors import ConfigurationError
 from .messages import Event, is_message_type, message_name
-from .storage.base import INBOX, JournalEntry, Storage
+from .storage.base import INBOX, JournalEntry, JournalStore
 
 #: How long journal entries are kept unless the endpoint says otherwise.
 DEFAULT_RETENTION = datetime.timedelta(days=7)
@@ -37,7 +39,7 @@ DEFAULT_RETENTION = datetime.timedelta(days=7)
 class Journal:
     """Appends the published events one endpoint journals to its storage's journal."""
 
-    def __init__(self, storage: Storage, types: frozenset[str] | None) -> None:
+    def __init__(self, storage: JournalStore, types: frozenset[str] | None) -> None:
         self._storage = storage
         #: Wire names of the journaled event types; ``None``: every event.
         self.types = types
@@ -75,7 +77,19 @@ def entry_of(envelope: Envelope, aggregate_type: str | None,
         parents=tuple(parent for parent in parents.split(",") if parent))
 
 
-def journal_for(storage: Storage, option: bool | Sequence[type[Event]] | None) -> Journal | None:
+@dataclass(frozen=True)
+class JournalPolicy:
+    """What an endpoint journals (``Endpoint(journal=JournalPolicy(...))``): ``events`` is
+    ``True`` for every event it publishes, ``False`` for none, or a list of Event types;
+    entries are kept for ``retention``."""
+
+    events: bool | Sequence[type[Event]] = True
+    retention: datetime.timedelta = DEFAULT_RETENTION
+
+
+def journal_for(
+    storage: JournalStore, option: bool | Sequence[type[Event]] | None
+) -> Journal | None:
     """The :class:`Journal` an endpoint's ``journal=`` option asks for, or ``None``."""
     if option is None or option is False:
         return None

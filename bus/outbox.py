@@ -41,8 +41,8 @@ import threading
 import uuid
 
 from .background import Periodic
-from .dispatching import Dispatcher
-from .envelope import Envelope, utc_now
+from .dispatching import Dispatcher, DispatchProgress
+from .envelope import utc_now
 from .health import Health
 from .parking import park_outgoing
 from .policies import Backoff
@@ -68,7 +68,6 @@ class OutboxDispatcher(Periodic):
         lease_ttl: float = 30.0,
         grace: float = 10.0,
         batch: int = 100,
-        keep_bodies: bool = False,
         journal_retention: datetime.timedelta | None = None,
         backoff: Backoff | None = None,
         max_attempts: int = 5,
@@ -89,8 +88,6 @@ class OutboxDispatcher(Periodic):
         self.lease_ttl = lease_ttl
         self.grace = grace
         self._batch = batch
-        #: Whether marks keep the bodies of what was sent (``compact_after_dispatch=False``).
-        self.keep_bodies = keep_bodies
         #: How often one entry may fail (other than by an outage) before its messages are
         #: parked and it is marked; the count is kept with the entry, in the storage.
         self.max_attempts = max_attempts
@@ -144,15 +141,11 @@ class OutboxDispatcher(Periodic):
         """Send one entry's messages and mark it (1); on a failure that is not an outage,
         count it, and at ``max_attempts`` park what is left and mark it anyway (0)."""
         address = (entry.aggregate_type, entry.aggregate_id, entry.key)
-        sent: list[Envelope] = []
-        done: set[str] = set()  # sent, or parked because the broker refused it
+        progress = DispatchProgress()  # sent, or parked because the broker refused it
         try:
-            for envelope in entry.outgoing:
-                if self._dispatcher.dispatch_committed(envelope,
-                                                       endpoint=self.endpoint or ""):
-                    sent.append(envelope)
-                done.add(envelope.message_id)
-            self._mark(entry, sent)
+            self._dispatcher.send_committed(*address, entry.outgoing, source="outbox",
+                                            endpoint=self.endpoint or "", progress=progress,
+                                            lease=self.lease)
         except (StaleLease, StorageUnavailable, TransportUnavailable):
             raise
         except Exception as error:
@@ -163,19 +156,14 @@ class OutboxDispatcher(Periodic):
                 self._storage.note_repair_failure(*address)
                 return 0
             for envelope in entry.outgoing:
-                if envelope.message_id not in done:
+                if envelope.message_id not in progress.done:
                     park_outgoing(self._storage, envelope, error,
                                   endpoint=self.endpoint or "", attempts=attempts)
-            self._mark(entry, sent)
+            self._dispatcher.mark_dispatched(*address, progress.sent, lease=self.lease)
             return 0
         log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
-                 len(sent), *address)
+                 len(progress.sent), *address)
         return 1
-
-    def _mark(self, entry: Undispatched, sent: list[Envelope]) -> None:
-        self._dispatcher.mark_dispatched(
-            entry.aggregate_type, entry.aggregate_id, entry.key, sent,
-            keep_bodies=self.keep_bodies, lease=self.lease)
 
     def _housekeeping(self, now: datetime.datetime) -> None:
         """Expire processed entries and trim the journal, each whatever the other did."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from .errors import HandlerContractError, MessageError, RoutingError
+from .errors import ConfigurationError, HandlerContractError, MessageError, RoutingError
 
 #: Errors no retry can fix, whatever a policy lists: bad input, no route, a broken contract.
 ALWAYS_UNRECOVERABLE: tuple[type[BaseException], ...] = (
@@ -93,3 +93,34 @@ class Backoff:
     def delay(self, failures: int) -> float:
         """The wait after ``failures`` consecutive failures (the last delay repeats)."""
         return self.delays[min(failures, len(self.delays) - 1)]
+
+
+@dataclass(frozen=True)
+class OutboxPolicy:
+    """What an endpoint does with the outgoing messages it committed
+    (``Endpoint(outbox=OutboxPolicy(...))``; ``outbox=False`` is ``OutboxPolicy(run=False)``).
+
+    ``run``: run the outbox dispatcher (:mod:`idembus.outbox`) in this endpoint's processes
+    (its processes elect one); off when ``idembus dispatcher`` runs it apart.
+    ``grace``: seconds committed messages may stay undispatched before the outbox sends them.
+    ``defer_fresh_redispatch``: seconds (default 0: never). A duplicate that finds its entry
+    committed less than this long ago and not yet marked dispatched does not send the stored
+    messages itself: the committer does, or, if it died, the outbox once ``grace`` has
+    passed. Fewer copies downstream, slower recovery from a crash; needs ``run``.
+    ``compact_after_dispatch``: drop the stored bodies of outgoing messages once the broker
+    confirmed them (their ids stay). Turn off if the transport has no publisher confirms and
+    you would rather redispatch than risk a message the broker lost.
+    """
+
+    run: bool = True
+    grace: float = 10.0
+    defer_fresh_redispatch: float = 0.0
+    compact_after_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.grace < 0:
+            raise ConfigurationError(f"outbox grace cannot be negative, got {self.grace!r}")
+        if self.defer_fresh_redispatch < 0 or (self.defer_fresh_redispatch and not self.run):
+            raise ConfigurationError(
+                f"defer_fresh_redispatch={self.defer_fresh_redispatch!r}: give 0 or more "
+                "seconds, and keep run=True: the outbox sends what a crashed committer left")

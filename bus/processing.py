@@ -2,7 +2,9 @@
 
 For each handler of the message type: invoke it (exactly once per handler and message id,
 see :mod:`idembus.invocation`), dispatch the outgoing messages it committed or had committed
-before, and only when every handler is done acknowledge the delivery.
+before, and only when every handler is done acknowledge the delivery. All of it runs inside
+the endpoint's middleware (:mod:`idembus.pipeline`): the ``message`` stage around the whole,
+the ``handler`` stage around each handler attempt.
 
 When a handler keeps raising, its retry policy decides: immediate retries, then delayed
 rounds (the message comes back later with the same id, so handlers that already succeeded
@@ -13,27 +15,33 @@ at once. Nothing is lost.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import headers as h
 from . import wire
-from .breaker import CircuitBreaker
 from .decoding import decode
-from .dispatching import Dispatcher
+from .dispatching import Dispatcher, DispatchProgress
 from .envelope import Envelope, format_utc, utc_now
-from .errors import BusError, EndpointBlocked, MalformedMessage, MessageError, MessageRefused
-from .faults import CrashPoint, FaultInjector
+from .errors import BusError, MalformedMessage, MessageError
 from .handlers.registration import HandlerBinding, HandlerTable
-from .health import Health
 from .invocation import HandlerInvoker, Outcome
-from .logs import Throttle
 from .messages import Message
 from .parking import park
-from .policies import Backoff, RetryPolicy
+from .pipeline import (
+    HandlerCall,
+    IncomingMessage,
+    Pipeline,
+    PipelineControl,
+    RejectMessage,
+    RetryLater,
+    SkipMessage,
+)
+from .policies import RetryPolicy
 from .recoverability import failure_headers
+from .recovery import Recovery
 from .redaction import redact
 from .registry import MessageRegistry
 from .signals import EndpointSignals
@@ -60,17 +68,20 @@ class _Failure:
 
 
 @dataclass
-class _Dispatching:
-    """How far the dispatch of one handler's outgoing messages got, across the re-attempts
-    an outage forces: what went out (or was parked) is not sent or counted again."""
+class _Dispatching(DispatchProgress):
+    """:class:`DispatchProgress` of one handler's outgoing messages, and whether their
+    redispatch was counted already."""
 
-    sent: list[Envelope] = field(default_factory=list)
-    done: set[str] = field(default_factory=set)
-    redispatch_counted: bool = False
+    redispatch_counted: bool = field(default=False)
 
 
 class MessageProcessor:
-    """Processes deliveries of one endpoint; safe to call from several threads."""
+    """Processes deliveries of one endpoint; safe to call from several threads.
+
+    ``storage`` keeps what the error queue refuses (:mod:`idembus.parking`);
+    ``left_to_outbox`` is called when a duplicate left an entry to the outbox (which then
+    looks sooner).
+    """
 
     def __init__(
         self,
@@ -81,64 +92,84 @@ class MessageProcessor:
         table: HandlerTable,
         invoker: HandlerInvoker,
         dispatcher: Dispatcher,
+        recovery: Recovery,
         signals: EndpointSignals,
-        faults: FaultInjector,
-        retries: RetryPolicy,
-        breaker: CircuitBreaker,
-        compact_after_dispatch: bool,
-        stopping: threading.Event,
-        outage_backoff: Backoff | None = None,
-        health: Health | None = None,
-        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         storage: Storage,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         left_to_outbox: Callable[[], None] = lambda: None,
     ) -> None:
         self._endpoint = endpoint
-        #: Where a message goes when the error queue refuses it (:mod:`idembus.parking`).
-        self._storage = storage
-        #: Called when a duplicate left an entry to the outbox (which then looks sooner).
-        self._left_to_outbox = left_to_outbox
         self._error_queue = error_queue
         self._registry = registry
         self._table = table
         self._invoker = invoker
         self._dispatcher = dispatcher
+        self._pipeline: Pipeline = dispatcher.pipeline
+        self._recovery = recovery
         self._signals = signals
-        self._faults = faults
-        self._retries = retries
-        self._breaker = breaker
-        self._compact = compact_after_dispatch
-        self._stopping = stopping
-        self._outage_backoff = outage_backoff or Backoff()
-        self._health = health or Health()
+        self._storage = storage
         self._max_message_bytes = max_message_bytes
-        #: Repeated outage warnings: one line per cause every 10 s, with a count.
-        self._outage_lines = Throttle(10.0)
+        self._left_to_outbox = left_to_outbox
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
         self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
+        incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
+        pause = 0.0
+        try:
+            pause = self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
+        except PipelineControl as control:  # raised by a before_message hook
+            self._steer(delivery, incoming, control)
+        delivery.ack()
+        if pause:
+            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
+            self._recovery.stopping.wait(pause)
+
+    def _process(self, delivery: Delivery, incoming: IncomingMessage) -> float:
+        """Everything but the acknowledgement; returns how long the breaker pauses."""
         problem = wire.problem_with(delivery, max_message_bytes=self._max_message_bytes)
         if problem is not None:
-            self._dead_letter(delivery, MalformedMessage(problem), attempts=0)
-            return
+            self._dead_letter(delivery, incoming, MalformedMessage(problem), attempts=0)
+            return 0.0
         try:
-            message = decode(headers, delivery.body, delivery.content_type, self._registry)
+            message = decode(delivery.headers, delivery.body, delivery.content_type,
+                             self._registry)
         except MessageError as error:
-            self._dead_letter(delivery, error, attempts=0)
-            return
-        for binding in self._table.bindings_for(type(message)):
-            failure = self._handle(binding, message, delivery)
-            if failure is not None:
-                self._after_failure(delivery, failure)
-                return
-        self._faults.reached(CrashPoint.AFTER_DISPATCH, headers[h.MESSAGE_ID])
-        delivery.ack()
-        self._breaker.succeeded()
+            self._dead_letter(delivery, incoming, error, attempts=0)
+            return 0.0
+        incoming.message = message
+        try:
+            for binding in self._table.bindings_for(type(message)):
+                failure = self._handle(binding, message, delivery, incoming)
+                if failure is not None:
+                    return self._after_failure(delivery, incoming, failure)
+        except PipelineControl as control:  # RetryLater or RejectMessage
+            self._steer(delivery, incoming, control)
+            return 0.0
+        incoming.outcome = "handled"
+        self._recovery.message_succeeded()
+        return 0.0
+
+    def _steer(self, delivery: Delivery, incoming: IncomingMessage,
+               control: PipelineControl) -> None:
+        """Do what a control-flow exception of middleware or a handler asks."""
+        message_id = delivery.headers.get(h.MESSAGE_ID)
+        details = {"message_id": message_id, "message_type": delivery.headers.get(
+            h.MESSAGE_TYPE), "reason": control.reason}
+        if isinstance(control, SkipMessage):
+            incoming.outcome = "skipped"
+            log.info("%s skipped %s: %s", self._endpoint, message_id, control.reason)
+            self._signals.emit("skipped", **details)
+        elif isinstance(control, RetryLater):
+            self._postpone(delivery, incoming, control)
+        else:
+            self._dead_letter(delivery, incoming, control, attempts=0)
 
     def _handle(
-        self, binding: HandlerBinding, message: Message, delivery: Delivery
+        self, binding: HandlerBinding, message: Message, delivery: Delivery,
+        incoming: IncomingMessage,
     ) -> _Failure | None:
         """Invoke and dispatch with immediate retries; the failure if every attempt raised.
 
@@ -146,9 +177,11 @@ class MessageProcessor:
         attempt is repeated with backoff, retries are not used up, and when the endpoint
         stops meanwhile the delivery goes back to the broker. Once the handler's effects
         are committed, later attempts only dispatch what it committed: a re-attempt is not
-        a duplicate.
+        a duplicate. A :class:`SkipMessage` skips this handler; the other control-flow
+        exceptions go up to the message.
         """
-        policy = type(binding.handler).retry_policy or self._retries
+        policy = self._recovery.retry_policy(binding.handler)
+        context = self._invoker.context_for(binding, delivery.headers)
         attempts = 0
         outages = 0
         outcome: Outcome | None = None
@@ -158,27 +191,31 @@ class MessageProcessor:
             attempts += 1
             try:
                 if outcome is None:
-                    outcome = self._invoker.invoke(
-                        binding, message, delivery.headers,
-                        commit_may_have_landed=commit_may_have_landed)
-                    self._faults.reached(CrashPoint.AFTER_COMMIT,
-                                         delivery.headers[h.MESSAGE_ID])
+                    call = HandlerCall(incoming, context, message, attempts)
+                    outcome = self._pipeline.handler(call, functools.partial(
+                        self._invoker.invoke, binding, call,
+                        commit_may_have_landed=commit_may_have_landed))
                 self._dispatch(outcome, delivery.headers, dispatching)
-                self._health.resolved()
+                self._recovery.recovered()
                 return None
+            except SkipMessage as skip:
+                log.info("%s skipped %s: %s", binding.handler_name, context.message_id,
+                         skip.reason)
+                self._signals.emit("skipped", message_id=context.message_id,
+                                   message_type=context.message_type,
+                                   handler=binding.handler_name, reason=skip.reason)
+                return None
+            except PipelineControl:
+                raise
             except (StorageUnavailable, TransportUnavailable) as outage:
                 attempts -= 1
                 commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
-                if self._stopping.is_set():
-                    raise
-                delay = self._outage_backoff.delay(outages)
+                self._recovery.wait_out(outage, outages, who=binding.handler_name,
+                                        message_id=context.message_id)
                 outages += 1
-                self._note_outage(outage, binding.handler_name,
-                                  delivery.headers[h.MESSAGE_ID], delay)
-                self._stopping.wait(delay)
             except Exception as error:
-                details = {"message_id": delivery.headers[h.MESSAGE_ID],
-                           "message_type": delivery.headers[h.MESSAGE_TYPE],
+                details = {"message_id": context.message_id,
+                           "message_type": context.message_type,
                            "handler": binding.handler_name, "error": error,
                            "time_sent": delivery.headers.get(h.TIME_SENT)}
                 self._signals.emit("failed", attempt=attempts, **details)
@@ -188,110 +225,99 @@ class MessageProcessor:
                          details["message_id"], attempts, error)
                 self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
 
-    def _note_outage(self, outage: BusError, handler: str, message_id: str,
-                     delay: float) -> None:
-        """Say why the message waits: at ERROR, and in ``idembus status``, when only an
-        operator can end the wait (a refused login, missing tables)."""
-        fields = {"endpoint": self._endpoint, "message_id": message_id, "handler": handler}
-        if isinstance(outage, EndpointBlocked):
-            source = "storage" if isinstance(outage, StorageUnavailable) else "transport"
-            self._health.problem(source, outage)
-            log.error("%s cannot process %s: %s; trying again in %.1fs", handler, message_id,
-                      redact(str(outage)), delay, extra=fields)
-            return
-        held_back = self._outage_lines.allow(type(outage).__name__)
-        if held_back is not None:
-            log.warning("%s cannot process %s (%s); trying again in %.1fs%s", handler,
-                        message_id, redact(str(outage)), delay,
-                        f" ({held_back} more such line(s) held back in 10s)" if held_back
-                        else "", extra=fields)
-
-    def _after_failure(self, delivery: Delivery, failure: _Failure) -> None:
-        """Schedule the next delayed round, or give up; then let the breaker weigh in."""
-        rounds = _delayed_rounds(delivery)
+    def _after_failure(self, delivery: Delivery, incoming: IncomingMessage,
+                       failure: _Failure) -> float:
+        """Schedule the next delayed round, or give up; return the breaker's pause."""
+        rounds = _header_count(delivery, h.DELAYED_ATTEMPTS)
         delay = failure.policy.delay_after(failure.error, rounds)
         if delay is None:
-            self._dead_letter(delivery, failure.error, attempts=failure.attempts)
+            self._dead_letter(delivery, incoming, failure.error, attempts=failure.attempts)
         else:
             try:
-                self._retry_later(delivery, failure.error, rounds + 1, delay)
+                self._send_back(delivery, {h.DELAYED_ATTEMPTS: str(rounds + 1)}, delay)
             except DestinationRefused as refused:  # the delay itself is refused: give up
                 log.warning("%s cannot retry %s later (%s); it goes to %s", self._endpoint,
                             delivery.headers.get(h.MESSAGE_ID), redact(str(refused)),
                             self._error_queue)
-                self._dead_letter(delivery, failure.error, attempts=failure.attempts)
-        if failure.policy.is_unrecoverable(failure.error) or isinstance(failure.error,
-                                                                        MessageRefused):
-            return  # the message's own fault: says nothing about the dependencies
-        pause = self._breaker.failed()
-        if pause:
-            log.warning("%d messages in a row failed; %s pauses %.1fs before the next",
-                        self._breaker.policy.threshold, self._endpoint, pause)
-            self._signals.emit("paused", message_id=delivery.headers.get(h.MESSAGE_ID),
-                               message_type=delivery.headers.get(h.MESSAGE_TYPE),
-                               seconds=pause)
-            self._stopping.wait(pause)
+                self._dead_letter(delivery, incoming, failure.error, attempts=failure.attempts)
+            else:
+                incoming.outcome = "retrying"
+                log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
+                         delivery.headers.get(h.MESSAGE_ID), rounds + 1, delay, failure.error)
+                self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
+                                   message_type=delivery.headers.get(h.MESSAGE_TYPE),
+                                   kind="delayed", attempt=rounds + 1, error=failure.error,
+                                   delay=delay)
+        return self._recovery.message_failed(failure.error, failure.policy)
 
-    def _retry_later(self, delivery: Delivery, error: Exception, round_number: int,
-                     delay: float) -> None:
-        """Put the message back on its queue, same id, delivered after ``delay`` seconds."""
+    def _postpone(self, delivery: Delivery, incoming: IncomingMessage,
+                  later: RetryLater) -> None:
+        """Send the message back for later (:class:`RetryLater`), or to the error queue once
+        it was postponed ``give_up_after`` times in a row."""
+        count = _header_count(delivery, h.POSTPONEMENTS) + 1
+        if count > later.give_up_after:
+            self._dead_letter(delivery, incoming, RejectMessage(
+                f"postponed {count - 1} times in a row, the most allowed: {later.reason}"),
+                attempts=0)
+            return
+        self._send_back(delivery, {h.POSTPONEMENTS: str(count)}, later.delay)
+        incoming.outcome = "retry_later"
+        log.info("%s postponed %s by %.0fs (%d in a row): %s", self._endpoint,
+                 delivery.headers.get(h.MESSAGE_ID), later.delay, count, later.reason)
+        self._signals.emit("postponed", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), delay=later.delay,
+                           attempt=count, reason=later.reason)
+
+    def _send_back(self, delivery: Delivery, changes: dict[str, str], delay: float) -> None:
+        """Put the message back on its queue, same id and bytes, delivered after ``delay``
+        seconds, with ``changes`` to its headers."""
         due = utc_now() + datetime.timedelta(seconds=delay)
         self._dispatcher.dispatch(Envelope(
-            headers={**delivery.headers, h.DELAYED_ATTEMPTS: str(round_number),
-                     h.DELIVER_AT: format_utc(due)},
+            headers={**delivery.headers, **changes, h.DELIVER_AT: format_utc(due)},
             body=delivery.body.decode("utf-8", "surrogateescape"),
             destination=delivery.queue,
             content_type=delivery.content_type or h.CONTENT_TYPE,
             content_encoding=delivery.content_encoding,
         ))
-        log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
-                 delivery.headers.get(h.MESSAGE_ID), round_number, delay, error)
-        self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
-                           message_type=delivery.headers.get(h.MESSAGE_TYPE), kind="delayed",
-                           attempt=round_number, error=error, delay=delay)
-        delivery.ack()
 
-    def _dispatch(self, outcome: Outcome, incoming: Mapping[str, str],
+    def _dispatch(self, outcome: Outcome, headers: Mapping[str, str],
                   progress: _Dispatching) -> None:
-        """Send what ``outcome`` left (what an earlier attempt sent or parked is done), then
-        mark it dispatched; or, for a duplicate of an entry committed moments ago, leave it
-        to the committer and the outbox."""
+        """Send what ``outcome`` left and mark it (what an earlier attempt sent or parked is
+        done); or, for a duplicate of an entry committed moments ago, leave it to the
+        committer and the outbox."""
+        details = {"key": outcome.key, "count": len(outcome.outgoing),
+                   "message_id": headers.get(h.MESSAGE_ID),
+                   "message_type": headers.get(h.MESSAGE_TYPE), "handler": outcome.handler}
         if outcome.left_to_outbox:
-            self._signals.emit("left_to_outbox", key=outcome.key, count=len(outcome.outgoing),
-                               message_id=incoming.get(h.MESSAGE_ID),
-                               message_type=incoming.get(h.MESSAGE_TYPE),
-                               handler=outcome.handler)
+            self._signals.emit("left_to_outbox", **details)
             self._left_to_outbox()
             return
-        for envelope in outcome.outgoing:
-            if envelope.message_id in progress.done:
-                continue
-            went_out = self._dispatcher.dispatch_committed(envelope, endpoint=self._endpoint)
-            progress.done.add(envelope.message_id)
-            if went_out:
-                progress.sent.append(envelope)
+        already = len(progress.sent)
+        try:
+            self._dispatcher.send_committed(
+                outcome.aggregate_type, outcome.aggregate_id, outcome.key, outcome.outgoing,
+                source="redispatch" if outcome.duplicate else "handler", progress=progress)
+        finally:
+            for envelope in progress.sent[already:]:
                 self._signals.emit("dispatched", message_id=envelope.message_id,
                                    message_type=envelope.message_type, envelope=envelope)
-        if not outcome.outgoing:
-            return
-        if outcome.duplicate and not progress.redispatch_counted:
-            progress.redispatch_counted = True
-            self._signals.emit("redispatched", key=outcome.key, count=len(outcome.outgoing),
-                               message_id=incoming.get(h.MESSAGE_ID),
-                               message_type=incoming.get(h.MESSAGE_TYPE),
-                               handler=outcome.handler,
-                               time_sent=incoming.get(h.TIME_SENT))
-        self._dispatcher.mark_dispatched(outcome.aggregate_type, outcome.aggregate_id,
-                                         outcome.key, progress.sent,
-                                         keep_bodies=not self._compact)
+            if (outcome.duplicate and outcome.outgoing and not progress.redispatch_counted
+                    and len(progress.done) == len(outcome.outgoing)):
+                progress.redispatch_counted = True
+                self._signals.emit("redispatched", time_sent=headers.get(h.TIME_SENT),
+                                   **details)
 
     def reject(self, delivery: Delivery, reason: str) -> None:
-        """Bad input found before decoding: straight to the error queue with ``reason``."""
-        self._dead_letter(delivery, MalformedMessage(reason), attempts=0)
+        """Bad input found before decoding: straight to the error queue with ``reason``;
+        then acknowledge it."""
+        incoming = IncomingMessage(self._endpoint, delivery.queue, delivery.headers)
+        self._dead_letter(delivery, incoming, MalformedMessage(reason), attempts=0)
+        delivery.ack()
 
-    def _dead_letter(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
+    def _dead_letter(self, delivery: Delivery, incoming: IncomingMessage, error: Exception, *,
+                     attempts: int) -> None:
         """Forward the delivery, byte for byte, to the error queue (or park it, if the
-        broker refuses the copy); then acknowledge it.
+        broker refuses the copy); the caller acknowledges it.
 
         Until one of them takes it the message keeps its place: an outage, or a storage
         that refuses even a copy without the body, is waited out with backoff (logged, and
@@ -308,22 +334,18 @@ class MessageProcessor:
                 blocked = StorageAccessDenied(
                     f"the error queue refused {message_id} and the storage refused to park "
                     f"it, even without its body: {redact(str(refused))}")
-            if self._stopping.is_set():
-                raise blocked
-            delay = self._outage_backoff.delay(waits)
+            self._recovery.wait_out(blocked, waits, who=f"{self._endpoint} (moving it aside)",
+                                    message_id=message_id)
             waits += 1
-            self._note_outage(blocked, f"{self._endpoint} (moving it aside)", message_id,
-                              delay)
-            self._stopping.wait(delay)
-        self._health.resolved()
+        self._recovery.recovered()
+        incoming.outcome = "dead_lettered"
         self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
                            time_sent=delivery.headers.get(h.TIME_SENT))
-        delivery.ack()
 
     def _move_aside(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
         """One try at the error queue, then at parking; raises what stopped both."""
-        delayed = _delayed_rounds(delivery)
+        delayed = _header_count(delivery, h.DELAYED_ATTEMPTS)
         headers = failure_headers(delivery.headers, error, queue=delivery.queue,
                                   immediate_attempts=attempts, delayed_attempts=delayed)
         body = delivery.body.decode("utf-8", "surrogateescape")
@@ -351,9 +373,9 @@ class MessageProcessor:
                            "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
 
 
-def _delayed_rounds(delivery: Delivery) -> int:
-    """How many delayed rounds the message has been through (0 on its first delivery)."""
+def _header_count(delivery: Delivery, name: str) -> int:
+    """A count the message carries in header ``name`` (0 if absent or unreadable)."""
     try:
-        return max(0, int(delivery.headers.get(h.DELAYED_ATTEMPTS) or 0))
+        return max(0, int(delivery.headers.get(name) or 0))
     except ValueError:
         return 0

@@ -29,6 +29,8 @@ SIGNAL_NAMES = (
     "dead_lettered",  # the message went to the error queue
     "outside_window", # a message sent before the oldest one its aggregate still remembers
     "paused",         # the circuit breaker holds a consumer back (seconds)
+    "skipped",        # middleware or a handler raised SkipMessage (reason; handler if one)
+    "postponed",      # middleware or a handler raised RetryLater (delay, attempt, reason)
 )
 
 
@@ -52,6 +54,8 @@ class EndpointSignals:
     dead_lettered: Signal
     outside_window: Signal
     paused: Signal
+    skipped: Signal
+    postponed: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

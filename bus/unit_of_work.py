@@ -12,10 +12,14 @@ block raises :class:`~idembus.storage.errors.AlreadyProcessed` after sending aga
 first attempt stored and did not get to send. Another writer changing the aggregate meanwhile
 makes the exit raise :class:`~idembus.storage.errors.ConcurrencyConflict`: nothing was written, try
 again. An exception inside the block writes nothing.
+
+In an async web app, ``async with sales.unit_of_work(...) as work:`` does the same, with the
+storage and broker work in a thread so that the event loop is never blocked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Callable
@@ -56,7 +60,6 @@ class UnitOfWork(Generic[StateT]):
         state_type: type[StateT],
         operation_id: str | None = None,
         new_state: Callable[[], StateT] | None = None,
-        compact_after_dispatch: bool = True,
     ) -> None:
         self.aggregate_id = aggregate_id
         self.operation_id = operation_id or str(uuid.uuid4())
@@ -65,14 +68,15 @@ class UnitOfWork(Generic[StateT]):
         self._new_state = new_state or state_type
         self._storage = storage
         self._dispatcher = dispatcher
-        self._compact = compact_after_dispatch
         self._context = MessageContext(
             message_id=self.operation_id, message_type=UNIT_OF_WORK, headers={},
             handler_name=UNIT_OF_WORK, endpoint=endpoint,
         )
         self._outgoing: list[Envelope] = []
         #: Records what is sent and published; dispatched after the commit.
-        self.bus = Bus(endpoint, router, self._outgoing.append, self._context)
+        self.bus = Bus(endpoint, router,
+                       dispatcher.pipeline.recorder(self._outgoing.append, self._context),
+                       self._context)
         self._loaded: AggregateRecord | None = None
         self.state: StateT
 
@@ -106,15 +110,29 @@ class UnitOfWork(Generic[StateT]):
 
     def _send(self, outgoing: tuple[Envelope, ...] | list[Envelope]) -> None:
         """Dispatch what was committed. If the broker cannot be reached the messages stay
-        stored: running the operation again with the same operation id sends them."""
-        if not outgoing:
-            return
+        stored: running the operation again with the same operation id sends them (and
+        the outbox does, once its grace has passed)."""
         try:
-            sent = [envelope for envelope in outgoing if self._dispatcher.dispatch_committed(
-                envelope, endpoint=self._context.endpoint)]
-            self._dispatcher.mark_dispatched(self._aggregate_type, self.aggregate_id,
-                                             self.key, sent, keep_bodies=not self._compact)
+            self._dispatcher.send_committed(self._aggregate_type, self.aggregate_id, self.key,
+                                            outgoing, source="unit_of_work",
+                                            endpoint=self._context.endpoint)
         except (TransportUnavailable, StorageUnavailable) as exc:
             log.warning("operation %s is committed but its messages were not all sent (%s); "
                         "run it again with the same operation id to send them",
                         self.operation_id, exc)
+
+    async def __aenter__(self) -> UnitOfWork[StateT]:
+        """``async with endpoint.unit_of_work(...) as work:`` in an async web app: the
+        same as ``with``, the storage and broker work in a thread so that the app's event
+        loop is never blocked. A retried operation id raises
+        :class:`~idembus.storage.errors.AlreadyProcessed` here, after sending again what the
+        first attempt stored."""
+        return await asyncio.to_thread(self.__enter__)
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        trace: TracebackType | None) -> None:
+        """Commit and dispatch in a thread, as ``with`` does on leaving the block; an
+        exception inside the block (a cancelled request too) writes nothing. A request
+        cancelled during the commit does not stop it: the commit lands or not, and a retry
+        with the same operation id finds out which."""
+        await asyncio.to_thread(self.__exit__, kind, error, trace)

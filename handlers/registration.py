@@ -172,17 +172,26 @@ def _annotated_types(cls: type, attribute: str, function: Any) -> tuple[Any, ...
     return (annotation,)
 
 
-def _refuse_async(cls: type, attribute: str, function: Any) -> None:
-    """Handlers run synchronously in consumer threads: an ``async def`` would be called,
-    never awaited, and the message recorded as processed with no effect."""
+def _refuse_async(cls: type, attribute: str, function: Any, *, hook: bool = False) -> None:
+    """Handling methods may be ``async def`` (run to completion on the consumer thread's
+    loop, :mod:`idembus.aio`), but not async generators: the body would never run. The
+    ``hook`` methods (``aggregate_id``, ``new_state``) are called synchronously, to name or
+    build the aggregate the handling method works on: an ``async def`` there would hand
+    back a coroutine instead."""
     unwrapped = inspect.unwrap(getattr(function, "__func__", function))
-    if inspect.iscoroutinefunction(unwrapped) or inspect.isasyncgenfunction(unwrapped):
+    is_async = inspect.iscoroutinefunction(unwrapped) or inspect.isasyncgenfunction(unwrapped)
+    if hook and is_async:
         raise HandlerDefinitionError(
-            f"{_qualified(cls)}.{attribute} is 'async def', but idembus calls handlers "
-            "synchronously in its consumer threads: the coroutine would never run and the "
-            "message would be recorded as processed with no effect. Write it as a plain "
-            "'def' and run async code inside it with asyncio.run(...) (or "
-            "anyio.from_thread.run when an event loop is already running elsewhere)"
+            f"{_qualified(cls)}.{attribute} is 'async def', but idembus calls {attribute}() "
+            "synchronously, to name or build the aggregate the handling method works on: "
+            "the coroutine would never run. Write it as a plain 'def' (handling methods "
+            "may be 'async def'; do the async work there)"
+        )
+    if inspect.isasyncgenfunction(unwrapped):
+        raise HandlerDefinitionError(
+            f"{_qualified(cls)}.{attribute} is an async generator ('async def' with "
+            "'yield'): its body would never run. Handling methods are 'def' or 'async def' "
+            "and return None; send, publish or reply through self.bus"
         )
 
 
@@ -197,7 +206,7 @@ def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
             f"{_qualified(cls)} must implement aggregate_id(self, message) -> str"
         )
     for hook in ("aggregate_id", "new_state"):
-        _refuse_async(cls, hook, inspect.getattr_static(cls, hook))
+        _refuse_async(cls, hook, inspect.getattr_static(cls, hook), hook=True)
     required = [name for name, field in cls.state_type.model_fields.items() if field.is_required()]
     if required and cls.new_state is AggregateHandler.new_state:
         raise HandlerDefinitionError(

@@ -121,7 +121,7 @@ def build_endpoint(world_json: str) -> Endpoint:
         crash = CrashOnFirstAttempt(world.crash_message_id, Path(world.crash_marker))
     return Endpoint(world.name, transport=world.transport(), storage=world.storage(),
                     handlers=[TrailHandler], error_queue=world.error_queue, outbox=False,
-                    fault_injector=crash)
+                    middleware=[crash] if crash is not None else [])
 
 
 def process_local_endpoint() -> Endpoint:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from idembus import RetryPolicy
+from idembus.audit import Audit
+from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
 
@@ -11,8 +13,10 @@ def test_an_audited_endpoint_records_handled_duplicate_and_dead_lettered_message
     make_endpoint,
 ):
     storage = MemoryStorage()
-    service = make_endpoint("audited", handlers=[AccountHandler], storage=storage, audit=True,
-                            retry_policy=RetryPolicy(immediate_retries=0, delayed=()))
+    service = make_endpoint("audited", handlers=[AccountHandler], storage=storage,
+                            middleware=[Audit()],
+                            recoverability=Recoverability(
+                                retries=RetryPolicy(immediate_retries=0, delayed=())))
     handled = SignalCounter(service, "handled")
     duplicate = SignalCounter(service, "duplicate")
     service.start()

@@ -24,6 +24,7 @@ from idembus import Endpoint
 from idembus import headers as h
 from idembus.cli import main
 from idembus.envelope import Envelope, utc_now
+from idembus.policies import OutboxPolicy
 from idembus.storage.base import AggregateRecord, Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
@@ -51,14 +52,14 @@ def test_the_dispatcher_alone_sends_what_a_crash_left_and_stops_on_sigterm(tmp_p
     storage.commit(storage.load("Account", "a", "H/m1"), key="H/m1", state={"n": 1},
                    outgoing=[lost])
     (tmp_path / "dispatch_app.py").write_text(textwrap.dedent(f'''
-        from idembus import Endpoint
+        from idembus import Endpoint, OutboxPolicy
         from idembus.storage.postgres import PostgresStorage
         from tests.support import AccountHandler
 
         endpoint = Endpoint("dispatch-{suffix}", transport={AMQP_URL!r},
                             storage=PostgresStorage({POSTGRES_URL!r}, table_prefix={prefix!r}),
                             handlers=[AccountHandler], error_queue="error-{suffix}",
-                            outbox_grace=0)
+                            outbox=OutboxPolicy(grace=0))
     '''))
     process = subprocess.Popen(
         [sys.executable, "-m", "idembus", "dispatcher", "dispatch_app:endpoint"],
@@ -196,7 +197,7 @@ def test_as_sends_the_entries_and_delayed_messages_a_renamed_endpoint_left(
     left_behind(storage, "b", "billing")
     deferred_by(storage, "billing", utc_now() - HOURS)
     reference = app(lambda: Endpoint("sales", transport=transport, storage=storage,
-                                     outbox_grace=0))
+                                     outbox=OutboxPolicy(grace=0)))
 
     # When the dispatcher of sales runs as old-sales until they are sent, then is stopped
     status, sent = run_until(
@@ -218,7 +219,7 @@ def test_as_may_be_given_once_for_each_endpoint_that_left_messages(
     first = left_behind(storage, "a", "old-sales")
     second = left_behind(storage, "b", "legacy-sales")
     reference = app(lambda: Endpoint("sales", transport=transport, storage=storage,
-                                     outbox_grace=0))
+                                     outbox=OutboxPolicy(grace=0)))
 
     # When one dispatcher runs as both
     status, sent = run_until(

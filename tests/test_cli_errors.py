@@ -36,6 +36,7 @@ from idembus.cli import main
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.recoverability import FAILURE_HEADERS
+from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.supervisor import EXIT_CONFIGURATION
 from idembus.testing import wait_until_idle
@@ -141,7 +142,8 @@ def app(make_endpoint: MakeEndpoint, make_transport: Callable[..., KombuTranspor
     failing: dict[str, type[Exception]] = {}
     seen: list[dict[str, str]] = []
     ledger, auditor = Ledger(), Auditor(failing)
-    endpoint = make_endpoint("accounts", storage=MemoryStorage(), retry_policy=NO_RETRIES,
+    endpoint = make_endpoint("accounts", storage=MemoryStorage(),
+                             recoverability=Recoverability(retries=NO_RETRIES),
                              handlers=[FlakyAccounts(failing, seen), ledger, auditor])
     module_name = f"cli_errors_app_{uuid.uuid4().hex[:8]}"
     module = types.ModuleType(module_name)
@@ -482,7 +484,8 @@ def test_only_the_messages_that_failed_in_this_endpoints_queue_unless_all_endpoi
 ) -> None:
     # Given another endpoint whose failures share the error queue
     other_failing: dict[str, type[Exception]] = {"x": ValueError}
-    other = make_endpoint("other", storage=MemoryStorage(), retry_policy=NO_RETRIES,
+    other = make_endpoint("other", storage=MemoryStorage(),
+                          recoverability=Recoverability(retries=NO_RETRIES),
                           handlers=[FlakyAccounts(other_failing, [])])
     other_dead = SignalCounter(other, "dead_lettered")
     other.start()

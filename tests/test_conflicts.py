@@ -7,6 +7,7 @@ from typing import Any
 
 from idembus import ConflictPolicy, RetryPolicy
 from idembus import headers as h
+from idembus.recovery import Recoverability
 from idembus.storage.errors import ConcurrencyConflict
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
@@ -23,8 +24,9 @@ def test_a_handler_that_always_loses_the_race_ends_in_the_error_queue(make_endpo
     # Given an endpoint whose every commit loses an optimistic race
     accounts = make_endpoint(
         "accounts", handlers=[AccountHandler], storage=AlwaysMovedOn(),
-        conflict_policy=ConflictPolicy(attempts=3, base_delay=0.0),
-        retry_policy=RetryPolicy(immediate_retries=1, delayed=()),
+        recoverability=Recoverability(
+            conflicts=ConflictPolicy(attempts=3, base_delay=0.0),
+            retries=RetryPolicy(immediate_retries=1, delayed=())),
     )
     conflicts = SignalCounter(accounts, "conflict")
     dead = SignalCounter(accounts, "dead_lettered")

@@ -15,7 +15,7 @@ def test_the_sample_applies_every_order_once_despite_duplicates_and_crashes(
 ):
     # Given the three endpoints with crashes injected at every crash point
     crashes = RandomCrashes(0.1, seed=3)
-    system = build(make_transport, namespace=unique, fault_injector=crashes)
+    system = build(make_transport, namespace=unique, middleware=[crashes])
     for endpoint in system.endpoints:
         queue_name(endpoint.name.removesuffix(f"-{unique}"))  # delete afterwards
     queue_name("error")

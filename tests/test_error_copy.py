@@ -14,6 +14,7 @@ from idembus.recoverability import (
     MAX_STACK_TRACE,
     failure_headers,
 )
+from idembus.recovery import Recoverability
 from idembus.testing import wait_until_idle
 from tests.support import Deposit, SignalCounter
 
@@ -79,7 +80,8 @@ def test_a_failure_with_a_megabyte_of_explanation_still_reaches_the_error_queue(
 ) -> None:
     # Given an endpoint whose handler explains its failure at length
     verbose = make_endpoint("verbose", handlers=[Verbose],
-                            retry_policy=RetryPolicy(immediate_retries=0, delayed=()))
+                            recoverability=Recoverability(
+                                retries=RetryPolicy(immediate_retries=0, delayed=())))
     dead_lettered = SignalCounter(verbose, "dead_lettered")
     verbose.start()
 

@@ -22,6 +22,8 @@ from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, handles
+from idembus.policies import OutboxPolicy
+from idembus.recovery import Recoverability
 from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle
 from tests.support import (
@@ -164,7 +166,7 @@ def test_a_crash_before_commit_stores_nothing_and_the_redelivery_processes_it_on
     # Given an accounts endpoint that dies after running the handler, before committing
     deposit_id = new_id()
     crash = CrashAt(CrashPoint.BEFORE_COMMIT, deposit_id)
-    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, fault_injector=crash)
+    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, middleware=[crash])
     received = SignalCounter(accounts, "received")
     handled = SignalCounter(accounts, "handled")
     recorded = SignalCounter(downstream, "handled")
@@ -193,7 +195,7 @@ def test_b_crash_after_commit_redelivery_is_a_duplicate_that_dispatches_the_stor
     # Given an accounts endpoint that dies after committing, before dispatching
     deposit_id = new_id()
     crash = CrashAt(CrashPoint.AFTER_COMMIT, deposit_id)
-    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, fault_injector=crash)
+    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, middleware=[crash])
     duplicate = SignalCounter(accounts, "duplicate")
     redispatched = SignalCounter(accounts, "redispatched")
     dispatched = SignalCounter(accounts, "dispatched")
@@ -227,7 +229,7 @@ def test_c_crash_after_dispatch_resends_the_same_id_and_the_downstream_deduplica
     deposit_id = new_id()
     crash = CrashAt(CrashPoint.AFTER_DISPATCH, deposit_id)
     accounts, downstream, ledger = accounts_and_ledger(
-        make_endpoint, fault_injector=crash, compact_after_dispatch=False
+        make_endpoint, middleware=[crash], outbox=OutboxPolicy(compact_after_dispatch=False)
     )
     dispatched = SignalCounter(accounts, "dispatched")
     redispatched = SignalCounter(accounts, "redispatched")
@@ -257,7 +259,7 @@ def test_c_crash_after_a_confirmed_dispatch_with_compaction_resends_nothing(
     # Given an accounts endpoint with the default compaction, dying before acking
     deposit_id = new_id()
     crash = CrashAt(CrashPoint.AFTER_DISPATCH, deposit_id)
-    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, fault_injector=crash)
+    accounts, downstream, ledger = accounts_and_ledger(make_endpoint, middleware=[crash])
     duplicate = SignalCounter(accounts, "duplicate")
     dispatched = SignalCounter(accounts, "dispatched")
     recorded = SignalCounter(downstream, "handled")
@@ -292,8 +294,8 @@ def test_d_the_same_message_on_two_consumers_at_once_is_applied_once(
     deposit_id = new_id()
     race = MeetAt(CrashPoint.BEFORE_COMMIT, {deposit_id})
     accounts, downstream, ledger = accounts_and_ledger(
-        make_endpoint, fault_injector=race, concurrency=2, prefetch=1,
-        compact_after_dispatch=False,
+        make_endpoint, middleware=[race], concurrency=2, prefetch=1,
+        outbox=OutboxPolicy(compact_after_dispatch=False),
     )
     duplicate = SignalCounter(accounts, "duplicate")
     redispatched = SignalCounter(accounts, "redispatched")
@@ -326,7 +328,7 @@ def test_e_two_deposits_to_one_account_at_once_are_both_applied(
     seed_id, first_id, second_id = new_id(), new_id(), new_id()
     race = MeetAt(CrashPoint.BEFORE_COMMIT, {first_id, second_id})
     accounts, downstream, ledger = accounts_and_ledger(
-        make_endpoint, fault_injector=race, concurrency=2, prefetch=1
+        make_endpoint, middleware=[race], concurrency=2, prefetch=1
     )
     handled = SignalCounter(accounts, "handled")
     conflict = SignalCounter(accounts, "conflict")
@@ -357,7 +359,7 @@ def test_e_two_deposits_creating_one_account_at_once_are_both_applied(
     first_id, second_id = new_id(), new_id()
     race = MeetAt(CrashPoint.BEFORE_COMMIT, {first_id, second_id})
     accounts, downstream, ledger = accounts_and_ledger(
-        make_endpoint, fault_injector=race, concurrency=2, prefetch=1
+        make_endpoint, middleware=[race], concurrency=2, prefetch=1
     )
     conflict = SignalCounter(accounts, "conflict")
     recorded = SignalCounter(downstream, "handled")
@@ -413,7 +415,8 @@ def test_f_a_handler_that_always_fails_sends_the_message_to_the_error_queue_unto
     # Given a handler that changes state and publishes, then always fails
     flaky = FlakyAccounts(failures=1_000)
     accounts, downstream, ledger = accounts_and_ledger(make_endpoint, handlers=[flaky],
-                                                    retry_policy=RetryPolicy(delayed=()))
+                                                    recoverability=Recoverability(
+                                                        retries=RetryPolicy(delayed=())))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     start(accounts, downstream)
     deposit = Deposit(account="zoë-€", amount=5)
@@ -454,7 +457,8 @@ def test_f_immediate_retries_follow_the_retry_policy(make_endpoint: MakeEndpoint
     # Given an endpoint allowed one immediate retry, and a handler that always fails
     flaky = FlakyAccounts(failures=1_000)
     accounts = make_endpoint("accounts", handlers=[flaky],
-                             retry_policy=RetryPolicy(immediate_retries=1, delayed=()))
+                             recoverability=Recoverability(
+                                 retries=RetryPolicy(immediate_retries=1, delayed=())))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     accounts.start()
 

@@ -18,6 +18,7 @@ from idembus import headers as h
 from idembus.breaker import BreakerPolicy
 from idembus.envelope import utc_now
 from idembus.handlers import Handler, handles
+from idembus.recovery import Recoverability
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
@@ -70,7 +71,7 @@ def test_a_commit_cut_by_an_outage_counts_as_handled_once_and_sends_its_messages
     storage = storage_type()
     ledger = Ledger()
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
-                             outage_backoff=NO_WAIT)
+                             recoverability=Recoverability(outage_backoff=NO_WAIT))
     downstream = make_endpoint("ledger", handlers=[ledger])
     recorded = SignalCounter(downstream, "handled")
     accounts.start()
@@ -115,8 +116,9 @@ def test_a_refused_login_is_logged_at_error_and_shown_until_it_works_and_the_mes
     # Given an endpoint whose database refuses its login
     storage = DeniedForAWhile()
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
-                             outage_backoff=Backoff((0.01,)),
-                             retry_policy=RetryPolicy(immediate_retries=0))
+                             recoverability=Recoverability(
+                                 outage_backoff=Backoff((0.01,)),
+                                 retries=RetryPolicy(immediate_retries=0)))
     handled = SignalCounter(accounts, "handled")
     caplog.set_level(logging.ERROR, logger="idembus.processing")
     accounts.start()
@@ -159,9 +161,10 @@ def test_a_message_the_database_refuses_goes_to_the_error_queue_without_pausing_
     # Given an endpoint with a breaker that would pause after one failed message
     accounts = make_endpoint(
         "accounts", handlers=[AccountHandler], storage=RefusesNulCharacters(),
-        retry_policy=RetryPolicy(immediate_retries=2, delayed=()),
-        breaker_policy=BreakerPolicy(threshold=1, backoff=Backoff((30.0,))),
-        outage_backoff=NO_WAIT)
+        recoverability=Recoverability(
+            retries=RetryPolicy(immediate_retries=2, delayed=()),
+            breaker=BreakerPolicy(threshold=1, backoff=Backoff((30.0,))),
+            outage_backoff=NO_WAIT))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     handled = SignalCounter(accounts, "handled")
     accounts.start()
@@ -213,9 +216,9 @@ def test_a_committed_message_the_broker_refuses_is_parked_and_the_incoming_one_i
     transport = RefusesOneQueue(transport_url, exchange=make_transport().exchange_name,
                                 refused="nowhere")
     accounts = make_endpoint("accounts", handlers=[Forwarder], transport=transport,
-                             retry_policy=RetryPolicy(immediate_retries=2, delayed=()),
-                             breaker_policy=BreakerPolicy(threshold=1,
-                                                          backoff=Backoff((30.0,))))
+                             recoverability=Recoverability(
+                                 retries=RetryPolicy(immediate_retries=2, delayed=()),
+                                 breaker=BreakerPolicy(threshold=1, backoff=Backoff((30.0,)))))
     handled = SignalCounter(accounts, "handled")
     accounts.start()
 
@@ -263,7 +266,7 @@ def test_a_refused_broker_login_keeps_the_consumer_trying_and_shows_the_problem(
     # Given an endpoint whose broker refuses its login at first
     transport = RefusedLoginForAWhile(transport_url, exchange=make_transport().exchange_name)
     accounts = make_endpoint("accounts", handlers=[AccountHandler], transport=transport,
-                             outage_backoff=Backoff((0.01,)))
+                             recoverability=Recoverability(outage_backoff=Backoff((0.01,))))
     handled = SignalCounter(accounts, "handled")
     caplog.set_level(logging.ERROR, logger="idembus.endpoint")
     accounts.start()
@@ -307,7 +310,8 @@ def test_a_refused_delayed_retry_sends_the_message_to_the_error_queue_instead(
     # Given an endpoint whose broker refuses delayed messages
     transport = RefusesDelays(transport_url, exchange=make_transport().exchange_name)
     failing = make_endpoint("failing", handlers=[AlwaysFails], transport=transport,
-                            retry_policy=RetryPolicy(immediate_retries=0, delayed=(5.0,)))
+                            recoverability=Recoverability(
+                                retries=RetryPolicy(immediate_retries=0, delayed=(5.0,))))
     dead_lettered = SignalCounter(failing, "dead_lettered")
     failing.start()
 
@@ -361,7 +365,7 @@ def test_an_outage_in_the_middle_of_a_dispatch_sends_and_counts_only_what_is_lef
     transport = BrokerLostAfterOneSend(transport_url, exchange=make_transport().exchange_name,
                                        watched=watched.name)
     accounts = make_endpoint("accounts", handlers=[SendsThree], transport=transport,
-                             outage_backoff=NO_WAIT)
+                             recoverability=Recoverability(outage_backoff=NO_WAIT))
     dispatched = SignalCounter(accounts, "dispatched")
     accounts.start()
 

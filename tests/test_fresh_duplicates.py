@@ -11,6 +11,7 @@ import pytest
 from idembus import Endpoint
 from idembus.errors import ConfigurationError
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.policies import OutboxPolicy
 from idembus.testing import wait_until_idle
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
 
@@ -35,8 +36,8 @@ def test_a_redelivery_after_a_crash_sends_each_message_once_either_way(
     ledger = Ledger()
     downstream = make_endpoint("ledger", handlers=[ledger])
     accounts = make_endpoint("accounts", handlers=[AccountHandler],
-                    fault_injector=CrashOnceAfterCommit(),
-                    defer_fresh_redispatch=defer, outbox_grace=0.2)
+                    middleware=[CrashOnceAfterCommit()],
+                    outbox=OutboxPolicy(defer_fresh_redispatch=defer, grace=0.2))
     recorded = SignalCounter(downstream, "handled")
     accounts.start()
     downstream.start()
@@ -57,6 +58,6 @@ def test_a_redelivery_after_a_crash_sends_each_message_once_either_way(
 
 def test_deferring_fresh_redispatches_needs_the_outbox() -> None:
     with pytest.raises(ConfigurationError, match="outbox"):
-        Endpoint("sales", defer_fresh_redispatch=5.0, outbox=False)
+        Endpoint("sales", outbox=OutboxPolicy(defer_fresh_redispatch=5.0, run=False))
     with pytest.raises(ConfigurationError, match="0 or more"):
-        Endpoint("sales", defer_fresh_redispatch=-1.0)
+        Endpoint("sales", outbox=OutboxPolicy(defer_fresh_redispatch=-1.0))

@@ -15,6 +15,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.errors import HandlerContractError
 from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
+from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import handle, wait_until_idle
 from tests.support import Account, Deposit, SignalCounter
@@ -127,8 +128,9 @@ def test_a_policy_with_its_own_unrecoverable_types_still_never_retries_a_broken_
 ) -> None:
     # Given a retry policy that lists only its own unrecoverable type
     accounts = make_endpoint("returning-own-policy", handlers=[Returning],
-                             retry_policy=RetryPolicy(immediate_retries=3, delayed=(60.0,),
-                                                      unrecoverable=(KeyError,)))
+                             recoverability=Recoverability(
+                                 retries=RetryPolicy(immediate_retries=3, delayed=(60.0,),
+                                                     unrecoverable=(KeyError,))))
     dead_lettered = SignalCounter(accounts, "dead_lettered")
     accounts.start()
 

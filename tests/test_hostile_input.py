@@ -67,7 +67,7 @@ RSS_INTERVAL = 0.05
 APP = textwrap.dedent('''
     import os
 
-    from idembus import Endpoint, RetryPolicy
+    from idembus import Endpoint, Recoverability, RetryPolicy
     from idembus.storage.postgres import PostgresStorage
     from tests.hostile import Pinger
     from tests.support import AccountHandler
@@ -81,7 +81,7 @@ APP = textwrap.dedent('''
                                     table_prefix=os.environ["APP_PREFIX"]),
             handlers=[AccountHandler, Pinger],
             error_queue=os.environ["APP_ERROR_QUEUE"],
-            retry_policy=RetryPolicy(immediate_retries=1, delayed=()),
+            recoverability=Recoverability(retries=RetryPolicy(immediate_retries=1, delayed=())),
             prefetch=8,
         )
 ''')

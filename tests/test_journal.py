@@ -15,6 +15,8 @@ from idembus import Endpoint, Event
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError
+from idembus.journal import JournalPolicy
+from idembus.policies import OutboxPolicy
 from idembus.sending import Bus
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
@@ -146,8 +148,8 @@ def test_the_outbox_dispatcher_journals_what_it_repairs_and_trims_by_retention(
 ) -> None:
     storage = MemoryStorage()
     accounts = make(endpoints, "accounts", handlers=[AccountHandler], storage=storage,
-                    journal=True, journal_retention=datetime.timedelta(seconds=30),
-                    outbox_grace=0)
+                    journal=JournalPolicy(events=True, retention=datetime.timedelta(seconds=30)),
+                    outbox=OutboxPolicy(grace=0))
     # A unit of work committed whose dispatch never happened (a crash after the commit)
     recorded: list[Envelope] = []
     Bus(accounts.name, accounts.router, recorded.append).publish(Deposited(account="b", amount=2))
@@ -176,5 +178,6 @@ def test_a_wrong_journal_option_fails_at_creation(
 
 
 def test_a_retention_that_is_not_positive_fails_at_creation(endpoints: list[Endpoint]) -> None:
-    with pytest.raises(ConfigurationError, match="journal_retention must be positive"):
-        make(endpoints, "sales", journal=True, journal_retention=datetime.timedelta(0))
+    with pytest.raises(ConfigurationError, match="retention must be positive"):
+        make(endpoints, "sales",
+             journal=JournalPolicy(events=True, retention=datetime.timedelta(0)))

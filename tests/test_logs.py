@@ -27,6 +27,7 @@ from idembus.endpoint import _described
 from idembus.faults import CrashPoint
 from idembus.handlers import handles
 from idembus.logs import JsonFormatter, Throttle
+from idembus.recovery import Recoverability
 from idembus.status import StatusReporter
 from idembus.storage.base import StatusReport
 from idembus.storage.errors import StorageAccessDenied, StorageUnavailable
@@ -107,7 +108,7 @@ def test_debug_shows_what_a_handler_sent_and_what_its_redelivery_sent_again(
     caplog.set_level(logging.DEBUG, logger="idembus.messages")
     deposit_id = str(uuid.uuid4())
     accounts = make_endpoint("accounts", handlers=[AccountHandler],
-                             fault_injector=CrashAt(CrashPoint.AFTER_COMMIT, deposit_id))
+                             middleware=[CrashAt(CrashPoint.AFTER_COMMIT, deposit_id)])
     redispatched = SignalCounter(accounts, "redispatched")
     with accounts:
         accounts.bus.send(Deposit(account="a", amount=1), message_id=deposit_id)
@@ -154,7 +155,8 @@ def test_a_dead_lettered_message_logs_its_traceback(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="idembus.processing")
     accounts = make_endpoint("accounts", handlers=[Refuses],
-                             retry_policy=RetryPolicy(immediate_retries=0, delayed=()))
+                             recoverability=Recoverability(
+                                 retries=RetryPolicy(immediate_retries=0, delayed=())))
     dead = SignalCounter(accounts, "dead_lettered")
     with accounts:
         message_id = accounts.bus.send(Deposit(account="a", amount=1))

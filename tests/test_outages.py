@@ -12,6 +12,7 @@ import psycopg
 import pytest
 
 from idembus import Backoff, RetryPolicy
+from idembus.recovery import Recoverability
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
@@ -58,7 +59,9 @@ def test_a_database_outage_delays_the_message_without_using_its_retries(make_end
     # Given an endpoint whose database refuses the first 4 loads, and no immediate retries
     storage = DownForAWhile(outages=4)
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
-                             outage_backoff=NO_WAIT, retry_policy=RetryPolicy(immediate_retries=0))
+                             recoverability=Recoverability(
+                                 outage_backoff=NO_WAIT,
+                                 retries=RetryPolicy(immediate_retries=0)))
     handled = SignalCounter(accounts, "handled")
     accounts.start()
 
@@ -81,7 +84,7 @@ def test_a_broker_outage_after_commit_dispatches_the_stored_messages_once_it_is_
                               failures=2)
     ledger = Ledger()
     accounts = make_endpoint("accounts", handlers=[AccountHandler], transport=flaky,
-                             outage_backoff=NO_WAIT)
+                             recoverability=Recoverability(outage_backoff=NO_WAIT))
     downstream = make_endpoint("ledger", handlers=[ledger])
     recorded = SignalCounter(downstream, "handled")
     accounts.start()
@@ -104,7 +107,7 @@ def test_stopping_during_an_outage_gives_the_message_back_to_the_broker(make_end
     # Given an endpoint whose database stays down
     storage = DownForAWhile(outages=10**9)
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
-                             outage_backoff=Backoff((0.05,)))
+                             recoverability=Recoverability(outage_backoff=Backoff((0.05,))))
     accounts.start()
     accounts.bus.send(Deposit(account="a", amount=5))
     assert storage.refusing.wait(10)
@@ -126,7 +129,7 @@ def test_postgres_connections_killed_by_the_server_are_replaced(make_endpoint):
     storage = PostgresStorage(f"{POSTGRES_URL}?application_name={application}",
                               table_prefix=prefix)
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=storage,
-                             outage_backoff=NO_WAIT)
+                             recoverability=Recoverability(outage_backoff=NO_WAIT))
     handled = SignalCounter(accounts, "handled")
     accounts.start()
     try:
@@ -162,7 +165,8 @@ def test_rabbitmq_closing_every_connection_loses_nothing(make_endpoint, make_tra
     if shutil.which("rabbitmqctl") is None:
         pytest.skip("rabbitmqctl is not installed here")
     ledger = Ledger()
-    accounts = make_endpoint("accounts", handlers=[AccountHandler], outage_backoff=NO_WAIT)
+    accounts = make_endpoint("accounts", handlers=[AccountHandler],
+                             recoverability=Recoverability(outage_backoff=NO_WAIT))
     downstream = make_endpoint("ledger", handlers=[ledger])
     recorded = SignalCounter(downstream, "handled")
     accounts.start()

@@ -10,6 +10,7 @@ from idembus import Endpoint
 from idembus.dispatching import Dispatcher
 from idembus.envelope import utc_now
 from idembus.outbox import OutboxDispatcher
+from idembus.policies import OutboxPolicy
 from idembus.storage.base import OUTBOX_LEASE
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import TransportUnavailable
@@ -65,7 +66,7 @@ def test_a_running_endpoint_repairs_by_itself(make_endpoint, make_transport, tra
     transport = Away(transport_url, exchange=make_transport().exchange_name)
     ledger = Ledger()
     accounts = make_endpoint("accounts", handlers=[AccountHandler], transport=transport,
-                             storage=MemoryStorage(), outbox_grace=0)
+                             storage=MemoryStorage(), outbox=OutboxPolicy(grace=0))
     downstream = make_endpoint("ledger", handlers=[ledger])
     recorded = SignalCounter(downstream, "handled")
     accounts.start()

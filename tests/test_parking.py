@@ -20,6 +20,7 @@ from idembus.cli import main
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, handles
 from idembus.parking import BODY_NOT_KEPT, park_outgoing
+from idembus.recovery import Recoverability
 from idembus.storage.errors import StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused
@@ -87,7 +88,8 @@ def start(names: tuple[str, str], storage: MemoryStorage) -> tuple[Endpoint, dic
     queue, error_queue = names
     Picky.refused = {"closed"}
     endpoint = Endpoint(queue, transport=RefusesTheErrorQueue(error_queue), storage=storage,
-                        handlers=[Picky], error_queue=error_queue, retry_policy=NO_RETRIES)
+                        handlers=[Picky], error_queue=error_queue,
+                        recoverability=Recoverability(retries=NO_RETRIES))
     signals = {name: SignalCounter(endpoint, name) for name in ("handled", "failed")}
     endpoint.start()
     return endpoint, signals
@@ -282,7 +284,8 @@ def test_on_rabbitmq_a_copy_too_large_for_a_frame_is_parked_and_the_endpoint_goe
     storage = MemoryStorage()
     Picky.refused = set()
     endpoint = Endpoint(queue, transport=KombuTransport(AMQP_URL), storage=storage,
-                        handlers=[Picky], error_queue=error_queue, retry_policy=NO_RETRIES)
+                        handlers=[Picky], error_queue=error_queue,
+                        recoverability=Recoverability(retries=NO_RETRIES))
     handled = SignalCounter(endpoint, "handled")
     endpoint.start()
     try:

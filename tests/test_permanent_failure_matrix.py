@@ -22,6 +22,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.messages import message_name
+from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle
@@ -65,7 +66,7 @@ def test_each_refusal_is_applied_parked_or_dead_lettered_and_the_endpoint_goes_o
 ) -> None:
     # Given an endpoint that replies to pings and applies deposits, on the pair at hand
     endpoint = make_endpoint("matrix", handlers=[Pinger, AccountHandler], storage=storage,
-                             retry_policy=NO_RETRIES)
+                             recoverability=Recoverability(retries=NO_RETRIES))
     handled = SignalCounter(endpoint, "handled")
     dead = SignalCounter(endpoint, "dead_lettered")
     endpoint.start()

@@ -23,6 +23,8 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.cli import main
 from idembus.envelope import Envelope, utc_now
+from idembus.policies import OutboxPolicy
+from idembus.recovery import Recoverability
 from idembus.storage.base import AggregateRecord
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.postgres import PostgresStorage
@@ -285,7 +287,8 @@ def test_a_message_postgres_refuses_reaches_the_error_queue_and_the_next_is_appl
     transport = KombuTransport("memory://")
     endpoint = Endpoint(f"pg-accounts-{suffix}", transport=transport, storage=storage,
                         handlers=[AccountHandler], error_queue=f"pg-error-{suffix}",
-                        retry_policy=RetryPolicy(immediate_retries=1, delayed=()))
+                        recoverability=Recoverability(
+                            retries=RetryPolicy(immediate_retries=1, delayed=())))
     handled = SignalCounter(endpoint, "handled")
     dead = SignalCounter(endpoint, "dead_lettered")
     endpoint.start()
@@ -329,12 +332,12 @@ def test_two_endpoints_on_one_database_each_repair_their_own_entries_with_their_
     suffix = uuid.uuid4().hex[:8]
     accounts_broker, audit_broker = Away(), Away()
     accounts = Endpoint(f"pg-accounts-{suffix}", transport=accounts_broker, storage=storage,
-                        journal=True, compact_after_dispatch=True, outbox=False,
-                        outbox_grace=0)
+                        journal=True,
+                        outbox=OutboxPolicy(compact_after_dispatch=True, run=False, grace=0))
     audit = Endpoint(f"pg-audit-{suffix}", transport=audit_broker,
                      storage=PostgresStorage(POSTGRES_URL, table_prefix=prefix_of(storage)),
-                     journal=False, compact_after_dispatch=False, outbox=False,
-                     outbox_grace=0)
+                     journal=False,
+                     outbox=OutboxPolicy(compact_after_dispatch=False, run=False, grace=0))
     try:
         # And each committed an operation while its broker was away
         committed = {}

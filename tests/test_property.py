@@ -27,6 +27,7 @@ from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.messages import message_name
+from idembus.policies import OutboxPolicy
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
@@ -182,7 +183,7 @@ def run(
     injector = ArmedCrash()
     endpoint = Endpoint(QUEUE, transport=transport, storage=make_storage(),
                         handlers=[AccountHandler], error_queue=ERROR_QUEUE,
-                        compact_after_dispatch=compact, fault_injector=injector)
+                        outbox=OutboxPolicy(compact_after_dispatch=compact), middleware=[injector])
     queue: list[tuple[DepositMessage, bool]] = [(sent[index], False) for index in order]
     result = RunResult(states={}, dispatched=transport.dispatched)
     try:

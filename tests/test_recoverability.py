@@ -17,6 +17,7 @@ from idembus.breaker import BreakerPolicy, CircuitBreaker
 from idembus.envelope import Envelope, parse_utc, utc_now
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
@@ -46,7 +47,7 @@ def test_a_handler_failing_past_its_immediate_retries_succeeds_in_a_delayed_roun
 ):
     # Given a handler that fails 4 times: 3 immediate attempts, then once more
     flaky = Flaky(failures=4)
-    service = make_endpoint("flaky", handlers=[flaky], retry_policy=FAST)
+    service = make_endpoint("flaky", handlers=[flaky], recoverability=Recoverability(retries=FAST))
     handled = SignalCounter(service, "handled")
     retried = SignalCounter(service, "retried")
     service.start()
@@ -67,7 +68,7 @@ def test_a_poison_message_reaches_the_error_queue_after_exactly_the_configured_a
 ):
     # Given a handler that always fails, 2 immediate retries and 2 delayed rounds
     flaky = Flaky(failures=10**6)
-    service = make_endpoint("poison", handlers=[flaky], retry_policy=FAST)
+    service = make_endpoint("poison", handlers=[flaky], recoverability=Recoverability(retries=FAST))
     dead = SignalCounter(service, "dead_lettered")
     service.start()
 
@@ -92,7 +93,8 @@ def test_an_unrecoverable_error_skips_delayed_retries_too(make_endpoint):
         def on(self, message: Deposit) -> None:
             Account.model_validate({"balance": "lots"})  # pydantic.ValidationError
 
-    service = make_endpoint("invalid", handlers=[Invalid], retry_policy=FAST)
+    service = make_endpoint("invalid", handlers=[Invalid],
+                            recoverability=Recoverability(retries=FAST))
     dead = SignalCounter(service, "dead_lettered")
     service.start()
     service.bus.send(Deposit(account="a", amount=1))
@@ -108,7 +110,8 @@ def test_a_handler_class_may_set_its_own_retry_policy(make_endpoint):
 
     patient = Patient(failures=2)
     service = make_endpoint("patient", handlers=[patient],
-                            retry_policy=RetryPolicy(immediate_retries=0, delayed=()))
+                            recoverability=Recoverability(
+                                retries=RetryPolicy(immediate_retries=0, delayed=())))
     handled = SignalCounter(service, "handled")
     service.start()
     service.bus.send(Deposit(account="a", amount=1))
@@ -206,7 +209,7 @@ def test_a_saga_timeout_is_handled_once_even_when_its_request_was_recorded_twice
 ):
     # Given a tab handler whose first run crashes after requesting its timeout
     crash = CrashOnceBeforeCommit()
-    service = make_endpoint("tabs", handlers=[TabHandler], fault_injector=crash)
+    service = make_endpoint("tabs", handlers=[TabHandler], middleware=[crash])
     handled = SignalCounter(service, "handled")
     service.start()
 
@@ -228,8 +231,10 @@ def test_the_circuit_breaker_pauses_consumers_after_failures_in_a_row(make_endpo
     # Given a handler that always fails, no retries, and a breaker opening after 3
     flaky = Flaky(failures=10**6)
     service = make_endpoint(
-        "breaker", handlers=[flaky], retry_policy=RetryPolicy(immediate_retries=0, delayed=()),
-        breaker_policy=BreakerPolicy(threshold=3, backoff=Backoff((0.4,))),
+        "breaker", handlers=[flaky],
+        recoverability=Recoverability(
+            retries=RetryPolicy(immediate_retries=0, delayed=()),
+            breaker=BreakerPolicy(threshold=3, backoff=Backoff((0.4,)))),
     )
     dead = SignalCounter(service, "dead_lettered")
     paused = SignalCounter(service, "paused")
@@ -255,7 +260,7 @@ def test_bad_input_does_not_open_the_circuit_breaker(make_endpoint, transport_ur
     # Given a breaker that would open at the first failure
     service = make_endpoint(
         "bad-input", handlers=[AccountHandler],
-        breaker_policy=BreakerPolicy(threshold=1, backoff=Backoff((5.0,))),
+        recoverability=Recoverability(breaker=BreakerPolicy(threshold=1, backoff=Backoff((5.0,)))),
     )
     dead = SignalCounter(service, "dead_lettered")
     service.start()
@@ -298,7 +303,8 @@ def test_retention_shorter_than_the_retry_path_fails_at_start():
 def test_delayed_retry_headers_carry_the_round_and_the_time(make_endpoint):
     flaky = Flaky(failures=3)
     service = make_endpoint("headers", handlers=[flaky],
-                            retry_policy=RetryPolicy(immediate_retries=2, delayed=(0.3,)))
+                            recoverability=Recoverability(
+                                retries=RetryPolicy(immediate_retries=2, delayed=(0.3,))))
     received = SignalCounter(service, "received")
     handled = SignalCounter(service, "handled")
     rounds: list[tuple[str | None, str | None]] = []

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from idembus import Endpoint
+from idembus.audit import Audit
 from idembus.storage.base import AuditRecord
 from idembus.storage.batching import CLOSE_TIMEOUT, Batcher
 from idembus.storage.memory import MemoryStorage
@@ -103,7 +104,7 @@ def test_an_endpoint_whose_audit_writes_block_still_closes_in_bounded_time(
     # Given an audited endpoint whose audit write is blocked
     storage = BlockedAudit()
     endpoint = Endpoint("audited-close", storage=storage, handlers=[AccountHandler],
-                        audit=True)
+                        middleware=[Audit()])
     handled = SignalCounter(endpoint, "handled")
     try:
         endpoint.start()

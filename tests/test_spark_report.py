@@ -28,7 +28,9 @@ import pytest
 
 import idembus.cli
 from idembus import Command, ConfigurationError, Endpoint, RetryPolicy
+from idembus.audit import Audit
 from idembus.handlers import Handler, handles
+from idembus.recovery import Recoverability
 from idembus.spark import source
 from idembus.spark.report import report
 from idembus.storage.base import AUDIT_BUCKETS, AuditRecord
@@ -280,8 +282,8 @@ def test_report_of_a_real_audited_endpoint(spark, pg_storage, prefix, ship, uniq
     own = PostgresStorage(POSTGRES_URL, table_prefix=prefix)  # the endpoint closes it
     service = Endpoint(
         f"spark-audited-{unique}", storage=own, handlers=[AccountHandler, Refuser],
-        audit=True, error_queue=f"error-{unique}",
-        retry_policy=RetryPolicy(immediate_retries=2, delayed=()))
+        middleware=[Audit()], error_queue=f"error-{unique}",
+        recoverability=Recoverability(retries=RetryPolicy(immediate_retries=2, delayed=())))
     handled = SignalCounter(service, "handled")
     duplicates = SignalCounter(service, "duplicate")
     dead = SignalCounter(service, "dead_lettered")

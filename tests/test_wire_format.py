@@ -298,7 +298,7 @@ def test_idembus_messages_carry_every_header_and_replies_go_back_with_stable_ids
     ping_id = derived_id(start_id, "test.wire.Start", "Starter", 0)
     crash = CrashOnce(CrashPoint.BEFORE_COMMIT, ping_id)
     server = make_endpoint("server", handlers=[responder := Responder(server_seen)],
-                           fault_injector=crash)
+                           middleware=[crash])
     client = make_endpoint("client", handlers=[Starter(client_seen), Listener(client_seen)],
                            routes={Ping: server.name})
     dispatched = SignalCounter(server, "dispatched")

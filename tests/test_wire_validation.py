@@ -18,6 +18,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.handlers import Handler, handles
+from idembus.recovery import Recoverability
 from idembus.testing import wait_until_idle
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport, _encoding_problem
@@ -479,7 +480,8 @@ def test_a_delayed_retry_still_names_the_headers_the_message_lost(
     # Given an endpoint whose handler fails a message once, then retries it after a second
     _FailsFirst.seen = []
     accounts = make_endpoint("accounts", handlers=[_FailsFirst],
-                             retry_policy=RetryPolicy(immediate_retries=0, delayed=(1.0,)))
+                             recoverability=Recoverability(
+                                 retries=RetryPolicy(immediate_retries=0, delayed=(1.0,))))
     handled = SignalCounter(accounts, "handled")
     accounts.start()
 

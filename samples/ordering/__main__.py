@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return transports[-1]
 
     system = build(transport, namespace=namespace, concurrency=args.concurrency,
-                   fault_injector=RandomCrashes(args.crash_rate, seed=args.seed))
+                   middleware=[RandomCrashes(args.crash_rate, seed=args.seed)])
     try:
         result = run(system, args.orders, duplicates, seed=args.seed)
     finally:

@@ -44,7 +44,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from idembus import Endpoint
+from idembus import Endpoint, OutboxPolicy
 from idembus.handlers import Handler
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
@@ -141,7 +141,7 @@ class Deployment:
             handlers=[handler],
             error_queue=self.error_queue,
             concurrency=self.concurrency,
-            defer_fresh_redispatch=self.defer_fresh_redispatch,
+            outbox=OutboxPolicy(defer_fresh_redispatch=self.defer_fresh_redispatch),
             status_interval=self.status_interval,
         )
 

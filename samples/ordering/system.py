@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from idembus import Endpoint
-from idembus.faults import FaultInjector
 from idembus.handlers import Handler
+from idembus.pipeline import Middleware
 from idembus.storage.base import Storage
 from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle
@@ -49,7 +49,7 @@ def build(
     *,
     namespace: str | None = None,
     storage: Callable[[str], Storage] = MongoStorage.embedded,
-    fault_injector: FaultInjector | None = None,
+    middleware: Sequence[Middleware] = (),
     concurrency: int = 2,
     journal: bool = False,
 ) -> OrderingSystem:
@@ -70,7 +70,7 @@ def build(
             handlers=[handler],
             error_queue=f"error{suffix}",
             concurrency=concurrency,
-            fault_injector=fault_injector,
+            middleware=middleware,
             journal=journal,
         )
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = list(order_commands(args.orders, max(1, args.orders // 5), seed=args.seed))
     followed = sum(1 for command, _, _ in commands if command.customer == FOLLOWED_CUSTOMER)
     system = build(namespace=uuid.uuid4().hex[:8], journal=True,
-                   fault_injector=RandomCrashes(0.05, seed=args.seed))
+                   middleware=[RandomCrashes(0.05, seed=args.seed)])
     gateway = Gateway(system.sales, port=0)
     readers = {"follower": Reader(), "customer": Reader(), "replica": Reader()}
     threads: list[threading.Thread] = []

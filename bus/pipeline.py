@@ -1,0 +1,311 @@
+"""The message pipeline: middleware around what an endpoint does with each message.
+
+::
+
+    class TenantGuard(Middleware):
+        def before_message(self, incoming: IncomingMessage) -> None:
+            if incoming.headers.get("tenant") in self.suspended:
+                raise RetryLater(300, reason="tenant suspended")
+
+    Endpoint("sales", middleware=[TenantGuard(), Tracing(), Metrics()], ...)
+
+A middleware overrides the hooks it needs; the others cost nothing (the pipeline calls only
+the hooks a class overrides). Five stages, each with its own context object:
+
+``message``
+    ``before_message`` / ``after_message`` around the processing of one delivery: from
+    before it is decoded until it is settled (handled, skipped, retried later or moved to the
+    error queue), just before it is acknowledged.
+``handler``
+    ``before_handler`` / ``after_handler`` around one attempt of one handler on the message:
+    load, run, commit (immediate retries are new attempts, each with both hooks).
+``commit``
+    ``before_commit`` / ``after_commit`` around the conditional write of one attempt (a lost
+    optimistic race writes again, with both hooks again).
+``outgoing``
+    ``outgoing(envelope, origin)`` returns the envelope to record, once for each message a
+    handler, a unit of work or ``endpoint.bus`` sends, **before it is committed**: headers
+    added here are stored with the message, so a redispatch and an outbox repair send exactly
+    the same bytes. Hooks run in list order, each on the previous one's result.
+``dispatch``
+    ``before_dispatch`` / ``after_dispatch`` around each send of an outgoing message to the
+    transport: first dispatch, a duplicate's redispatch, an outbox repair, a unit of work,
+    ``endpoint.bus``.
+
+Order: ``before_*`` hooks run in list order, ``after_*`` hooks in reverse, and an ``after``
+hook runs exactly when its ``before`` hook returned — with the error that ended the stage, or
+``None``. Whatever an ``after`` hook raises is logged and changes nothing, except a
+:class:`BaseException` that is not an :class:`Exception` (a simulated crash, Ctrl-C), which
+goes on like the process dying.
+
+Control flow: a ``before_message`` or ``before_handler`` hook, or a handler itself, may
+raise :class:`SkipMessage` (acknowledge without handling: the whole message from
+``before_message``, this handler only otherwise), :class:`RetryLater` (put the message back,
+same id, after a delay; at most ``give_up_after`` times in a row, then the error queue) or
+:class:`RejectMessage` (the error queue at once, with the reason). Any other exception is a
+failure and follows the retry policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from . import headers as h
+from .context import MessageContext
+from .envelope import Envelope
+from .errors import ConfigurationError
+from .messages import Message
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PipelineControl(Exception):
+    """Base of the exceptions middleware and handlers raise to steer a message."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class SkipMessage(PipelineControl):
+    """Acknowledge without handling: from ``before_message``, the whole message; from
+    ``before_handler`` or a handler, that handler only (nothing is recorded for it)."""
+
+
+class RetryLater(PipelineControl):
+    """Put the message back on its queue, same id, delivered ``delay`` seconds from now.
+
+    Handlers that already committed their effects find it processed when it comes back.
+    After ``give_up_after`` postponements in a row the message goes to the error queue with
+    ``reason``: nothing is postponed forever.
+    """
+
+    def __init__(self, delay: float, reason: str = "", *, give_up_after: int = 100) -> None:
+        if delay < 0:
+            raise ValueError(f"delay cannot be negative, got {delay!r}")
+        if give_up_after < 1:
+            raise ValueError(f"give_up_after must be at least 1, got {give_up_after!r}")
+        super().__init__(reason or f"retry in {delay:g}s")
+        self.delay = float(delay)
+        self.give_up_after = give_up_after
+
+
+class RejectMessage(PipelineControl):
+    """Move the message to the error queue at once with ``reason``, without retries."""
+
+
+@dataclass
+class IncomingMessage:
+    """One delivery on its way through the pipeline (the ``message`` stage's context)."""
+
+    endpoint: str
+    queue: str
+    headers: Mapping[str, str]
+    #: The decoded message; ``None`` before decoding, and for input that does not decode.
+    message: Message | None = None
+    #: How processing ended, as ``after_message`` sees it: ``handled`` (every handler
+    #: handled it, found it a duplicate or skipped it), ``retry_later``, ``retrying`` (a
+    #: delayed retry of a failure) or ``dead_lettered``; ``None`` while in progress, when
+    #: processing was interrupted (an outage at shutdown), and when a later middleware's
+    #: ``before_message`` raised (the ``error`` says what it asked for).
+    outcome: str | None = None
+    #: Room for middleware to keep things between its hooks (a span, a start time).
+    items: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def message_id(self) -> str | None:
+        return self.headers.get(h.MESSAGE_ID)
+
+    @property
+    def message_type(self) -> str | None:
+        return self.headers.get(h.MESSAGE_TYPE)
+
+
+@dataclass
+class HandlerCall:
+    """One attempt of one handler on one message (the ``handler`` and ``commit`` stages)."""
+
+    incoming: IncomingMessage
+    context: MessageContext
+    message: Message
+    #: 1 for the first immediate attempt, 2 for the next, ...
+    attempt: int
+    #: After the handler stage: the message was already processed by this handler.
+    duplicate: bool = False
+    #: The messages the attempt recorded (set before the commit).
+    outgoing: Sequence[Envelope] = ()
+    items: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def handler(self) -> str:
+        return self.context.handler_name
+
+
+@dataclass
+class Dispatch:
+    """One send of a committed (or directly sent) outgoing message (the ``dispatch`` stage)."""
+
+    envelope: Envelope
+    #: The endpoint whose message it is.
+    endpoint: str
+    #: Who sends it: ``handler`` (right after its commit), ``redispatch`` (a duplicate
+    #: sending what was stored), ``outbox`` (a repair after a crash), ``unit_of_work`` or
+    #: ``bus`` (``endpoint.bus``, at once).
+    source: str
+    items: dict[str, Any] = field(default_factory=dict)
+
+
+class Middleware:
+    """Base class of middleware; override the hooks you need (see the module docstring)."""
+
+    def setup(self, endpoint: Any) -> None:
+        """Called once by the endpoint that was given this middleware, at construction."""
+
+    def close(self) -> None:
+        """Called when the endpoint closes: flush and release what the middleware holds."""
+
+    def before_message(self, incoming: IncomingMessage) -> None: ...
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None: ...
+
+    def before_handler(self, call: HandlerCall) -> None: ...
+
+    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None: ...
+
+    def before_commit(self, call: HandlerCall) -> None: ...
+
+    def after_commit(self, call: HandlerCall, error: BaseException | None) -> None: ...
+
+    def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        return envelope
+
+    def before_dispatch(self, dispatch: Dispatch) -> None: ...
+
+    def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None: ...
+
+
+_STAGES = ("message", "handler", "commit", "dispatch")
+
+
+def _overrides(middleware: Middleware, hook: str) -> bool:
+    return getattr(type(middleware), hook) is not getattr(Middleware, hook)
+
+
+class _Stage:
+    """The before and after hooks of one stage, of the middleware that override them."""
+
+    def __init__(self, middleware: Sequence[Middleware], name: str) -> None:
+        self.name = name
+        after = {id(m): getattr(m, f"after_{name}") for m in middleware
+                 if _overrides(m, f"after_{name}")}
+        #: Pairs (before or None, after or None) in list order.
+        self.pairs = [(getattr(m, f"before_{name}") if _overrides(m, f"before_{name}") else None,
+                       after.get(id(m))) for m in middleware
+                      if _overrides(m, f"before_{name}") or id(m) in after]
+
+    def run(self, context: Any, body: Callable[[], T]) -> T:
+        if not self.pairs:
+            return body()
+        entered: list[Callable[[Any, BaseException | None], None]] = []
+        try:
+            for before, after in self.pairs:
+                if before is not None:
+                    before(context)
+                if after is not None:
+                    entered.append(after)
+            result = body()
+        except BaseException as error:
+            self._unwind(entered, context, error)
+            raise
+        self._unwind(entered, context, None)
+        return result
+
+    def _unwind(self, entered: list[Callable[[Any, BaseException | None], None]],
+                context: Any, error: BaseException | None) -> None:
+        for after in reversed(entered):
+            try:
+                after(context, error)
+            except Exception:
+                log.exception("after_%s hook %r raised; ignored", self.name, after)
+
+
+class Pipeline:
+    """The middleware of one endpoint, arranged by stage."""
+
+    def __init__(self, middleware: Sequence[Middleware] = ()) -> None:
+        for item in middleware:
+            if not isinstance(item, Middleware):
+                raise ConfigurationError(
+                    f"middleware must be idembus.Middleware instances, got {item!r}")
+        self.middleware = tuple(middleware)
+        self._stages = {name: _Stage(self.middleware, name) for name in _STAGES}
+        self._outgoing = [m.outgoing for m in self.middleware if _overrides(m, "outgoing")]
+
+    def message(self, incoming: IncomingMessage, body: Callable[[], T]) -> T:
+        """Run ``body`` (the processing of one delivery) inside the message stage."""
+        return self._stages["message"].run(incoming, body)
+
+    def handler(self, call: HandlerCall, body: Callable[[], T]) -> T:
+        return self._stages["handler"].run(call, body)
+
+    def commit(self, call: HandlerCall, body: Callable[[], T]) -> T:
+        return self._stages["commit"].run(call, body)
+
+    def dispatch(self, dispatch: Dispatch, body: Callable[[], T]) -> T:
+        return self._stages["dispatch"].run(dispatch, body)
+
+    def prepare(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        """The envelope as the ``outgoing`` hooks leave it, to be recorded or sent."""
+        for hook in self._outgoing:
+            envelope = hook(envelope, origin)
+            if not isinstance(envelope, Envelope):
+                raise TypeError(f"outgoing hook {hook!r} returned {envelope!r}, not an "
+                                "Envelope")
+        return envelope
+
+    def recorder(self, emit: Callable[[Envelope], None],
+                 origin: MessageContext | None) -> Callable[[Envelope], None]:
+        """``emit`` behind the ``outgoing`` hooks (what a :class:`~idembus.sending.Bus`
+        is given)."""
+        if not self._outgoing:
+            return emit
+        return lambda envelope: emit(self.prepare(envelope, origin))
+
+    def setup(self, endpoint: Any) -> None:
+        for item in self.middleware:
+            item.setup(endpoint)
+
+    def close(self) -> None:
+        for item in self.middleware:
+            try:
+                item.close()
+            except Exception:
+                log.exception("closing middleware %r failed", item)
+
+
+@dataclass(frozen=True)
+class PropagateHeaders(Middleware):
+    """Copies the named headers of the message being handled to every message its handlers
+    send (``Endpoint(propagate_headers=("tenant",))``); a header the outgoing message sets
+    itself wins. Stored with the message, like every header."""
+
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        reserved = [name for name in self.names if name.startswith("idembus.")]
+        if reserved:
+            raise ConfigurationError(
+                f"propagate_headers cannot name idembus headers {reserved}: idembus sets "
+                "them itself")
+
+    def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        if origin is None:
+            return envelope
+        carried = {name: origin.headers[name] for name in self.names
+                   if name in origin.headers and name not in envelope.headers}
+        return envelope.with_headers(carried) if carried else envelope
