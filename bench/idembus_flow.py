@@ -21,6 +21,7 @@ from bench.common import (
     unique_suffix,
 )
 from idembus.endpoint import Endpoint
+from idembus.pipeline import Middleware
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
@@ -54,7 +55,8 @@ class Flow:
 
 
 def build_flow(url: str, storage: str, count: int, *, confirm: bool,
-               transport: TransportFactory = KombuTransport) -> Flow:
+               transport: TransportFactory = KombuTransport,
+               middleware: Callable[[], list[Middleware]] = list) -> Flow:
     """Create both endpoints on fresh queues, declare them and hook up the clock."""
     suffix = unique_suffix()
     exchange = f"bench.events.{suffix}"
@@ -69,6 +71,7 @@ def build_flow(url: str, storage: str, count: int, *, confirm: bool,
             error_queue=f"bench-error-{suffix}",
             concurrency=1,
             prefetch=PREFETCH,
+            middleware=middleware(),
         )
 
     sales_transport, billing_transport = (
@@ -109,9 +112,12 @@ def cleanup(flow: Flow) -> None:
 
 
 def run(url: str, storage: str, count: int, *, confirm: bool = True,
-        transport: TransportFactory = KombuTransport) -> float:
-    """One timed run; returns the seconds taken for 2 x ``count`` handled messages."""
-    flow = build_flow(url, storage, count, confirm=confirm, transport=transport)
+        transport: TransportFactory = KombuTransport,
+        middleware: Callable[[], list[Middleware]] = list) -> float:
+    """One timed run; returns the seconds taken for 2 x ``count`` handled messages, with
+    ``middleware()`` on each endpoint."""
+    flow = build_flow(url, storage, count, confirm=confirm, transport=transport,
+                      middleware=middleware)
     try:
         preload(flow, count)
         flow.billing.start()

@@ -39,7 +39,7 @@ from typing import Any
 
 import kombu
 
-from bench import idembus_flow, raw_flow
+from bench import idembus_flow, middleware_cost, raw_flow
 from bench.common import (
     TRANSPORT_URLS,
     Measurement,
@@ -48,6 +48,7 @@ from bench.common import (
     unreachable_reason,
 )
 from bench.profiling import profile_run
+from idembus.pipeline import Middleware
 from idembus.transports.kombu import KombuTransport
 
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -58,12 +59,23 @@ Runner = Callable[[str, int], float]
 Variants = dict[str, tuple[str, Runner]]
 
 
-def variants(storages: Sequence[str], *, confirm: bool) -> Variants:
+def variants(storages: Sequence[str], *, confirm: bool, middleware: bool = True) -> Variants:
     chosen: Variants = {"raw": ("raw kombu loop", _raw_runner(confirm))}
     labels = {"mongomock": "idembus + mongomock (default)", "memory": "idembus + MemoryStorage"}
     for storage in storages:
         chosen[_variant_key(storage)] = (labels[storage], _idembus_runner(storage, confirm))
+    if middleware and "memory" in storages:  # the cost of the pipeline, against no middleware
+        for key, (label, factory) in MIDDLEWARE_VARIANTS.items():
+            chosen[key] = (label, _idembus_runner("memory", confirm, factory))
     return chosen
+
+
+#: variant key -> (label, middleware factory): measured on MemoryStorage, compared with
+#: ``idembus_memorystorage`` (no middleware) of the same run.
+MIDDLEWARE_VARIANTS: dict[str, tuple[str, Callable[[], list[Middleware]]]] = {
+    "idembus_5_noop_middleware": ("  + 5 no-op middleware", middleware_cost.five_no_ops),
+    "idembus_tracing": ("  + tracing, no-op exporter", middleware_cost.tracing),
+}
 
 
 def _variant_key(storage: str) -> str:
@@ -74,8 +86,10 @@ def _raw_runner(confirm: bool) -> Runner:
     return lambda url, count: raw_flow.run(url, count, confirm=confirm)
 
 
-def _idembus_runner(storage: str, confirm: bool) -> Runner:
-    return lambda url, count: idembus_flow.run(url, storage, count, confirm=confirm)
+def _idembus_runner(storage: str, confirm: bool,
+                    middleware: Callable[[], list[Middleware]] = list) -> Runner:
+    return lambda url, count: idembus_flow.run(url, storage, count, confirm=confirm,
+                                               middleware=middleware)
 
 
 def measure(url: str, orders: int, rounds: int, chosen: Variants) -> dict[str, Measurement]:
@@ -114,6 +128,11 @@ def print_table(name: str, orders: int, results: dict[str, Measurement],
               f"{measurement.median / raw:>7.3f}  {rounds}")
     if "idembus" in results:
         print("(mongomock scans a whole collection per query: its rate falls as N grows)")
+    if "idembus_memorystorage" in results and any(key in results for key in MIDDLEWARE_VARIANTS):
+        plain = results["idembus_memorystorage"].median
+        print("middleware cost, against MemoryStorage without middleware: " + ", ".join(
+            f"{chosen[key][0].strip()} {results[key].median / plain:.3f}x"
+            for key in MIDDLEWARE_VARIANTS if key in results))
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -130,6 +149,11 @@ def summary(report: dict[str, Any]) -> str:
             if key == "idembus":
                 target.append(f"{name}_raw={_figure(medians.get('raw'), '.0f')}")
             target.append(f"{name}_ratio{suffix}={_figure(ratios.get(key), '.3f')}")
+        plain = medians.get("idembus_memorystorage")
+        for key in MIDDLEWARE_VARIANTS:
+            cost = medians.get(key)
+            extra.append(f"{name}_{key.removeprefix('idembus_')}_vs_none="
+                         f"{_figure(cost / plain if cost and plain else None, '.3f')}")
     return "bench: " + " ".join(fields + extra)
 
 

@@ -23,7 +23,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -119,7 +119,7 @@ class Endpoint:
         name: str,
         *,
         transport: Transport | str = "memory://",
-        storage: Storage | None = None,
+        storage: StorageRole | None = None,
         handlers: Sequence[Handler | type[Handler]] = (),
         routes: Mapping[type[Message], str] | None = None,
         concurrency: int = 1,
@@ -169,8 +169,8 @@ class Endpoint:
                 journal=bool(journal_policy.events),
                 audit=any(isinstance(item, Audit) for item in middleware),
                 status=bool(status_interval))
-        self.storage: Storage = (storage if storage is not None  # type: ignore[assignment]
-                                 else _embedded_storage(name))
+        # Typed as the whole contract: only the roles checked above are ever called.
+        self.storage = cast(Storage, storage) if storage is not None else _embedded_storage(name)
         self._check_retention()
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)

@@ -21,6 +21,7 @@ from idembus import Endpoint
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
+from idembus.testing.contract.base import eager_switching
 from idembus.transports.kombu import KombuTransport
 
 AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -190,12 +191,8 @@ def eager_thread_switching() -> Iterator[None]:
     mongomock passes race tests by luck; with it, an unguarded mongomock lets several of
     the racing commits through in most rounds.
     """
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
+    with eager_switching():
         yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Endpoints with audit=True keep what happened to each message in their storage."""
+"""Endpoints with the Audit middleware keep what happened to each message in their storage."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ _HEADINGS = ("endpoint", "message type", "messages", "handled", "duplicates", "r
 def format_table(rows: Sequence[ReportRow]) -> str:
     """The rows as an aligned text table (text left, numbers right)."""
     if not rows:
-        return "no audit records (is audit=True set on the endpoint?)"
+        return "no audit records (does the endpoint have the Audit middleware?)"
     cells = [_HEADINGS] + [_cells(row) for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(_HEADINGS))]
     lines = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)

@@ -9,7 +9,7 @@ import pathlib
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("endpoint", help="package.module:endpoint (or factory) whose storage "
-                                         "holds the audit trail (Endpoint(audit=True))")
+                                         "holds the audit trail (Endpoint(middleware=[Audit()]))")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("idembus-report"),
                         help="directory for report.csv and report.png (idembus-report)")
     parser.add_argument("--partitions", type=int, default=4,

@@ -1,5 +1,5 @@
 """The audit trail as a Spark DataFrame: a Python data source (``pyspark.sql.datasource``, no
-JVM jars) reading the audit records of an endpoint's storage (``Endpoint(audit=True)``).
+JVM jars) reading the audit records of an endpoint's storage (``Endpoint(middleware=[Audit()])``).
 
 ::
 
@@ -156,7 +156,7 @@ def refuse_process_local(reference: str, storage: StorageRole) -> None:
             "process (memory or mongomock), which Spark's worker processes cannot read. "
             "Give the endpoint a storage that processes share: "
             "PostgresStorage('postgresql://...') or MongoStorage('mongodb://...') on a "
-            "MongoDB server, with audit=True."
+            "MongoDB server, with the Audit middleware."
         )
 
 

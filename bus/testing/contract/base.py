@@ -9,6 +9,7 @@ fixture cleans up what it created after the test.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -53,14 +54,21 @@ class RoleContract:
 
     @pytest.fixture
     def eager_thread_switching(self) -> Iterator[None]:
-        """Make the interpreter switch threads every few bytecodes instead of every 5 ms.
-
-        Without this, a commit is short enough to run within one time slice and an
-        unguarded backend passes race tests by luck.
-        """
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(1e-6)
-        try:
+        """Threads switch every few bytecodes during the test (:func:`eager_switching`)."""
+        with eager_switching():
             yield
-        finally:
-            sys.setswitchinterval(previous)
+
+
+@contextlib.contextmanager
+def eager_switching() -> Iterator[None]:
+    """Make the interpreter switch threads every few bytecodes instead of every 5 ms.
+
+    Without this, a commit is short enough to run within one time slice and an unguarded
+    backend passes race tests by luck.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)

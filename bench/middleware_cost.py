@@ -1,0 +1,76 @@
+"""The middleware whose cost ``bench.throughput`` measures (issue 13, point 7).
+
+``five_no_ops()``: five middleware overriding every hook with nothing, so that the pipeline
+calls each of them at every stage. ``tracing()``: the OpenTelemetry middleware on an SDK
+tracer provider whose spans are exported to nowhere (a no-op exporter behind a batch
+processor, as a production setup would export them), so the figure is what creating,
+ending and propagating spans costs idembus's hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from idembus.context import MessageContext
+from idembus.envelope import Envelope
+from idembus.pipeline import Dispatch, HandlerCall, IncomingMessage, Middleware
+
+
+class NoOp(Middleware):
+    """Every hook, doing nothing."""
+
+    def before_message(self, incoming: IncomingMessage) -> None:
+        pass
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        pass
+
+    def before_handler(self, call: HandlerCall) -> None:
+        pass
+
+    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
+        pass
+
+    def before_commit(self, call: HandlerCall) -> None:
+        pass
+
+    def after_commit(self, call: HandlerCall, error: BaseException | None) -> None:
+        pass
+
+    def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        return envelope
+
+    def before_dispatch(self, dispatch: Dispatch) -> None:
+        pass
+
+    def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None:
+        pass
+
+
+def five_no_ops() -> list[Middleware]:
+    return [NoOp() for _ in range(5)]
+
+
+def tracing() -> list[Middleware]:
+    """The tracing middleware on its own SDK provider, exporting to nowhere."""
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        SpanExporter,
+        SpanExportResult,
+    )
+
+    from idembus.tracing import Tracing
+
+    class Nowhere(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Nowhere()))
+    return [Tracing(tracer_provider=provider)]
+
+
+def none() -> list[Any]:
+    return []
