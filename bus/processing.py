@@ -121,6 +121,17 @@ class MessageProcessor:
             pause = self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
         except PipelineControl as control:  # raised by a before_message hook
             self._steer(delivery, incoming, control)
+        except (StorageUnavailable, TransportUnavailable):
+            raise  # an outage while stopping: the broker delivers the message again
+        except Exception as error:
+            # A before_message hook failed (or a bug): the message's failure, not a requeue
+            # that would bring it straight back, forever.
+            log.exception("%s could not process %s", self._endpoint, headers.get(h.MESSAGE_ID))
+            self._signals.emit("failed", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), error=error,
+                               attempt=1, time_sent=headers.get(h.TIME_SENT))
+            pause = self._after_failure(delivery, incoming, _Failure(
+                error, 1, self._recovery.settings.retries))
         delivery.ack()
         if pause:
             self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),

@@ -410,3 +410,27 @@ def test_after_message_sees_how_the_message_ended() -> None:
         books.bus.send(Deposit(account="x", amount=-1))
         wait_until_idle([books])
     assert outcomes == [("handled", True), ("dead_lettered", True)]
+
+
+def test_a_failing_before_message_hook_fails_the_message_instead_of_looping() -> None:
+    # Given a middleware whose before_message hook always raises (a bug)
+    class Broken(Middleware):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def before_message(self, incoming: IncomingMessage) -> None:
+            self.calls += 1
+            raise KeyError("broken middleware")
+
+    broken = Broken()
+    accounts = endpoint("accounts", handlers=[AccountHandler], middleware=[broken],
+                        recoverability=_no_retries())
+    dead = SignalCounter(accounts, "dead_lettered")
+    with accounts:
+        accounts.bus.send(Deposit(account="x", amount=1))
+        assert dead.wait_for(1)
+        wait_until_idle([accounts])
+    # Then the message went to the error queue with the reason after one try, not requeued
+    copy = accounts.transport.get(accounts.error_queue)
+    assert copy is not None and "broken middleware" in copy.headers[h.EXCEPTION_MESSAGE]
+    assert broken.calls == 1 and accounts.counters["failed"] == 1
