@@ -38,10 +38,12 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint
     from .handlers import AggregateHandler, Handler, handles
     from .journal import JournalPolicy
+    from .metrics import Metrics
     from .recovery import Recoverability
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
     from .storage.postgres import PostgresStorage
+    from .tracing import Tracing
     from .transports.kombu import KombuTransport
 
 #: Names imported on first use, with the module (relative to this package) that has them.
@@ -53,11 +55,18 @@ _LAZY = {
     "Endpoint": ".endpoint",
     "Handler": ".handlers",
     "KombuTransport": ".transports.kombu",
+    "Metrics": ".metrics",
     "MemoryStorage": ".storage.memory",
     "MongoStorage": ".storage.mongo",
     "PostgresStorage": ".storage.postgres",
+    "Tracing": ".tracing",
     "handles": ".handlers",
 }
+
+#: Names whose module needs an optional dependency: (what, the extra that installs it).
+_EXTRAS = {"PostgresStorage": ("psycopg", "postgres"),
+           "Metrics": ("opentelemetry-api", "otel"),
+           "Tracing": ("opentelemetry-api", "otel")}
 
 __all__ = [
     "AggregateHandler",
@@ -81,6 +90,7 @@ __all__ = [
     "Message",
     "MessageContext",
     "MessageError",
+    "Metrics",
     "Middleware",
     "MongoStorage",
     "OutboxPolicy",
@@ -91,6 +101,7 @@ __all__ = [
     "RetryPolicy",
     "RoutingError",
     "SkipMessage",
+    "Tracing",
     "UnknownMessageType",
     "handles",
     "headers",
@@ -105,8 +116,9 @@ def __getattr__(name: str) -> object:
     try:
         return getattr(importlib.import_module(module, __name__), name)
     except ModuleNotFoundError as missing:
-        if name == "PostgresStorage":
-            raise ImportError(f"PostgresStorage needs psycopg: pip install 'idembus[postgres]' "
+        extra = _EXTRAS.get(name)
+        if extra is not None:
+            raise ImportError(f"{name} needs {extra[0]}: pip install 'idembus[{extra[1]}]' "
                               f"({missing})") from missing
         raise
 

@@ -1,6 +1,7 @@
 """The ``idembus`` command.
 
     idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
+                [--metrics-port N [--metrics-host HOST]]
     idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~idembus.endpoint.Endpoint`, or a function returning one, in an
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="consumer threads per process (the endpoint's own setting)")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to finish messages in progress after SIGTERM (30)")
+    _add_metrics_options(run)
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
         "migrate", parents=[common],
@@ -92,6 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIGURATION
 
 
+def _add_metrics_options(run: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host`` of ``run`` (:mod:`idembus.prometheus`)."""
+    run.add_argument("--metrics-port", type=int, metavar="N",
+                     help="serve the endpoint's metrics to Prometheus at "
+                          "http://HOST:N/metrics (needs idembus[prometheus]; 0: a free port, "
+                          "logged)")
+    run.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                     help="the address --metrics-port listens on (0.0.0.0)")
+
+
 def _migrate(reference: str) -> int:
     endpoint = load_endpoint(reference)
     try:
@@ -107,15 +119,27 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--workers must be at least 1")
     if args.concurrency is not None and args.concurrency < 1:
         raise ConfigurationError("--concurrency must be at least 1")
+    if args.metrics_port is not None and args.workers > 1:
+        raise ConfigurationError(
+            "--metrics-port serves the metrics of one process: with --workers, run one "
+            "`idembus run` per process, each with a port of its own, or use --concurrency")
     endpoint = load_endpoint(args.endpoint)
     if args.workers == 1:
         if args.concurrency is not None:
             endpoint.concurrency = args.concurrency
-        stop_when_orphaned(endpoint.request_stop)
+        metrics_server = None
         try:
+            if args.metrics_port is not None:
+                from .prometheus import serve_endpoint_metrics
+
+                metrics_server = serve_endpoint_metrics(endpoint, args.metrics_port,
+                                                        args.metrics_host)
+            stop_when_orphaned(endpoint.request_stop)
             return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
         finally:
             endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
+            if metrics_server is not None:
+                metrics_server.stop()
     try:
         if endpoint.process_local:
             raise ConfigurationError(

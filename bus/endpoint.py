@@ -223,6 +223,16 @@ class Endpoint:
         self._in_flight = 0
         self.pipeline.setup(self)
 
+    def add_middleware(self, middleware: Middleware) -> None:
+        """Add ``middleware`` after those given at construction (innermost), and set it up;
+        for tools that wrap an endpoint they loaded (``idembus run --metrics-port``). Not
+        while the endpoint runs."""
+        if self._threads:
+            raise RuntimeError(f"endpoint {self.name!r} is running: add middleware before "
+                               "starting it")
+        self.pipeline.append(middleware)
+        middleware.setup(self)
+
     @property
     def audit(self) -> Audit | None:
         """The :class:`~idembus.audit.Audit` middleware of this endpoint, if it has one."""

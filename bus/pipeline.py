@@ -35,8 +35,9 @@ the hooks a class overrides). Five stages, each with its own context object:
 Order: ``before_*`` hooks run in list order, ``after_*`` hooks in reverse, and an ``after``
 hook runs exactly when its ``before`` hook returned — with the error that ended the stage, or
 ``None``. Whatever an ``after`` hook raises is logged and changes nothing, except a
-:class:`BaseException` that is not an :class:`Exception` (a simulated crash, Ctrl-C), which
-goes on like the process dying.
+:class:`BaseException` that is not an :class:`Exception` (a simulated crash, Ctrl-C): the
+outer ``after`` hooks still run, with it as their error, and then it goes on like the
+process dying.
 
 Control flow: a ``before_message`` or ``before_handler`` hook, or a handler itself, may
 raise :class:`SkipMessage` (acknowledge without handling: the whole message from
@@ -227,11 +228,20 @@ class _Stage:
 
     def _unwind(self, entered: list[Callable[[Any, BaseException | None], None]],
                 context: Any, error: BaseException | None) -> None:
+        """Run every entered after hook, innermost first. An :class:`Exception` one raises
+        is logged; a bare :class:`BaseException` (a simulated crash) is raised once the
+        outer hooks have run, with it as their error."""
+        crash: BaseException | None = None
         for after in reversed(entered):
             try:
                 after(context, error)
             except Exception:
                 log.exception("after_%s hook %r raised; ignored", self.name, after)
+            except BaseException as escaping:
+                crash = crash or escaping
+                error = escaping
+        if crash is not None:
+            raise crash
 
 
 class Pipeline:
@@ -242,9 +252,21 @@ class Pipeline:
             if not isinstance(item, Middleware):
                 raise ConfigurationError(
                     f"middleware must be idembus.Middleware instances, got {item!r}")
-        self.middleware = tuple(middleware)
-        self._stages = {name: _Stage(self.middleware, name) for name in _STAGES}
-        self._outgoing = [m.outgoing for m in self.middleware if _overrides(m, "outgoing")]
+        self.middleware: tuple[Middleware, ...] = ()
+        self._arrange(tuple(middleware))
+
+    def _arrange(self, middleware: tuple[Middleware, ...]) -> None:
+        self.middleware = middleware
+        self._stages = {name: _Stage(middleware, name) for name in _STAGES}
+        self._outgoing = [m.outgoing for m in middleware if _overrides(m, "outgoing")]
+
+    def append(self, middleware: Middleware) -> None:
+        """Add ``middleware`` last (innermost). Not while messages are processed: the
+        endpoint's :meth:`~idembus.endpoint.Endpoint.add_middleware` checks that."""
+        if not isinstance(middleware, Middleware):
+            raise ConfigurationError(
+                f"middleware must be idembus.Middleware instances, got {middleware!r}")
+        self._arrange((*self.middleware, middleware))
 
     def message(self, incoming: IncomingMessage, body: Callable[[], T]) -> T:
         """Run ``body`` (the processing of one delivery) inside the message stage."""
@@ -272,8 +294,6 @@ class Pipeline:
                  origin: MessageContext | None) -> Callable[[Envelope], None]:
         """``emit`` behind the ``outgoing`` hooks (what a :class:`~idembus.sending.Bus`
         is given)."""
-        if not self._outgoing:
-            return emit
         return lambda envelope: emit(self.prepare(envelope, origin))
 
     def setup(self, endpoint: Any) -> None:

@@ -434,3 +434,22 @@ def test_a_failing_before_message_hook_fails_the_message_instead_of_looping() ->
     copy = accounts.transport.get(accounts.error_queue)
     assert copy is not None and "broken middleware" in copy.headers[h.EXCEPTION_MESSAGE]
     assert broken.calls == 1 and accounts.counters["failed"] == 1
+
+
+def test_a_crash_in_an_inner_after_hook_still_runs_the_outer_ones_then_goes_on() -> None:
+    from idembus.pipeline import Pipeline
+
+    calls: list[str] = []
+
+    class Crashing(Recorder):
+        def after_message(self, incoming: IncomingMessage,
+                          error: BaseException | None) -> None:
+            super().after_message(incoming, error)
+            raise SimulatedCrash("dies here")
+
+    pipeline = Pipeline([Recorder("a", calls), Crashing("b", calls)])
+    incoming = IncomingMessage("e", "q", {})
+    with pytest.raises(SimulatedCrash):
+        pipeline.message(incoming, lambda: None)
+    assert calls == ["a.before_message", "b.before_message", "b.after_message",
+                     "a.after_message!SimulatedCrash"]

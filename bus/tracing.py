@@ -1,0 +1,344 @@
+"""OpenTelemetry tracing of an endpoint, as middleware (:mod:`idembus.pipeline`)::
+
+    from idembus.tracing import Tracing
+
+    Endpoint("sales", middleware=[Tracing()], ...)  # the global tracer provider
+    Endpoint("sales", middleware=[Tracing(tracer_provider=provider)], ...)
+
+Needs ``opentelemetry-api`` only (``pip install 'idembus[otel]'``); the application chooses
+and configures an SDK. Spans follow the OpenTelemetry semantic conventions for messaging:
+
+``process <queue>`` (CONSUMER)
+    one delivery, from before it is decoded until it is settled; its parent is the creation
+    context the message carries (W3C ``traceparent``/``tracestate``, or whatever the global
+    propagator reads).
+``handle <handler>`` (INTERNAL)
+    one attempt of one handler: load, run, commit; ``idembus.duplicate`` says whether the
+    message was found already processed (not an error).
+``commit <handler>`` (INTERNAL)
+    the conditional write of an attempt.
+``create <destination>`` (PRODUCER)
+    a message a handler, a unit of work or ``endpoint.bus`` records; its context is the
+    message's **creation context**, injected into the message's headers *before* it is
+    committed, so it is stored with the message.
+``send|publish|reply <destination>`` (CLIENT)
+    each dispatch to the broker: the first one, a duplicate's redispatch, an outbox repair.
+    Its parent is the creation context stored with the message, so a redispatch and an
+    outbox repair minutes later continue the trace of the handler that created the message
+    (``idembus.redispatched`` marks them; a redispatch also links to the delivery that
+    caused it).
+
+The consumer's ``process`` span is thus a child of the producer's ``create`` span, which is
+a child of the handler (or of the caller of ``endpoint.bus``). A message that already
+carries a creation context (a header set by the caller) keeps it, and gets no ``create``
+span.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from . import headers as h
+from .context import MessageContext
+from .envelope import Envelope
+from .pipeline import Dispatch, HandlerCall, IncomingMessage, Middleware, RetryLater, SkipMessage
+from .redaction import redact
+from .storage.errors import AlreadyProcessed, ConcurrencyConflict
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+    from opentelemetry.context import Context
+    from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, TracerProvider
+except ImportError as missing:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"idembus.tracing needs opentelemetry-api: pip install 'idembus[otel]' ({missing})"
+    ) from missing
+
+#: The value of ``messaging.system`` by transport URL scheme; others use the scheme itself.
+_SYSTEMS = {"amqp": "rabbitmq", "amqps": "rabbitmq", "pyamqp": "rabbitmq",
+            "librabbitmq": "rabbitmq", "redis": "redis", "rediss": "redis",
+            "memory": "memory"}
+#: Dispatch sources that send a message again (``idembus.redispatched``).
+_AGAIN = frozenset({"redispatch", "outbox"})
+
+# Attribute names (OpenTelemetry messaging semantic conventions, then idembus's own).
+SYSTEM = "messaging.system"
+OPERATION_TYPE = "messaging.operation.type"
+OPERATION_NAME = "messaging.operation.name"
+DESTINATION = "messaging.destination.name"
+MESSAGE_ID = "messaging.message.id"
+CONVERSATION_ID = "messaging.message.conversation_id"
+ERROR_TYPE = "error.type"
+ENDPOINT = "idembus.endpoint"
+MESSAGE_TYPE = "idembus.message_type"
+HANDLER = "idembus.handler"
+ATTEMPT = "idembus.attempt"
+DUPLICATE = "idembus.duplicate"
+REDISPATCHED = "idembus.redispatched"
+SOURCE = "idembus.dispatch.source"
+OUTCOME = "idembus.outcome"
+OUTGOING = "idembus.outgoing"
+CONFLICT = "idembus.conflict"
+
+
+class Tracing(Middleware):
+    """Spans for every delivery, handler attempt, commit, created message and dispatch.
+
+    ``tracer_provider``: where the spans go (default: the global one, looked up through
+    the OpenTelemetry API's proxy, so it may be set after this middleware is created).
+    ``propagator``: how the trace context is written to and read from message headers
+    (default: the global one, W3C ``traceparent``/``tracestate`` and ``baggage`` unless
+    configured otherwise). ``messaging_system``: the ``messaging.system`` attribute
+    (default: from the endpoint's transport: ``rabbitmq``, ``redis``, ``memory``).
+
+    One instance may serve several endpoints.
+    """
+
+    def __init__(self, tracer_provider: TracerProvider | None = None, *,
+                 propagator: TextMapPropagator | None = None,
+                 messaging_system: str | None = None) -> None:
+        self._tracer = trace.get_tracer("idembus", _version(), tracer_provider=tracer_provider)
+        self._propagator = propagator
+        self._system = messaging_system
+        #: ``messaging.system`` of each endpoint set up with this middleware.
+        self._systems: dict[str, str] = {}
+        #: Where this instance keeps its span and context token in a stage's ``items`` (the
+        #: handler and commit stages share theirs).
+        key = f"idembus.tracing.{id(self):x}"
+        self._key, self._commit_key, self._open_key = key, f"{key}.commit", f"{key}.open"
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def setup(self, endpoint: Any) -> None:
+        """Learn the endpoint's ``messaging.system`` from its transport."""
+        self._systems[endpoint.name] = self._system or _system_of(endpoint.transport)
+
+    def _system_for(self, endpoint: str | None) -> str:
+        return self._systems.get(endpoint or "") or self._system or "idembus"
+
+    def _textmap(self) -> TextMapPropagator:
+        return self._propagator or propagate.get_global_textmap()
+
+    # -- message --------------------------------------------------------------------------
+
+    def before_message(self, incoming: IncomingMessage) -> None:
+        headers = incoming.headers
+        parent = self._textmap().extract(headers)
+        attributes: dict[str, Any] = {
+            SYSTEM: self._system_for(incoming.endpoint),
+            OPERATION_TYPE: "process",
+            OPERATION_NAME: "process",
+            DESTINATION: incoming.queue,
+            ENDPOINT: incoming.endpoint,
+        }
+        _put(attributes, MESSAGE_ID, headers.get(h.MESSAGE_ID))
+        _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
+        _put(attributes, MESSAGE_TYPE, headers.get(h.MESSAGE_TYPE))
+        span = self._tracer.start_span(f"process {incoming.queue}", context=parent,
+                                       kind=SpanKind.CONSUMER, attributes=attributes)
+        self._enter(incoming.items, span, parent)
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        span = self._leave(incoming.items)
+        # Handler and commit spans whose after hook did not run: an inner after hook raised
+        # a BaseException (a simulated crash) past it. They end with the message.
+        for left in incoming.items.pop(self._open_key, {}).values():
+            _end(left, error)
+        if span is None:
+            return
+        if incoming.outcome is not None:
+            span.set_attribute(OUTCOME, incoming.outcome)
+        if error is None and incoming.outcome == "dead_lettered":
+            span.set_status(Status(StatusCode.ERROR, "moved to the error queue"))
+        _end(span, error)
+
+    # -- handler and commit ---------------------------------------------------------------
+
+    def before_handler(self, call: HandlerCall) -> None:
+        attributes = self._call_attributes(call)
+        span = self._tracer.start_span(f"handle {call.handler}", attributes=attributes)
+        self._enter(call.items, span)
+        self._opened(call).setdefault(id(span), span)
+
+    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
+        span = self._leave(call.items)
+        if span is None:
+            return
+        self._opened(call).pop(id(span), None)
+        span.set_attribute(DUPLICATE, call.duplicate)
+        span.set_attribute(OUTGOING, len(call.outgoing))
+        _end(span, error)
+
+    def before_commit(self, call: HandlerCall) -> None:
+        attributes = self._call_attributes(call)
+        attributes[OUTGOING] = len(call.outgoing)
+        span = self._tracer.start_span(f"commit {call.handler}", attributes=attributes)
+        self._enter(call.items, span, key=self._commit_key)
+        self._opened(call).setdefault(id(span), span)
+
+    def after_commit(self, call: HandlerCall, error: BaseException | None) -> None:
+        span = self._leave(call.items, key=self._commit_key)
+        if span is None:
+            return
+        self._opened(call).pop(id(span), None)
+        if isinstance(error, AlreadyProcessed):  # committed by another delivery meanwhile
+            span.set_attribute(DUPLICATE, True)
+            error = None
+        elif isinstance(error, ConcurrencyConflict):  # a lost optimistic race: tried again
+            span.set_attribute(CONFLICT, True)
+            error = None
+        _end(span, error)
+
+    def _opened(self, call: HandlerCall) -> dict[int, Span]:
+        """The handler and commit spans of the delivery that are not ended yet."""
+        opened: dict[int, Span] = call.incoming.items.setdefault(self._open_key, {})
+        return opened
+
+    def _call_attributes(self, call: HandlerCall) -> dict[str, Any]:
+        context = call.context
+        return {
+            SYSTEM: self._system_for(context.endpoint),
+            DESTINATION: call.incoming.queue,
+            ENDPOINT: context.endpoint,
+            HANDLER: call.handler,
+            ATTEMPT: call.attempt,
+            MESSAGE_ID: context.message_id,
+            CONVERSATION_ID: context.conversation_id,
+            MESSAGE_TYPE: context.message_type,
+        }
+
+    # -- outgoing messages ----------------------------------------------------------------
+
+    def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        """Start and end a ``create`` span under the current context (the handler's span,
+        or the caller's) and inject its context into the headers, which are then stored
+        with the message. A message that carries a trace context already keeps it."""
+        textmap = self._textmap()
+        if _has_span(textmap.extract(envelope.headers)):
+            return envelope
+        current = otel_context.get_current()
+        headers = envelope.headers
+        destination = _destination(envelope)
+        attributes: dict[str, Any] = {
+            SYSTEM: self._system_for(headers.get(h.ORIGINATING_ENDPOINT)),
+            OPERATION_TYPE: "create",
+            OPERATION_NAME: "create",
+            DESTINATION: destination,
+            MESSAGE_ID: envelope.message_id,
+            MESSAGE_TYPE: envelope.message_type,
+        }
+        _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
+        _put(attributes, ENDPOINT, headers.get(h.ORIGINATING_ENDPOINT))
+        if origin is not None:
+            attributes[HANDLER] = origin.handler_name
+        span = self._tracer.start_span(f"create {destination}", context=current,
+                                       kind=SpanKind.PRODUCER, attributes=attributes)
+        span.end()
+        carrier: dict[str, str] = {}
+        textmap.inject(carrier, context=trace.set_span_in_context(span, current))
+        return envelope.with_headers(carrier) if carrier else envelope
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def before_dispatch(self, dispatch: Dispatch) -> None:
+        envelope = dispatch.envelope
+        headers = envelope.headers
+        current = otel_context.get_current()
+        parent = self._textmap().extract(headers)
+        if not _has_span(parent):  # stored before tracing was on: the caller's context
+            parent = current
+        links: list[Link] = []
+        cause = trace.get_current_span(current).get_span_context()
+        if dispatch.source == "redispatch" and cause.is_valid:
+            links.append(Link(cause))  # the duplicate delivery that sends it again
+        destination = _destination(envelope)
+        operation = headers.get(h.INTENT) or "send"
+        attributes: dict[str, Any] = {
+            SYSTEM: self._system_for(dispatch.endpoint),
+            OPERATION_TYPE: "send",
+            OPERATION_NAME: operation,
+            DESTINATION: destination,
+            ENDPOINT: dispatch.endpoint,
+            SOURCE: dispatch.source,
+            REDISPATCHED: dispatch.source in _AGAIN,
+        }
+        _put(attributes, MESSAGE_ID, headers.get(h.MESSAGE_ID))
+        _put(attributes, MESSAGE_TYPE, headers.get(h.MESSAGE_TYPE))
+        _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
+        span = self._tracer.start_span(f"{operation} {destination}", context=parent,
+                                       kind=SpanKind.CLIENT, attributes=attributes,
+                                       links=links)
+        self._enter(dispatch.items, span, parent)
+
+    def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None:
+        span = self._leave(dispatch.items)
+        if span is not None:
+            _end(span, error)
+
+    # -- keeping spans between hooks ------------------------------------------------------
+
+    def _enter(self, items: dict[str, Any], span: Span, parent: Context | None = None, *,
+               key: str | None = None) -> None:
+        """Make ``span`` current (in ``parent``, or the current context) until ``_leave``."""
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        items[key or self._key] = (span, token)
+
+    def _leave(self, items: dict[str, Any], *, key: str | None = None) -> Span | None:
+        entered = items.pop(key or self._key, None)
+        if entered is None:
+            return None
+        span, token = entered
+        otel_context.detach(token)
+        return span  # type: ignore[no-any-return]
+
+
+def _end(span: Span, error: BaseException | None) -> None:
+    """End ``span``, recording ``error`` on it unless it only steers the message."""
+    try:
+        if error is None:
+            return
+        if isinstance(error, SkipMessage | RetryLater):
+            span.set_attribute(OUTCOME, "skipped" if isinstance(error, SkipMessage)
+                               else "retry_later")
+            return
+        kind = f"{type(error).__module__}.{type(error).__qualname__}"
+        message = redact(str(error))
+        span.record_exception(error, attributes={"exception.message": message})
+        span.set_attribute(ERROR_TYPE, kind)
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {message}"))
+    finally:
+        span.end()
+
+
+def _has_span(context: Context) -> bool:
+    return trace.get_current_span(context).get_span_context().is_valid
+
+
+def _destination(envelope: Envelope) -> str:
+    """The queue of a sent or replied message; the message type of a published event (the
+    routing key on the endpoint's exchange)."""
+    return envelope.destination or envelope.headers.get(h.MESSAGE_TYPE) or "unknown"
+
+
+def _put(attributes: dict[str, Any], name: str, value: str | None) -> None:
+    if value:
+        attributes[name] = value
+
+
+def _system_of(transport: Any) -> str:
+    url = getattr(transport, "url", None)
+    if not isinstance(url, str) or "://" not in url:
+        return "idembus"
+    scheme = url.split("://", 1)[0].lower()
+    return _SYSTEMS.get(scheme, scheme or "idembus")
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("idembus")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        return None
+

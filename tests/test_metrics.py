@@ -1,0 +1,213 @@
+"""idembus.metrics: counters from the endpoint's signals, durations and in-flight from the
+message stage, read with the OpenTelemetry SDK's in-memory reader (no global state)."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+
+from idembus import headers as h
+from idembus.envelope import format_utc, utc_now
+from idembus.handlers import Handler, handles
+from idembus.metrics import Metrics
+from idembus.pipeline import IncomingMessage, Pipeline
+from idembus.policies import RetryPolicy
+from idembus.recovery import Recoverability
+from idembus.registry import MessageRegistry
+from idembus.signals import EndpointSignals
+from idembus.testing import wait_until_idle
+from tests.support import AccountHandler, Deposit, Deposited, SignalCounter
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    """Metric name -> its data points, as collected now."""
+    found: dict[str, list[Any]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                found.setdefault(metric.name, []).extend(metric.data.data_points)
+    return found
+
+
+def values(reader: InMemoryMetricReader, name: str) -> dict[tuple[tuple[str, Any], ...], Any]:
+    return {tuple(sorted(point.attributes.items())): point.value
+            for point in points(reader).get(name, [])}
+
+
+def labels(**attributes: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(attributes.items()))
+
+
+def fake_endpoint(name: str = "accounts") -> Any:
+    """What Metrics.setup reads of an endpoint: its name, signals and known types."""
+    return SimpleNamespace(name=name, signals=EndpointSignals(name),
+                           registry=MessageRegistry([Deposit, Deposited]))
+
+
+@pytest.fixture
+def provider_and_reader() -> Iterator[tuple[MeterProvider, InMemoryMetricReader]]:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    yield provider, reader
+    provider.shutdown()
+
+
+def test_signals_are_counted_by_endpoint_message_type_and_handler(provider_and_reader):
+    provider, reader = provider_and_reader
+    endpoint = fake_endpoint()
+    metrics = Metrics(meter_provider=provider)
+    metrics.setup(endpoint)
+    signals = endpoint.signals
+    common = {"message_id": "m-1", "message_type": "test.Deposit"}
+
+    # When the endpoint receives, handles, finds duplicates, fails, retries, dead-letters
+    for _ in range(3):
+        signals.emit("received", **common)
+    signals.emit("handled", handler="AccountHandler", **common)
+    signals.emit("handled", handler="AccountHandler", **common)
+    signals.emit("duplicate", handler="AccountHandler", **common)
+    signals.emit("redispatched", handler="AccountHandler", key="k", count=1, **common)
+    signals.emit("failed", handler="AccountHandler", error=KeyError("x"), attempt=1, **common)
+    signals.emit("retried", handler="AccountHandler", error=KeyError("x"), attempt=1,
+                 kind="immediate", **common)
+    signals.emit("dead_lettered", error=ValueError("bad"), **common)
+
+    # Then each counter has its figure, with its attributes
+    base = {"endpoint": "accounts", "message_type": "test.Deposit"}
+    handler = {**base, "handler": "AccountHandler"}
+    assert values(reader, "idembus.messages.received") == {labels(**base): 3}
+    assert values(reader, "idembus.messages.handled") == {labels(**handler): 2}
+    assert values(reader, "idembus.messages.duplicates") == {labels(**handler): 1}
+    assert values(reader, "idembus.messages.redispatched") == {labels(**handler): 1}
+    assert values(reader, "idembus.messages.failed") == {
+        labels(**handler, error_type="KeyError"): 1}
+    assert values(reader, "idembus.messages.retried") == {
+        labels(**handler, error_type="KeyError", kind="immediate"): 1}
+    assert values(reader, "idembus.messages.dead_lettered") == {
+        labels(**base, error_type="ValueError"): 1}
+
+    # And once closed, it counts no more
+    metrics.close()
+    signals.emit("received", **common)
+    assert values(reader, "idembus.messages.received") == {labels(**base): 3}
+
+
+def test_a_type_the_endpoint_does_not_know_is_counted_as_unknown(provider_and_reader):
+    provider, reader = provider_and_reader
+    endpoint = fake_endpoint()
+    Metrics(meter_provider=provider).setup(endpoint)
+    for index in range(50):  # a producer inventing type names makes no new series
+        endpoint.signals.emit("received", message_id=str(index), message_type=f"junk.{index}")
+    endpoint.signals.emit("received", message_id="x", message_type=None)
+    assert values(reader, "idembus.messages.received") == {
+        labels(endpoint="accounts", message_type="unknown"): 50, labels(endpoint="accounts"): 1}
+
+
+def test_in_flight_duration_and_critical_time_come_from_the_message_stage(
+    provider_and_reader,
+):
+    provider, reader = provider_and_reader
+    endpoint = fake_endpoint()
+    metrics = Metrics(meter_provider=provider)
+    metrics.setup(endpoint)
+    pipeline = Pipeline([metrics])
+    sent = utc_now() - datetime.timedelta(seconds=2)
+    headers = {h.MESSAGE_ID: "m-1", h.MESSAGE_TYPE: "test.Deposit",
+               h.TIME_SENT: format_utc(sent)}
+    during: dict[str, Any] = {}
+
+    def process(incoming: IncomingMessage, outcome: str) -> None:
+        during.update(values(reader, "idembus.messages.in_flight"))
+        incoming.outcome = outcome
+
+    # When one delivery is handled and another goes to the error queue
+    handled = IncomingMessage("accounts", "accounts", headers)
+    pipeline.message(handled, lambda: process(handled, "handled"))
+    failed = IncomingMessage("accounts", "accounts", headers)
+    pipeline.message(failed, lambda: process(failed, "dead_lettered"))
+
+    # Then one was in flight while it was processed, none afterwards
+    assert during == {labels(endpoint="accounts"): 1}
+    assert values(reader, "idembus.messages.in_flight") == {labels(endpoint="accounts"): 0}
+    # And both have a duration, by outcome; only the handled one a critical time (>= 2 s)
+    durations: list[HistogramDataPoint] = points(reader)["idembus.message.handling.duration"]
+    assert sorted(point.attributes["outcome"] for point in durations) == [
+        "dead_lettered", "handled"]
+    assert all(point.count == 1 for point in durations)
+    [critical] = points(reader)["idembus.message.critical_time"]
+    assert critical.count == 1 and critical.sum >= 2.0
+    assert dict(critical.attributes) == {"endpoint": "accounts", "message_type": "test.Deposit"}
+
+
+def test_an_interrupted_delivery_is_no_longer_in_flight(provider_and_reader):
+    provider, reader = provider_and_reader
+    pipeline = Pipeline([Metrics(meter_provider=provider)])
+    incoming = IncomingMessage("accounts", "accounts", {h.MESSAGE_ID: "m-1",
+                                                        h.MESSAGE_TYPE: "test.Deposit"})
+
+    def crash() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.message(incoming, crash)
+    assert values(reader, "idembus.messages.in_flight") == {labels(endpoint="accounts"): 0}
+    [duration] = points(reader)["idembus.message.handling.duration"]
+    assert duration.attributes["outcome"] == "interrupted"
+
+
+# -- an endpoint's traffic ------------------------------------------------------------------
+
+
+class Refuses(Handler):
+    """Fails on every deposit to account "bad"."""
+
+    @handles
+    def on(self, message: Deposit) -> None:
+        if message.account == "bad":
+            raise LookupError("no account 'bad'")
+
+
+def test_an_endpoint_s_traffic_is_counted(make_endpoint, provider_and_reader):
+    # Given an endpoint whose second handler fails on one account, retried once at once
+    provider, reader = provider_and_reader
+    accounts = make_endpoint(
+        "accounts", handlers=[AccountHandler, Refuses],
+        middleware=[Metrics(meter_provider=provider)],
+        recoverability=Recoverability(retries=RetryPolicy(immediate_retries=1, delayed=())))
+    dead = SignalCounter(accounts, "dead_lettered")
+    accounts.start()
+
+    # When 3 deposits arrive, one of them twice, and one that fails
+    for index in range(3):
+        accounts.bus.send(Deposit(account=f"a{index}", amount=1), message_id=f"d-{index}")
+    accounts.bus.send(Deposit(account="a0", amount=1), message_id="d-0")
+    accounts.bus.send(Deposit(account="bad", amount=1), message_id="d-bad")
+    assert dead.wait_for(1)
+    wait_until_idle([accounts])
+
+    # Then the counters say so, by handler
+    mine = {"endpoint": accounts.name, "message_type": "test.Deposit"}
+    assert values(reader, "idembus.messages.received") == {labels(**mine): 5}
+    assert values(reader, "idembus.messages.handled") == {
+        labels(**mine, handler="AccountHandler"): 4, labels(**mine, handler="Refuses"): 3}
+    assert values(reader, "idembus.messages.duplicates") == {
+        labels(**mine, handler="AccountHandler"): 1, labels(**mine, handler="Refuses"): 1}
+    assert values(reader, "idembus.messages.failed") == {
+        labels(**mine, handler="Refuses", error_type="LookupError"): 2}
+    assert values(reader, "idembus.messages.retried") == {
+        labels(**mine, handler="Refuses", error_type="LookupError", kind="immediate"): 1}
+    assert values(reader, "idembus.messages.dead_lettered") == {
+        labels(**mine, error_type="LookupError"): 1}
+    assert values(reader, "idembus.messages.in_flight") == {labels(endpoint=accounts.name): 0}
+    durations = {point.attributes["outcome"]: point.count
+                 for point in points(reader)["idembus.message.handling.duration"]}
+    assert durations == {"handled": 4, "dead_lettered": 1}
+    [critical] = points(reader)["idembus.message.critical_time"]
+    assert critical.count == 4

@@ -1,0 +1,594 @@
+"""idembus.tracing: spans by the OpenTelemetry messaging conventions, and one trace across
+endpoints, duplicates and outbox repairs.
+
+Every test has its own TracerProvider with an in-memory exporter: no global state.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import inject
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from idembus import headers as h
+from idembus.context import MessageContext
+from idembus.envelope import Envelope
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.pipeline import (
+    Dispatch,
+    HandlerCall,
+    IncomingMessage,
+    Middleware,
+    Pipeline,
+    RetryLater,
+    SkipMessage,
+)
+from idembus.policies import OutboxPolicy
+from idembus.storage.errors import AlreadyProcessed
+from idembus.storage.postgres import PostgresStorage
+from idembus.testing import wait_until_idle
+from idembus.tracing import Tracing
+from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
+from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [span for span in exporter.get_finished_spans() if span.name == name]
+
+
+def one(exporter: InMemorySpanExporter, name: str) -> ReadableSpan:
+    found = named(exporter, name)
+    assert len(found) == 1, f"{name}: {[s.name for s in exporter.get_finished_spans()]}"
+    return found[0]
+
+
+def parent_of(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def incoming_headers(message_id: str = "m-1", **extra: str) -> dict[str, str]:
+    return {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit",
+            h.CONVERSATION_ID: "conv-1", **extra}
+
+
+def outgoing_envelope(message_id: str = "out-1", destination: str | None = "ledger") -> Envelope:
+    return Envelope(headers={h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposited",
+                             h.INTENT: "publish" if destination is None else "send",
+                             h.CONVERSATION_ID: "conv-1", h.ORIGINATING_ENDPOINT: "accounts"},
+                    body="{}", destination=destination)
+
+
+def handler_call(incoming: IncomingMessage, handler: str = "AccountHandler",
+                 attempt: int = 1) -> HandlerCall:
+    context = MessageContext(message_id=incoming.headers[h.MESSAGE_ID],
+                             message_type=incoming.headers[h.MESSAGE_TYPE],
+                             headers=incoming.headers, handler_name=handler,
+                             endpoint=incoming.endpoint)
+    return HandlerCall(incoming=incoming, context=context,
+                       message=Deposit(account="a", amount=1), attempt=attempt)
+
+
+def traced_delivery(pipeline: Pipeline, headers: dict[str, str],
+                    handler: Callable[[HandlerCall], Any] | None = None,
+                    outcome: str = "handled") -> tuple[IncomingMessage, list[Envelope]]:
+    """One delivery through the message, handler and commit stages; the handler records
+    one outgoing message (through the outgoing hooks) unless ``handler`` says otherwise;
+    then the recorded messages are dispatched, as the endpoint does after the commit."""
+    incoming = IncomingMessage("accounts", "accounts", headers)
+    recorded: list[Envelope] = []
+
+    def process() -> None:
+        call = handler_call(incoming)
+
+        def attempt() -> None:
+            if handler is not None:
+                handler(call)
+            else:
+                recorded.append(pipeline.prepare(outgoing_envelope(), call.context))
+            call.outgoing = tuple(recorded)
+            pipeline.commit(call, lambda: None)
+
+        pipeline.handler(call, attempt)
+        for envelope in recorded:
+            pipeline.dispatch(Dispatch(envelope, "accounts", "handler"), lambda: None)
+        incoming.outcome = outcome
+
+    pipeline.message(incoming, process)
+    return incoming, recorded
+
+
+# -- the span tree of one delivery --------------------------------------------------------
+
+
+def test_a_delivery_makes_process_handle_commit_create_and_send_spans_in_one_tree(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    tracer = provider.get_tracer("test")
+
+    # Given a message whose sender's span is in its headers
+    with tracer.start_as_current_span("sender") as sender:
+        carrier: dict[str, str] = {}
+        inject(carrier)
+    _, recorded = traced_delivery(pipeline, incoming_headers(**carrier))
+
+    # Then the spans form one tree under the sender's span
+    process = one(exporter, "process accounts")
+    handle = one(exporter, "handle AccountHandler")
+    commit = one(exporter, "commit AccountHandler")
+    create = one(exporter, "create ledger")
+    send = one(exporter, "send ledger")
+    trace_id = sender.get_span_context().trace_id
+    assert {span.context.trace_id for span in exporter.get_finished_spans()} == {trace_id}
+    assert parent_of(process) == sender.get_span_context().span_id
+    assert parent_of(handle) == process.context.span_id
+    assert parent_of(commit) == handle.context.span_id
+    assert parent_of(create) == handle.context.span_id
+    assert parent_of(send) == create.context.span_id
+
+    # With the kinds and attributes of the messaging conventions
+    assert (process.kind, handle.kind, commit.kind, create.kind, send.kind) == (
+        SpanKind.CONSUMER, SpanKind.INTERNAL, SpanKind.INTERNAL, SpanKind.PRODUCER,
+        SpanKind.CLIENT)
+    assert process.attributes is not None and dict(process.attributes) == {
+        "messaging.system": "idembus", "messaging.operation.type": "process",
+        "messaging.operation.name": "process", "messaging.destination.name": "accounts",
+        "messaging.message.id": "m-1", "messaging.message.conversation_id": "conv-1",
+        "idembus.message_type": "test.Deposit", "idembus.endpoint": "accounts",
+        "idembus.outcome": "handled"}
+    assert handle.attributes is not None
+    assert handle.attributes["idembus.handler"] == "AccountHandler"
+    assert handle.attributes["idembus.duplicate"] is False
+    assert handle.attributes["idembus.attempt"] == 1
+    assert handle.attributes["idembus.outgoing"] == 1
+    assert handle.attributes["messaging.message.id"] == "m-1"
+    assert handle.attributes["messaging.message.conversation_id"] == "conv-1"
+    assert create.attributes is not None
+    assert create.attributes["messaging.operation.type"] == "create"
+    assert create.attributes["messaging.message.id"] == "out-1"
+    assert send.attributes is not None
+    assert send.attributes["messaging.operation.type"] == "send"
+    assert send.attributes["messaging.operation.name"] == "send"
+    assert send.attributes["messaging.destination.name"] == "ledger"
+    assert send.attributes["idembus.redispatched"] is False
+    assert send.attributes["idembus.dispatch.source"] == "handler"
+    for span in exporter.get_finished_spans():
+        assert span.status.status_code is StatusCode.UNSET, span.name
+
+    # And the message carries the create span's context, stored with it
+    traceparent = recorded[0].headers["traceparent"]
+    assert traceparent.startswith(f"00-{trace_id:032x}-{create.context.span_id:016x}-")
+
+
+def test_stages_leave_the_current_context_as_they_found_it(spans):
+    provider, _ = spans
+    before = otel_context.get_current()
+    traced_delivery(Pipeline([Tracing(provider)]), incoming_headers())
+    assert otel_context.get_current() == before
+    assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_a_message_without_trace_context_starts_a_trace(spans):
+    provider, exporter = spans
+    traced_delivery(Pipeline([Tracing(provider)]), incoming_headers())
+    process = one(exporter, "process accounts")
+    assert process.parent is None
+    assert one(exporter, "send ledger").context.trace_id == process.context.trace_id
+
+
+def test_a_published_event_is_named_by_its_type_and_operation(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    envelope = pipeline.prepare(outgoing_envelope(destination=None), None)
+    pipeline.dispatch(Dispatch(envelope, "accounts", "bus"), lambda: None)
+    create = one(exporter, "create test.Deposited")
+    publish = one(exporter, "publish test.Deposited")
+    assert create.parent is None  # nothing was current: the message starts a trace
+    assert parent_of(publish) == create.context.span_id
+    assert publish.attributes is not None
+    assert publish.attributes["messaging.operation.name"] == "publish"
+    assert publish.attributes["messaging.destination.name"] == "test.Deposited"
+
+
+# -- sending again continues the creator's trace ------------------------------------------
+
+
+def test_a_redispatch_and_an_outbox_repair_continue_the_trace_of_the_creating_handler(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    _, recorded = traced_delivery(pipeline, incoming_headers())
+    create = one(exporter, "create ledger")
+    stored = recorded[0]
+
+    # When a duplicate delivery (a trace of its own) sends the stored message again
+    duplicate = IncomingMessage("accounts", "accounts", incoming_headers())
+
+    def redispatch() -> None:
+        pipeline.dispatch(Dispatch(stored, "accounts", "redispatch"), lambda: None)
+
+    pipeline.message(duplicate, redispatch)
+    # And the outbox repairs it from its own thread, with no current span
+    pipeline.dispatch(Dispatch(stored, "accounts", "outbox"), lambda: None)
+
+    # Then every send is a child of the create span, in the creator's trace
+    sends = named(exporter, "send ledger")
+    assert [span.attributes["idembus.dispatch.source"] for span in sends  # type: ignore[index]
+            ] == ["handler", "redispatch", "outbox"]
+    for send in sends:
+        assert parent_of(send) == create.context.span_id
+        assert send.context.trace_id == create.context.trace_id
+    assert [span.attributes["idembus.redispatched"] for span in sends  # type: ignore[index]
+            ] == [False, True, True]
+    # And the redispatch links to the delivery that caused it
+    duplicate_process = named(exporter, "process accounts")[1]
+    assert [link.context.span_id for link in sends[1].links] == [
+        duplicate_process.context.span_id]
+    assert not sends[2].links
+
+
+def test_a_message_that_carries_a_trace_context_keeps_it(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    custom = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    envelope = outgoing_envelope().with_headers({"traceparent": custom})
+    assert pipeline.prepare(envelope, None) == envelope
+    assert not exporter.get_finished_spans()
+
+
+# -- errors and outcomes -------------------------------------------------------------------
+
+
+def test_a_failing_handler_is_an_error_on_its_span_and_on_the_delivery_s(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+
+    def fail(call: HandlerCall) -> None:
+        raise LookupError("no such account; amqp://shop:s3cret@broker:5672// was asked")
+
+    with pytest.raises(LookupError):
+        traced_delivery(pipeline, incoming_headers(), handler=fail)
+    for name in ("handle AccountHandler", "process accounts"):
+        span = one(exporter, name)
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.attributes is not None
+        assert span.attributes["error.type"] == "builtins.LookupError"
+        [event] = span.events
+        assert event.name == "exception"
+        assert event.attributes is not None
+        assert "s3cret" not in str(event.attributes["exception.message"])
+        assert "s3cret" not in (span.status.description or "")
+
+
+def test_a_duplicate_is_not_an_error(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+
+    def found_processed(call: HandlerCall) -> None:
+        call.duplicate = True
+
+    traced_delivery(pipeline, incoming_headers(), handler=found_processed)
+    handle = one(exporter, "handle AccountHandler")
+    assert handle.attributes is not None and handle.attributes["idembus.duplicate"] is True
+    assert handle.status.status_code is StatusCode.UNSET
+
+
+def test_a_commit_that_finds_the_message_processed_is_a_duplicate_not_an_error(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    incoming = IncomingMessage("accounts", "accounts", incoming_headers())
+    call = handler_call(incoming)
+
+    def raced() -> None:
+        raise AlreadyProcessed("committed meanwhile", outgoing=())
+
+    with pytest.raises(AlreadyProcessed):
+        pipeline.commit(call, raced)
+    commit = one(exporter, "commit AccountHandler")
+    assert commit.status.status_code is StatusCode.UNSET
+    assert commit.attributes is not None and commit.attributes["idembus.duplicate"] is True
+
+
+@pytest.mark.parametrize("control, outcome", [(SkipMessage("not ours"), "skipped"),
+                                              (RetryLater(5), "retry_later")])
+def test_steering_a_message_is_not_an_error(spans, control, outcome):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    incoming = IncomingMessage("accounts", "accounts", incoming_headers())
+
+    def steer() -> None:
+        raise control
+
+    with pytest.raises(type(control)):
+        pipeline.message(incoming, steer)
+    process = one(exporter, "process accounts")
+    assert process.status.status_code is StatusCode.UNSET
+    assert process.attributes is not None and process.attributes["idembus.outcome"] == outcome
+
+
+def test_a_dead_lettered_message_is_an_error_on_its_delivery(spans):
+    provider, exporter = spans
+    traced_delivery(Pipeline([Tracing(provider)]), incoming_headers(), outcome="dead_lettered",
+                    handler=lambda call: None)
+    process = one(exporter, "process accounts")
+    assert process.status.status_code is StatusCode.ERROR
+    assert process.attributes is not None
+    assert process.attributes["idembus.outcome"] == "dead_lettered"
+
+
+def test_importing_idembus_imports_no_opentelemetry():
+    code = ("import sys, idembus, idembus.pipeline; "
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_spans_a_crash_leaves_open_end_with_the_delivery(spans):
+    # Given tracing outside a fault injector that "kills the process" after the handler
+    provider, exporter = spans
+
+    class DiesAfterHandler(Middleware):
+        def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
+            raise SimulatedCrash("died after the commit")
+
+    pipeline = Pipeline([Tracing(provider), DiesAfterHandler()])
+    before = otel_context.get_current()
+
+    # When the crash skips the tracing's own after_handler
+    with pytest.raises(SimulatedCrash):
+        traced_delivery(pipeline, incoming_headers())
+
+    # Then the handler span still ends, with the delivery, marked by the crash
+    handle = one(exporter, "handle AccountHandler")
+    process = one(exporter, "process accounts")
+    assert parent_of(handle) == process.context.span_id
+    for span in (handle, process):
+        assert span.status.status_code is StatusCode.ERROR
+        assert span.attributes is not None
+        assert span.attributes["error.type"] == "idembus.faults.SimulatedCrash"
+    assert otel_context.get_current() == before
+
+
+# -- end to end: two endpoints on RabbitMQ and PostgreSQL ---------------------------------
+
+
+class Deliveries(Middleware):
+    """Keeps the headers of every delivery an endpoint receives."""
+
+    def __init__(self) -> None:
+        self.headers: list[Mapping[str, str]] = []
+
+    def before_message(self, incoming: IncomingMessage) -> None:
+        self.headers.append(dict(incoming.headers))
+
+
+class CrashOnceAfterCommit(FaultInjector):
+    """The first message dies after its commit, before anything is sent."""
+
+    def __init__(self) -> None:
+        self.crashed = threading.Event()
+
+    def reached(self, point: CrashPoint, message_id: str) -> None:
+        if point is CrashPoint.AFTER_COMMIT and not self.crashed.is_set():
+            self.crashed.set()
+            raise SimulatedCrash(f"simulated crash after the commit of {message_id}")
+
+
+@pytest.fixture
+def postgres_storage(unique: str) -> Iterator[Callable[[str], PostgresStorage]]:
+    """PostgreSQL storages with tables of this test's own, dropped afterwards."""
+    require_service(POSTGRES_URL, "PostgreSQL")
+    created: list[PostgresStorage] = []
+
+    def make(name: str) -> PostgresStorage:
+        storage = PostgresStorage(POSTGRES_URL, table_prefix=f"t{unique}_{name}")
+        storage.verify()
+        created.append(storage)
+        return storage
+
+    yield make
+    for storage in created:
+        storage.drop_tables()
+        storage.close()
+
+
+ON_RABBITMQ = pytest.mark.parametrize(
+    "transport_url", [pytest.param(AMQP_URL, id="amqp", marks=pytest.mark.amqp)],
+    indirect=True)
+
+
+def span_tree(exporter: InMemorySpanExporter) -> tuple[dict[int, ReadableSpan], list[str]]:
+    """The finished spans by span id, and each as ``name <- parent name`` (for messages)."""
+    finished = exporter.get_finished_spans()
+    by_id = {span.context.span_id: span for span in finished}
+    lines = []
+    for span in finished:
+        parent = by_id.get(parent_of(span) or 0)
+        lines.append(f"{span.name} <- {parent.name if parent is not None else None}")
+    return by_id, lines
+
+
+def ancestors(span: ReadableSpan, by_id: dict[int, ReadableSpan]) -> list[ReadableSpan]:
+    found = []
+    while span.parent is not None and span.parent.span_id in by_id:
+        span = by_id[span.parent.span_id]
+        found.append(span)
+    return found
+
+
+def attribute(span: ReadableSpan, name: str) -> Any:
+    assert span.attributes is not None
+    return span.attributes.get(name)
+
+
+@pytest.mark.postgres
+@ON_RABBITMQ
+def test_one_trace_across_two_endpoints_and_a_duplicate_delivery(
+    spans, make_endpoint, postgres_storage,
+):
+    # Given accounts (which keeps what it sent, to send it again) and a ledger, traced
+    provider, exporter = spans
+    tracing = Tracing(provider)
+    deliveries = Deliveries()
+    ledger = Ledger()
+    accounts = make_endpoint("accounts", handlers=[AccountHandler],
+                             storage=postgres_storage("accounts"),
+                             middleware=[deliveries, tracing],
+                             outbox=OutboxPolicy(compact_after_dispatch=False))
+    downstream = make_endpoint("ledger", handlers=[ledger], storage=postgres_storage("ledger"),
+                               middleware=[tracing])
+    handled = SignalCounter(downstream, "handled")
+    duplicates = SignalCounter(downstream, "duplicate")
+    accounts.start()
+    downstream.start()
+
+    # When a client sends a deposit inside its span, and the ledger records the event
+    with provider.get_tracer("test").start_as_current_span("client") as client:
+        deposit = Deposit(account="a", amount=5)
+        accounts.bus.send(deposit)
+    assert handled.wait_for(1)
+    wait_until_idle([accounts, downstream])
+
+    # Then one trace: client <- create <- process accounts <- handle <- create <- process
+    # ledger, and each send under the create span of its message
+    by_id, lines = span_tree(exporter)
+    trace_id = client.get_span_context().trace_id
+    assert {span.context.trace_id for span in by_id.values()} == {trace_id}, lines
+    command = accounts.name
+    create_command = one(exporter, f"create {command}")
+    send_command = one(exporter, f"send {command}")
+    process_accounts = one(exporter, f"process {command}")
+    handle_accounts = one(exporter, "handle AccountHandler")
+    commit_accounts = one(exporter, "commit AccountHandler")
+    create_event = one(exporter, "create test.Deposited")
+    publish_event = one(exporter, "publish test.Deposited")
+    process_ledger = one(exporter, f"process {downstream.name}")
+    handle_ledger = one(exporter, "handle Ledger")
+    assert parent_of(create_command) == client.get_span_context().span_id
+    assert parent_of(send_command) == create_command.context.span_id
+    assert parent_of(process_accounts) == create_command.context.span_id
+    assert parent_of(handle_accounts) == process_accounts.context.span_id
+    assert parent_of(commit_accounts) == handle_accounts.context.span_id
+    assert parent_of(create_event) == handle_accounts.context.span_id
+    assert parent_of(publish_event) == create_event.context.span_id
+    assert parent_of(process_ledger) == create_event.context.span_id
+    assert parent_of(handle_ledger) == process_ledger.context.span_id
+    assert attribute(process_accounts, "messaging.system") == "rabbitmq"
+    assert attribute(handle_accounts, "idembus.duplicate") is False
+    assert attribute(process_ledger, "messaging.message.id") == attribute(
+        create_event, "messaging.message.id")
+    assert attribute(process_ledger, "messaging.message.conversation_id") == attribute(
+        process_accounts, "messaging.message.id")
+    # And the trace context went on the wire as W3C traceparent
+    [original] = deliveries.headers
+    assert original["traceparent"].startswith(
+        f"00-{trace_id:032x}-{create_command.context.span_id:016x}-")
+
+    # When the broker delivers the same deposit again (same bytes, same id)
+    exporter.clear()
+    accounts.transport.dispatch(Envelope(headers=original, body=deposit.model_dump_json(),
+                                         destination=accounts.name))
+    assert duplicates.wait_for(1)
+    wait_until_idle([accounts, downstream])
+
+    # Then the duplicate's spans are in the same trace: its handler span says duplicate,
+    # and the redispatch continues under the create span of the first handling
+    by_id, lines = span_tree(exporter)
+    assert {span.context.trace_id for span in by_id.values()} == {trace_id}, lines
+    again = one(exporter, f"process {command}")
+    assert parent_of(again) == create_command.context.span_id
+    duplicate = one(exporter, "handle AccountHandler")
+    assert parent_of(duplicate) == again.context.span_id
+    assert attribute(duplicate, "idembus.duplicate") is True
+    assert duplicate.status.status_code is StatusCode.UNSET
+    redispatch = one(exporter, "publish test.Deposited")
+    assert parent_of(redispatch) == create_event.context.span_id
+    assert attribute(redispatch, "idembus.redispatched") is True
+    assert attribute(redispatch, "idembus.dispatch.source") == "redispatch"
+    assert [link.context.span_id for link in redispatch.links] == [again.context.span_id]
+    # And the ledger's copy of the event, a duplicate there, is a child of the same create
+    ledger_again = one(exporter, f"process {downstream.name}")
+    assert parent_of(ledger_again) == create_event.context.span_id
+    assert attribute(one(exporter, "handle Ledger"), "idembus.duplicate") is True
+    assert not named(exporter, "create test.Deposited")  # nothing was created again
+    assert len(ledger.entries) == 1
+
+
+@pytest.mark.postgres
+@ON_RABBITMQ
+def test_an_outbox_repair_after_a_crash_continues_the_trace_of_the_creating_handler(
+    spans, make_endpoint, postgres_storage,
+):
+    # Given accounts that die once between commit and dispatch, and whose duplicates leave
+    # a fresh entry to the outbox (which repairs after 0.2 s); and a ledger; all traced
+    provider, exporter = spans
+    tracing = Tracing(provider)
+    crash = CrashOnceAfterCommit()
+    ledger = Ledger()
+    accounts = make_endpoint("accounts", handlers=[AccountHandler],
+                             storage=postgres_storage("accounts"),
+                             middleware=[tracing, crash],
+                             outbox=OutboxPolicy(defer_fresh_redispatch=60, grace=0.2))
+    downstream = make_endpoint("ledger", handlers=[ledger], storage=postgres_storage("ledger"),
+                               middleware=[tracing])
+    handled = SignalCounter(downstream, "handled")
+    accounts.start()
+    downstream.start()
+
+    # When a deposit is handled, committed, the process "dies", the broker redelivers, the
+    # duplicate leaves the event to the outbox, and the outbox sends it
+    with provider.get_tracer("test").start_as_current_span("client") as client:
+        accounts.bus.send(Deposit(account="a", amount=5))
+    assert handled.wait_for(1)
+    wait_until_idle([accounts, downstream])
+    assert crash.crashed.is_set()
+    assert accounts.counters["left_to_outbox"] == 1
+
+    # Then it is all one trace
+    by_id, lines = span_tree(exporter)
+    trace_id = client.get_span_context().trace_id
+    assert {span.context.trace_id for span in by_id.values()} == {trace_id}, lines
+    # And the outbox's send and the ledger's process span descend from the first handler
+    # span, the one that created the event, not from the duplicate's
+    first, second = sorted(named(exporter, "handle AccountHandler"),
+                           key=lambda span: span.start_time or 0)
+    assert attribute(first, "idembus.duplicate") is not True
+    assert first.status.status_code is StatusCode.ERROR  # the process died after it
+    assert attribute(second, "idembus.duplicate") is True
+    create_event = one(exporter, "create test.Deposited")
+    assert parent_of(create_event) == first.context.span_id
+    repair = one(exporter, "publish test.Deposited")
+    assert attribute(repair, "idembus.dispatch.source") == "outbox"
+    assert attribute(repair, "idembus.redispatched") is True
+    assert parent_of(repair) == create_event.context.span_id
+    process_ledger = one(exporter, f"process {downstream.name}")
+    assert first in ancestors(process_ledger, by_id)
+    assert parent_of(process_ledger) == create_event.context.span_id
+    # And both deliveries of the deposit continue the client's trace
+    create_command = one(exporter, f"create {accounts.name}")
+    assert parent_of(create_command) == client.get_span_context().span_id
+    deliveries = named(exporter, f"process {accounts.name}")
+    assert len(deliveries) == 2
+    assert {parent_of(process) for process in deliveries} == {create_command.context.span_id}
+    assert {parent_of(first), parent_of(second)} == {span.context.span_id
+                                                     for span in deliveries}
+    assert [entry[1:] for entry in ledger.entries] == [("a", 5)]
