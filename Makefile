@@ -44,6 +44,7 @@ lint: $(VENV)/.lint
 
 bench: $(VENV)/.bench
 	$(BIN)/python -m bench.throughput
+	$(BIN)/python -m bench.async_handlers
 	$(BIN)/python -m bench.postgres
 	$(BIN)/python -m bench.spark_replay
 	$(BIN)/python -m bench.gateway

@@ -10,7 +10,7 @@ endpoint ends a consumer thread's loop with :func:`close_thread_loop` when the t
 Why a loop per consumer thread, not one loop for the process (as Dramatiq's ``AsyncIO``
 middleware has, in a thread of its own): the method runs in the thread that took the
 message, with no hand-over to another thread and back, so an async handler costs about what
-a sync one does (an asyncio task and two loop iterations: some 25 us); a handler that
+a sync one does (an asyncio task and one loop iteration: some 40 us); a handler that
 blocks its loop by mistake holds up its own consumer only; ``concurrency=`` still says how
 many messages are handled at once; and there is no extra thread to start, watch and stop.
 The price: loop-bound resources exist once per consumer thread (four consumer threads,

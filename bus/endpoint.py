@@ -27,6 +27,7 @@ from typing import TypeVar, cast
 
 from pydantic import BaseModel
 
+from .aio import close_thread_loop
 from .audit import Audit
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
@@ -421,6 +422,12 @@ class Endpoint:
         growing wait, once declaring the queue works again: never a live process that
         consumes nothing.
         """
+        try:
+            self._consume_until_stopped()
+        finally:
+            close_thread_loop()  # this thread's event loop, if async handlers made one
+
+    def _consume_until_stopped(self) -> None:
         failures = 0
         while not self._stop.is_set():
             try:

@@ -1,11 +1,10 @@
-"""Handlers keep a contract idembus can check: they are plain functions, and they return
-nothing. ``async def`` is refused when the endpoint is created (it would be called, never
-awaited, and the message recorded as processed with no effect); a returned value fails the
-message before anything is committed."""
+"""Handlers keep a contract idembus can check: they return nothing, and their hooks
+(``aggregate_id``, ``new_state``) are plain functions. An ``async def`` hook is refused when
+the endpoint is created; a returned value fails the message before anything is committed
+(``async def`` handling methods are tests/test_async_handlers.py's)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,37 +18,6 @@ from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import handle, wait_until_idle
 from tests.support import Account, Deposit, SignalCounter
-
-
-def test_an_async_handling_method_is_refused_when_the_endpoint_is_created() -> None:
-    class AsyncDeposits(Handler):
-        @handles
-        async def deposit(self, message: Deposit) -> None:
-            pass
-
-    with pytest.raises(HandlerDefinitionError) as refused:
-        Endpoint("async-refused", handlers=[AsyncDeposits], storage=MemoryStorage())
-
-    assert "AsyncDeposits.deposit" in str(refused.value)
-    assert "async def" in str(refused.value)
-    assert "asyncio.run" in str(refused.value)
-
-
-def test_an_async_method_behind_a_decorator_is_refused_too() -> None:
-    def logged(function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def wrapper(*args: Any) -> Any:
-            return function(*args)
-        return wrapper
-
-    class Wrapped(Handler):
-        @handles
-        @logged
-        async def deposit(self, message: Deposit) -> None:
-            pass
-
-    with pytest.raises(HandlerDefinitionError, match="Wrapped.deposit"):
-        Endpoint("async-wrapped", handlers=[Wrapped], storage=MemoryStorage())
 
 
 def test_an_async_aggregate_id_is_refused() -> None:
