@@ -32,6 +32,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -75,6 +76,7 @@ def variants(storages: Sequence[str], *, confirm: bool, middleware: bool = True)
 MIDDLEWARE_VARIANTS: dict[str, tuple[str, Callable[[], list[Middleware]]]] = {
     "idembus_5_noop_middleware": ("  + 5 no-op middleware", middleware_cost.five_no_ops),
     "idembus_tracing": ("  + tracing, no-op exporter", middleware_cost.tracing),
+    "idembus_tracing_sampled": ("  + tracing, 1 trace in 10", middleware_cost.tracing_sampled),
 }
 
 
@@ -129,10 +131,19 @@ def print_table(name: str, orders: int, results: dict[str, Measurement],
     if "idembus" in results:
         print("(mongomock scans a whole collection per query: its rate falls as N grows)")
     if "idembus_memorystorage" in results and any(key in results for key in MIDDLEWARE_VARIANTS):
-        plain = results["idembus_memorystorage"].median
-        print("middleware cost, against MemoryStorage without middleware: " + ", ".join(
-            f"{chosen[key][0].strip()} {results[key].median / plain:.3f}x"
-            for key in MIDDLEWARE_VARIANTS if key in results))
+        print("middleware cost, against MemoryStorage without middleware (median of the "
+              "rounds' ratios): " + ", ".join(
+                  f"{chosen[key][0].strip()} {paired_ratio(results, key):.3f}x"
+                  for key in MIDDLEWARE_VARIANTS if key in results))
+
+
+def paired_ratio(results: dict[str, Measurement], key: str,
+                 base: str = "idembus_memorystorage") -> float:
+    """The median over rounds of ``key``'s rate / ``base``'s rate in the same round: each
+    round runs every variant back to back, so a busy moment of the machine weighs on both
+    sides of a ratio rather than on one median."""
+    pairs = zip(results[key].rates, results[base].rates, strict=True)
+    return float(statistics.median(rate / plain for rate, plain in pairs))
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -149,11 +160,9 @@ def summary(report: dict[str, Any]) -> str:
             if key == "idembus":
                 target.append(f"{name}_raw={_figure(medians.get('raw'), '.0f')}")
             target.append(f"{name}_ratio{suffix}={_figure(ratios.get(key), '.3f')}")
-        plain = medians.get("idembus_memorystorage")
         for key in MIDDLEWARE_VARIANTS:
-            cost = medians.get(key)
             extra.append(f"{name}_{key.removeprefix('idembus_')}_vs_none="
-                         f"{_figure(cost / plain if cost and plain else None, '.3f')}")
+                         f"{_figure(entry.get('middleware_cost', {}).get(key), '.3f')}")
     return "bench: " + " ".join(fields + extra)
 
 
@@ -171,6 +180,9 @@ def transport_report(url: str, results: dict[str, Measurement] | None,
     entry["variants"] = {key: m.as_json() for key, m in results.items()}
     entry["ratios"] = {key: round(m.median / raw, 4) for key, m in results.items()
                        if key != "raw"}
+    if "idembus_memorystorage" in results:
+        entry["middleware_cost"] = {key: round(paired_ratio(results, key), 4)
+                                    for key in MIDDLEWARE_VARIANTS if key in results}
     return entry
 
 

@@ -17,21 +17,22 @@ and configures an SDK. Spans follow the OpenTelemetry semantic conventions for m
     message was found already processed (not an error).
 ``commit <handler>`` (INTERNAL)
     the conditional write of an attempt.
-``create <destination>`` (PRODUCER)
-    a message a handler, a unit of work or ``endpoint.bus`` records; its context is the
-    message's **creation context**, injected into the message's headers *before* it is
-    committed, so it is stored with the message.
-``send|publish|reply <destination>`` (CLIENT)
+``send|publish|reply <destination>`` (PRODUCER)
     each dispatch to the broker: the first one, a duplicate's redispatch, an outbox repair.
     Its parent is the creation context stored with the message, so a redispatch and an
     outbox repair minutes later continue the trace of the handler that created the message
     (``idembus.redispatched`` marks them; a redispatch also links to the delivery that
     caused it).
 
-The consumer's ``process`` span is thus a child of the producer's ``create`` span, which is
-a child of the handler (or of the caller of ``endpoint.bus``). A message that already
-carries a creation context (a header set by the caller) keeps it, and gets no ``create``
-span.
+A message's **creation context** is the context current when a handler, a unit of work or
+``endpoint.bus`` records it — the handler's span, or the caller's — injected into its
+headers *before* it is committed, so it is stored with the message. The consumer's
+``process`` span is thus a child of the handler span that created the message (or of the
+caller of ``endpoint.bus``). Only a message recorded where no span is current gets a span of
+its own, ``create <destination>`` (PRODUCER), so that it still starts a trace. (The
+conventions' separate ``create`` span for every message would cost a span per message for
+no information: the handler span is the creation.) A message that already carries a
+creation context (a header set by the caller) keeps it.
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ class Tracing(Middleware):
     def before_message(self, incoming: IncomingMessage) -> None:
         headers = incoming.headers
         parent = self._textmap().extract(headers)
+        if _sampled_out(parent):
+            # The sender decided not to record this trace: make no span here either, only
+            # carry its context on, so that what this message causes stays unrecorded too.
+            items = incoming.items
+            items[self._key] = (None, otel_context.attach(parent))
+            return
         attributes: dict[str, Any] = {
             SYSTEM: self._system_for(incoming.endpoint),
             OPERATION_TYPE: "process",
@@ -158,6 +165,8 @@ class Tracing(Middleware):
     # -- handler and commit ---------------------------------------------------------------
 
     def before_handler(self, call: HandlerCall) -> None:
+        if _unrecorded(trace.get_current_span()):
+            return  # a trace the sampler left out: nothing to record under
         attributes = self._call_attributes(call)
         span = self._tracer.start_span(f"handle {call.handler}", attributes=attributes)
         self._enter(call.items, span)
@@ -168,13 +177,15 @@ class Tracing(Middleware):
         if span is None:
             return
         self._opened(call).pop(id(span), None)
-        span.set_attribute(DUPLICATE, call.duplicate)
-        span.set_attribute(OUTGOING, len(call.outgoing))
+        span.set_attributes({DUPLICATE: call.duplicate, OUTGOING: len(call.outgoing)})
         _end(span, error)
 
     def before_commit(self, call: HandlerCall) -> None:
-        attributes = self._call_attributes(call)
-        attributes[OUTGOING] = len(call.outgoing)
+        if _unrecorded(trace.get_current_span()):
+            return
+        # A child of the handler span: what that one says is not repeated here.
+        attributes = {HANDLER: call.handler, ATTEMPT: call.attempt,
+                      MESSAGE_ID: call.context.message_id, OUTGOING: len(call.outgoing)}
         span = self._tracer.start_span(f"commit {call.handler}", attributes=attributes)
         self._enter(call.items, span, key=self._commit_key)
         self._opened(call).setdefault(id(span), span)
@@ -198,29 +209,34 @@ class Tracing(Middleware):
         return opened
 
     def _call_attributes(self, call: HandlerCall) -> dict[str, Any]:
+        """A handler span's own attributes (its parent, the ``process`` span, has the
+        endpoint's, the queue's and the message type)."""
         context = call.context
         return {
-            SYSTEM: self._system_for(context.endpoint),
-            DESTINATION: call.incoming.queue,
-            ENDPOINT: context.endpoint,
             HANDLER: call.handler,
             ATTEMPT: call.attempt,
             MESSAGE_ID: context.message_id,
             CONVERSATION_ID: context.conversation_id,
-            MESSAGE_TYPE: context.message_type,
         }
 
     # -- outgoing messages ----------------------------------------------------------------
 
     def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
-        """Start and end a ``create`` span under the current context (the handler's span,
-        or the caller's) and inject its context into the headers, which are then stored
-        with the message. A message that carries a trace context already keeps it."""
+        """Inject the current context — the handler's span, or the caller's — into the
+        headers, which are then stored with the message: its creation context. Only where
+        no span is current (``endpoint.bus`` called outside any trace) is a ``create`` span
+        started for it, so that the message still starts a trace. A message that carries
+        a trace context already keeps it."""
         textmap = self._textmap()
-        if _has_span(textmap.extract(envelope.headers)):
+        headers = envelope.headers
+        if any(field in headers for field in textmap.fields) and _has_span(
+                textmap.extract(headers)):
             return envelope
         current = otel_context.get_current()
-        headers = envelope.headers
+        if trace.get_current_span(current).get_span_context().is_valid:
+            carrier: dict[str, str] = {}
+            textmap.inject(carrier, context=current)
+            return envelope.with_headers(carrier) if carrier else envelope
         destination = _destination(envelope)
         attributes: dict[str, Any] = {
             SYSTEM: self._system_for(headers.get(h.ORIGINATING_ENDPOINT)),
@@ -237,7 +253,7 @@ class Tracing(Middleware):
         span = self._tracer.start_span(f"create {destination}", context=current,
                                        kind=SpanKind.PRODUCER, attributes=attributes)
         span.end()
-        carrier: dict[str, str] = {}
+        carrier = {}
         textmap.inject(carrier, context=trace.set_span_in_context(span, current))
         return envelope.with_headers(carrier) if carrier else envelope
 
@@ -250,6 +266,8 @@ class Tracing(Middleware):
         parent = self._textmap().extract(headers)
         if not _has_span(parent):  # stored before tracing was on: the caller's context
             parent = current
+        if _sampled_out(parent):
+            return  # the message's trace is not recorded
         links: list[Link] = []
         cause = trace.get_current_span(current).get_span_context()
         if dispatch.source == "redispatch" and cause.is_valid:
@@ -261,15 +279,13 @@ class Tracing(Middleware):
             OPERATION_TYPE: "send",
             OPERATION_NAME: operation,
             DESTINATION: destination,
-            ENDPOINT: dispatch.endpoint,
             SOURCE: dispatch.source,
             REDISPATCHED: dispatch.source in _AGAIN,
         }
         _put(attributes, MESSAGE_ID, headers.get(h.MESSAGE_ID))
-        _put(attributes, MESSAGE_TYPE, headers.get(h.MESSAGE_TYPE))
         _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
         span = self._tracer.start_span(f"{operation} {destination}", context=parent,
-                                       kind=SpanKind.CLIENT, attributes=attributes,
+                                       kind=SpanKind.PRODUCER, attributes=attributes,
                                        links=links)
         self._enter(dispatch.items, span, parent)
 
@@ -311,6 +327,17 @@ def _end(span: Span, error: BaseException | None) -> None:
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {message}"))
     finally:
         span.end()
+
+
+def _unrecorded(span: Span) -> bool:
+    """A span of a trace the sampler left out (not merely no span at all)."""
+    return span.get_span_context().is_valid and not span.is_recording()
+
+
+def _sampled_out(context: Context) -> bool:
+    """A trace context whose trace is not to be recorded (its sampled flag is off)."""
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context.is_valid and not span_context.trace_flags.sampled
 
 
 def _has_span(context: Context) -> bool:

@@ -90,7 +90,7 @@ def test_commands_an_endpoint_handles_are_routed_to_itself():
         ({"prefetch": 0}, "prefetch must be at least 1"),
         ({"error_queue": "cfg"}, "error queue cannot be the endpoint's own queue"),
         ({"transport": 42}, "transport must be a Transport or a kombu URL"),
-        ({"storage": "mongodb://db"}, "storage must be a storage.Storage"),
+        ({"storage": "mongodb://db"}, "storage must be a storage backend"),
         ({"transport": "nosuch://host"}, "transport URL 'nosuch://host' cannot be used"),
     ],
 )

@@ -120,7 +120,7 @@ def traced_delivery(pipeline: Pipeline, headers: dict[str, str],
 # -- the span tree of one delivery --------------------------------------------------------
 
 
-def test_a_delivery_makes_process_handle_commit_create_and_send_spans_in_one_tree(spans):
+def test_a_delivery_makes_process_handle_commit_and_send_spans_in_one_tree(spans):
     provider, exporter = spans
     pipeline = Pipeline([Tracing(provider)])
     tracer = provider.get_tracer("test")
@@ -135,20 +135,18 @@ def test_a_delivery_makes_process_handle_commit_create_and_send_spans_in_one_tre
     process = one(exporter, "process accounts")
     handle = one(exporter, "handle AccountHandler")
     commit = one(exporter, "commit AccountHandler")
-    create = one(exporter, "create ledger")
     send = one(exporter, "send ledger")
+    assert not named(exporter, "create ledger")  # the handler span is the creation
     trace_id = sender.get_span_context().trace_id
     assert {span.context.trace_id for span in exporter.get_finished_spans()} == {trace_id}
     assert parent_of(process) == sender.get_span_context().span_id
     assert parent_of(handle) == process.context.span_id
     assert parent_of(commit) == handle.context.span_id
-    assert parent_of(create) == handle.context.span_id
-    assert parent_of(send) == create.context.span_id
+    assert parent_of(send) == handle.context.span_id
 
     # With the kinds and attributes of the messaging conventions
-    assert (process.kind, handle.kind, commit.kind, create.kind, send.kind) == (
-        SpanKind.CONSUMER, SpanKind.INTERNAL, SpanKind.INTERNAL, SpanKind.PRODUCER,
-        SpanKind.CLIENT)
+    assert (process.kind, handle.kind, commit.kind, send.kind) == (
+        SpanKind.CONSUMER, SpanKind.INTERNAL, SpanKind.INTERNAL, SpanKind.PRODUCER)
     assert process.attributes is not None and dict(process.attributes) == {
         "messaging.system": "idembus", "messaging.operation.type": "process",
         "messaging.operation.name": "process", "messaging.destination.name": "accounts",
@@ -162,9 +160,6 @@ def test_a_delivery_makes_process_handle_commit_create_and_send_spans_in_one_tre
     assert handle.attributes["idembus.outgoing"] == 1
     assert handle.attributes["messaging.message.id"] == "m-1"
     assert handle.attributes["messaging.message.conversation_id"] == "conv-1"
-    assert create.attributes is not None
-    assert create.attributes["messaging.operation.type"] == "create"
-    assert create.attributes["messaging.message.id"] == "out-1"
     assert send.attributes is not None
     assert send.attributes["messaging.operation.type"] == "send"
     assert send.attributes["messaging.operation.name"] == "send"
@@ -174,9 +169,9 @@ def test_a_delivery_makes_process_handle_commit_create_and_send_spans_in_one_tre
     for span in exporter.get_finished_spans():
         assert span.status.status_code is StatusCode.UNSET, span.name
 
-    # And the message carries the create span's context, stored with it
+    # And the message carries the handler span's context, stored with it
     traceparent = recorded[0].headers["traceparent"]
-    assert traceparent.startswith(f"00-{trace_id:032x}-{create.context.span_id:016x}-")
+    assert traceparent.startswith(f"00-{trace_id:032x}-{handle.context.span_id:016x}-")
 
 
 def test_stages_leave_the_current_context_as_they_found_it(spans):
@@ -209,6 +204,37 @@ def test_a_published_event_is_named_by_its_type_and_operation(spans):
     assert publish.attributes["messaging.destination.name"] == "test.Deposited"
 
 
+# -- traces the sampler leaves out cost next to nothing ------------------------------------
+
+
+def test_a_message_of_a_trace_not_sampled_makes_no_spans_and_passes_the_decision_on(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    _, recorded = traced_delivery(pipeline, incoming_headers(traceparent=unsampled))
+    for envelope in recorded:
+        pipeline.dispatch(Dispatch(envelope, "accounts", "outbox"), lambda: None)
+    assert exporter.get_finished_spans() == ()
+    # the message it sent carries the same trace, still not sampled
+    assert recorded[0].headers["traceparent"].startswith(
+        "00-0af7651916cd43dd8448eb211c80319c-")
+    assert recorded[0].headers["traceparent"].endswith("-00")
+    assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_a_trace_the_sampler_drops_at_the_root_makes_no_spans_downstream() -> None:
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    pipeline = Pipeline([Tracing(provider)])
+    _, recorded = traced_delivery(pipeline, incoming_headers())
+    assert exporter.get_finished_spans() == ()
+    flags = int(recorded[0].headers["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 1 == 0  # not sampled: receivers record nothing either
+
+
 # -- sending again continues the creator's trace ------------------------------------------
 
 
@@ -216,7 +242,7 @@ def test_a_redispatch_and_an_outbox_repair_continue_the_trace_of_the_creating_ha
     provider, exporter = spans
     pipeline = Pipeline([Tracing(provider)])
     _, recorded = traced_delivery(pipeline, incoming_headers())
-    create = one(exporter, "create ledger")
+    create = one(exporter, "handle AccountHandler")  # the span that created the message
     stored = recorded[0]
 
     # When a duplicate delivery (a trace of its own) sends the stored message again
@@ -229,7 +255,7 @@ def test_a_redispatch_and_an_outbox_repair_continue_the_trace_of_the_creating_ha
     # And the outbox repairs it from its own thread, with no current span
     pipeline.dispatch(Dispatch(stored, "accounts", "outbox"), lambda: None)
 
-    # Then every send is a child of the create span, in the creator's trace
+    # Then every send is a child of the creating handler's span, in its trace
     sends = named(exporter, "send ledger")
     assert [span.attributes["idembus.dispatch.source"] for span in sends  # type: ignore[index]
             ] == ["handler", "redispatch", "outbox"]
@@ -468,40 +494,39 @@ def test_one_trace_across_two_endpoints_and_a_duplicate_delivery(
     assert handled.wait_for(1)
     wait_until_idle([accounts, downstream])
 
-    # Then one trace: client <- create <- process accounts <- handle <- create <- process
-    # ledger, and each send under the create span of its message
+    # Then one trace: client <- process accounts <- handle <- process ledger, and each send
+    # under the span that created its message
     by_id, lines = span_tree(exporter)
     trace_id = client.get_span_context().trace_id
     assert {span.context.trace_id for span in by_id.values()} == {trace_id}, lines
     command = accounts.name
-    create_command = one(exporter, f"create {command}")
     send_command = one(exporter, f"send {command}")
     process_accounts = one(exporter, f"process {command}")
     handle_accounts = one(exporter, "handle AccountHandler")
     commit_accounts = one(exporter, "commit AccountHandler")
-    create_event = one(exporter, "create test.Deposited")
     publish_event = one(exporter, "publish test.Deposited")
     process_ledger = one(exporter, f"process {downstream.name}")
     handle_ledger = one(exporter, "handle Ledger")
-    assert parent_of(create_command) == client.get_span_context().span_id
-    assert parent_of(send_command) == create_command.context.span_id
-    assert parent_of(process_accounts) == create_command.context.span_id
+    create_command = client.get_span_context()  # the client's span created the command
+    assert not named(exporter, "create test.Deposited")
+    assert parent_of(send_command) == create_command.span_id
+    assert parent_of(process_accounts) == create_command.span_id
     assert parent_of(handle_accounts) == process_accounts.context.span_id
     assert parent_of(commit_accounts) == handle_accounts.context.span_id
-    assert parent_of(create_event) == handle_accounts.context.span_id
+    create_event = handle_accounts  # the handler's span created the event
     assert parent_of(publish_event) == create_event.context.span_id
     assert parent_of(process_ledger) == create_event.context.span_id
     assert parent_of(handle_ledger) == process_ledger.context.span_id
     assert attribute(process_accounts, "messaging.system") == "rabbitmq"
     assert attribute(handle_accounts, "idembus.duplicate") is False
     assert attribute(process_ledger, "messaging.message.id") == attribute(
-        create_event, "messaging.message.id")
+        publish_event, "messaging.message.id")
     assert attribute(process_ledger, "messaging.message.conversation_id") == attribute(
         process_accounts, "messaging.message.id")
     # And the trace context went on the wire as W3C traceparent
     [original] = deliveries.headers
     assert original["traceparent"].startswith(
-        f"00-{trace_id:032x}-{create_command.context.span_id:016x}-")
+        f"00-{trace_id:032x}-{create_command.span_id:016x}-")
 
     # When the broker delivers the same deposit again (same bytes, same id)
     exporter.clear()
@@ -511,11 +536,11 @@ def test_one_trace_across_two_endpoints_and_a_duplicate_delivery(
     wait_until_idle([accounts, downstream])
 
     # Then the duplicate's spans are in the same trace: its handler span says duplicate,
-    # and the redispatch continues under the create span of the first handling
+    # and the redispatch continues under the handler span of the first handling
     by_id, lines = span_tree(exporter)
     assert {span.context.trace_id for span in by_id.values()} == {trace_id}, lines
     again = one(exporter, f"process {command}")
-    assert parent_of(again) == create_command.context.span_id
+    assert parent_of(again) == create_command.span_id
     duplicate = one(exporter, "handle AccountHandler")
     assert parent_of(duplicate) == again.context.span_id
     assert attribute(duplicate, "idembus.duplicate") is True
@@ -525,11 +550,10 @@ def test_one_trace_across_two_endpoints_and_a_duplicate_delivery(
     assert attribute(redispatch, "idembus.redispatched") is True
     assert attribute(redispatch, "idembus.dispatch.source") == "redispatch"
     assert [link.context.span_id for link in redispatch.links] == [again.context.span_id]
-    # And the ledger's copy of the event, a duplicate there, is a child of the same create
+    # And the ledger's copy of the event, a duplicate there, is a child of the same span
     ledger_again = one(exporter, f"process {downstream.name}")
     assert parent_of(ledger_again) == create_event.context.span_id
     assert attribute(one(exporter, "handle Ledger"), "idembus.duplicate") is True
-    assert not named(exporter, "create test.Deposited")  # nothing was created again
     assert len(ledger.entries) == 1
 
 
@@ -574,8 +598,7 @@ def test_an_outbox_repair_after_a_crash_continues_the_trace_of_the_creating_hand
     assert attribute(first, "idembus.duplicate") is not True
     assert first.status.status_code is StatusCode.ERROR  # the process died after it
     assert attribute(second, "idembus.duplicate") is True
-    create_event = one(exporter, "create test.Deposited")
-    assert parent_of(create_event) == first.context.span_id
+    create_event = first  # the handler span that created the event
     repair = one(exporter, "publish test.Deposited")
     assert attribute(repair, "idembus.dispatch.source") == "outbox"
     assert attribute(repair, "idembus.redispatched") is True
@@ -584,11 +607,10 @@ def test_an_outbox_repair_after_a_crash_continues_the_trace_of_the_creating_hand
     assert first in ancestors(process_ledger, by_id)
     assert parent_of(process_ledger) == create_event.context.span_id
     # And both deliveries of the deposit continue the client's trace
-    create_command = one(exporter, f"create {accounts.name}")
-    assert parent_of(create_command) == client.get_span_context().span_id
     deliveries = named(exporter, f"process {accounts.name}")
     assert len(deliveries) == 2
-    assert {parent_of(process) for process in deliveries} == {create_command.context.span_id}
+    assert {parent_of(process) for process in deliveries} == {
+        client.get_span_context().span_id}
     assert {parent_of(first), parent_of(second)} == {span.context.span_id
                                                      for span in deliveries}
     assert [entry[1:] for entry in ledger.entries] == [("a", 5)]
