@@ -64,6 +64,8 @@ _SYSTEMS = {"amqp": "rabbitmq", "amqps": "rabbitmq", "pyamqp": "rabbitmq",
             "memory": "memory"}
 #: Dispatch sources that send a message again (``idembus.redispatched``).
 _AGAIN = frozenset({"redispatch", "outbox"})
+#: Dispatch sources that send a message in the trace context it was recorded in.
+_RECORDED_HERE = frozenset({"handler", "unit_of_work", "bus"})
 
 # Attribute names (OpenTelemetry messaging semantic conventions, then idembus's own).
 SYSTEM = "messaging.system"
@@ -263,6 +265,8 @@ class Tracing(Middleware):
         envelope = dispatch.envelope
         headers = envelope.headers
         current = otel_context.get_current()
+        if dispatch.source in _RECORDED_HERE and _unrecorded(trace.get_current_span(current)):
+            return  # recorded in this very trace, which the sampler left out
         parent = self._textmap().extract(headers)
         if not _has_span(parent):  # stored before tracing was on: the caller's context
             parent = current
