@@ -186,8 +186,9 @@ class Tracing(Middleware):
         if _unrecorded(trace.get_current_span()):
             return
         # A child of the handler span: what that one says is not repeated here.
-        attributes = {HANDLER: call.handler, ATTEMPT: call.attempt,
-                      MESSAGE_ID: call.context.message_id, OUTGOING: len(call.outgoing)}
+        attributes: dict[str, Any] = {
+            HANDLER: call.handler, ATTEMPT: call.attempt,
+            MESSAGE_ID: call.context.message_id, OUTGOING: len(call.outgoing)}
         span = self._tracer.start_span(f"commit {call.handler}", attributes=attributes)
         self._enter(call.items, span, key=self._commit_key)
         self._opened(call).setdefault(id(span), span)
