@@ -166,17 +166,22 @@ class MessageProcessor:
     def _steer(self, delivery: Delivery, incoming: IncomingMessage,
                control: PipelineControl) -> None:
         """Do what a control-flow exception of middleware or a handler asks."""
-        message_id = delivery.headers.get(h.MESSAGE_ID)
-        details = {"message_id": message_id, "message_type": delivery.headers.get(
-            h.MESSAGE_TYPE), "reason": control.reason}
         if isinstance(control, SkipMessage):
             incoming.outcome = "skipped"
-            log.info("%s skipped %s: %s", self._endpoint, message_id, control.reason)
-            self._signals.emit("skipped", **details)
+            self._skipped(self._endpoint, delivery.headers, control)
         elif isinstance(control, RetryLater):
             self._postpone(delivery, incoming, control)
         else:
             self._dead_letter(delivery, incoming, control, attempts=0)
+
+    def _skipped(self, who: str, headers: Mapping[str, str], skip: PipelineControl,
+                 **handler: str) -> None:
+        """Say that ``who`` (the endpoint, or one handler) skipped the message."""
+        message_id = headers.get(h.MESSAGE_ID)
+        log.info("%s skipped %s: %s", who, message_id, skip.reason)
+        self._signals.emit("skipped", message_id=message_id,
+                           message_type=headers.get(h.MESSAGE_TYPE), reason=skip.reason,
+                           **handler)
 
     def _handle(
         self, binding: HandlerBinding, message: Message, delivery: Delivery,
@@ -210,11 +215,8 @@ class MessageProcessor:
                 self._recovery.recovered()
                 return None
             except SkipMessage as skip:
-                log.info("%s skipped %s: %s", binding.handler_name, context.message_id,
-                         skip.reason)
-                self._signals.emit("skipped", message_id=context.message_id,
-                                   message_type=context.message_type,
-                                   handler=binding.handler_name, reason=skip.reason)
+                self._skipped(binding.handler_name, delivery.headers, skip,
+                              handler=binding.handler_name)
                 return None
             except PipelineControl:
                 raise
@@ -296,6 +298,8 @@ class MessageProcessor:
         """Send what ``outcome`` left and mark it (what an earlier attempt sent or parked is
         done); or, for a duplicate of an entry committed moments ago, leave it to the
         committer and the outbox."""
+        if not outcome.outgoing:
+            return  # an entry without outgoing messages is born dispatched
         details = {"key": outcome.key, "count": len(outcome.outgoing),
                    "message_id": headers.get(h.MESSAGE_ID),
                    "message_type": headers.get(h.MESSAGE_TYPE), "handler": outcome.handler}

@@ -111,7 +111,7 @@ class Tracing(Middleware):
         #: Where this instance keeps its span and context token in a stage's ``items`` (the
         #: handler and commit stages share theirs).
         key = f"idembus.tracing.{id(self):x}"
-        self._key, self._commit_key, self._open_key = key, f"{key}.commit", f"{key}.open"
+        self._key, self._commit_key = key, f"{key}.commit"
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -152,10 +152,6 @@ class Tracing(Middleware):
 
     def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
         span = self._leave(incoming.items)
-        # Handler and commit spans whose after hook did not run: an inner after hook raised
-        # a BaseException (a simulated crash) past it. They end with the message.
-        for left in incoming.items.pop(self._open_key, {}).values():
-            _end(left, error)
         if span is None:
             return
         if incoming.outcome is not None:
@@ -172,13 +168,11 @@ class Tracing(Middleware):
         attributes = self._call_attributes(call)
         span = self._tracer.start_span(f"handle {call.handler}", attributes=attributes)
         self._enter(call.items, span)
-        self._opened(call).setdefault(id(span), span)
 
     def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
         span = self._leave(call.items)
         if span is None:
             return
-        self._opened(call).pop(id(span), None)
         span.set_attributes({DUPLICATE: call.duplicate, OUTGOING: len(call.outgoing)})
         _end(span, error)
 
@@ -191,13 +185,11 @@ class Tracing(Middleware):
             MESSAGE_ID: call.context.message_id, OUTGOING: len(call.outgoing)}
         span = self._tracer.start_span(f"commit {call.handler}", attributes=attributes)
         self._enter(call.items, span, key=self._commit_key)
-        self._opened(call).setdefault(id(span), span)
 
     def after_commit(self, call: HandlerCall, error: BaseException | None) -> None:
         span = self._leave(call.items, key=self._commit_key)
         if span is None:
             return
-        self._opened(call).pop(id(span), None)
         if isinstance(error, AlreadyProcessed):  # committed by another delivery meanwhile
             span.set_attribute(DUPLICATE, True)
             error = None
@@ -205,11 +197,6 @@ class Tracing(Middleware):
             span.set_attribute(CONFLICT, True)
             error = None
         _end(span, error)
-
-    def _opened(self, call: HandlerCall) -> dict[int, Span]:
-        """The handler and commit spans of the delivery that are not ended yet."""
-        opened: dict[int, Span] = call.incoming.items.setdefault(self._open_key, {})
-        return opened
 
     def _call_attributes(self, call: HandlerCall) -> dict[str, Any]:
         """A handler span's own attributes (its parent, the ``process`` span, has the
