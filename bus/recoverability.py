@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Mapping
 
 from . import headers as h
 from .envelope import format_utc, utc_now
 from .errors import MessageError
-from .redaction import redact
+from .redaction import redact, redacted_traceback
 
 #: Headers written when a message is moved to the error queue (and ``deliver_at``, left by
 #: a delayed retry): a message sent back for another try drops them.
@@ -44,7 +43,7 @@ def failure_headers(
     password into the error queue.
     """
     reason = error.reason if isinstance(error, MessageError) else str(error)
-    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    trace = redacted_traceback(error)
     story = {
         h.EXCEPTION_TYPE: _head(f"{type(error).__module__}.{type(error).__qualname__}",
                                 _MAX_TYPE_NAME),
@@ -61,7 +60,7 @@ def failure_headers(
         **original,
         **story,
         h.EXCEPTION_MESSAGE: message,
-        h.STACK_TRACE: _tail(redact(trace), max(0, min(MAX_STACK_TRACE, room))),
+        h.STACK_TRACE: _tail(trace, max(0, min(MAX_STACK_TRACE, room))),
     }
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import re
+import traceback
 from collections.abc import Iterable
 
 MASK = "***"
@@ -121,3 +122,10 @@ class RedactingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return redact(super().format(record))
+
+
+def redacted_traceback(error: BaseException) -> str:
+    """``error``'s formatted traceback, passwords hidden (:func:`redact`): the last line
+    repeats the exception's message, which may name a URL with its password."""
+    return redact("".join(traceback.format_exception(type(error), error,
+                                                     error.__traceback__)))

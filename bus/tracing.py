@@ -44,7 +44,7 @@ from . import headers as h
 from .context import MessageContext
 from .envelope import Envelope
 from .pipeline import Dispatch, HandlerCall, IncomingMessage, Middleware, RetryLater, SkipMessage
-from .redaction import redact
+from .redaction import redact, redacted_traceback
 from .storage.errors import AlreadyProcessed, ConcurrencyConflict
 
 try:
@@ -314,7 +314,8 @@ def _end(span: Span, error: BaseException | None) -> None:
             return
         kind = f"{type(error).__module__}.{type(error).__qualname__}"
         message = redact(str(error))
-        span.record_exception(error, attributes={"exception.message": message})
+        span.record_exception(error, attributes={"exception.message": message,
+                                                 "exception.stacktrace": redacted_traceback(error)})
         span.set_attribute(ERROR_TYPE, kind)
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {message}"))
     finally:

@@ -301,6 +301,7 @@ def test_a_failing_handler_is_an_error_on_its_span_and_on_the_delivery_s(spans):
         assert event.name == "exception"
         assert event.attributes is not None
         assert "s3cret" not in str(event.attributes["exception.message"])
+        assert "s3cret" not in str(event.attributes["exception.stacktrace"])
         assert "s3cret" not in (span.status.description or "")
 
 
