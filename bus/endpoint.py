@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from .aio import close_thread_loop
 from .audit import Audit
+from .clock import Clock, SystemClock
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
 from .errors import BusError, ConfigurationError
@@ -113,6 +114,9 @@ class Endpoint:
     status_interval:
         Seconds between reports of the counters to the storage (``idembus status``); 0: no
         reports (a storage without the status role).
+    clock:
+        Where the endpoint reads the time (:class:`~idembus.clock.Clock`; default the wall
+        clock in UTC). Tests pass a fake one to run timeouts and schedules in virtual time.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class Endpoint:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         delayed_poll_interval: float = 0.5,
         status_interval: float = 5.0,
+        clock: Clock | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
             raise ConfigurationError(
@@ -148,7 +153,12 @@ class Endpoint:
                 f"max_message_bytes must be at least 1, got {max_message_bytes}")
         if error_queue == name:
             raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(
+                f"clock must have a now() method returning an aware UTC datetime, got {clock!r}")
         self.name = name
+        #: Where this endpoint reads the time.
+        self.clock: Clock = clock or SystemClock()
         self.error_queue = error_queue
         self.concurrency = concurrency
         self.prefetch = prefetch

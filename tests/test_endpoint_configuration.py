@@ -92,6 +92,7 @@ def test_commands_an_endpoint_handles_are_routed_to_itself():
         ({"transport": 42}, "transport must be a Transport or a kombu URL"),
         ({"storage": "mongodb://db"}, "storage must be a storage backend"),
         ({"transport": "nosuch://host"}, "transport URL 'nosuch://host' cannot be used"),
+        ({"clock": "now"}, "clock must have a now\\(\\) method"),
     ],
 )
 def test_bad_endpoint_options_fail_with_what_to_change(options, message):
