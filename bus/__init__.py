@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from .journal import JournalPolicy
     from .metrics import Metrics
     from .recovery import Recoverability
+    from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
     from .storage.postgres import PostgresStorage
@@ -52,6 +53,8 @@ _LAZY = {
     "Audit": ".audit",
     "JournalPolicy": ".journal",
     "Recoverability": ".recovery",
+    "Schedule": ".schedules",
+    "SchedulerPolicy": ".schedules",
     "Endpoint": ".endpoint",
     "Handler": ".handlers",
     "KombuTransport": ".transports.kombu",
@@ -100,6 +103,8 @@ __all__ = [
     "RetryLater",
     "RetryPolicy",
     "RoutingError",
+    "Schedule",
+    "SchedulerPolicy",
     "SkipMessage",
     "Tracing",
     "UnknownMessageType",

@@ -1,11 +1,15 @@
 """Background work in rounds: the base of an endpoint's helper threads (delayed deliveries,
-status reports, the outbox dispatcher)."""
+status reports, the outbox dispatcher, the scheduler)."""
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 
 from .errors import EndpointBlocked
@@ -13,6 +17,7 @@ from .health import Health
 from .logs import Throttle
 from .policies import Backoff
 from .redaction import redact
+from .storage.base import Lease, OutboxStore
 from .storage.errors import StorageUnavailable
 from .transports.errors import TransportUnavailable
 
@@ -130,3 +135,41 @@ class Periodic(ABC):
         if held is not None:
             log.log(level, "%s: %s; trying again in %.1fs%s", self.name, redact(str(outage)),
                     wait, self.outage_lines.said(held))
+
+
+class LeasedPeriodic(Periodic):
+    """A :class:`Periodic` whose work is done by one process at a time among those sharing
+    a storage (the outbox dispatcher, the scheduler): it works while it holds the lease
+    ``lease_name``, which :meth:`take_lease` takes or renews for ``lease_ttl`` seconds on
+    each round, and gives it up when it stops, so that another process takes over at once.
+    """
+
+    def __init__(self, name: str, *, leases: OutboxStore, lease_name: str, lease_ttl: float,
+                 backoff: Backoff | None = None, health: Health | None = None) -> None:
+        super().__init__(name, backoff=backoff, health=health)
+        self._leases = leases
+        #: The lease the helpers of this kind compete for.
+        self.lease_name = lease_name
+        self.lease_ttl = lease_ttl
+        #: Who this helper is, in the lease: host, pid and a random part.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: The lease while held (``None``: another process holds it, or none was taken).
+        self.lease: Lease | None = None
+
+    def take_lease(self, now: datetime.datetime) -> Lease | None:
+        """Take the lease, or renew it, until ``now + lease_ttl``; ``None`` while another
+        owner holds it."""
+        self.lease = self._leases.acquire_lease(self.lease_name, self.owner,
+                                                ttl=self.lease_ttl, now=now)
+        return self.lease
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop, and give the lease up so that another process takes over at once."""
+        was_running = super().stop(timeout)
+        if self.lease is not None:
+            try:
+                self._leases.release_lease(self.lease)
+            except Exception:  # best effort: an unreleased lease expires by itself
+                log.debug("releasing the lease %s failed", self.lease_name, exc_info=True)
+            self.lease = None
+        return was_running

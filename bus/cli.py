@@ -22,7 +22,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import cli_dispatcher, cli_errors, cli_gateway, cli_spark, cli_status, logs
+from . import (
+    cli_dispatcher,
+    cli_errors,
+    cli_gateway,
+    cli_schedules,
+    cli_spark,
+    cli_status,
+    logs,
+)
 from .errors import BusError, ConfigurationError, EndpointBlocked
 from .loading import load_endpoint
 from .redaction import redact
@@ -37,7 +45,7 @@ EXIT_UNAVAILABLE = 1
 #: Modules adding subcommands: each has ``register(commands, common_options)``.
 _TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     cli_status.register, cli_errors.register, cli_dispatcher.register, cli_gateway.register,
-    cli_spark.register,
+    cli_spark.register, cli_schedules.register,
 ]
 
 

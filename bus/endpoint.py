@@ -48,6 +48,8 @@ from .recovery import Recoverability, Recovery
 from .redaction import redact
 from .registry import MessageRegistry
 from .routing import Router
+from .scheduler import Scheduler
+from .schedules import Schedule, SchedulerPolicy, scheduler_policy
 from .sending import Bus
 from .shutdown import Deadline, StopSignals
 from .signals import EndpointSignals
@@ -117,6 +119,11 @@ class Endpoint:
     clock:
         Where the endpoint reads the time (:class:`~idembus.clock.Clock`; default the wall
         clock in UTC). Tests pass a fake one to run timeouts and schedules in virtual time.
+    schedules:
+        Recurring messages (:class:`~idembus.schedules.Schedule`), sent exactly once per
+        occurrence by one scheduler among the endpoint's processes
+        (:mod:`idembus.scheduler`); or a :class:`~idembus.schedules.SchedulerPolicy` with
+        them and the scheduler's lease. They need the storage's outbox role (leases).
     """
 
     def __init__(
@@ -139,6 +146,7 @@ class Endpoint:
         delayed_poll_interval: float = 0.5,
         status_interval: float = 5.0,
         clock: Clock | None = None,
+        schedules: Sequence[Schedule] | SchedulerPolicy = (),
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
             raise ConfigurationError(
@@ -166,6 +174,9 @@ class Endpoint:
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
         self._check_routes(routes or {})
+        scheduling = scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route)
+        #: The recurring messages this endpoint sends (``schedules=...``).
+        self.schedules: tuple[Schedule, ...] = tuple(scheduling.schedules)
         if storage is not None and not isinstance(storage, StorageRole):
             raise ConfigurationError(
                 f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
@@ -179,7 +190,7 @@ class Endpoint:
                 storage, outbox=self.outbox_policy.run, delayed=not self.transport.native_delay,
                 journal=bool(journal_policy.events),
                 audit=any(isinstance(item, Audit) for item in middleware),
-                status=bool(status_interval))
+                status=bool(status_interval), schedules=bool(scheduling.schedules))
         # Typed as the whole contract: only the roles checked above are ever called.
         self.storage = cast(Storage, storage) if storage is not None else _embedded_storage(name)
         self._check_retention()
@@ -227,6 +238,12 @@ class Endpoint:
             grace=self.outbox_policy.grace,
             journal_retention=journal_policy.retention if self.journal else None,
             backoff=self.recoverability.outage_backoff, health=self.health)
+        #: Sends the schedules' occurrences (one active per endpoint and storage), or
+        #: ``None`` without schedules.
+        self.scheduler = Scheduler(
+            scheduling, endpoint=name, storage=self.storage, dispatcher=self.dispatcher,
+            router=self.router, clock=self.clock, signals=self.signals, health=self.health,
+            backoff=self.recoverability.outage_backoff) if scheduling.schedules else None
         self._status = StatusReporter(self.storage, name, self.counters.snapshot,
                                       interval=status_interval, problems=self.health.problems)
         self._threads: list[threading.Thread] = []
@@ -342,6 +359,11 @@ class Endpoint:
             self._status.start()
         if self.outbox_policy.run:
             self.outbox.start()
+        if self.scheduler is not None:
+            self.scheduler.start()
+            log.info("endpoint %s schedules: %s", self.name, "; ".join(
+                f"{s.name} ({s.cron}, {s.timezone}: {s.describe_message()})"
+                for s in self.schedules), extra={"endpoint": self.name})
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
@@ -375,6 +397,8 @@ class Endpoint:
             self._delayed.stop(deadline.left())
         self._status.stop(deadline.left())
         self.outbox.stop(deadline.left())
+        if self.scheduler is not None:
+            self.scheduler.stop(deadline.left())
         stopped = not any(thread.is_alive() for thread in self._threads)
         if stopped and self._threads:
             counts = self.counters.snapshot()

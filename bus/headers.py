@@ -23,6 +23,10 @@ DELIVER_AT = "idembus.deliver_at"
 #: Comma-separated references an event names for filtering (``Event.journal_parents``);
 #: only on events that name some.
 PARENTS = "idembus.parents"
+#: On the messages of recurring schedules (``Endpoint(schedules=...)``): the schedule's name
+#: and the occurrence's time (ISO 8601 UTC) the message was sent for.
+SCHEDULE = "idembus.schedule"
+OCCURRENCE = "idembus.occurrence"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

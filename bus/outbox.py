@@ -35,19 +35,16 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import socket
 import threading
-import uuid
 
-from .background import Periodic
+from .background import LeasedPeriodic
 from .dispatching import Dispatcher, DispatchProgress
 from .envelope import utc_now
 from .health import Health
 from .parking import park_outgoing
 from .policies import Backoff
 from .redaction import redact
-from .storage.base import OUTBOX_LEASE, Lease, Storage, Undispatched
+from .storage.base import OUTBOX_LEASE, Storage, Undispatched
 from .storage.errors import StaleLease, StorageUnavailable
 from .transports.errors import TransportUnavailable
 
@@ -55,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 
-class OutboxDispatcher(Periodic):
+class OutboxDispatcher(LeasedPeriodic):
     """Repairs crashes between commit and dispatch; see the module docstring."""
 
     def __init__(
@@ -77,23 +74,19 @@ class OutboxDispatcher(Periodic):
             raise ValueError("lease_ttl must be positive and grace not negative")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
-        super().__init__(name, backoff=backoff, health=health)
+        super().__init__(
+            name, leases=storage, lease_ttl=lease_ttl, backoff=backoff, health=health,
+            lease_name=OUTBOX_LEASE if endpoint is None else f"{OUTBOX_LEASE}:{endpoint}")
         self._storage = storage
         self._dispatcher = dispatcher
         #: Whose entries this dispatcher repairs (``None``: every endpoint's, as before
         #: endpoints had leases of their own).
         self.endpoint = endpoint
-        #: The lease the dispatchers of this endpoint compete for.
-        self.lease_name = OUTBOX_LEASE if endpoint is None else f"{OUTBOX_LEASE}:{endpoint}"
-        self.lease_ttl = lease_ttl
         self.grace = grace
         self._batch = batch
         #: How often one entry may fail (other than by an outage) before its messages are
         #: parked and it is marked; the count is kept with the entry, in the storage.
         self.max_attempts = max_attempts
-        #: Who this dispatcher is, in the lease.
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.lease: Lease | None = None
         #: Processed entries forgotten past the storage's retention, by this dispatcher.
         self.expired = 0
         #: How long event-journal entries are kept (``None``: this endpoint keeps no
@@ -108,9 +101,7 @@ class OutboxDispatcher(Periodic):
         lease). An outage ends the round (the next one waits with backoff); any other
         failure is the entry's own and the others go on."""
         now = utc_now()
-        self.lease = self._storage.acquire_lease(self.lease_name, self.owner,
-                                                 ttl=self.lease_ttl, now=now)
-        if self.lease is None:
+        if self.take_lease(now) is None:
             return 0
         repaired = 0
         cutoff = now - datetime.timedelta(seconds=self.grace)
@@ -197,14 +188,3 @@ class OutboxDispatcher(Periodic):
         except Exception:
             log.warning("watching for changes failed; the outbox dispatcher polls",
                         exc_info=True)
-
-    def stop(self, timeout: float | None = 30.0) -> bool:
-        """Stop, and give the lease up so that another dispatcher takes over at once."""
-        was_running = super().stop(timeout)
-        if self.lease is not None:
-            try:
-                self._storage.release_lease(self.lease)
-            except Exception:  # best effort: an unreleased lease expires by itself
-                log.debug("releasing the outbox lease failed", exc_info=True)
-            self.lease = None
-        return was_running

@@ -155,8 +155,9 @@ class Dispatch:
     #: The endpoint whose message it is.
     endpoint: str
     #: Who sends it: ``handler`` (right after its commit), ``redispatch`` (a duplicate
-    #: sending what was stored), ``outbox`` (a repair after a crash), ``unit_of_work`` or
-    #: ``bus`` (``endpoint.bus``, at once).
+    #: sending what was stored), ``outbox`` (a repair after a crash), ``unit_of_work``,
+    #: ``schedule`` (an occurrence, right after the scheduler committed it) or ``bus``
+    #: (``endpoint.bus``, at once).
     source: str
     items: dict[str, Any] = field(default_factory=dict)
 

@@ -4,6 +4,8 @@ Every signal is sent with the endpoint name as sender and keyword arguments
 ``message_id``, ``message_type`` and, where a handler is involved, ``handler`` and
 ``time_sent`` (the incoming message's header).
 ``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
+The ``schedule_*`` signals carry the id and type of the occurrence's message (``None`` for
+a type a message function did not get to build), ``schedule`` and ``occurrence``.
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """
 
@@ -31,6 +33,12 @@ SIGNAL_NAMES = (
     "paused",         # the circuit breaker holds a consumer back (seconds)
     "skipped",        # middleware or a handler raised SkipMessage (reason; handler if one)
     "postponed",      # middleware or a handler raised RetryLater (delay, attempt, reason)
+    "schedule_fired",   # an occurrence of a schedule was committed to be sent (schedule,
+                        # occurrence)
+    "schedule_skipped", # an occurrence missed while no scheduler ran was skipped (schedule,
+                        # occurrence)
+    "schedule_failed",  # an occurrence's message could not be built or stored (schedule,
+                        # occurrence, error)
 )
 
 
@@ -56,6 +64,9 @@ class EndpointSignals:
     paused: Signal
     skipped: Signal
     postponed: Signal
+    schedule_fired: Signal
+    schedule_skipped: Signal
+    schedule_failed: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

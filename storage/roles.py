@@ -8,7 +8,8 @@ nor the error queue took, so that nothing is lost); its options need the others:
 ==========================  =====================================================
 role                        needed by
 ==========================  =====================================================
-``OutboxStore``             ``outbox=True`` (the outbox dispatcher runs here)
+``OutboxStore``             ``outbox=True`` (the outbox dispatcher runs here) and
+                            ``schedules=...`` (the scheduler's lease)
 ``DelayedStore``            a transport without native delay (memory://, Redis)
 ``JournalStore``            ``journal=...``
 ``AuditStore``              the :class:`~idembus.audit.Audit` middleware
@@ -70,6 +71,7 @@ _DELAYED = _Need("a transport without native delay needs (deferred messages wait
 _JOURNAL = _Need("journal=... needs", "turn the option off (journal=False)")
 _AUDIT = _Need("the Audit middleware needs", "leave the middleware out")
 _STATUS = _Need("status reports need", "turn status reports off")
+_SCHEDULES = _Need("schedules=... needs (the scheduler's lease)", "leave the schedules out")
 
 
 def roles_of(storage: object) -> tuple[type[StorageRole], ...]:
@@ -86,19 +88,23 @@ def role_methods(role: type[StorageRole]) -> tuple[str, ...]:
 
 
 def check_storage_roles(
-    storage: object, *, outbox: bool, delayed: bool, journal: bool, audit: bool, status: bool
+    storage: object, *, outbox: bool, delayed: bool, journal: bool, audit: bool, status: bool,
+    schedules: bool = False,
 ) -> None:
     """Check that ``storage`` has the roles an endpoint with these options needs.
 
     ``outbox``: the outbox dispatcher runs in the endpoint; ``delayed``: its transport has
     no native delay, so deferred messages wait in the storage; ``journal``: it journals
-    events; ``audit``: it has the audit middleware; ``status``: it reports its status.
+    events; ``audit``: it has the audit middleware; ``status``: it reports its status;
+    ``schedules``: it sends recurring messages under a lease.
     The aggregate and parking roles are always needed.
 
     Raises :class:`~idembus.errors.ConfigurationError` naming every missing role with its
     methods, what needs it and what to do instead, in one line.
     """
     needs: dict[type[StorageRole], _Need] = dict(_ALWAYS)
+    if schedules and not outbox:
+        needs[OutboxStore] = _SCHEDULES
     for wanted, role, need in ((outbox, OutboxStore, _OUTBOX), (delayed, DelayedStore, _DELAYED),
                                (journal, JournalStore, _JOURNAL), (audit, AuditStore, _AUDIT),
                                (status, StatusStore, _STATUS)):

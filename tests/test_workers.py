@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import random
@@ -155,26 +156,38 @@ class App:
         return {row[0]: row[1] for row in rows}
 
 
-@pytest.fixture
-def app(tmp_path: pathlib.Path) -> Iterator[App]:
+@contextlib.contextmanager
+def deployed(directory: pathlib.Path, source: str, *, name: str = "workers",
+             prefix: str = "wk") -> Iterator[App]:
+    """An :class:`App` whose ``worker_app.py`` (in ``directory``) is ``source``, with queues
+    and tables of its own (``name``, ``prefix`` and a random suffix), removed afterwards
+    with whatever processes it started."""
     require_service(AMQP_URL, "RabbitMQ")
     require_service(POSTGRES_URL, "PostgreSQL")
-    (tmp_path / "worker_app.py").write_text(APP)
+    (directory / "worker_app.py").write_text(source)
     suffix = uuid.uuid4().hex[:10]
     transport = KombuTransport(AMQP_URL)
-    made = App(tmp_path, f"workers-{suffix}", f"workers-error-{suffix}", f"wk{suffix}",
+    made = App(directory, f"{name}-{suffix}", f"{name}-error-{suffix}", f"{prefix}{suffix}",
                transport)
     storage = PostgresStorage(POSTGRES_URL, table_prefix=made.prefix)
     storage.migrate()
     transport.declare(made.queue)
-    yield made
-    for running in made.running:
-        running.stop()
-    for queue in (made.queue, made.error_queue):
-        transport.delete_queue(queue)
-    transport.close()
-    storage.drop_tables()
-    storage.close()
+    try:
+        yield made
+    finally:
+        for running in made.running:
+            running.stop()
+        for queue in (made.queue, made.error_queue):
+            transport.delete_queue(queue)
+        transport.close()
+        storage.drop_tables()
+        storage.close()
+
+
+@pytest.fixture
+def app(tmp_path: pathlib.Path) -> Iterator[App]:
+    with deployed(tmp_path, APP) as made:
+        yield made
 
 
 def wait_until(predicate, timeout: float = 60.0) -> bool:
