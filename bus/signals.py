@@ -3,7 +3,8 @@
 Every signal is sent with the endpoint name as sender and keyword arguments
 ``message_id``, ``message_type`` and, where a handler is involved, ``handler`` and
 ``time_sent`` (the incoming message's header).
-``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
+``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``;
+``discarded`` adds ``discard_after`` (the header).
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """
 
@@ -31,6 +32,7 @@ SIGNAL_NAMES = (
     "paused",         # the circuit breaker holds a consumer back (seconds)
     "skipped",        # middleware or a handler raised SkipMessage (reason; handler if one)
     "postponed",      # middleware or a handler raised RetryLater (delay, attempt, reason)
+    "discarded",      # a handler did not run: the message came after its discard_after
 )
 
 
@@ -56,6 +58,7 @@ class EndpointSignals:
     paused: Signal
     skipped: Signal
     postponed: Signal
+    discarded: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

@@ -40,6 +40,9 @@ from ..routing import Router
 from ..signals import EndpointSignals
 from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage
+from .clock import FakeClock
+
+__all__ = ["FakeClock", "HandlerResult", "handle", "handle_async", "wait_until_idle"]
 
 #: Consecutive idle observations required before endpoints count as quiescent.
 _SETTLED_ROUNDS = 3
