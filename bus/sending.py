@@ -60,6 +60,7 @@ class Bus:
         router: Router,
         emit: Emit,
         origin: MessageContext | None = None,
+        *,
         clock: Clock | None = None,
     ) -> None:
         self._endpoint = endpoint

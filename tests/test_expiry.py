@@ -11,29 +11,36 @@ import threading
 import uuid
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from pydantic import BaseModel
 
-from idembus import Command, ConfigurationError, Endpoint, Event, MalformedMessage
+from idembus import Command, ConfigurationError, Endpoint, Event, MalformedMessage, RetryPolicy
 from idembus import headers as h
 from idembus.cli_errors import retried_envelope
+from idembus.cli_status import summarise
 from idembus.context import MessageContext
 from idembus.dispatching import Dispatcher
-from idembus.envelope import Envelope, format_utc
+from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.expiry import expiry_of
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
-from idembus.handlers import AggregateHandler, handles
+from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.metrics import Metrics
 from idembus.outbox import OutboxDispatcher
 from idembus.recoverability import failure_headers
 from idembus.routing import Router
 from idembus.sending import Bus
+from idembus.status import StatusReporter
 from idembus.storage.base import AggregateRecord
 from idembus.storage.memory import MemoryStorage
-from idembus.testing import FakeClock, wait_until_idle
+from idembus.testing import FakeClock, Scenario, wait_until_idle
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter
+from tests.test_metrics import labels, points, values
 
 START = datetime.datetime(2030, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
+HOUR = datetime.timedelta(hours=1)
 
 
 class Quote(Command, message_name="expiry.Quote"):
@@ -358,3 +365,82 @@ def test_an_unreadable_deadline_sends_the_message_to_the_error_queue_with_the_re
     assert copy.headers[h.DISCARD_AFTER] == text
     assert not pricing.storage.load("Book", "ACME").exists
     assert pricing.counters["discarded"] == 0
+
+
+# -- in virtual time (idembus.testing.Scenario) ---------------------------------------------
+
+
+class Courier(Handler):
+    """Fails its first attempt; its one delayed retry comes two minutes later."""
+
+    retry_policy = RetryPolicy(immediate_retries=0, delayed=(120.0,))
+
+    def __init__(self) -> None:
+        self.tries = [0]  # shared by the copies the endpoint makes for each message
+
+    @handles
+    def deliver(self, message: Quote) -> None:
+        self.tries[0] += 1
+        if self.tries[0] == 1:
+            raise ConnectionError("the courier is out")
+
+
+def test_a_delayed_retry_that_comes_back_after_the_deadline_is_discarded() -> None:
+    # Given a quote that lives 60 s and a handler whose retry comes 120 s after it failed
+    courier = Courier()
+    scenario = Scenario(handlers=[courier], clock=FakeClock(START))
+    scenario.send(Quote(symbol="ACME", price=7), discard_after=60)
+    assert courier.tries == [1]
+
+    # When the retry comes back
+    scenario.advance(minutes=2)
+
+    # Then it is too late: acknowledged unhandled, not in the error queue, not tried again
+    counters = scenario.endpoint().counters
+    assert (counters["retried"], counters["discarded"], counters["handled"]) == (1, 1, 0)
+    assert courier.tries == [1]
+    assert scenario.errors == [] and scenario.next_due is None
+
+
+def test_a_deferred_reminder_past_its_time_to_live_from_sending_is_handled_when_due() -> None:
+    # Given a quote deferred by an hour that lives a minute (from when it is due)
+    scenario = Scenario(handlers=[QuoteBook], clock=FakeClock(START))
+    scenario.defer(Quote(symbol="ACME", price=7), HOUR, discard_after=60)
+
+    # When the hour is over
+    scenario.advance(hours=1)
+
+    # Then it is handled
+    assert scenario.state(Book, "ACME") == Book(price=7)
+    assert scenario.endpoint().counters["discarded"] == 0
+
+
+def late_quote() -> Envelope:
+    """A quote whose deadline passed an hour before START."""
+    return Envelope(headers={h.MESSAGE_ID: "q-1", h.MESSAGE_TYPE: "expiry.Quote",
+                             h.DISCARD_AFTER: format_utc(START - HOUR)},
+                    body=Quote(symbol="ACME", price=7).model_dump_json(), destination="app")
+
+
+def test_metrics_and_status_count_discarded_messages() -> None:
+    # Given an endpoint with the metrics middleware
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    scenario = Scenario(handlers=[QuoteBook], clock=FakeClock(START),
+                        middleware=[Metrics(meter_provider=provider)])
+    endpoint = scenario.endpoint()
+
+    # When a late message comes
+    scenario.deliver(late_quote())
+
+    # Then the metric, the counters and the status report count it
+    assert values(reader, "idembus.messages.discarded") == {
+        labels(endpoint="app", message_type="expiry.Quote", handler="QuoteBook"): 1}
+    durations = points(reader)["idembus.message.handling.duration"]
+    assert [point.attributes["outcome"] for point in durations] == ["discarded"]
+    assert endpoint.counters["discarded"] == 1
+    StatusReporter(endpoint.storage, "app", endpoint.counters.snapshot).report()
+    summary = summarise("app", endpoint.storage.status_reports("app"), now=utc_now(),
+                        stale_after=datetime.timedelta(minutes=1))
+    assert summary["total"]["discarded"] == 1
+    provider.shutdown()
