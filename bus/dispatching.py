@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .background import Periodic
-from .envelope import Envelope, utc_now
+from .clock import Clock, SystemClock
+from .envelope import Envelope
 from .errors import MessageRefused
 from .health import Health
 from .journal import Journal
@@ -48,13 +49,16 @@ class Dispatcher:
 
     ``keep_bodies``: marks keep the bodies of what was sent
     (``OutboxPolicy(compact_after_dispatch=False)``). ``pipeline``: the endpoint's
-    middleware, whose ``dispatch`` hooks run around each outgoing message sent.
+    middleware, whose ``dispatch`` hooks run around each outgoing message sent. ``clock``:
+    the endpoint's, which says whether a deferred message is due yet.
     """
 
     def __init__(self, transport: Transport, storage: Storage,
                  journal: Journal | None = None, *, endpoint: str | None = None,
-                 pipeline: Pipeline | None = None, keep_bodies: bool = False) -> None:
+                 pipeline: Pipeline | None = None, keep_bodies: bool = False,
+                 clock: Clock | None = None) -> None:
         self._transport = transport
+        self._clock = clock or SystemClock()
         self._storage = storage
         self._journal = journal
         #: The endpoint's middleware (what :class:`~idembus.sending.Bus` objects record through).
@@ -68,7 +72,7 @@ class Dispatcher:
         """Put ``envelope`` on the wire (or, deferred on a transport without delay, in the
         storage until it is due). No middleware: for error-queue copies and retries."""
         due = envelope.deliver_at
-        if due is not None and not self._transport.native_delay and due > utc_now():
+        if due is not None and not self._transport.native_delay and due > self._clock.now():
             self._storage.schedule(envelope, due, owner=self.endpoint)
         else:
             self._transport.dispatch(envelope)
@@ -151,9 +155,11 @@ class DelayedDeliveries(Periodic):
     def __init__(self, transport: Transport, storage: Storage, *, name: str,
                  interval: float = 0.5, batch: int = 100, lease: float = 30.0,
                  backoff: Backoff | None = None, owner: str | None = None,
-                 max_attempts: int = 5, health: Health | None = None) -> None:
+                 max_attempts: int = 5, health: Health | None = None,
+                 clock: Clock | None = None) -> None:
         super().__init__(name, backoff=backoff, health=health)
         self._transport = transport
+        self._clock = clock or SystemClock()
         self._storage = storage
         self._interval = interval
         self._batch = batch
@@ -170,8 +176,8 @@ class DelayedDeliveries(Periodic):
         """Send what is due now; return how many were sent."""
         sent = 0
         while not self._stop.is_set():
-            envelopes = self._storage.claim_due(utc_now(), limit=self._batch, lease=self._lease,
-                                                owner=self.owner)
+            envelopes = self._storage.claim_due(self._clock.now(), limit=self._batch,
+                                                lease=self._lease, owner=self.owner)
             done = [envelope for envelope in envelopes if self._send(envelope)]
             self._storage.forget_scheduled(done)
             sent += len(done)

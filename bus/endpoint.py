@@ -118,7 +118,10 @@ class Endpoint:
         reports (a storage without the status role).
     clock:
         Where the endpoint reads the time (:class:`~idembus.clock.Clock`; default the wall
-        clock in UTC). Tests pass a fake one to run timeouts and schedules in virtual time.
+        clock in UTC): the time sent, when deferred messages and delayed retries are due,
+        whether a message expired. Tests pass a fake one to run timeouts and schedules in
+        virtual time (:class:`idembus.testing.Scenario`). Storage bookkeeping (commit
+        times, leases, retention) stays on the wall clock.
     schedules:
         Recurring messages (:class:`~idembus.schedules.Schedule`), sent exactly once per
         occurrence by one scheduler among the endpoint's processes
@@ -210,11 +213,12 @@ class Endpoint:
         #: Sends what handlers, units of work and ``bus`` send, and marks it.
         self.dispatcher = Dispatcher(
             self.transport, self.storage, self.journal, endpoint=name, pipeline=self.pipeline,
-            keep_bodies=not self.outbox_policy.compact_after_dispatch)
+            keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock)
         invoker = HandlerInvoker(
             endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
             conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
             defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
+            clock=self.clock,
         )
         self._processor = MessageProcessor(
             endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
@@ -223,14 +227,15 @@ class Endpoint:
                               health=self.health),
             storage=self.storage, max_message_bytes=max_message_bytes,
             left_to_outbox=lambda: self.outbox.wake_in(self.outbox_policy.grace),
+            clock=self.clock,
         )
         #: Sends and publishes from outside handlers, at once (or when deferred, later).
         self.bus = Bus(name, self.router, self.pipeline.recorder(self.dispatcher.dispatch_now,
-                                                                 None))
+                                                                 None), clock=self.clock)
         # Without native delay on the broker, deferred messages wait in the storage.
         self._delayed = None if self.transport.native_delay else DelayedDeliveries(
             self.transport, self.storage, name=f"idembus-{name}-delayed",
-            interval=delayed_poll_interval, owner=name, health=self.health)
+            interval=delayed_poll_interval, owner=name, health=self.health, clock=self.clock)
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
         self.outbox = OutboxDispatcher(
@@ -312,7 +317,7 @@ class Endpoint:
             endpoint=self.name, router=self.router, storage=self.storage,
             dispatcher=self.dispatcher, aggregate_type=self._aggregate_type_of(state_type),
             aggregate_id=aggregate_id, state_type=state_type, operation_id=operation_id,
-            new_state=new_state,
+            new_state=new_state, clock=self.clock,
         )
 
     def _aggregate_type_of(self, state_type: type[BaseModel]) -> str:

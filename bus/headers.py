@@ -20,6 +20,10 @@ INTENT = "idembus.intent"
 #: ISO 8601 UTC time before which the message must not be delivered (deferred messages,
 #: delayed retries).
 DELIVER_AT = "idembus.deliver_at"
+#: ISO 8601 UTC time after which the message is worthless: an endpoint receiving it later
+#: acknowledges it unhandled (``discarded``), unless a handler already processed it
+#: (``bus.send(..., discard_after=...)``, :mod:`idembus.expiry`).
+DISCARD_AFTER = "idembus.discard_after"
 #: Comma-separated references an event names for filtering (``Event.journal_parents``);
 #: only on events that name some.
 PARENTS = "idembus.parents"

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import headers as h
 from .aio import run_to_completion
+from .clock import Clock, SystemClock
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
@@ -53,6 +54,9 @@ class Outcome:
     #: its sending is left to the committer, or to the outbox once its grace has passed
     #: (``Endpoint(defer_fresh_redispatch=...)``).
     left_to_outbox: bool = False
+    #: The message had expired (``idembus.discard_after``) and this handler had not
+    #: processed it: nothing ran, nothing was stored (:mod:`idembus.expiry`).
+    discarded: bool = False
 
 
 class HandlerInvoker:
@@ -68,8 +72,11 @@ class HandlerInvoker:
         conflicts: ConflictPolicy,
         pipeline: Pipeline | None = None,
         defer_fresh_redispatch: float = 0.0,
+        clock: Clock | None = None,
     ) -> None:
         self._endpoint = endpoint
+        #: The handlers' "now" (what their buses stamp and defer by).
+        self._clock = clock or SystemClock()
         #: Seconds during which a duplicate leaves an undispatched entry to its committer.
         self._defer_fresh = datetime.timedelta(seconds=defer_fresh_redispatch)
         self._router = router
@@ -90,7 +97,7 @@ class HandlerInvoker:
 
     def invoke(
         self, binding: HandlerBinding, call: HandlerCall, *,
-        commit_may_have_landed: bool = False,
+        commit_may_have_landed: bool = False, expired: bool = False,
     ) -> Outcome:
         """Run the binding's handler on ``call.message`` once per (handler, message id),
         the commit inside the pipeline's ``commit`` stage; sets ``call.duplicate`` and
@@ -100,6 +107,10 @@ class HandlerInvoker:
         database during its commit (:class:`~idembus.storage.errors.CommitOutcomeUnknown`). Finding
         the message recorded then means that commit was applied: it counts as handled, not
         as a duplicate, and what it stored is dispatched without a ``redispatched``.
+
+        ``expired``: the message was received after its ``idembus.discard_after``. Found
+        recorded, it is a duplicate as ever (what was stored is sent again); otherwise the
+        handler does not run and the outcome says ``discarded``.
         """
         context, message, headers = call.context, call.message, call.context.headers
         key = context.dedup_key
@@ -111,6 +122,9 @@ class HandlerInvoker:
             previous = loaded.processed.get(key)
             committed_at: datetime.datetime | None  # of the entry a duplicate found
             if previous is None:
+                if expired:
+                    return Outcome(aggregate_type, aggregate_id, key, (), False,
+                                   binding.handler_name, discarded=True)
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
                 state, outgoing = self._run(binding, message, context, loaded)
@@ -195,7 +209,8 @@ class HandlerInvoker:
         outgoing: list[Envelope] = []
         handler = copy.copy(binding.handler)
         handler.bus = Bus(self._endpoint, self._router,
-                          self._pipeline.recorder(outgoing.append, context), context)
+                          self._pipeline.recorder(outgoing.append, context), context,
+                          clock=self._clock)
         handler.context = context
         if isinstance(handler, AggregateHandler):
             if loaded.exists:

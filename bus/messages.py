@@ -8,12 +8,19 @@ says otherwise with the ``message_name`` keyword::
     class PlaceOrder(Command, message_name="sales.PlaceOrder"):
         order_id: str
 
+A type may also give its messages a time to live, after which a receiver discards them
+(:mod:`idembus.expiry`; a subclass inherits it)::
+
+    class PriceQuote(Event, discard_after=30):  # seconds, or a timedelta
+        price: int
+
 Nothing is registered by defining a class; endpoints learn their types from the handlers
 and routes they are given.
 """
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -21,6 +28,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from .errors import ConfigurationError
+from .expiry import time_to_live
 
 #: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
 _WIRE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
@@ -34,9 +42,14 @@ class Message(BaseModel):
     """Base of every message; derive from :class:`Command` or :class:`Event` instead."""
 
     __message_name__: ClassVar[str]
+    #: The time to live of this type's messages (``discard_after=`` class keyword).
+    __discard_after__: ClassVar[datetime.timedelta | None] = None
 
-    def __init_subclass__(cls, *, message_name: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, message_name: str | None = None,
+                          discard_after: object = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if discard_after is not None:
+            cls.__discard_after__ = _class_time_to_live(cls, discard_after)
         wire_name = message_name or cls.__name__
         if not _WIRE_NAME.match(wire_name):
             raise ConfigurationError(
@@ -46,8 +59,9 @@ class Message(BaseModel):
         cls.__message_name__ = wire_name
 
     @classmethod
-    def __pydantic_init_subclass__(cls, *, message_name: str | None = None, **kwargs: Any) -> None:
-        # __init_subclass__ consumed the name; pydantic passes class keywords here too.
+    def __pydantic_init_subclass__(cls, *, message_name: str | None = None,
+                                   discard_after: object = None, **kwargs: Any) -> None:
+        # __init_subclass__ consumed our keywords; pydantic passes class keywords here too.
         super().__pydantic_init_subclass__(**kwargs)
 
 
@@ -80,6 +94,22 @@ def parents_of(event: Event) -> tuple[str, ...]:
                 f"{type(event).__qualname__}.journal_parents() gave {parent!r}: a parent is a "
                 "non-empty string without commas or whitespace, such as 'user/42'")
     return parents
+
+
+def _class_time_to_live(cls: type, value: object) -> datetime.timedelta:
+    try:
+        return time_to_live(value)
+    except (TypeError, ValueError) as wrong:
+        raise ConfigurationError(
+            f"{cls.__qualname__}: {wrong}; write discard_after=30 (seconds) or "
+            "discard_after=datetime.timedelta(minutes=5)") from None
+
+
+def default_time_to_live(message_type: type[Message] | Message) -> datetime.timedelta | None:
+    """How long messages of this type live unless a send says otherwise (the type's
+    ``discard_after=`` keyword, or its nearest base's); ``None``: for ever."""
+    cls = message_type if isinstance(message_type, type) else type(message_type)
+    return cls.__discard_after__
 
 
 def message_name(message_type: type[Message] | Message) -> str:

@@ -26,12 +26,15 @@ figures ``idembus status`` shows:
   (``kind``: ``immediate`` or ``delayed``);
 * ``idembus.messages.dead_lettered`` [``..._dead_lettered_total``]: moved to the error
   queue (with ``error_type``);
+* ``idembus.messages.discarded`` [``..._discarded_total``]: a handler did not run on a
+  message received after its ``idembus.discard_after`` (:mod:`idembus.expiry`);
 
 histograms, in seconds, with ``endpoint`` and ``message_type``:
 
 * ``idembus.message.handling.duration`` [``idembus_message_handling_duration_seconds``]:
   from the arrival of a delivery until it is settled, with ``outcome`` (``handled``,
-  ``skipped``, ``retry_later``, ``retrying``, ``dead_lettered``, or ``interrupted``);
+  ``skipped``, ``retry_later``, ``retrying``, ``dead_lettered``, ``discarded``, or
+  ``interrupted``);
 * ``idembus.message.critical_time`` [``idembus_message_critical_time_seconds``]: from
   ``idembus.time_sent`` until the message was handled (what a user waits for);
 
@@ -73,6 +76,8 @@ COUNTERS = {
     "failed": ("idembus.messages.failed", "Handler attempts that raised"),
     "retried": ("idembus.messages.retried", "Failed messages tried again"),
     "dead_lettered": ("idembus.messages.dead_lettered", "Messages moved to the error queue"),
+    "discarded": ("idembus.messages.discarded",
+                  "Messages a handler did not run on: received after their discard_after"),
 }
 HANDLING_DURATION = "idembus.message.handling.duration"
 CRITICAL_TIME = "idembus.message.critical_time"

@@ -110,8 +110,10 @@ class IncomingMessage:
     #: The decoded message; ``None`` before decoding, and for input that does not decode.
     message: Message | None = None
     #: How processing ended, as ``after_message`` sees it: ``handled`` (every handler
-    #: handled it, found it a duplicate or skipped it), ``retry_later``, ``retrying`` (a
-    #: delayed retry of a failure) or ``dead_lettered``; ``None`` while in progress, when
+    #: handled it, found it a duplicate or skipped it), ``discarded`` (so did they, but at
+    #: least one did not run because the message had expired, :mod:`idembus.expiry`),
+    #: ``retry_later``, ``retrying`` (a delayed retry of a failure) or ``dead_lettered``;
+    #: ``None`` while in progress, when
     #: processing was interrupted (an outage at shutdown), and when a later middleware's
     #: ``before_message`` raised (the ``error`` says what it asked for).
     outcome: str | None = None

@@ -10,6 +10,10 @@ When a handler keeps raising, its retry policy decides: immediate retries, then 
 rounds (the message comes back later with the same id, so handlers that already succeeded
 find it processed), then the error queue with the reason. Bad input goes to the error queue
 at once. Nothing is lost.
+
+A message received after its ``idembus.discard_after`` (:mod:`idembus.expiry`) is
+acknowledged without running the handlers that had not processed it yet (``discarded``);
+those that had still send again what they stored.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from dataclasses import dataclass, field
 
 from . import headers as h
 from . import wire
+from .clock import Clock, SystemClock
 from .decoding import decode
 from .dispatching import Dispatcher, DispatchProgress
-from .envelope import Envelope, format_utc, utc_now
+from .envelope import Envelope, format_utc
 from .errors import BusError, MalformedMessage, MessageError
+from .expiry import expiry_of
 from .handlers.registration import HandlerBinding, HandlerTable
 from .invocation import HandlerInvoker, Outcome
 from .messages import Message
@@ -80,7 +86,8 @@ class MessageProcessor:
 
     ``storage`` keeps what the error queue refuses (:mod:`idembus.parking`);
     ``left_to_outbox`` is called when a duplicate left an entry to the outbox (which then
-    looks sooner).
+    looks sooner); ``clock`` tells whether a message expired and when a delayed retry is
+    due.
     """
 
     def __init__(
@@ -97,8 +104,10 @@ class MessageProcessor:
         storage: Storage,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
         left_to_outbox: Callable[[], None] = lambda: None,
+        clock: Clock | None = None,
     ) -> None:
         self._endpoint = endpoint
+        self._clock = clock or SystemClock()
         self._error_queue = error_queue
         self._registry = registry
         self._table = table
@@ -147,19 +156,23 @@ class MessageProcessor:
         try:
             message = decode(delivery.headers, delivery.body, delivery.content_type,
                              self._registry)
+            expires = expiry_of(delivery.headers)
         except MessageError as error:
             self._dead_letter(delivery, incoming, error, attempts=0)
             return 0.0
         incoming.message = message
+        expired = expires is not None and self._clock.now() > expires
+        discarded = False
         try:
             for binding in self._table.bindings_for(type(message)):
-                failure = self._handle(binding, message, delivery, incoming)
-                if failure is not None:
-                    return self._after_failure(delivery, incoming, failure)
+                done = self._handle(binding, message, delivery, incoming, expired=expired)
+                if isinstance(done, _Failure):
+                    return self._after_failure(delivery, incoming, done)
+                discarded |= done is not None and done.discarded
         except PipelineControl as control:  # RetryLater or RejectMessage
             self._steer(delivery, incoming, control)
             return 0.0
-        incoming.outcome = "handled"
+        incoming.outcome = "discarded" if discarded else "handled"
         self._recovery.message_succeeded()
         return 0.0
 
@@ -183,18 +196,32 @@ class MessageProcessor:
                            message_type=headers.get(h.MESSAGE_TYPE), reason=skip.reason,
                            **handler)
 
+    def _discarded(self, handler: str, headers: Mapping[str, str]) -> None:
+        """Say that ``handler`` did not run on a message received after its time."""
+        message_id = headers.get(h.MESSAGE_ID)
+        log.info("%s discarded %s: received at %s, after its %s %s", handler, message_id,
+                 format_utc(self._clock.now()), h.DISCARD_AFTER, headers.get(h.DISCARD_AFTER),
+                 extra={"endpoint": self._endpoint, "message_id": message_id,
+                        "message_type": headers.get(h.MESSAGE_TYPE), "handler": handler})
+        self._signals.emit("discarded", message_id=message_id,
+                           message_type=headers.get(h.MESSAGE_TYPE), handler=handler,
+                           discard_after=headers.get(h.DISCARD_AFTER),
+                           time_sent=headers.get(h.TIME_SENT))
+
     def _handle(
         self, binding: HandlerBinding, message: Message, delivery: Delivery,
-        incoming: IncomingMessage,
-    ) -> _Failure | None:
-        """Invoke and dispatch with immediate retries; the failure if every attempt raised.
+        incoming: IncomingMessage, *, expired: bool = False,
+    ) -> _Failure | Outcome | None:
+        """Invoke and dispatch with immediate retries; the failure if every attempt raised,
+        else the outcome (``None``: the handler skipped the message).
 
         While the database or the broker is unreachable the message keeps its place: the
         attempt is repeated with backoff, retries are not used up, and when the endpoint
         stops meanwhile the delivery goes back to the broker. Once the handler's effects
         are committed, later attempts only dispatch what it committed: a re-attempt is not
         a duplicate. A :class:`SkipMessage` skips this handler; the other control-flow
-        exceptions go up to the message.
+        exceptions go up to the message. An ``expired`` message that the handler had not
+        processed is discarded (:mod:`idembus.expiry`).
         """
         policy = self._recovery.retry_policy(binding.handler)
         context = self._invoker.context_for(binding, delivery.headers)
@@ -210,10 +237,12 @@ class MessageProcessor:
                     call = HandlerCall(incoming, context, message, attempts)
                     outcome = self._pipeline.handler(call, functools.partial(
                         self._invoker.invoke, binding, call,
-                        commit_may_have_landed=commit_may_have_landed))
+                        commit_may_have_landed=commit_may_have_landed, expired=expired))
+                    if outcome.discarded:
+                        self._discarded(binding.handler_name, delivery.headers)
                 self._dispatch(outcome, delivery.headers, dispatching)
                 self._recovery.recovered()
-                return None
+                return outcome
             except SkipMessage as skip:
                 self._skipped(binding.handler_name, delivery.headers, skip,
                               handler=binding.handler_name)
@@ -284,7 +313,7 @@ class MessageProcessor:
     def _send_back(self, delivery: Delivery, changes: dict[str, str], delay: float) -> None:
         """Put the message back on its queue, same id and bytes, delivered after ``delay``
         seconds, with ``changes`` to its headers."""
-        due = utc_now() + datetime.timedelta(seconds=delay)
+        due = self._clock.now() + datetime.timedelta(seconds=delay)
         self._dispatcher.dispatch(Envelope(
             headers={**delivery.headers, **changes, h.DELIVER_AT: format_utc(due)},
             body=delivery.body.decode("utf-8", "surrogateescape"),

@@ -10,10 +10,12 @@ from .errors import MessageError
 from .redaction import redact, redacted_traceback
 
 #: Headers written when a message is moved to the error queue (and ``deliver_at``, left by
-#: a delayed retry): a message sent back for another try drops them.
+#: a delayed retry): a message sent back for another try drops them. So does its
+#: ``discard_after``: an operator's retry (``idembus errors retry``, a parked message, a
+#: replay) is handled whatever the sender's deadline was (:mod:`idembus.expiry`).
 FAILURE_HEADERS = frozenset({
     h.EXCEPTION_TYPE, h.EXCEPTION_MESSAGE, h.STACK_TRACE, h.FAILED_QUEUE, h.TIME_OF_FAILURE,
-    h.IMMEDIATE_ATTEMPTS, h.DELAYED_ATTEMPTS, h.DELIVER_AT,
+    h.IMMEDIATE_ATTEMPTS, h.DELAYED_ATTEMPTS, h.DELIVER_AT, h.DISCARD_AFTER,
 })
 _FAILURE_PREFIXES = ("idembus.exception.", "idembus.attempts.")
 

@@ -13,10 +13,19 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from . import headers as h
+from .clock import Clock, SystemClock
 from .context import MessageContext
-from .envelope import Envelope, format_utc, utc_now
+from .envelope import Envelope, format_utc
 from .errors import RoutingError
-from .messages import Command, Event, Message, message_name, parents_of
+from .expiry import TimeToLive, discard_time, time_to_live
+from .messages import (
+    Command,
+    Event,
+    Message,
+    default_time_to_live,
+    message_name,
+    parents_of,
+)
 from .routing import Router
 
 Emit = Callable[[Envelope], None]
@@ -35,6 +44,14 @@ class Bus:
         What to do with each finished envelope: dispatch it, or record it.
     origin:
         The message being handled, inside a handler; ``None`` outside handlers.
+    clock:
+        Where "now" comes from (the endpoint's :class:`~idembus.clock.Clock`): the time
+        sent, when a deferred message is due, when a message expires.
+
+    Every method takes ``discard_after`` (seconds or a timedelta): the message is worthless
+    to its receiver that much later than it is sent — or, deferred, than it is due — and
+    discarded if received after that (:mod:`idembus.expiry`). Without it, the message
+    type's default applies (``class Quote(Event, discard_after=30)``), if it has one.
     """
 
     def __init__(
@@ -43,11 +60,14 @@ class Bus:
         router: Router,
         emit: Emit,
         origin: MessageContext | None = None,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._router = router
         self._emit = emit
         self._origin = origin
+        self._clock = clock or SystemClock()
         self._count = 0
 
     def send(
@@ -58,6 +78,7 @@ class Bus:
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
         deliver_at: datetime.datetime | None = None,
+        discard_after: TimeToLive | None = None,
     ) -> str:
         """Send a command to the one endpoint that handles it; return its message id.
 
@@ -71,7 +92,8 @@ class Bus:
                 "publish events with publish()"
             )
         destination = to or self._router.destination_for(type(command))
-        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at)
+        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at,
+                         discard_after)
 
     def defer(
         self,
@@ -80,6 +102,7 @@ class Bus:
         *,
         to: str | None = None,
         headers: Mapping[str, str] | None = None,
+        discard_after: TimeToLive | None = None,
     ) -> str:
         """Send a command that is delivered ``delay`` (seconds or a timedelta) from now.
 
@@ -90,7 +113,8 @@ class Bus:
         if seconds < 0:
             raise ValueError(f"delay cannot be negative, got {delay!r}")
         return self.send(command, to=to, headers=headers,
-                         deliver_at=utc_now() + datetime.timedelta(seconds=seconds))
+                         deliver_at=self._clock.now() + datetime.timedelta(seconds=seconds),
+                         discard_after=discard_after)
 
     def publish(
         self,
@@ -98,6 +122,7 @@ class Bus:
         *,
         headers: Mapping[str, str] | None = None,
         message_id: str | None = None,
+        discard_after: TimeToLive | None = None,
     ) -> str:
         """Publish an event to every endpoint subscribed to its type; return its id."""
         if not isinstance(event, Event):
@@ -105,9 +130,11 @@ class Bus:
                 f"publish() takes an Event, got {type(event).__qualname__}; "
                 "send commands with send()"
             )
-        return self._put(event, h.Intent.PUBLISH, None, headers, message_id)
+        return self._put(event, h.Intent.PUBLISH, None, headers, message_id,
+                         discard_after=discard_after)
 
-    def reply(self, message: Message, *, headers: Mapping[str, str] | None = None) -> str:
+    def reply(self, message: Message, *, headers: Mapping[str, str] | None = None,
+              discard_after: TimeToLive | None = None) -> str:
         """Reply to the sender of the message being handled; return the reply's id."""
         if self._origin is None:
             raise RoutingError("reply() works only inside a handler, in answer to a message")
@@ -119,7 +146,8 @@ class Bus:
                 f"cannot reply to {self._origin.message_type} {self._origin.message_id}: "
                 f"it carries no {h.REPLY_TO} header"
             )
-        return self._put(message, h.Intent.REPLY, destination, headers, None)
+        return self._put(message, h.Intent.REPLY, destination, headers, None,
+                         discard_after=discard_after)
 
     def _put(
         self,
@@ -129,10 +157,17 @@ class Bus:
         extra: Mapping[str, str] | None,
         message_id: str | None,
         deliver_at: datetime.datetime | None = None,
+        discard_after: TimeToLive | None = None,
     ) -> str:
-        headers = self._headers(message, intent, extra, message_id)
+        ttl = (default_time_to_live(message) if discard_after is None
+               else time_to_live(discard_after))
+        now = self._clock.now()
+        headers = self._headers(message, intent, extra, message_id, now)
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
+        if ttl is not None:
+            # A deferred message lives from when it is due: it is meant to be received then.
+            headers[h.DISCARD_AFTER] = discard_time(max(now, deliver_at or now), ttl)
         if isinstance(message, Event):
             parents = parents_of(message)
             if parents:
@@ -148,6 +183,7 @@ class Bus:
         intent: h.Intent,
         extra: Mapping[str, str] | None,
         message_id: str | None,
+        now: datetime.datetime,
     ) -> dict[str, str]:
         origin = self._origin
         if message_id is None:
@@ -163,7 +199,7 @@ class Bus:
             h.INTENT: intent.value,
             h.ORIGINATING_ENDPOINT: self._endpoint,
             h.REPLY_TO: self._endpoint,
-            h.TIME_SENT: format_utc(utc_now()),
+            h.TIME_SENT: format_utc(now),
         })
         if origin is None:
             result[h.CONVERSATION_ID] = message_id

@@ -6,6 +6,8 @@ Every signal is sent with the endpoint name as sender and keyword arguments
 ``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
 The ``schedule_*`` signals carry the id and type of the occurrence's message (``None`` for
 a type a message function did not get to build), ``schedule`` and ``occurrence``.
+``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``;
+``discarded`` adds ``discard_after`` (the header).
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """
 
@@ -39,6 +41,7 @@ SIGNAL_NAMES = (
                         # occurrence)
     "schedule_failed",  # an occurrence's message could not be built or stored (schedule,
                         # occurrence, error)
+    "discarded",      # a handler did not run: the message came after its discard_after
 )
 
 
@@ -67,6 +70,7 @@ class EndpointSignals:
     schedule_fired: Signal
     schedule_skipped: Signal
     schedule_failed: Signal
+    discarded: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
+from .clock import Clock
 from .context import MessageContext
 from .dispatching import Dispatcher
 from .envelope import Envelope
@@ -60,6 +61,7 @@ class UnitOfWork(Generic[StateT]):
         state_type: type[StateT],
         operation_id: str | None = None,
         new_state: Callable[[], StateT] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.aggregate_id = aggregate_id
         self.operation_id = operation_id or str(uuid.uuid4())
@@ -76,7 +78,7 @@ class UnitOfWork(Generic[StateT]):
         #: Records what is sent and published; dispatched after the commit.
         self.bus = Bus(endpoint, router,
                        dispatcher.pipeline.recorder(self._outgoing.append, self._context),
-                       self._context)
+                       self._context, clock=clock)
         self._loaded: AggregateRecord | None = None
         self.state: StateT
 

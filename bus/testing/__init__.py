@@ -13,6 +13,16 @@ event loop of its own (:mod:`idembus.aio`), closed when ``handle`` returns. ``ha
 synchronous: called inside a running loop it runs the method in a helper thread and holds
 that loop up meanwhile; an async test awaits ``handle_async`` instead, which holds up
 nothing.
+
+:class:`Scenario` runs several endpoints' handlers together, through the endpoints' own
+processor, on in-memory parts and a :class:`FakeClock`: send a message, advance the clock,
+and see the deferred messages and timeouts that came due handled
+(:mod:`idembus.testing.scenario`)::
+
+    scenario = Scenario(handlers=[OrderPolicy])
+    scenario.send(PlaceOrder(order_id="42"))
+    scenario.advance(hours=25)
+    assert scenario.state(Order, "42").status == "cancelled"
 """
 
 from __future__ import annotations
@@ -22,7 +32,6 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -33,13 +42,28 @@ from ..envelope import Envelope
 from ..handlers.base import AggregateHandler, Handler
 from ..handlers.registration import HandlerTable
 from ..invocation import HandlerInvoker
-from ..messages import Command, Message, is_message_type, message_name
+from ..messages import Command, Message, message_name
 from ..pipeline import HandlerCall, IncomingMessage
 from ..policies import ConflictPolicy
 from ..routing import Router
 from ..signals import EndpointSignals
 from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage
+from .clock import FakeClock
+from .decoding import ByIntent, decoded
+from .scenario import FailedMessage, Outgoing, Scenario, ScenarioError
+
+__all__ = [
+    "FailedMessage",
+    "FakeClock",
+    "HandlerResult",
+    "Outgoing",
+    "Scenario",
+    "ScenarioError",
+    "handle",
+    "handle_async",
+    "wait_until_idle",
+]
 
 #: Consecutive idle observations required before endpoints count as quiescent.
 _SETTLED_ROUNDS = 3
@@ -47,30 +71,15 @@ _SEED_KEY = "bus.testing/initial-state"
 
 
 @dataclass(frozen=True)
-class HandlerResult:
+class HandlerResult(ByIntent):
     """What one handler run left behind."""
 
     envelopes: tuple[Envelope, ...]
     state: BaseModel | None
 
-    @property
-    def sent(self) -> list[Message]:
-        return self._of(h.Intent.SEND)
-
-    @property
-    def published(self) -> list[Message]:
-        return self._of(h.Intent.PUBLISH)
-
-    @property
-    def replied(self) -> list[Message]:
-        return self._of(h.Intent.REPLY)
-
     def _of(self, intent: h.Intent) -> list[Message]:
-        known = _known_message_types()
-        return [
-            known[envelope.message_type].model_validate_json(envelope.body)
-            for envelope in self.envelopes if envelope.intent is intent
-        ]
+        return [decoded(envelope, strict=True) for envelope in self.envelopes
+                if envelope.intent is intent]
 
 
 def handle(
@@ -146,17 +155,6 @@ class _TestRouter(Router):
         if self.has_route(command_type):
             return super().destination_for(command_type)
         return message_name(command_type)
-
-
-def _known_message_types() -> dict[str, type[Message]]:
-    found: dict[str, type[Message]] = {}
-    pending: list[type[Any]] = [Message]
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        if is_message_type(cls):
-            found.setdefault(message_name(cls), cls)
-    return found
 
 
 def wait_until_idle(endpoints: Iterable[Endpoint], *, timeout: float = 30.0,
