@@ -23,6 +23,10 @@ DELIVER_AT = "idembus.deliver_at"
 #: Comma-separated references an event names for filtering (``Event.journal_parents``);
 #: only on events that name some.
 PARENTS = "idembus.parents"
+#: On a timeout an aggregate handler requested (``request_timeout``): the aggregate it is
+#: for, ``<aggregate type>/<aggregate id>``. Arriving once that aggregate was completed, it
+#: is dropped.
+SAGA_TIMEOUT = "idembus.saga_timeout"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

@@ -26,6 +26,10 @@ figures ``idembus status`` shows:
   (``kind``: ``immediate`` or ``delayed``);
 * ``idembus.messages.dead_lettered`` [``..._dead_lettered_total``]: moved to the error
   queue (with ``error_type``);
+* ``idembus.messages.not_found`` [``..._not_found_total``]: a saga's message found no
+  saga and does not start one (acknowledged);
+* ``idembus.messages.timeouts_dropped`` [``..._timeouts_dropped_total``]: a saga's timeout
+  arrived once the saga was completed (acknowledged);
 
 histograms, in seconds, with ``endpoint`` and ``message_type``:
 
@@ -73,6 +77,10 @@ COUNTERS = {
     "failed": ("idembus.messages.failed", "Handler attempts that raised"),
     "retried": ("idembus.messages.retried", "Failed messages tried again"),
     "dead_lettered": ("idembus.messages.dead_lettered", "Messages moved to the error queue"),
+    "not_found": ("idembus.messages.not_found",
+                  "Saga messages that found no saga and do not start one"),
+    "timeout_dropped": ("idembus.messages.timeouts_dropped",
+                        "Saga timeouts that arrived once their saga was completed"),
 }
 HANDLING_DURATION = "idembus.message.handling.duration"
 CRITICAL_TIME = "idembus.message.critical_time"

@@ -65,13 +65,7 @@ class Bus:
         retried send deduplicate (e.g. an id taken from an HTTP request); ``deliver_at``
         (an aware datetime) holds the command back until then.
         """
-        if not isinstance(command, Command):
-            raise TypeError(
-                f"send() takes a Command, got {type(command).__qualname__}; "
-                "publish events with publish()"
-            )
-        destination = to or self._router.destination_for(type(command))
-        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at)
+        return self._command(command, to, headers, message_id, deliver_at)
 
     def defer(
         self,
@@ -86,11 +80,28 @@ class Bus:
         Inside a handler "now" is when the handler ran: a re-run after a crash keeps the
         recorded time, and the message keeps its derived id.
         """
-        seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
-        if seconds < 0:
-            raise ValueError(f"delay cannot be negative, got {delay!r}")
-        return self.send(command, to=to, headers=headers,
-                         deliver_at=utc_now() + datetime.timedelta(seconds=seconds))
+        return self.send(command, to=to, headers=headers, deliver_at=_due(delay))
+
+    def defer_timeout(self, command: Command, delay: float | datetime.timedelta, *,
+                      to: str, aggregate: str) -> str:
+        """A saga's timeout (:meth:`~idembus.handlers.AggregateHandler.request_timeout`):
+        :meth:`defer` ``command`` to ``to`` with the ``idembus.saga_timeout`` header naming
+        ``aggregate`` (``<type>/<id>``), so that it is dropped if it arrives once that
+        aggregate was completed."""
+        return self._command(command, to, None, None, _due(delay),
+                             marks={h.SAGA_TIMEOUT: aggregate})
+
+    def _command(self, command: Command, to: str | None, headers: Mapping[str, str] | None,
+                 message_id: str | None, deliver_at: datetime.datetime | None,
+                 marks: Mapping[str, str] | None = None) -> str:
+        if not isinstance(command, Command):
+            raise TypeError(
+                f"send() takes a Command, got {type(command).__qualname__}; "
+                "publish events with publish()"
+            )
+        destination = to or self._router.destination_for(type(command))
+        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at,
+                         marks)
 
     def publish(
         self,
@@ -129,8 +140,10 @@ class Bus:
         extra: Mapping[str, str] | None,
         message_id: str | None,
         deliver_at: datetime.datetime | None = None,
+        marks: Mapping[str, str] | None = None,
     ) -> str:
         headers = self._headers(message, intent, extra, message_id)
+        headers.update(marks or {})  # idembus's own headers, which callers may not set
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
         if isinstance(message, Event):
@@ -175,3 +188,11 @@ class Bus:
                 origin.message_id if intent is h.Intent.REPLY else origin.correlation_id
             )
         return result
+
+
+def _due(delay: float | datetime.timedelta) -> datetime.datetime:
+    """When a message deferred by ``delay`` (seconds or a timedelta) from now is due."""
+    seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
+    if seconds < 0:
+        raise ValueError(f"delay cannot be negative, got {delay!r}")
+    return utc_now() + datetime.timedelta(seconds=seconds)

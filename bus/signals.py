@@ -31,6 +31,8 @@ SIGNAL_NAMES = (
     "paused",         # the circuit breaker holds a consumer back (seconds)
     "skipped",        # middleware or a handler raised SkipMessage (reason; handler if one)
     "postponed",      # middleware or a handler raised RetryLater (delay, attempt, reason)
+    "not_found",      # a saga's message found no saga and does not start one (acknowledged)
+    "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
 )
 
 
@@ -56,6 +58,8 @@ class EndpointSignals:
     paused: Signal
     skipped: Signal
     postponed: Signal
+    not_found: Signal
+    timeout_dropped: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""
