@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from pydantic import BaseModel
 
 from idembus import Command, Endpoint, OutboxPolicy, RejectMessage, message_name
@@ -19,6 +21,7 @@ from idembus.envelope import Envelope
 from idembus.errors import HandlerContractError
 from idembus.handlers import AggregateHandler, handles
 from idembus.handlers.errors import HandlerDefinitionError
+from idembus.metrics import Metrics
 from idembus.storage.errors import AlreadyProcessed
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import handle, wait_until_idle
@@ -34,6 +37,7 @@ from tests.saga_orders import (
     PlaceOrder,
 )
 from tests.support import SignalCounter
+from tests.test_metrics import labels, values
 
 SAGA = "OrderProcess"
 
@@ -491,3 +495,32 @@ def test_without_starts_any_message_creates_the_aggregate_also_after_completion(
     record = sales.storage.load("Nothing", "c")
     assert (record.version, record.live, record.state) == (2, True, {"count": 1})
     assert sales.counters["not_found"] == 0
+
+
+# -- observing --------------------------------------------------------------------------------
+
+
+def test_the_metrics_middleware_counts_sagas_not_found_and_timeouts_dropped(
+    make_sales: MakeSales,
+) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        sales = make_sales(OrderSaga, middleware=[Metrics(meter_provider=provider)])
+        dropped = SignalCounter(sales, "timeout_dropped")
+        not_found = SignalCounter(sales, "not_found")
+        sales.start()
+
+        send(sales, PayOrder(order_id="o-9"))
+        send(sales, PlaceOrder(order_id="o-1"))
+        send(sales, CloseOrder(order_id="o-1", remind_after=0))
+        settle(sales, dropped, 1)
+        settle(sales, not_found, 1)
+
+        handler = {"endpoint": sales.name, "handler": "OrderSaga"}
+        assert values(reader, "idembus.messages.not_found") == {
+            labels(**handler, message_type="sagas.PayOrder"): 1}
+        assert values(reader, "idembus.messages.timeouts_dropped") == {
+            labels(**handler, message_type="sagas.PaymentReminder"): 1}
+    finally:
+        provider.shutdown()
