@@ -31,6 +31,10 @@ PARENTS = "idembus.parents"
 #: and the occurrence's time (ISO 8601 UTC) the message was sent for.
 SCHEDULE = "idembus.schedule"
 OCCURRENCE = "idembus.occurrence"
+#: On a timeout an aggregate handler requested (``request_timeout``): the aggregate it is
+#: for, ``<aggregate type>/<aggregate id>``. Arriving once that aggregate was completed, it
+#: is dropped.
+SAGA_TIMEOUT = "idembus.saga_timeout"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

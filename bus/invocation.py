@@ -4,6 +4,11 @@ Load the aggregate; if the message is already recorded, return the stored outgoi
 messages instead of running the handler. Otherwise run the handler on a copy, recording
 what it sends, and commit state and outgoing messages in one conditional write. A lost
 race reloads and runs the handler again on the fresh state (bounded, with jitter).
+
+Sagas (aggregate handlers with ``starts``): a message that finds no live saga and does not
+start one goes to the handler's ``saga_not_found`` instead, and nothing is committed; a
+timeout (``idembus.saga_timeout``) for a completed one is dropped. A handler that called
+``complete()`` commits a tombstone instead of its state.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import copy
 import datetime
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +132,21 @@ class HandlerInvoker:
                                    binding.handler_name, discarded=True)
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
-                state, outgoing = self._run(binding, message, context, loaded)
+                absent = _without_saga(binding, message, headers, loaded)
+                if absent is not None:
+                    if absent == NOT_FOUND:
+                        self._saga_not_found(binding, message, context, loaded)
+                    self._signals.emit(absent, **details)
+                    return Outcome(aggregate_type, aggregate_id, key, (), False,
+                                   binding.handler_name)
+                state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
+                commit = functools.partial(self._storage.commit, loaded, key=key, state=state,
+                                           outgoing=outgoing)
+                if completed:  # only then: a backend from before completion still commits
+                    commit = functools.partial(commit, completed=True)
                 try:
-                    self._pipeline.commit(call, functools.partial(
-                        self._storage.commit, loaded, key=key, state=state, outgoing=outgoing))
+                    self._pipeline.commit(call, commit)
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -205,36 +220,86 @@ class HandlerInvoker:
         message: Message,
         context: MessageContext,
         loaded: AggregateRecord,
-    ) -> tuple[dict[str, Any] | None, list[Envelope]]:
+    ) -> tuple[dict[str, Any] | None, list[Envelope], bool]:
+        """Run the handling method on a copy: the state it left (``None`` for stateless
+        handlers and completed aggregates), what it sent, whether it completed."""
         outgoing: list[Envelope] = []
-        handler = copy.copy(binding.handler)
-        handler.bus = Bus(self._endpoint, self._router,
-                          self._pipeline.recorder(outgoing.append, context), context,
-                          clock=self._clock)
-        handler.context = context
+        handler = self._copy(binding, context, self._pipeline.recorder(outgoing.append, context),
+                             loaded)
         if isinstance(handler, AggregateHandler):
-            if loaded.exists:
+            if loaded.live:
                 handler.state = handler.state_type.model_validate(loaded.state)
-            else:
+            else:  # new, or a new start on a tombstone
                 handler.state = handler.new_state(loaded.aggregate_id, message)
             _call(handler, binding, message)
+            if handler._idembus_completed:
+                return None, outgoing, True
             if not isinstance(handler.state, handler.state_type):
                 raise HandlerContractError(
                     f"{binding.handler_name} left self.state as {type(handler.state).__name__}"
                     f", not {handler.state_type.__name__}"
                 )
-            return handler.state.model_dump(mode="json"), outgoing
+            return handler.state.model_dump(mode="json"), outgoing, False
         _call(handler, binding, message)
-        return None, outgoing
+        return None, outgoing, False
+
+    def _copy(self, binding: HandlerBinding, context: MessageContext,
+              emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
+        """The handler object for one message: a shallow copy with its bus and context."""
+        handler = copy.copy(binding.handler)
+        handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock)
+        handler.context = context
+        if isinstance(handler, AggregateHandler):
+            handler._idembus_aggregate = (loaded.aggregate_type, loaded.aggregate_id)
+        return handler
+
+    def _saga_not_found(self, binding: HandlerBinding, message: Message,
+                        context: MessageContext, loaded: AggregateRecord) -> None:
+        """Run the handler's ``saga_not_found``; what it raises fails the message."""
+        def refuse(envelope: Envelope) -> None:
+            raise HandlerContractError(
+                f"{binding.handler_name}.saga_not_found tried to send {envelope.message_type}:"
+                " nothing is committed for a message that found no saga, so it cannot send, "
+                "publish or reply; raise idembus.RejectMessage(reason) to put the message in "
+                "the error queue, or handle its type in a Handler of its own")
+
+        _call(self._copy(binding, context, refuse, loaded), binding, message,
+              method_name="saga_not_found")
 
 
-def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:
-    """Run the handling method; an ``async def`` one runs to completion on the consumer
-    thread's event loop (:mod:`idembus.aio`) before anything is committed. A method that
-    returns something has misunderstood the contract (handlers record what they send
-    through ``self.bus``), and whatever it meant by the value would be lost: fail the
-    message instead of committing."""
-    method = getattr(handler, binding.method_name)
+#: :func:`_without_saga`'s answers, which are also the names of their signals.
+NOT_FOUND = "not_found"
+TIMEOUT_DROPPED = "timeout_dropped"
+
+
+def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[str, str],
+                  loaded: AggregateRecord) -> str | None:
+    """Why the handling method does not run, if it does not: :data:`TIMEOUT_DROPPED` for
+    this aggregate's own timeout finding it completed (or, for a saga, gone);
+    :data:`NOT_FOUND` for a saga's message that finds no live saga and does not start one.
+    ``None``: run it (a live aggregate, a starting message, or any message of an aggregate
+    handler without ``starts``)."""
+    handler = binding.handler
+    if not isinstance(handler, AggregateHandler) or loaded.live:
+        return None
+    starts = type(handler).starts
+    own_timeout = headers.get(h.SAGA_TIMEOUT) == f"{loaded.aggregate_type}/{loaded.aggregate_id}"
+    if own_timeout and (loaded.completed or starts is not None):
+        return TIMEOUT_DROPPED
+    if starts is None or isinstance(message, starts):
+        return None
+    return NOT_FOUND
+
+
+def _call(handler: Any, binding: HandlerBinding, message: Message,
+          method_name: str | None = None) -> None:
+    """Run the handling method (or ``method_name``); an ``async def`` one runs to
+    completion on the consumer thread's event loop (:mod:`idembus.aio`) before anything is
+    committed. A method that returns something has misunderstood the contract (handlers
+    record what they send through ``self.bus``), and whatever it meant by the value would
+    be lost: fail the message instead of committing."""
+    method_name = method_name or binding.method_name
+    method = getattr(handler, method_name)
     returned = method(message)
     # As registration judges it: an async def behind any decorators. A plain def that
     # returns a coroutine is not run.
@@ -246,7 +311,7 @@ def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:
     if inspect.iscoroutine(returned):
         returned.close()  # never started: closing it keeps "never awaited" warnings away
     raise HandlerContractError(
-        f"{binding.handler_name}.{binding.method_name} returned {_shown(returned)}; handling "
+        f"{binding.handler_name}.{method_name} returned {_shown(returned)}; handling "
         "methods return None and send, publish or reply through self.bus"
     )
 

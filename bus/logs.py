@@ -1,7 +1,8 @@
 """What an endpoint tells its operator through the standard ``logging`` module.
 
 * :class:`MessageLog`: at DEBUG, one line per message and handler — received, handled,
-  duplicate, redispatched, dispatched — with ids and milliseconds, from the endpoint's
+  duplicate, redispatched, dispatched, not_found, timeout_dropped — with ids and
+  milliseconds, from the endpoint's
   signals (connected only when DEBUG is on for ``idembus.messages``, so it costs nothing
   otherwise).
 * :class:`Throttle`: one line per cause per interval, with how many were held back, for
@@ -41,7 +42,8 @@ UNCAUGHT = logging.getLogger("idembus.uncaught")
 TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
 #: Fields a record may carry about its message, shown by the JSON lines.
 FIELDS = ("endpoint", "message_id", "message_type", "handler")
-_EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched")
+_EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched", "not_found",
+           "timeout_dropped")
 
 
 class MessageLog:

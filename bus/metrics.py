@@ -28,6 +28,10 @@ figures ``idembus status`` shows:
   queue (with ``error_type``);
 * ``idembus.messages.discarded`` [``..._discarded_total``]: a handler did not run on a
   message received after its ``idembus.discard_after`` (:mod:`idembus.expiry`);
+* ``idembus.messages.not_found`` [``..._not_found_total``]: a saga's message found no
+  saga and does not start one (acknowledged);
+* ``idembus.messages.timeouts_dropped`` [``..._timeouts_dropped_total``]: a saga's timeout
+  arrived once the saga was completed (acknowledged);
 
 histograms, in seconds, with ``endpoint`` and ``message_type``:
 
@@ -78,6 +82,10 @@ COUNTERS = {
     "dead_lettered": ("idembus.messages.dead_lettered", "Messages moved to the error queue"),
     "discarded": ("idembus.messages.discarded",
                   "Messages a handler did not run on: received after their discard_after"),
+    "not_found": ("idembus.messages.not_found",
+                  "Saga messages that found no saga and do not start one"),
+    "timeout_dropped": ("idembus.messages.timeouts_dropped",
+                        "Saga timeouts that arrived once their saga was completed"),
 }
 HANDLING_DURATION = "idembus.message.handling.duration"
 CRITICAL_TIME = "idembus.message.critical_time"

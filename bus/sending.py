@@ -86,14 +86,7 @@ class Bus:
         retried send deduplicate (e.g. an id taken from an HTTP request); ``deliver_at``
         (an aware datetime) holds the command back until then.
         """
-        if not isinstance(command, Command):
-            raise TypeError(
-                f"send() takes a Command, got {type(command).__qualname__}; "
-                "publish events with publish()"
-            )
-        destination = to or self._router.destination_for(type(command))
-        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at,
-                         discard_after)
+        return self._command(command, to, headers, message_id, deliver_at, discard_after)
 
     def defer(
         self,
@@ -109,12 +102,37 @@ class Bus:
         Inside a handler "now" is when the handler ran: a re-run after a crash keeps the
         recorded time, and the message keeps its derived id.
         """
+        return self.send(command, to=to, headers=headers, deliver_at=self._due(delay),
+                         discard_after=discard_after)
+
+    def defer_timeout(self, command: Command, delay: float | datetime.timedelta, *,
+                      to: str, aggregate: str) -> str:
+        """A saga's timeout (:meth:`~idembus.handlers.AggregateHandler.request_timeout`):
+        :meth:`defer` ``command`` to ``to`` with the ``idembus.saga_timeout`` header naming
+        ``aggregate`` (``<type>/<id>``), so that it is dropped if it arrives once that
+        aggregate was completed."""
+        return self._command(command, to, None, None, self._due(delay), None,
+                             marks={h.SAGA_TIMEOUT: aggregate})
+
+    def _command(self, command: Command, to: str | None, headers: Mapping[str, str] | None,
+                 message_id: str | None, deliver_at: datetime.datetime | None,
+                 discard_after: TimeToLive | None,
+                 marks: Mapping[str, str] | None = None) -> str:
+        if not isinstance(command, Command):
+            raise TypeError(
+                f"send() takes a Command, got {type(command).__qualname__}; "
+                "publish events with publish()"
+            )
+        destination = to or self._router.destination_for(type(command))
+        return self._put(command, h.Intent.SEND, destination, headers, message_id, deliver_at,
+                         discard_after, marks)
+
+    def _due(self, delay: float | datetime.timedelta) -> datetime.datetime:
+        """When a message deferred by ``delay`` (seconds or a timedelta) from now is due."""
         seconds = delay.total_seconds() if isinstance(delay, datetime.timedelta) else delay
         if seconds < 0:
             raise ValueError(f"delay cannot be negative, got {delay!r}")
-        return self.send(command, to=to, headers=headers,
-                         deliver_at=self._clock.now() + datetime.timedelta(seconds=seconds),
-                         discard_after=discard_after)
+        return self._clock.now() + datetime.timedelta(seconds=seconds)
 
     def publish(
         self,
@@ -158,11 +176,13 @@ class Bus:
         message_id: str | None,
         deliver_at: datetime.datetime | None = None,
         discard_after: TimeToLive | None = None,
+        marks: Mapping[str, str] | None = None,
     ) -> str:
         ttl = (default_time_to_live(message) if discard_after is None
                else time_to_live(discard_after))
         now = self._clock.now()
         headers = self._headers(message, intent, extra, message_id, now)
+        headers.update(marks or {})  # idembus's own headers, which callers may not set
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
         if ttl is not None:
@@ -211,3 +231,4 @@ class Bus:
                 origin.message_id if intent is h.Intent.REPLY else origin.correlation_id
             )
         return result
+

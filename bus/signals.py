@@ -42,6 +42,8 @@ SIGNAL_NAMES = (
     "schedule_failed",  # an occurrence's message could not be built or stored (schedule,
                         # occurrence, error)
     "discarded",      # a handler did not run: the message came after its discard_after
+    "not_found",      # a saga's message found no saga and does not start one (acknowledged)
+    "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
 )
 
 
@@ -71,6 +73,8 @@ class EndpointSignals:
     schedule_skipped: Signal
     schedule_failed: Signal
     discarded: Signal
+    not_found: Signal
+    timeout_dropped: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

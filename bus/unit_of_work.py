@@ -15,6 +15,10 @@ again. An exception inside the block writes nothing.
 
 In an async web app, ``async with sales.unit_of_work(...) as work:`` does the same, with the
 storage and broker work in a thread so that the event loop is never blocked.
+
+``work.complete()`` ends the aggregate (a saga) as a handler's ``complete()`` does: the exit
+commits a tombstone instead of the state. A unit of work on a completed aggregate starts
+it again from ``new_state``, keeping the tombstone's processed operations.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class UnitOfWork(Generic[StateT]):
                        dispatcher.pipeline.recorder(self._outgoing.append, self._context),
                        self._context, clock=clock)
         self._loaded: AggregateRecord | None = None
+        self._completed = False
         self.state: StateT
 
     @property
@@ -93,18 +98,28 @@ class UnitOfWork(Generic[StateT]):
             self._send(previous.outgoing)
             raise AlreadyProcessed(self.key, previous.outgoing)
         self._loaded = loaded
-        self.state = (self._state_type.model_validate(loaded.state) if loaded.exists
+        self.state = (self._state_type.model_validate(loaded.state) if loaded.live
                       else self._new_state())
         return self
+
+    def complete(self) -> None:
+        """End the aggregate on leaving the block: a tombstone is committed instead of the
+        state (see :meth:`idembus.handlers.AggregateHandler.complete`); what the block sent
+        is sent."""
+        self._completed = True
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         if kind is not None or self._loaded is None:
             return  # the block failed: nothing is written
         try:
-            self._storage.commit(self._loaded, key=self.key,
-                                 state=self.state.model_dump(mode="json"),
-                                 outgoing=self._outgoing)
+            if self._completed:
+                self._storage.commit(self._loaded, key=self.key, state=None,
+                                     outgoing=self._outgoing, completed=True)
+            else:
+                self._storage.commit(self._loaded, key=self.key,
+                                     state=self.state.model_dump(mode="json"),
+                                     outgoing=self._outgoing)
         except AlreadyProcessed as duplicate:  # the same operation won meanwhile
             self._send(duplicate.outgoing)
             raise

@@ -15,11 +15,17 @@ one aggregate's state per message::
 The endpoint copies the handler object for every message (a shallow copy: dependencies
 given to ``__init__`` are shared) and sets ``bus``, ``context`` and, for aggregates,
 ``state`` on the copy before calling the method.
+
+An aggregate handler with ``starts = (PlaceOrder,)`` is a **saga**: only those messages
+create it; any other message that finds no saga goes to :meth:`AggregateHandler.saga_not_found`;
+:meth:`AggregateHandler.complete` ends it, leaving a tombstone that keeps late duplicates
+duplicates (README, "Sagas").
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar, overload
@@ -31,6 +37,8 @@ from ..messages import Command, Message
 from ..policies import RetryPolicy
 from ..sending import Bus
 from .errors import HandlerDefinitionError
+
+log = logging.getLogger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -78,8 +86,16 @@ class AggregateHandler(Handler, Generic[StateT]):
     aggregate_type: ClassVar[str | None] = None
     #: The pydantic model of the state, taken from ``AggregateHandler[State]``.
     state_type: ClassVar[type[BaseModel]]
+    #: The message types that may start this aggregate (their subclasses too): a tuple
+    #: makes the class a saga, whose other messages, finding no saga, go to
+    #: :meth:`saga_not_found`. ``None``: every message creates the aggregate it names.
+    starts: ClassVar[tuple[type[Message], ...] | None] = None
 
     state: StateT
+    #: The aggregate being handled, ``(aggregate type, aggregate id)``; set by the endpoint.
+    _idembus_aggregate: tuple[str, str] = ("", "")
+    #: Whether the method called :meth:`complete`.
+    _idembus_completed: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -104,8 +120,35 @@ class AggregateHandler(Handler, Generic[StateT]):
     def request_timeout(self, message: Command, delay: float | datetime.timedelta) -> str:
         """Have ``message`` (a command) delivered to this endpoint after ``delay``: a
         saga-style timeout, handled like any other message, exactly once. Handle its type
-        in this class to get back to this aggregate."""
-        return self.bus.defer(message, delay, to=self.context.endpoint)
+        in this class to get back to this aggregate.
+
+        The message carries the header ``idembus.saga_timeout`` naming this aggregate: if
+        it arrives once the aggregate was completed (or, for a saga, when none is found),
+        it is acknowledged and dropped, counted as ``timeout_dropped``."""
+        aggregate_type, aggregate_id = self._idembus_aggregate
+        return self.bus.defer_timeout(message, delay, to=self.context.endpoint,
+                                      aggregate=f"{aggregate_type}/{aggregate_id}")
+
+    def complete(self) -> None:
+        """End this aggregate (a saga) when this message's handling commits: its state is
+        removed in the same write, and a tombstone keeps the processed messages, so a late
+        duplicate is still a duplicate (its stored messages re-sent with their ids), a late
+        message that does not start the saga finds it "not found", and a late timeout is
+        dropped. What the method sends is sent. Retention removes the tombstone later."""
+        self._idembus_completed = True
+
+    def saga_not_found(self, message: Any) -> None:
+        """Called, instead of the handling method, for a message that does not start this
+        saga (``starts``) and finds none: never started, or completed. By default it logs at
+        INFO and returns: the message is acknowledged (counted as ``not_found``) and nothing
+        is stored. Override it to do otherwise: raise ``idembus.RejectMessage(reason)`` to
+        put the message in the error queue at once; any other exception follows the retry
+        policy. It may not send (nothing is committed for such a message); ``self.context``
+        tells about the message."""
+        aggregate_type, aggregate_id = self._idembus_aggregate
+        log.info("%s found no %s %r for %s %s (a message that does not start it); "
+                 "acknowledged", type(self).name(), aggregate_type, aggregate_id,
+                 self.context.message_type, self.context.message_id)
 
 
 @overload

@@ -127,6 +127,8 @@ def _bindings_of(handler: Handler) -> list[HandlerBinding]:
         raise HandlerDefinitionError(
             f"{_qualified(cls)} handles nothing: decorate its handling methods with @handles"
         )
+    if isinstance(handler, AggregateHandler):
+        _check_starts(type(handler), [binding.message_type for binding in bindings])
     return bindings
 
 
@@ -213,6 +215,35 @@ def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
             f"{_qualified(cls)}: {cls.state_type.__name__} has required fields {required}; "
             "give them defaults or implement new_state(self, aggregate_id, message)"
         )
+
+
+def _check_starts(cls: type[AggregateHandler[Any]], handled: list[type[Message]]) -> None:
+    """A saga's ``starts`` is a non-empty tuple of message types the class handles (a
+    handled subclass of a listed type counts: it starts the saga too)."""
+    starts: Any = cls.starts
+    if starts is None:
+        return
+    where = f"{_qualified(cls)}.starts"
+    if not isinstance(starts, tuple):
+        raise HandlerDefinitionError(
+            f"{where} must be a tuple of message types, got {starts!r}; write "
+            "starts = (PlaceOrder,) (note the comma), or leave it None to let every message "
+            "create the aggregate")
+    if not starts:
+        raise HandlerDefinitionError(
+            f"{where} is empty, so no message could ever start this saga; list the messages "
+            "that start it, starts = (PlaceOrder,), or leave it None to let every message "
+            "create the aggregate")
+    for started_by in starts:
+        if not is_message_type(started_by):
+            raise HandlerDefinitionError(
+                f"{where} lists {started_by!r}, which is not a message type: list Command or "
+                "Event classes this saga handles")
+        if not any(issubclass(message_type, started_by) for message_type in handled):
+            raise HandlerDefinitionError(
+                f"{where} lists {message_name(started_by)}, which {cls.__name__} does not "
+                f"handle: add a @handles method for it, or remove it from starts")
+    _refuse_async(cls, "saga_not_found", inspect.getattr_static(cls, "saga_not_found"))
 
 
 def _qualified(cls: type) -> str:

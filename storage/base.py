@@ -30,7 +30,7 @@ processed, each with the outgoing messages its handler produced. Its role,
     ``processed`` holds the entry of ``key`` if that message was processed; backends that
     keep the history inside the record (MongoDB, memory) return every remembered entry.
 
-``commit(loaded, key=..., state=..., outgoing=...)``
+``commit(loaded, key=..., state=..., outgoing=..., completed=False)``
     In **one atomic conditional write**, store the new state, bump the version and record
     ``key`` (the handler-scoped incoming message id) with its outgoing messages. The write
     succeeds only if the aggregate is still at ``loaded.version`` and ``key`` is not yet
@@ -39,6 +39,14 @@ processed, each with the outgoing messages its handler produced. Its role,
     :class:`~idembus.storage.errors.AlreadyProcessed` (with the stored outgoing messages) if ``key``
     is now recorded, or :class:`~idembus.storage.errors.ConcurrencyConflict` otherwise. No lock,
     no pre-check query, no multi-document transaction.
+
+    ``completed=True`` ends the aggregate (a saga's ``complete()``) in the same one write:
+    it becomes a **tombstone** — no state, ``completed`` set, the version bumped, and every
+    processed entry kept with its outgoing messages — so a late duplicate of a message it
+    processed still raises ``AlreadyProcessed`` with what it stored. A later commit on the
+    tombstone (``completed=False``, at its version) starts the aggregate again and keeps its
+    entries. ``expire`` removes a tombstone once it is older than ``retention`` and none of
+    its entries waits for dispatch.
 
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
     The outgoing messages of ``key`` were confirmed by the broker: mark them dispatched, drop
@@ -279,10 +287,19 @@ class AggregateRecord:
     processed: Mapping[str, ProcessedMessage] = field(default_factory=dict)
     #: When the state was last committed (UTC), where the backend knows (``records``).
     updated_at: datetime.datetime | None = None
+    #: A tombstone: the aggregate was ended (``commit(..., completed=True)``, a saga's
+    #: ``complete()``); its state is gone, its processed entries are kept.
+    completed: bool = False
 
     @property
     def exists(self) -> bool:
+        """A record is stored: a live aggregate or a tombstone."""
         return self.version > 0
+
+    @property
+    def live(self) -> bool:
+        """A record with a state: stored and not completed."""
+        return self.version > 0 and not self.completed
 
     def window_start(self, window: int | None) -> datetime.datetime | None:
         """When the oldest remembered message was processed, if the window is full.
@@ -351,8 +368,10 @@ class AggregateStore(StorageRole, ABC):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        completed: bool = False,
     ) -> None:
-        """Store state and ``key -> outgoing`` in one conditional write.
+        """Store state and ``key -> outgoing`` in one conditional write; with
+        ``completed``, leave a tombstone instead of the state (see the module docstring).
 
         Raises ``AlreadyProcessed`` or ``ConcurrencyConflict`` when the write is refused.
         """
@@ -381,9 +400,11 @@ class AggregateStore(StorageRole, ABC):
 
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
         """Forget up to ``batch`` processed entries older than ``retention`` whose messages
-        were dispatched (never the undispatched); return how many. Backends whose server
-        expires them itself (MongoDB's TTL index) return 0. The outbox dispatcher calls
-        this on its rounds."""
+        were dispatched (never the undispatched), and tombstones completed longer than
+        ``retention`` ago none of whose entries waits for dispatch; return how many
+        entries and tombstones. Backends whose server expires entries itself (MongoDB's TTL
+        index) count only what they removed here. The outbox dispatcher calls this on its
+        rounds."""
         return 0
 
     def _refusal(self, aggregate_type: str, aggregate_id: str, key: str) -> Exception:

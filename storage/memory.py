@@ -70,7 +70,7 @@ class MemoryStorage(Storage):
         # The state is the one mutable part a caller could change; entries are immutable.
         return AggregateRecord(
             aggregate_type, aggregate_id, record.version,
-            copy.deepcopy(record.state), dict(record.processed),
+            copy.deepcopy(record.state), dict(record.processed), completed=record.completed,
         )
 
     def commit(
@@ -80,6 +80,7 @@ class MemoryStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        completed: bool = False,
     ) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(
@@ -103,8 +104,11 @@ class MemoryStorage(Storage):
                     loaded.aggregate_type,
                     loaded.aggregate_id,
                     version=current_version + 1,
-                    state=copy.deepcopy(dict(state)) if state is not None else None,
+                    state=(copy.deepcopy(dict(state))
+                           if state is not None and not completed else None),
                     processed=processed,
+                    updated_at=entry.at,
+                    completed=completed,
                 )
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
@@ -138,9 +142,7 @@ class MemoryStorage(Storage):
             processed = dict(record.processed)
             processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
                                               entry.outgoing_ids, True, entry.at)
-            self._records[address] = AggregateRecord(
-                aggregate_type, aggregate_id, record.version, record.state, processed
-            )
+            self._records[address] = dataclasses.replace(record, processed=processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         address = (aggregate_type, aggregate_id)
@@ -160,17 +162,20 @@ class MemoryStorage(Storage):
         removed = 0
         with self._lock:
             for address, record in list(self._records.items()):
+                if removed >= batch:
+                    break
+                if _expired_tombstone(record, horizon):
+                    del self._records[address]
+                    removed += 1
+                    continue
                 old = [key for key, entry in record.processed.items()
                        if entry.dispatched and entry.at is not None and entry.at < horizon]
                 old = old[:batch - removed]
                 if not old:
                     continue
                 kept = {k: e for k, e in record.processed.items() if k not in old}
-                self._records[address] = AggregateRecord(*address, record.version,
-                                                         record.state, kept)
+                self._records[address] = dataclasses.replace(record, processed=kept)
                 removed += len(old)
-                if removed >= batch:
-                    break
         return removed
 
     def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
@@ -226,7 +231,8 @@ class MemoryStorage(Storage):
                     if kind == aggregate_type and (after is None or aggregate_id > after)))
                 page = copy.deepcopy([self._records[aggregate_type, i] for i in ids])
             for record in page:
-                yield dataclasses.replace(record, updated_at=_last_commit(record))
+                yield dataclasses.replace(record,
+                                          updated_at=record.updated_at or _last_commit(record))
             if len(ids) < self.records_page:
                 return
             after = ids[-1]
@@ -361,6 +367,14 @@ class MemoryStorage(Storage):
             for key in old:
                 del self._status[key]
         return len(old)
+
+
+def _expired_tombstone(record: AggregateRecord, horizon: datetime.datetime) -> bool:
+    """Whether ``record`` is a tombstone completed before ``horizon`` none of whose entries
+    waits for dispatch: what retention removes."""
+    return (record.completed and record.updated_at is not None and record.updated_at < horizon
+            and all(entry.dispatched for entry in record.processed.values()))
+
 
 def _last_commit(record: AggregateRecord) -> datetime.datetime | None:
     """When the newest remembered message of ``record`` was committed."""

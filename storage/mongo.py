@@ -5,6 +5,7 @@ Features
 * Document per aggregate, in a collection named after the aggregate type::
 
       {_id: <aggregate id>, version: <int>, state: {...}, updated_at: <datetime>,
+       completed: <bool>,
        processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
                     endpoint: <committing endpoint>}, ...]}
 
@@ -18,6 +19,11 @@ Features
   of stateless handlers once older than it; aggregate documents keep their bounded window.
   TTL deletion is the server's: mongomock never deletes, so that path is verified only by
   the index it creates.
+* A completed aggregate (a saga's ``complete()``) is a tombstone: ``completed: true``,
+  ``state: null``, its processed window kept. With ``retention=``, ``expire`` (the outbox
+  dispatcher's rounds) deletes tombstones completed longer ago than that whose entries
+  were all dispatched, found through a partial index (``idembus_tombstones``); a TTL index
+  could not tell dispatched entries from the others.
 * Delayed messages wait in the collection ``idembus_scheduled``; pollers claim due ones with
   ``find_one_and_update`` (a lease), so only one dispatches each while it lives.
 * The event journal is the collection ``idembus_journal``, one document per entry with its
@@ -111,6 +117,8 @@ JOURNAL = "idembus_journal"
 RETENTION_INDEX = "idembus_retention"
 #: The index of each aggregate collection that serves the outbox's scan.
 UNDISPATCHED_INDEX = "idembus_undispatched"
+#: The index of each aggregate collection that serves ``expire``'s look for tombstones.
+TOMBSTONES_INDEX = "idembus_tombstones"
 #: Messages parked with their reason (``idembus errors``).
 PARKED = "idembus_parked"
 #: The aggregate collections idembus wrote, one document ``{_id: <collection name>}`` each.
@@ -142,7 +150,8 @@ class MongoStorage(Storage):
     ) -> None:
         super().__init__(processed_window=processed_window)
         #: Inbox records (stateless handlers) whose messages were dispatched are deleted by
-        #: the server's TTL monitor this long after they were processed.
+        #: the server's TTL monitor this long after they were processed; tombstones whose
+        #: entries were all dispatched, by ``expire`` this long after their completion.
         self.retention = retention
         #: Aggregate collections this process has noted in AGGREGATES and indexed.
         self._owned: set[str] = set()
@@ -189,6 +198,7 @@ class MongoStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        completed: bool = False,
     ) -> None:
         entry = {
             "key": key,
@@ -199,14 +209,15 @@ class MongoStorage(Storage):
             "endpoint": committed_by(outgoing),
         }
         collection = self.database[loaded.aggregate_type]
-        new_state = dict(state) if state is not None else None
+        new_state = dict(state) if state is not None and not completed else None
         with self._guard, _translated():
             self._own(loaded.aggregate_type)  # before the write: the outbox must find it
             if not loaded.exists:
                 try:
                     collection.insert_one(
                         {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
-                         "updated_at": entry["at"], "processed": [entry]}
+                         "updated_at": entry["at"], "completed": completed,
+                         "processed": [entry]}
                     )
                     return
                 except pymongo.errors.DuplicateKeyError:
@@ -216,7 +227,7 @@ class MongoStorage(Storage):
                     {"_id": loaded.aggregate_id, "version": loaded.version,
                      "processed.key": {"$ne": key}},
                     {"$set": {"state": new_state, "version": loaded.version + 1,
-                              "updated_at": entry["at"]},
+                              "updated_at": entry["at"], "completed": completed},
                      "$push": {"processed": {"$each": [entry],
                                              "$slice": -self._kept_after(loaded)}}},
                 )
@@ -263,6 +274,29 @@ class MongoStorage(Storage):
                 if fenced is not None:
                     raise StaleLease(f"{aggregate_type} {aggregate_id!r} was marked under a "
                                      f"newer lease than token {lease.token}")
+
+    def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
+        """Delete up to ``batch`` tombstones completed before ``now - retention`` whose
+        entries were all dispatched (processed entries inside live aggregates stay in
+        their window; the inbox's expire by the TTL index)."""
+        if self.retention is None:
+            return 0
+        doomed: dict[str, Any] = {
+            "completed": True, "updated_at": {"$lt": now - self.retention},
+            "processed.dispatched": {"$ne": False}}  # no entry waits for dispatch
+        removed = 0
+        with self._guard, _translated():
+            for name in self._aggregate_collections():
+                if removed >= batch:
+                    break
+                ids = [document["_id"] for document in self.database[name].find(
+                    doomed, {"_id": 1}).limit(batch - removed)]
+                if ids:
+                    # The condition again: a commit since the look revived it, or added an
+                    # entry to dispatch.
+                    removed += int(self.database[name].delete_many(
+                        {**doomed, "_id": {"$in": ids}}).deleted_count)
+        return removed
 
     def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
                      endpoint: str | None = None) -> list[Undispatched]:
@@ -332,6 +366,9 @@ class MongoStorage(Storage):
         self.database[name].create_index(
             [("processed.dispatched", pymongo.ASCENDING), ("processed.at", pymongo.ASCENDING)],
             name=UNDISPATCHED_INDEX)
+        self.database[name].create_index(
+            [("updated_at", pymongo.ASCENDING)], name=TOMBSTONES_INDEX,
+            partialFilterExpression={"completed": True})
         self._owned.add(name)
 
     def _aggregate_collections(self) -> list[str]:
@@ -725,6 +762,7 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateR
         state=document.get("state"),
         processed=processed,
         updated_at=_utc(document.get("updated_at")) or last_commit,
+        completed=bool(document.get("completed", False)),
     )
 
 

@@ -4,7 +4,8 @@ Features
 ========
 * Two tables (``<prefix>_aggregates`` and ``<prefix>_processed``)::
 
-      aggregates (aggregate_type, aggregate_id) -> version, state jsonb, updated_at
+      aggregates (aggregate_type, aggregate_id) -> version, state jsonb, updated_at,
+                                                   completed
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
                                                        dispatched, processed_at
 
@@ -26,6 +27,10 @@ Features
 * Processed rows are not bounded by count (``processed_window`` is ``None``); with
   ``retention=`` the ones whose messages were dispatched are deleted once older than it, in
   batches of 1000 by the outbox dispatcher's rounds. Undispatched rows are never deleted.
+* A completed aggregate (a saga's ``complete()``) keeps its row as a tombstone: ``state``
+  NULL, ``completed`` true, its processed rows untouched. With ``retention=`` the same
+  rounds delete tombstones completed longer ago than that none of whose processed rows
+  waits for dispatch (a partial index finds them).
 * The event journal is ``<prefix>_journal`` (position bigint primary key, message_id
   unique). An append is one transaction that first takes an advisory lock of its own (a
   key derived from the table name), then inserts each entry at ``max(position) + 1``
@@ -157,13 +162,13 @@ class PostgresStorage(Storage):
         self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s)"
         self._update_and_record = (
             f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1,"
-            " updated_at = clock_timestamp()"
+            " updated_at = clock_timestamp(), completed = %s"
             " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._create_and_record = (
             f"WITH changed AS (INSERT INTO {self._aggregates}"
-            " (aggregate_type, aggregate_id, version, state, updated_at)"
-            " VALUES (%s, %s, 1, %s, clock_timestamp())"
+            " (aggregate_type, aggregate_id, version, state, updated_at, completed)"
+            " VALUES (%s, %s, 1, %s, clock_timestamp(), %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
@@ -183,12 +188,20 @@ class PostgresStorage(Storage):
                     version bigint NOT NULL,
                     state jsonb,
                     updated_at timestamptz,
+                    completed boolean NOT NULL DEFAULT false,
                     PRIMARY KEY (aggregate_type, aggregate_id)
                 )""")
             if not _has_column(connection, self._aggregates, "updated_at"):  # older schema
                 connection.execute(f"""
                     ALTER TABLE {self._aggregates}
                     ADD COLUMN IF NOT EXISTS updated_at timestamptz""")
+            if not _has_column(connection, self._aggregates, "completed"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._aggregates}
+                    ADD COLUMN IF NOT EXISTS completed boolean NOT NULL DEFAULT false""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._aggregates}_tombstones
+                ON {self._aggregates} (updated_at) WHERE completed""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._processed} (
                     aggregate_type text NOT NULL,
@@ -327,7 +340,8 @@ class PostgresStorage(Storage):
             "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
             (list(self._tables),)).fetchall()
         missing = sorted(set(self._tables) - {row[0] for row in present})
-        for table, column in ((self._aggregates, "updated_at"), (self._scheduled, "owner"),
+        for table, column in ((self._aggregates, "updated_at"),
+                              (self._aggregates, "completed"), (self._scheduled, "owner"),
                               (self._status, "problems"), (self._processed, "attempts"),
                               (self._scheduled, "attempts")):
             if table not in missing and not _has_column(connection, table, column):
@@ -356,14 +370,14 @@ class PostgresStorage(Storage):
             if aggregate_type == INBOX:
                 row = connection.execute(
                     f"SELECT 1, NULL::jsonb, key, outgoing, outgoing_ids, dispatched, "
-                    f"processed_at FROM {self._processed} "
+                    f"processed_at, false FROM {self._processed} "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id),
                 ).fetchone()
             else:
                 row = connection.execute(
                     f"""SELECT a.version, a.state, p.key, p.outgoing, p.outgoing_ids,
-                               p.dispatched, p.processed_at
+                               p.dispatched, p.processed_at, a.completed
                         FROM (SELECT 1) AS one
                         LEFT JOIN {self._aggregates} a
                                ON a.aggregate_type = %s AND a.aggregate_id = %s
@@ -373,11 +387,12 @@ class PostgresStorage(Storage):
                 ).fetchone()
         if row is None:
             return AggregateRecord(aggregate_type, aggregate_id)
-        version, state, found_key, outgoing, outgoing_ids, dispatched, at = row
+        version, state, found_key, outgoing, outgoing_ids, dispatched, at, completed = row
         processed = {}
         if found_key is not None:
             processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
-        return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed)
+        return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
+                               completed=bool(completed))
 
     def commit(
         self,
@@ -386,22 +401,24 @@ class PostgresStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        completed: bool = False,
     ) -> None:
         entry = (loaded.aggregate_type, loaded.aggregate_id, key,
                  Jsonb([envelope.to_record() for envelope in outgoing]),
                  Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
-        document = Jsonb(dict(state)) if state is not None else None
+        document = Jsonb(dict(state)) if state is not None and not completed else None
         with self._connection() as connection:
             try:
                 if loaded.aggregate_type == INBOX:
                     written = connection.execute(self._insert_inbox, entry).rowcount
                 elif loaded.exists:
                     written = connection.execute(self._update_and_record, (
-                        document, loaded.aggregate_type, loaded.aggregate_id, loaded.version,
-                        *entry)).rowcount
+                        document, completed, loaded.aggregate_type, loaded.aggregate_id,
+                        loaded.version, *entry)).rowcount
                 else:
                     written = connection.execute(self._create_and_record, (
-                        loaded.aggregate_type, loaded.aggregate_id, document, *entry)).rowcount
+                        loaded.aggregate_type, loaded.aggregate_id, document, completed,
+                        *entry)).rowcount
             except psycopg.errors.UniqueViolation:
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
@@ -454,15 +471,35 @@ class PostgresStorage(Storage):
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
         if self.retention is None:
             return 0
+        horizon = now - self.retention
         with self._connection() as connection:
-            # Bounded: one batch per call, found through the partial index; never one
+            # Bounded: one batch per call, found through the partial indexes; never one
             # unbounded DELETE holding locks on millions of rows.
-            return connection.execute(
+            removed = connection.execute(
                 f"DELETE FROM {self._processed} WHERE ctid = ANY(ARRAY("
                 f"SELECT ctid FROM {self._processed} WHERE dispatched AND processed_at < %s "
                 "LIMIT %s))",
-                (now - self.retention, batch),
+                (horizon, batch),
             ).rowcount
+            if removed >= batch:
+                return removed
+            # Tombstones none of whose processed rows waits for dispatch. The conditions
+            # stand in the outer WHERE too: a row a commit changed meanwhile (revived it,
+            # or added a row to dispatch) is checked again, as changed, before deletion.
+            return removed + connection.execute(
+                f"DELETE FROM {self._aggregates} a WHERE {self._expired_tombstone('a')} "
+                "AND (a.aggregate_type, a.aggregate_id) IN ("
+                f"SELECT t.aggregate_type, t.aggregate_id FROM {self._aggregates} t "
+                f"WHERE {self._expired_tombstone('t')} LIMIT %s)",
+                (horizon, horizon, batch - removed),
+            ).rowcount
+
+    def _expired_tombstone(self, row: str) -> str:
+        """A condition on aggregate row ``row``: a tombstone completed before its
+        parameter, none of whose processed rows waits for dispatch."""
+        return (f"{row}.completed AND {row}.updated_at < %s AND NOT EXISTS (SELECT 1 FROM "
+                f"{self._processed} p WHERE NOT p.dispatched AND p.aggregate_type = "
+                f"{row}.aggregate_type AND p.aggregate_id = {row}.aggregate_id)")
 
     def undispatched(self, *, committed_before: datetime.datetime, limit: int = 100,
                      endpoint: str | None = None) -> list[Undispatched]:
@@ -673,13 +710,14 @@ class PostgresStorage(Storage):
                     f"SELECT a.aggregate_id, a.version, a.state, coalesce(a.updated_at, "
                     f"(SELECT max(p.processed_at) FROM {self._processed} p "
                     "WHERE p.aggregate_type = a.aggregate_type "
-                    "AND p.aggregate_id = a.aggregate_id)) "
+                    "AND p.aggregate_id = a.aggregate_id)), a.completed "
                     f"FROM {self._aggregates} a WHERE a.aggregate_type = %s "
                     "AND a.aggregate_id > %s ORDER BY a.aggregate_id LIMIT %s",
                     (aggregate_type, after, self.records_page),
                 ).fetchall()
             for r in rows:
-                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]))
+                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]),
+                                      completed=r[4])
             if len(rows) < self.records_page:
                 return
             after = rows[-1][0]

@@ -8,6 +8,7 @@ endpoint needs, aggregates and parking, so it runs only the contracts of those r
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import subprocess
 import sys
@@ -73,7 +74,7 @@ class DictStorage(AggregateStore, ParkingStore):
                 else AggregateRecord(aggregate_type, aggregate_id))
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
-               outgoing: Sequence[Envelope]) -> None:
+               outgoing: Sequence[Envelope], completed: bool = False) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(key, tuple(outgoing), tuple(e.message_id for e in outgoing),
                                  dispatched=not outgoing, at=utc_now())
@@ -83,9 +84,10 @@ class DictStorage(AggregateStore, ParkingStore):
                 processed = {**current.processed, key: entry}
                 newest = list(processed)[-(self.processed_window or len(processed)):]
                 self._records[address] = AggregateRecord(
-                    *address, current.version + 1, copy.deepcopy(dict(state or {})),
+                    *address, current.version + 1,
+                    None if completed else copy.deepcopy(dict(state or {})),
                     {k: e for k, e in processed.items() if k in newest or not e.dispatched},
-                    updated_at=entry.at)
+                    updated_at=entry.at, completed=completed)
                 return
         raise self._refusal(*address, key)
 
@@ -99,9 +101,8 @@ class DictStorage(AggregateStore, ParkingStore):
             entry = record.processed[key]
             marked = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
                                       entry.outgoing_ids, True, entry.at)
-            self._records[aggregate_type, aggregate_id] = AggregateRecord(
-                aggregate_type, aggregate_id, record.version, record.state,
-                {**record.processed, key: marked}, record.updated_at)
+            self._records[aggregate_type, aggregate_id] = dataclasses.replace(
+                record, processed={**record.processed, key: marked})
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         with self._lock:

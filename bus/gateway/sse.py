@@ -43,14 +43,18 @@ def journal_event(entry: JournalEntry) -> bytes:
 
 def state_event(record: AggregateRecord) -> bytes:
     """An aggregate's current state during full replication (no ``id``: a client cut off
-    in the middle starts the replication again)."""
-    return event(record.aggregate_type, {
+    in the middle starts the replication again); a completed one (a tombstone) is said
+    deleted: ``"deleted": true``, ``state`` null."""
+    data = {
         "aggregate_type": record.aggregate_type,
         "aggregate_id": record.aggregate_id,
         "version": record.version,
         "state": record.state,
         "updated_at": record.updated_at,
-    })
+    }
+    if record.completed:
+        data["deleted"] = True
+    return event(record.aggregate_type, data)
 
 
 def _json_or_text(body: str) -> Any:

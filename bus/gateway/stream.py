@@ -9,7 +9,9 @@ cannot serve is a 400, one it no longer holds becomes full replication), then wr
    then a ``reset`` event (with the reason), the state of every aggregate of the requested
    types, and a ``live`` event with id ``P``. Events appended while the states were read
    have positions after ``P`` and follow the ``live`` event: none is lost in the switch
-   (one may describe a change the state already showed);
+   (one may describe a change the state already showed). A completed saga (a tombstone)
+   counts as deleted: full replication leaves it out; replication of what changed since a
+   time sends it as a state event with ``"deleted": true`` and no state;
 2. **catch-up**: journal entries after the resume position, read from the storage in pages
    until the client is nearly current; then it subscribes to the hub and reads the rest of
    the storage up to the hub's position;
@@ -259,6 +261,8 @@ class ClientStream:
 
     def _wanted(self, record: AggregateRecord) -> bool:
         since = self._plan.since
+        if since is None and record.completed:
+            return False  # a completed saga is deleted: full replication leaves it out
         if since is not None and (record.updated_at is None or record.updated_at < since):
             return False
         return self._filters.matches_aggregate(record.aggregate_type, record.aggregate_id,

@@ -45,6 +45,11 @@ read on the driver). Each difference is a correction:
     the newest timestamp anywhere in the dump: an aggregate changed after the dump was
     taken is left alone. An unknown ``updated_at`` counts as not later.
 
+A completed saga (a tombstone, :attr:`~idembus.storage.base.AggregateRecord.completed`) counts
+as deleted from the storage: in the dump, it is ``missing`` — unless it was completed after
+the dump's newest timestamp, which leaves it alone like any change after the dump; absent
+from the dump, it needs nothing. ``stored`` in the summary counts live aggregates only.
+
 **The corrections** are :class:`Reconciled` events, published through the endpoint's
 transport and appended to its storage's event journal (whether or not the endpoint
 journals events itself) with the aggregate they are about and their parents. Each has a
@@ -184,7 +189,7 @@ class ReconcileSummary:
 
     #: Distinct (type, id) in the dump.
     dump: int = 0
-    #: Stored aggregates of the dump's types.
+    #: Stored aggregates of the dump's types (live ones: a completed saga counts as deleted).
     stored: int = 0
     missing: int = 0
     stale: int = 0
@@ -253,7 +258,8 @@ def _reconcile_dump(spark: SparkSession, endpoint: Endpoint, dump: DataFrame, *,
     emitter = None if dry_run else _Emitter(endpoint)
     counts, preview = _go_through(_local_corrections(corrections), emitter)
     summary = ReconcileSummary(
-        dump=facts["objects"], stored=len(stored), missing=counts["missing"],
+        dump=facts["objects"], stored=sum(1 for *_, completed in stored if not completed),
+        missing=counts["missing"],
         stale=counts["stale"], deleted=counts["deleted"],
         emitted=emitter.emitted if emitter is not None else 0, dry_run=dry_run,
         preview=preview)
@@ -386,15 +392,21 @@ def _check_types(endpoint: Endpoint, types: Iterable[str]) -> None:
             f"{', '.join(known) or 'nothing'}); the type is AggregateHandler.storage_name()")
 
 
-def _stored_rows(endpoint: Endpoint, types: Iterable[str]) -> list[tuple[str, str, int | None]]:
-    """(type, id, updated_at in microseconds or None) of every stored aggregate of
-    ``types``, read on the driver."""
-    return [(record.aggregate_type, record.aggregate_id, _micros(record.updated_at))
+#: A stored aggregate as reconciling sees it: type, id, updated_at (microseconds since the
+#: epoch, or None) and whether it is a tombstone (a completed saga).
+_Stored = tuple[str, str, int | None, bool]
+
+
+def _stored_rows(endpoint: Endpoint, types: Iterable[str]) -> list[_Stored]:
+    """Every stored aggregate and tombstone of ``types``, read on the driver."""
+    return [(record.aggregate_type, record.aggregate_id, _micros(record.updated_at),
+             record.completed)
             for name in types for record in endpoint.storage.records(name) if record.exists]
 
 
-def _stored_frame(spark: SparkSession, rows: list[tuple[str, str, int | None]]) -> DataFrame:
-    return spark.createDataFrame(rows, "type string, id string, stored_micros long")
+def _stored_frame(spark: SparkSession, rows: list[_Stored]) -> DataFrame:
+    return spark.createDataFrame(
+        rows, "type string, id string, stored_micros long, completed boolean")
 
 
 # -- the comparison ---------------------------------------------------------------------
@@ -407,15 +419,20 @@ def _corrections(dump: DataFrame, stored: DataFrame, newest: int | None) -> Data
 
     in_dump = F.col("in_dump").isNotNull()
     in_storage = F.col("in_storage").isNotNull()
+    tombstone = in_storage & F.coalesce(F.col("completed"), F.lit(False))
     unknown = F.col("stored_micros").isNull()
+    before_dump = unknown | (F.col("stored_micros") <= F.lit(newest))
+    nothing = F.lit(None).cast("string")
     action = (
         F.when(in_dump & ~in_storage, "missing")
+        .when(tombstone, F.when(in_dump & before_dump, "missing").otherwise(nothing))
         .when(in_dump & (unknown | (F.col("source_micros") > F.col("stored_micros"))), "stale")
-        .when(~in_dump & (unknown | (F.col("stored_micros") <= F.lit(newest))), "deleted"))
+        .when(~in_dump & before_dump, "deleted"))
     joined = dump.withColumn("in_dump", F.lit(True)).join(
         stored.withColumn("in_storage", F.lit(True)), on=["type", "id"], how="full_outer")
+    stored_micros = F.when(tombstone, None).otherwise(F.col("stored_micros"))
     return (joined.select("type", "id", action.alias("action"), "source_micros",
-                          "stored_micros", "parents")
+                          stored_micros.alias("stored_micros"), "parents")
             .where(F.col("action").isNotNull()))
 
 

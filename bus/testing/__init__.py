@@ -8,6 +8,10 @@ broker, and returns what it sent, published and replied, and the state it left::
     assert result.published == [OrderPlaced(order_id="o-1")]
     assert result.state == Order(status="placed")
 
+For a saga, ``state=`` is the live saga the message finds (without it, none): ``completed``
+tells whether the handler completed it (``state`` is then ``None``), ``not_found`` whether
+the message went to ``saga_not_found``.
+
 An ``async def`` handling method runs to completion as a consumer thread runs it, on an
 event loop of its own (:mod:`idembus.aio`), closed when ``handle`` returns. ``handle`` is
 synchronous: called inside a running loop it runs the method in a helper thread and holds
@@ -76,6 +80,10 @@ class HandlerResult(ByIntent):
 
     envelopes: tuple[Envelope, ...]
     state: BaseModel | None
+    #: The handler completed the aggregate (a saga): ``state`` is ``None``.
+    completed: bool = False
+    #: The message found no saga and does not start one: ``saga_not_found`` ran.
+    not_found: bool = False
 
     def _of(self, intent: h.Intent) -> list[Message]:
         return [decoded(envelope, strict=True) for envelope in self.envelopes
@@ -111,12 +119,15 @@ def handle(
                            state=state.model_dump(mode="json"), outgoing=())
     elif state is not None:
         raise ValueError("state is only for aggregate handlers")
+    signals = EndpointSignals(endpoint)
+    not_found: list[Mapping[str, Any]] = []
+    signals.not_found.connect(lambda sender, **details: not_found.append(details), weak=False)
     invoker = HandlerInvoker(
         endpoint=endpoint,
         router=_TestRouter({**{t: endpoint for t in table.message_types
                                if issubclass(t, Command)}, **(routes or {})}),
         storage=storage,
-        signals=EndpointSignals(endpoint),
+        signals=signals,
         conflicts=ConflictPolicy(attempts=1),
     )
     incoming = {h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: message_name(message),
@@ -126,9 +137,12 @@ def handle(
     with closing_thread_loop():  # an async method's loop lives for this call only
         outcome = invoker.invoke(binding, call)
     final_state = None
-    if address is not None and isinstance(binding.handler, AggregateHandler):
-        final_state = binding.handler.state_type.model_validate(storage.load(*address).state)
-    return HandlerResult(outcome.outgoing, final_state)
+    record = storage.load(*address) if address is not None else None
+    if record is not None and record.live and isinstance(binding.handler, AggregateHandler):
+        final_state = binding.handler.state_type.model_validate(record.state)
+    return HandlerResult(outcome.outgoing, final_state,
+                         completed=record is not None and record.completed,
+                         not_found=bool(not_found))
 
 
 async def handle_async(

@@ -17,7 +17,8 @@ from ... import headers as h
 from ...envelope import Envelope, utc_now
 from ...storage.base import AggregateRecord, AggregateStore, OutboxStore, StorageRole
 from ...storage.errors import AlreadyProcessed, ConcurrencyConflict
-from .base import RoleContract, StorageFactory
+from .base import StorageFactory
+from .completion import CompletionContract
 
 ACCOUNT = "Account"
 UTC = datetime.timezone.utc
@@ -119,9 +120,10 @@ def race(storage: AggregateStore, loaded: AggregateRecord, keys: Sequence[str]) 
     return result
 
 
-class AggregateStoreContract(RoleContract):
+class AggregateStoreContract(CompletionContract):
     """Loads and conditional commits, duplicates refused with their stored messages,
-    dispatch marks, the processed window and retention, and racing committers."""
+    dispatch marks, the processed window and retention, racing committers, and completion
+    (:class:`~idembus.testing.contract.completion.CompletionContract`)."""
 
     roles: ClassVar[tuple[type[StorageRole], ...]] = (AggregateStore,)
 
