@@ -439,3 +439,33 @@ def test_state_asks_which_endpoint_when_two_keep_the_type() -> None:
     assert scenario.state(Order, "42", endpoint="sales-eu") is None
     with pytest.raises(ValueError, match="no endpoints of the scenario keep Order"):
         scenario.state(Order, "42", endpoint="billing")
+
+
+class ShortSaga(AggregateHandler[Order]):
+    """A saga that ends when its order is paid, leaving a tombstone."""
+
+    starts = (PlaceOrder,)
+
+    def aggregate_id(self, message: PlaceOrder | CardCharged) -> str:
+        return message.order_id
+
+    @handles
+    def place(self, message: PlaceOrder) -> None:
+        self.state.status = "placed"
+
+    @handles
+    def paid(self, message: CardCharged) -> None:
+        self.complete()
+
+
+def test_a_completed_saga_has_no_state_but_is_known_as_completed() -> None:
+    scenario = Scenario(handlers=[ShortSaga], clock=FakeClock(START))
+    scenario.send(PlaceOrder(order_id="7"))
+    assert scenario.state(Order, "7") == Order(status="placed")
+    assert not scenario.completed(Order, "7")
+
+    scenario.publish(CardCharged(order_id="7"))
+
+    assert scenario.state(Order, "7") is None
+    assert scenario.completed(Order, "7")
+    assert not scenario.completed(Order, "never-placed")

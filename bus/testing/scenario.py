@@ -49,6 +49,7 @@ from ..pipeline import Dispatch, Middleware
 from ..recovery import Recoverability
 from ..routing import Router
 from ..sending import Bus
+from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage
 from .clock import FakeClock
 from .decoding import ByIntent, decoded
@@ -378,8 +379,19 @@ class Scenario(ByIntent):
     def state(self, state_type: type[StateT], aggregate_id: str, *,
               endpoint: str | None = None) -> StateT | None:
         """The stored state of the ``state_type`` aggregate ``aggregate_id`` (``None`` if
-        it does not exist), in the endpoint whose aggregate handler keeps that type (name
-        it when several do)."""
+        it does not exist or was completed), in the endpoint whose aggregate handler keeps
+        that type (name it when several do)."""
+        record = self._record_of(state_type, aggregate_id, endpoint)
+        return state_type.model_validate(record.state) if record.live else None
+
+    def completed(self, state_type: type[BaseModel], aggregate_id: str, *,
+                  endpoint: str | None = None) -> bool:
+        """Whether the saga (or aggregate) ``aggregate_id`` of ``state_type`` was completed
+        (``self.complete()``) and its tombstone is stored."""
+        return self._record_of(state_type, aggregate_id, endpoint).completed
+
+    def _record_of(self, state_type: type[BaseModel], aggregate_id: str,
+                   endpoint: str | None) -> AggregateRecord:
         keepers = [(name, type(handler)) for name, candidate in self._endpoints.items()
                    if endpoint in (None, name) for handler in candidate.table.handlers
                    if isinstance(handler, AggregateHandler)
@@ -390,8 +402,7 @@ class Scenario(ByIntent):
                 f"{len(names) or 'no'} endpoints of the scenario keep {state_type.__name__}"
                 f"{' (' + ', '.join(names) + '): name one with endpoint=' if names else ''}")
         name, handler_type = keepers[0]
-        record = self._endpoints[name].storage.load(handler_type.storage_name(), aggregate_id)
-        return state_type.model_validate(record.state) if record.exists else None
+        return self._endpoints[name].storage.load(handler_type.storage_name(), aggregate_id)
 
     # -- bookkeeping ----------------------------------------------------------------------
 
