@@ -16,7 +16,8 @@ from . import headers as h
 from .context import MessageContext
 from .envelope import Envelope, format_utc, utc_now
 from .errors import RoutingError
-from .messages import Command, Event, Message, message_name, parents_of
+from .hierarchy import enclosed_header
+from .messages import Command, Event, Message, message_name, message_version, parents_of
 from .routing import Router
 
 Emit = Callable[[Envelope], None]
@@ -160,6 +161,8 @@ class Bus:
         result.update({
             h.MESSAGE_ID: message_id,
             h.MESSAGE_TYPE: message_name(message),
+            h.MESSAGE_VERSION: str(message_version(message)),
+            h.ENCLOSED_TYPES: enclosed_header(type(message)),
             h.INTENT: intent.value,
             h.ORIGINATING_ENDPOINT: self._endpoint,
             h.REPLY_TO: self._endpoint,

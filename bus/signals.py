@@ -31,6 +31,7 @@ SIGNAL_NAMES = (
     "paused",         # the circuit breaker holds a consumer back (seconds)
     "skipped",        # middleware or a handler raised SkipMessage (reason; handler if one)
     "postponed",      # middleware or a handler raised RetryLater (delay, attempt, reason)
+    "unrouted",       # a published event the broker reported no queue took (envelope)
 )
 
 
@@ -56,6 +57,7 @@ class EndpointSignals:
     paused: Signal
     skipped: Signal
     postponed: Signal
+    unrouted: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""
