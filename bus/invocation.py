@@ -21,6 +21,7 @@ from .aio import run_to_completion
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
+from .evolution import load_state, stored_version
 from .handlers.base import AggregateHandler
 from .handlers.registration import HandlerBinding
 from .messages import Message
@@ -117,7 +118,8 @@ class HandlerInvoker:
                 call.outgoing = outgoing
                 try:
                     self._pipeline.commit(call, functools.partial(
-                        self._storage.commit, loaded, key=key, state=state, outgoing=outgoing))
+                        self._storage.commit, loaded, key=key, state=state, outgoing=outgoing,
+                        **_versioned(binding)))
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -199,7 +201,8 @@ class HandlerInvoker:
         handler.context = context
         if isinstance(handler, AggregateHandler):
             if loaded.exists:
-                handler.state = handler.state_type.model_validate(loaded.state)
+                handler.state = load_state(handler.state_type, loaded.state or {},
+                                           loaded.state_version)
             else:
                 handler.state = handler.new_state(loaded.aggregate_id, message)
             _call(handler, binding, message)
@@ -211,6 +214,15 @@ class HandlerInvoker:
             return handler.state.model_dump(mode="json"), outgoing
         _call(handler, binding, message)
         return None, outgoing
+
+
+def _versioned(binding: HandlerBinding) -> dict[str, int]:
+    """The ``state_version`` keyword of an aggregate handler's commit, where its state model
+    is above version 1 (:func:`idembus.evolution.stored_version`)."""
+    handler = binding.handler
+    version = (stored_version(type(handler).state_type)
+               if isinstance(handler, AggregateHandler) else None)
+    return {} if version is None else {"state_version": version}
 
 
 def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:

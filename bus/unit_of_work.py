@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from .context import MessageContext
 from .dispatching import Dispatcher
 from .envelope import Envelope
+from .evolution import load_state, stored_version
 from .routing import Router
 from .sending import Bus
 from .storage.base import AggregateRecord, Storage
@@ -91,18 +92,20 @@ class UnitOfWork(Generic[StateT]):
             self._send(previous.outgoing)
             raise AlreadyProcessed(self.key, previous.outgoing)
         self._loaded = loaded
-        self.state = (self._state_type.model_validate(loaded.state) if loaded.exists
-                      else self._new_state())
+        self.state = (load_state(self._state_type, loaded.state or {}, loaded.state_version)
+                      if loaded.exists else self._new_state())
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         if kind is not None or self._loaded is None:
             return  # the block failed: nothing is written
+        version = stored_version(self._state_type)
         try:
             self._storage.commit(self._loaded, key=self.key,
                                  state=self.state.model_dump(mode="json"),
-                                 outgoing=self._outgoing)
+                                 outgoing=self._outgoing,
+                                 **({} if version is None else {"state_version": version}))
         except AlreadyProcessed as duplicate:  # the same operation won meanwhile
             self._send(duplicate.outgoing)
             raise

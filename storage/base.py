@@ -30,8 +30,9 @@ processed, each with the outgoing messages its handler produced. Its role,
     ``processed`` holds the entry of ``key`` if that message was processed; backends that
     keep the history inside the record (MongoDB, memory) return every remembered entry.
 
-``commit(loaded, key=..., state=..., outgoing=...)``
-    In **one atomic conditional write**, store the new state, bump the version and record
+``commit(loaded, key=..., state=..., outgoing=..., state_version=...)``
+    In **one atomic conditional write**, store the new state (with its schema version),
+    bump the version and record
     ``key`` (the handler-scoped incoming message id) with its outgoing messages. The write
     succeeds only if the aggregate is still at ``loaded.version`` and ``key`` is not yet
     recorded. Creating an aggregate (``loaded.version == 0``) is an insert, so two creators
@@ -279,6 +280,9 @@ class AggregateRecord:
     processed: Mapping[str, ProcessedMessage] = field(default_factory=dict)
     #: When the state was last committed (UTC), where the backend knows (``records``).
     updated_at: datetime.datetime | None = None
+    #: The schema version the state was committed with (``commit(state_version=...)``);
+    #: ``None``: stored before versions existed, read as 1.
+    state_version: int | None = None
 
     @property
     def exists(self) -> bool:
@@ -351,8 +355,13 @@ class AggregateStore(StorageRole, ABC):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        state_version: int | None = None,
     ) -> None:
         """Store state and ``key -> outgoing`` in one conditional write.
+
+        ``state_version``: the schema version of ``state`` (the state model's
+        ``state_version``), stored with it and returned by ``load`` and ``records`` as
+        :attr:`AggregateRecord.state_version`.
 
         Raises ``AlreadyProcessed`` or ``ConcurrencyConflict`` when the write is refused.
         """

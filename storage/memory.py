@@ -68,10 +68,8 @@ class MemoryStorage(Storage):
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
         # The state is the one mutable part a caller could change; entries are immutable.
-        return AggregateRecord(
-            aggregate_type, aggregate_id, record.version,
-            copy.deepcopy(record.state), dict(record.processed),
-        )
+        return dataclasses.replace(record, state=copy.deepcopy(record.state),
+                                   processed=dict(record.processed))
 
     def commit(
         self,
@@ -80,6 +78,7 @@ class MemoryStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        state_version: int | None = None,
     ) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(
@@ -105,6 +104,7 @@ class MemoryStorage(Storage):
                     version=current_version + 1,
                     state=copy.deepcopy(dict(state)) if state is not None else None,
                     processed=processed,
+                    state_version=state_version,
                 )
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
@@ -138,9 +138,7 @@ class MemoryStorage(Storage):
             processed = dict(record.processed)
             processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
                                               entry.outgoing_ids, True, entry.at)
-            self._records[address] = AggregateRecord(
-                aggregate_type, aggregate_id, record.version, record.state, processed
-            )
+            self._records[address] = dataclasses.replace(record, processed=processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         address = (aggregate_type, aggregate_id)
@@ -166,8 +164,7 @@ class MemoryStorage(Storage):
                 if not old:
                     continue
                 kept = {k: e for k, e in record.processed.items() if k not in old}
-                self._records[address] = AggregateRecord(*address, record.version,
-                                                         record.state, kept)
+                self._records[address] = dataclasses.replace(record, processed=kept)
                 removed += len(old)
                 if removed >= batch:
                     break

@@ -4,7 +4,8 @@ Features
 ========
 * Document per aggregate, in a collection named after the aggregate type::
 
-      {_id: <aggregate id>, version: <int>, state: {...}, updated_at: <datetime>,
+      {_id: <aggregate id>, version: <int>, state: {...}, state_version: <int>,
+       updated_at: <datetime>,
        processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
                     endpoint: <committing endpoint>}, ...]}
 
@@ -189,6 +190,7 @@ class MongoStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
+        state_version: int | None = None,
     ) -> None:
         entry = {
             "key": key,
@@ -206,7 +208,8 @@ class MongoStorage(Storage):
                 try:
                     collection.insert_one(
                         {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
-                         "updated_at": entry["at"], "processed": [entry]}
+                         "state_version": state_version, "updated_at": entry["at"],
+                         "processed": [entry]}
                     )
                     return
                 except pymongo.errors.DuplicateKeyError:
@@ -216,7 +219,7 @@ class MongoStorage(Storage):
                     {"_id": loaded.aggregate_id, "version": loaded.version,
                      "processed.key": {"$ne": key}},
                     {"$set": {"state": new_state, "version": loaded.version + 1,
-                              "updated_at": entry["at"]},
+                              "state_version": state_version, "updated_at": entry["at"]},
                      "$push": {"processed": {"$each": [entry],
                                              "$slice": -self._kept_after(loaded)}}},
                 )
@@ -725,6 +728,7 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateR
         state=document.get("state"),
         processed=processed,
         updated_at=_utc(document.get("updated_at")) or last_commit,
+        state_version=document.get("state_version"),
     )
 
 
