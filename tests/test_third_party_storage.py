@@ -73,7 +73,7 @@ class DictStorage(AggregateStore, ParkingStore):
                 else AggregateRecord(aggregate_type, aggregate_id))
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
-               outgoing: Sequence[Envelope]) -> None:
+               outgoing: Sequence[Envelope], state_version: int | None = None) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(key, tuple(outgoing), tuple(e.message_id for e in outgoing),
                                  dispatched=not outgoing, at=utc_now())
@@ -85,7 +85,7 @@ class DictStorage(AggregateStore, ParkingStore):
                 self._records[address] = AggregateRecord(
                     *address, current.version + 1, copy.deepcopy(dict(state or {})),
                     {k: e for k, e in processed.items() if k in newest or not e.dispatched},
-                    updated_at=entry.at)
+                    updated_at=entry.at, state_version=state_version)
                 return
         raise self._refusal(*address, key)
 
