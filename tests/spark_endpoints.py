@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
-
-from typing import Any
 
 from idembus import Command, Endpoint, Event, upcaster
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
