@@ -261,9 +261,8 @@ class Endpoint:
     # -- configuration checks ----------------------------------------------------------
 
     def _check_routes(self, routes: Mapping[type[Message], str]) -> None:
-        handled = set(self.table.message_types)
         for command_type, destination in routes.items():
-            if destination == self.name and command_type not in handled:
+            if destination == self.name and not self.table.bindings_for(command_type):
                 raise ConfigurationError(
                     f"routes send {message_name(command_type)} to {self.name!r} itself, but "
                     f"no handler of {self.name!r} handles it; add a handler or fix the route"

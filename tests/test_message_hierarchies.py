@@ -289,6 +289,24 @@ def test_a_handler_of_a_base_command_receives_its_subclass_through_the_endpoint(
     assert sorted(seen) == ["Refund", "Refund"]  # the endpoint knows only Refund
 
 
+def test_a_route_to_itself_for_a_subclass_of_a_handled_command_is_accepted():
+    class Refunds(Handler):
+        @handles(Refund)
+        def refund(self, message: Any) -> None: ...
+
+    name = f"refunds-{uuid.uuid4().hex[:8]}"
+    endpoint = Endpoint(name, storage=MemoryStorage(), handlers=[Refunds],
+                        routes={UrgentRefund: name})
+    assert endpoint.router.destination_for(UrgentRefund) == name
+    with pytest.raises(ConfigurationError, match="no handler of"):
+        Endpoint(name, storage=MemoryStorage(), handlers=[Refunds], routes={Unrouted: name})
+    endpoint.close()
+
+
+class Unrouted(Command, message_name="shop.Unrouted"):
+    pass
+
+
 # -- routing on every transport ---------------------------------------------------------
 
 
