@@ -56,11 +56,11 @@ def upcaster(target: type[BaseModel], *, from_version: int) -> Callable[[F], F]:
     current = version_of(target)
     if (isinstance(from_version, bool) or not isinstance(from_version, int)
             or not 1 <= from_version < current):
+        where = (f"so a step starts from a version in 1..{current - 1}" if current > 1
+                 else f"raise its version first ({_how(target)})")
         raise ConfigurationError(
             f"@upcaster({target.__qualname__}, from_version={from_version!r}): "
-            f"{target.__qualname__} is at version {current}, so a step starts from a version "
-            f"in 1..{current - 1}" + ("" if current > 1 else
-                                      f"; raise its version first ({_how(target)})"))
+            f"{target.__qualname__} is at version {current}: {where}")
 
     def attach(function: F) -> F:
         if not callable(function):
