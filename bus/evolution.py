@@ -151,12 +151,12 @@ def load_state(state_type: type[StateT], stored: Mapping[str, Any],
                         f"{error['msg']}" for error in exc.errors())) from exc
 
 
-def stored_version(state_type: type[BaseModel]) -> int | None:
-    """What ``commit(state_version=...)`` is given for a state of ``state_type``: its
-    version, or ``None`` at version 1 (read back as 1), so that a storage backend written
-    before versions existed keeps working for models that never declared one."""
+def version_keyword(state_type: type[BaseModel]) -> dict[str, int]:
+    """The ``state_version=`` keyword of a commit of a ``state_type`` state: its version, or
+    nothing at version 1 (stored as ``None``, read back as 1), so that a storage backend
+    written before versions existed keeps working for models that never declared one."""
     version = version_of(state_type)
-    return None if version == 1 else version
+    return {} if version == 1 else {"state_version": version}
 
 
 def _declared(model: type[BaseModel]) -> set[str]:

@@ -21,7 +21,7 @@ from .aio import run_to_completion
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
-from .evolution import load_state, stored_version
+from .evolution import load_state, version_keyword
 from .handlers.base import AggregateHandler
 from .handlers.registration import HandlerBinding
 from .messages import Message
@@ -217,12 +217,11 @@ class HandlerInvoker:
 
 
 def _versioned(binding: HandlerBinding) -> dict[str, int]:
-    """The ``state_version`` keyword of an aggregate handler's commit, where its state model
-    is above version 1 (:func:`idembus.evolution.stored_version`)."""
+    """The ``state_version`` keyword of an aggregate handler's commit
+    (:func:`idembus.evolution.version_keyword`); none for a stateless handler."""
     handler = binding.handler
-    version = (stored_version(type(handler).state_type)
-               if isinstance(handler, AggregateHandler) else None)
-    return {} if version is None else {"state_version": version}
+    return (version_keyword(type(handler).state_type)
+            if isinstance(handler, AggregateHandler) else {})
 
 
 def _call(handler: Any, binding: HandlerBinding, message: Message) -> None:

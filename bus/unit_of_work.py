@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from .context import MessageContext
 from .dispatching import Dispatcher
 from .envelope import Envelope
-from .evolution import load_state, stored_version
+from .evolution import load_state, version_keyword
 from .routing import Router
 from .sending import Bus
 from .storage.base import AggregateRecord, Storage
@@ -100,12 +100,11 @@ class UnitOfWork(Generic[StateT]):
                  trace: TracebackType | None) -> None:
         if kind is not None or self._loaded is None:
             return  # the block failed: nothing is written
-        version = stored_version(self._state_type)
         try:
             self._storage.commit(self._loaded, key=self.key,
                                  state=self.state.model_dump(mode="json"),
                                  outgoing=self._outgoing,
-                                 **({} if version is None else {"state_version": version}))
+                                 **version_keyword(self._state_type))
         except AlreadyProcessed as duplicate:  # the same operation won meanwhile
             self._send(duplicate.outgoing)
             raise

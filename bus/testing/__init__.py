@@ -30,7 +30,7 @@ from .. import headers as h
 from ..aio import closing_thread_loop
 from ..endpoint import Endpoint
 from ..envelope import Envelope
-from ..evolution import stored_version
+from ..evolution import version_keyword
 from ..handlers.base import AggregateHandler, Handler
 from ..handlers.registration import HandlerTable
 from ..invocation import HandlerInvoker
@@ -101,7 +101,7 @@ def handle(
         if state is not None:
             storage.commit(AggregateRecord(*address), key=_SEED_KEY,
                            state=state.model_dump(mode="json"), outgoing=(),
-                           state_version=stored_version(type(state)))
+                           **version_keyword(type(state)))
     elif state is not None:
         raise ValueError("state is only for aggregate handlers")
     invoker = HandlerInvoker(
