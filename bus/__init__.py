@@ -22,12 +22,14 @@ from .envelope import Envelope
 from .errors import (
     BusError,
     ConfigurationError,
+    IncompatibleState,
     InvalidMessage,
     MalformedMessage,
     MessageError,
     RoutingError,
     UnknownMessageType,
 )
+from .evolution import upcaster
 from .messages import Command, Event, Message, message_name
 from .pipeline import Middleware, RejectMessage, RetryLater, SkipMessage
 from .policies import Backoff, ConflictPolicy, OutboxPolicy, RetryPolicy
@@ -85,6 +87,7 @@ __all__ = [
     "Envelope",
     "Event",
     "Handler",
+    "IncompatibleState",
     "InvalidMessage",
     "JournalPolicy",
     "KombuTransport",
@@ -111,6 +114,7 @@ __all__ = [
     "handles",
     "headers",
     "message_name",
+    "upcaster",
 ]
 
 

@@ -114,7 +114,8 @@ def _workers_as(endpoint: Endpoint, names: Sequence[str]) -> list[Periodic]:
     own = endpoint.outbox
     dispatcher = Dispatcher(endpoint.transport, endpoint.storage, endpoint.journal,
                             endpoint=endpoint.name, pipeline=endpoint.pipeline,
-                            keep_bodies=endpoint.dispatcher.keep_bodies)
+                            keep_bodies=endpoint.dispatcher.keep_bodies,
+                            on_unrouted=endpoint.unrouted)
     workers: list[Periodic] = []
     for name in names:
         workers.append(OutboxDispatcher(

@@ -13,7 +13,7 @@ storage's event journal before their senders mark them dispatched.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .background import Periodic
@@ -56,9 +56,12 @@ class Dispatcher:
     def __init__(self, transport: Transport, storage: Storage,
                  journal: Journal | None = None, *, endpoint: str | None = None,
                  pipeline: Pipeline | None = None, keep_bodies: bool = False,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None,
+                 on_unrouted: Callable[[Envelope], None] | None = None) -> None:
         self._transport = transport
         self._clock = clock or SystemClock()
+        #: Called with each event the broker reported no queue took.
+        self._on_unrouted = on_unrouted
         self._storage = storage
         self._journal = journal
         #: The endpoint's middleware (what :class:`~idembus.sending.Bus` objects record through).
@@ -74,8 +77,8 @@ class Dispatcher:
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > self._clock.now():
             self._storage.schedule(envelope, due, owner=self.endpoint)
-        else:
-            self._transport.dispatch(envelope)
+        elif self._transport.dispatch(envelope) is False and self._on_unrouted is not None:
+            self._on_unrouted(envelope)
 
     def send_committed(self, aggregate_type: str, aggregate_id: str, key: str,
                        outgoing: Sequence[Envelope], *, source: str,

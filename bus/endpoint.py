@@ -32,13 +32,16 @@ from .audit import Audit
 from .clock import Clock, SystemClock
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
+from .envelope import Envelope
 from .errors import BusError, ConfigurationError
+from .evolution import check_upcasters, version_of
 from .handlers.base import AggregateHandler, Handler
 from .handlers.registration import HandlerTable
 from .health import Health
+from .hierarchy import check_routing_keys
 from .invocation import HandlerInvoker
 from .journal import JournalPolicy, journal_for
-from .logs import MessageLog
+from .logs import MessageLog, Throttle
 from .messages import Command, Event, Message, is_message_type, message_name
 from .outbox import OutboxDispatcher
 from .pipeline import Middleware, Pipeline, PropagateHeaders
@@ -206,6 +209,7 @@ class Endpoint:
         self.health = Health()
         #: Appends published events to the event journal (``journal=...``), else ``None``.
         self.journal = journal_for(self.storage, journal_policy.events)
+        self._check_evolution(journal_policy)
         #: The middleware around messages, handlers, commits and dispatches.
         self.pipeline = Pipeline(
             ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
@@ -213,7 +217,9 @@ class Endpoint:
         #: Sends what handlers, units of work and ``bus`` send, and marks it.
         self.dispatcher = Dispatcher(
             self.transport, self.storage, self.journal, endpoint=name, pipeline=self.pipeline,
-            keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock)
+            keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock,
+            on_unrouted=self.unrouted)
+        self._unrouted_lines = Throttle(10.0)
         invoker = HandlerInvoker(
             endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
             conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
@@ -277,9 +283,8 @@ class Endpoint:
     # -- configuration checks ----------------------------------------------------------
 
     def _check_routes(self, routes: Mapping[type[Message], str]) -> None:
-        handled = set(self.table.message_types)
         for command_type, destination in routes.items():
-            if destination == self.name and command_type not in handled:
+            if destination == self.name and not self.table.bindings_for(command_type):
                 raise ConfigurationError(
                     f"routes send {message_name(command_type)} to {self.name!r} itself, but "
                     f"no handler of {self.name!r} handles it; add a handler or fix the route"
@@ -297,6 +302,34 @@ class Endpoint:
                         f"{self.name!r} has no route for it: add "
                         f"routes={{{sent.__name__}: '<endpoint name>'}}"
                     )
+
+    def _check_evolution(self, journal: JournalPolicy) -> None:
+        """Upcaster chains without gaps, state versions that are whole numbers, routing keys
+        within the AMQP limit: for every type this endpoint knows."""
+        journaled = [] if isinstance(journal.events, bool) else list(journal.events)
+        known = [*self.registry, *(t for t in journaled if t not in self.registry)]
+        for message_type in known:
+            check_upcasters(message_type)
+        check_routing_keys(known)
+        for handler in self.table.handlers:
+            if isinstance(handler, AggregateHandler):
+                version_of(type(handler).state_type)
+                check_upcasters(type(handler).state_type)
+
+    def unrouted(self, envelope: Envelope) -> None:
+        """Note an event the broker reported no queue took: the ``unrouted`` signal (and
+        counter), and a WARNING per type every 10 s at most. It is not kept: an event
+        nobody subscribes to is not a failure of the message (README, "Message
+        hierarchies")."""
+        self.signals.emit("unrouted", message_id=envelope.message_id,
+                          message_type=envelope.message_type, envelope=envelope)
+        held = self._unrouted_lines.allow(envelope.message_type)
+        if held is not None:
+            log.warning("event %s %s reached no queue: no endpoint subscribes to it or to a "
+                        "type it derives from%s", envelope.message_type, envelope.message_id,
+                        self._unrouted_lines.said(held),
+                        extra={"endpoint": self.name, "message_id": envelope.message_id,
+                               "message_type": envelope.message_type})
 
     def unit_of_work(
         self,

@@ -9,6 +9,8 @@ Each package root keeps its own errors module, and every class below derives fro
     ├── RoutingError                a command has no destination, a reply no return address
     ├── HandlerContractError        a handler broke the calling contract on a message (also a
     │                               TypeError): returned a value, gave no aggregate id
+    ├── IncompatibleState           a stored state the state model cannot read as it is: a
+    │                               version without upcaster, fields it no longer declares
     ├── MessageError                an incoming message that no retry can fix
     │   ├── MalformedMessage        not JSON, wrong content type, a required header missing
     │   ├── UnknownMessageType      the type header names no registered message
@@ -64,6 +66,14 @@ class HandlerContractError(BusError, TypeError):
     a value (handlers record what they send; they return nothing), ``aggregate_id`` gave no
     id, ``self.state`` was replaced by something else. Retrying cannot help: the message
     goes to the error queue at once with this reason."""
+
+
+class IncompatibleState(BusError):
+    """An aggregate's stored state cannot be loaded into its state model without losing or
+    guessing something: it is newer than the model, no upcaster goes from its version, an
+    upcaster failed, or it holds fields the model no longer declares (README, "Evolving
+    messages and state"). Retrying cannot help until the code changes: the message goes to
+    the error queue at once with this reason, and can be retried from there after the fix."""
 
 
 class MessageError(BusError):

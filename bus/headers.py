@@ -17,6 +17,13 @@ REPLY_TO = "idembus.reply_to"
 ORIGINATING_ENDPOINT = "idembus.originating_endpoint"
 TIME_SENT = "idembus.time_sent"
 INTENT = "idembus.intent"
+#: The version of the body's shape (``message_version=`` of the message class); a message
+#: without it is version 1.
+MESSAGE_VERSION = "idembus.message_version"
+#: What the message is: the wire names of its class and of the message types it derives
+#: from, most derived first, comma-separated; each followed by ``:N`` where its version N is
+#: above 1 (:mod:`idembus.hierarchy`).
+ENCLOSED_TYPES = "idembus.enclosed_types"
 #: ISO 8601 UTC time before which the message must not be delivered (deferred messages,
 #: delayed retries).
 DELIVER_AT = "idembus.deliver_at"

@@ -27,6 +27,7 @@ from .clock import Clock, SystemClock
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
+from .evolution import load_state, version_keyword
 from .handlers.base import AggregateHandler
 from .handlers.registration import HandlerBinding
 from .messages import Message
@@ -145,6 +146,8 @@ class HandlerInvoker:
                                            outgoing=outgoing)
                 if completed:  # only then: a backend from before completion still commits
                     commit = functools.partial(commit, completed=True)
+                else:  # a version only above 1: a backend from before versions still commits
+                    commit = functools.partial(commit, **_versioned(binding))
                 try:
                     self._pipeline.commit(call, commit)
                 except StorageUnavailable as outage:
@@ -228,7 +231,8 @@ class HandlerInvoker:
                              loaded)
         if isinstance(handler, AggregateHandler):
             if loaded.live:
-                handler.state = handler.state_type.model_validate(loaded.state)
+                handler.state = load_state(handler.state_type, loaded.state or {},
+                                           loaded.state_version)
             else:  # new, or a new start on a tombstone
                 handler.state = handler.new_state(loaded.aggregate_id, message)
             _call(handler, binding, message)
@@ -289,6 +293,14 @@ def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[st
     if starts is None or isinstance(message, starts):
         return None
     return NOT_FOUND
+
+
+def _versioned(binding: HandlerBinding) -> dict[str, int]:
+    """The ``state_version`` keyword of an aggregate handler's commit
+    (:func:`idembus.evolution.version_keyword`); none for a stateless handler."""
+    handler = binding.handler
+    return (version_keyword(type(handler).state_type)
+            if isinstance(handler, AggregateHandler) else {})
 
 
 def _call(handler: Any, binding: HandlerBinding, message: Message,

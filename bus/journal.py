@@ -10,6 +10,11 @@ of work, sent again by the outbox dispatcher or for a duplicate; outside handler
 after it was sent. A crash in between leaves it unmarked, so it is sent and appended again
 later; the journal keeps each message id once.
 
+Entries keep the body as it was published. A reader that knows the event types (the
+gateway: the types its endpoint handles or journals) reads them in their current shape:
+:func:`current_entry` upcasts an entry of an older ``idembus.message_version`` and gives
+an entry found by an alias its current name (:mod:`idembus.evolution`).
+
 Positions order appends, not commits: events of one aggregate committed one right after the
 other by two threads or processes are appended as their dispatches complete, possibly in the
 other order.
@@ -22,15 +27,23 @@ effect.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from . import headers as h
+from .decoding import wire_version
 from .envelope import Envelope
-from .errors import ConfigurationError
-from .messages import Event, is_message_type, message_name
+from .errors import ConfigurationError, MessageError
+from .evolution import upcast_body
+from .messages import Event, Message, is_message_type, message_name, message_version
+from .registry import MessageRegistry
 from .storage.base import INBOX, JournalEntry, JournalStore
+
+log = logging.getLogger(__name__)
 
 #: How long journal entries are kept unless the endpoint says otherwise.
 DEFAULT_RETENTION = datetime.timedelta(days=7)
@@ -39,10 +52,13 @@ DEFAULT_RETENTION = datetime.timedelta(days=7)
 class Journal:
     """Appends the published events one endpoint journals to its storage's journal."""
 
-    def __init__(self, storage: JournalStore, types: frozenset[str] | None) -> None:
+    def __init__(self, storage: JournalStore, types: frozenset[str] | None,
+                 message_types: Sequence[type[Event]] = ()) -> None:
         self._storage = storage
         #: Wire names of the journaled event types; ``None``: every event.
         self.types = types
+        #: The journaled event types, where they were listed (``journal=[...]``).
+        self.message_types = tuple(message_types)
 
     def wants(self, envelope: Envelope) -> bool:
         """True for a published event of a journaled type."""
@@ -103,4 +119,32 @@ def journal_for(
         raise ConfigurationError(
             f"journal lists {wrong or 'nothing'}: list the Event types to journal, or pass "
             "journal=True for every event the endpoint publishes")
-    return Journal(storage, frozenset(message_name(kind) for kind in option))
+    return Journal(storage, frozenset(message_name(kind) for kind in option), list(option))
+
+
+def current_entry(entry: JournalEntry, known: MessageRegistry) -> JournalEntry:
+    """``entry`` as its type's current version: the body upcast from its
+    ``idembus.message_version``, the type named by its current wire name (an entry found by
+    an alias), the version header set. An entry of a type ``known`` does not hold by name
+    or alias, or already current, is returned as it is; so is one that cannot be upcast
+    (logged: a reader of the journal cannot send it to an error queue, and the stream goes
+    on; the entry keeps its version header, which says what shape its body has)."""
+    if entry.message_type not in known:
+        return entry
+    message_type: type[Message] = known.resolve(entry.message_type)
+    try:
+        version = wire_version(entry.headers)
+        current = message_version(message_type)
+        if version == current and entry.message_type == message_name(message_type):
+            return entry
+        body = entry.body
+        if version != current:
+            body = json.dumps(upcast_body(message_type, json.loads(entry.body), version),
+                              separators=(",", ":"))
+    except (MessageError, ValueError) as exc:
+        log.warning("journal entry %d (%s %s) is served as stored: %s", entry.position,
+                    entry.message_type, entry.message_id, exc)
+        return entry
+    name = message_name(message_type)
+    headers = {**entry.headers, h.MESSAGE_TYPE: name, h.MESSAGE_VERSION: str(current)}
+    return dataclasses.replace(entry, message_type=name, headers=headers, body=body)

@@ -14,6 +14,13 @@ A type may also give its messages a time to live, after which a receiver discard
     class PriceQuote(Event, discard_after=30):  # seconds, or a timedelta
         price: int
 
+A type can evolve (README, "Evolving messages and state"): ``aliases=("OldName", ...)``
+are names it was sent under before, still decoded as it; ``message_version=N`` (default 1)
+is the version of its body's shape, sent in ``idembus.message_version``, and
+:func:`idembus.evolution.upcaster` functions turn older bodies into it. A message type
+derived from another (``class OrderPlaced(OrderEvent)``) reaches the handlers of both
+(README, "Message hierarchies"): :func:`enclosed_types` lists what it is.
+
 Nothing is registered by defining a class; endpoints learn their types from the handlers
 and routes they are given.
 """
@@ -39,30 +46,61 @@ _PARENT = re.compile(r"^[^,\s]+$")
 
 
 class Message(BaseModel):
-    """Base of every message; derive from :class:`Command` or :class:`Event` instead."""
+    """Base of every message; derive from :class:`Command` or :class:`Event` instead.
+
+    Class keywords: ``message_name`` (the wire name; default the class name), ``aliases``
+    (earlier wire names, still decoded as this type) and ``message_version`` (the version
+    of the body's shape, default 1), none of them inherited; ``discard_after`` (the time
+    to live of its messages, inherited by subclasses).
+    """
 
     __message_name__: ClassVar[str]
+    __message_aliases__: ClassVar[tuple[str, ...]] = ()
+    __message_version__: ClassVar[int] = 1
     #: The time to live of this type's messages (``discard_after=`` class keyword).
     __discard_after__: ClassVar[datetime.timedelta | None] = None
 
     def __init_subclass__(cls, *, message_name: str | None = None,
+                          aliases: Sequence[str] = (), message_version: int = 1,
                           discard_after: object = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if discard_after is not None:
             cls.__discard_after__ = _class_time_to_live(cls, discard_after)
         wire_name = message_name or cls.__name__
-        if not _WIRE_NAME.match(wire_name):
+        _check_wire_name(cls, wire_name, "message name")
+        if isinstance(aliases, str):
             raise ConfigurationError(
-                f"{cls.__qualname__}: message name {wire_name!r} must start with a letter or '_'"
-                " and contain only letters, digits, '_', '-' and '.'"
-            )
+                f"{cls.__qualname__}: aliases must be a tuple of names, e.g. "
+                f"aliases=({aliases!r},), not the string {aliases!r}")
+        for alias in aliases:
+            _check_wire_name(cls, alias, "alias")
+        if wire_name in aliases or len(set(aliases)) != len(aliases):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: aliases {tuple(aliases)!r} repeat a name (or the "
+                f"message name {wire_name!r}); list each earlier name once")
+        if (isinstance(message_version, bool) or not isinstance(message_version, int)
+                or message_version < 1):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: message_version must be a whole number from 1, got "
+                f"{message_version!r}")
         cls.__message_name__ = wire_name
+        cls.__message_aliases__ = tuple(aliases)
+        cls.__message_version__ = message_version
 
     @classmethod
     def __pydantic_init_subclass__(cls, *, message_name: str | None = None,
+                                   aliases: Sequence[str] = (), message_version: int = 1,
                                    discard_after: object = None, **kwargs: Any) -> None:
-        # __init_subclass__ consumed our keywords; pydantic passes class keywords here too.
+        # __init_subclass__ consumed the keywords; pydantic passes class keywords here too.
         super().__pydantic_init_subclass__(**kwargs)
+
+
+def _check_wire_name(cls: type, name: object, what: str) -> None:
+    if not isinstance(name, str) or not _WIRE_NAME.match(name):
+        raise ConfigurationError(
+            f"{cls.__qualname__}: {what} {name!r} must start with a letter or '_'"
+            " and contain only letters, digits, '_', '-' and '.'"
+        )
 
 
 class Command(Message):
@@ -116,6 +154,26 @@ def message_name(message_type: type[Message] | Message) -> str:
     """Return the wire name of a message type (or of a message's type)."""
     cls = message_type if isinstance(message_type, type) else type(message_type)
     return cls.__message_name__
+
+
+def message_aliases(message_type: type[Message]) -> tuple[str, ...]:
+    """The earlier wire names of a message type (its ``aliases=`` keyword)."""
+    return message_type.__message_aliases__
+
+
+def message_version(message_type: type[Message] | Message) -> int:
+    """The version of a message type's body (its ``message_version=`` keyword; 1 unless
+    it says otherwise)."""
+    cls = message_type if isinstance(message_type, type) else type(message_type)
+    return cls.__message_version__
+
+
+def enclosed_types(message_type: type[Message] | Message) -> tuple[type[Message], ...]:
+    """The message type and the message types it derives from (the concrete subclasses of
+    Command or Event in its MRO), most derived first: what a message of this type is, for
+    dispatch and routing (``OrderPlaced(OrderEvent)`` -> ``(OrderPlaced, OrderEvent)``)."""
+    cls = message_type if isinstance(message_type, type) else type(message_type)
+    return tuple(base for base in cls.__mro__ if is_message_type(base))
 
 
 def is_message_type(candidate: object) -> bool:

@@ -58,7 +58,7 @@ from typing import Any
 
 from . import headers as h
 from .envelope import parse_utc, utc_now
-from .messages import message_name
+from .messages import message_aliases, message_name
 from .pipeline import IncomingMessage, Middleware
 
 try:
@@ -132,7 +132,8 @@ class Metrics(Middleware):
 
     def setup(self, endpoint: Any) -> None:
         """Count the endpoint's signals; learn the message types it knows."""
-        self._known[endpoint.name] = frozenset(message_name(t) for t in endpoint.registry)
+        self._known[endpoint.name] = frozenset(
+            name for t in endpoint.registry for name in (message_name(t), *message_aliases(t)))
         for signal_name in COUNTERS:
             signal = getattr(endpoint.signals, signal_name)
             receiver = self._receiver(signal_name)

@@ -9,11 +9,18 @@ from dataclasses import dataclass, field
 
 import pydantic
 
-from .errors import ConfigurationError, HandlerContractError, MessageError, RoutingError
+from .errors import (
+    ConfigurationError,
+    HandlerContractError,
+    IncompatibleState,
+    MessageError,
+    RoutingError,
+)
 
-#: Errors no retry can fix, whatever a policy lists: bad input, no route, a broken contract.
+#: Errors no retry can fix, whatever a policy lists: bad input, no route, a broken contract,
+#: a stored state the code cannot read.
 ALWAYS_UNRECOVERABLE: tuple[type[BaseException], ...] = (
-    MessageError, RoutingError, HandlerContractError)
+    MessageError, RoutingError, HandlerContractError, IncompatibleState)
 
 
 @dataclass(frozen=True)

@@ -1,38 +1,48 @@
-"""The message types one endpoint knows, by wire name."""
+"""The message types one endpoint knows, by wire name and by earlier names (aliases)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from .errors import ConfigurationError, UnknownMessageType
-from .messages import Message, is_message_type, message_name
+from .messages import Message, is_message_type, message_aliases, message_name
 
 
 class MessageRegistry:
-    """Wire name to message class, built explicitly when an endpoint is created."""
+    """Wire name (or alias) to message class, built explicitly when an endpoint is created."""
 
     def __init__(self, message_types: Iterable[type[Message]] = ()) -> None:
         self._by_name: dict[str, type[Message]] = {}
+        self._types: list[type[Message]] = []
         for message_type in message_types:
             self.add(message_type)
 
     def add(self, message_type: type[Message]) -> None:
+        """Know ``message_type`` by its wire name and its aliases; a name another type
+        already has is a :class:`~idembus.errors.ConfigurationError`."""
         if not is_message_type(message_type):
             raise ConfigurationError(
                 f"{message_type!r} is not a message type: derive it from bus.Command or bus.Event"
             )
-        name = message_name(message_type)
-        known = self._by_name.get(name)
-        if known is not None and known is not message_type:
-            raise ConfigurationError(
-                f"two message types share the wire name {name!r}: "
-                f"{known.__module__}.{known.__qualname__} and "
-                f"{message_type.__module__}.{message_type.__qualname__}; give one of them "
-                "another name with class ...(Command, message_name='...')"
-            )
-        self._by_name[name] = message_type
+        if message_type in self._types:
+            return
+        names = (message_name(message_type), *message_aliases(message_type))
+        for name in names:
+            known = self._by_name.get(name)
+            if known is not None:
+                raise ConfigurationError(
+                    f"two message types share the wire name {name!r}: "
+                    f"{_qualified(known)} ({_role(known, name)}) and "
+                    f"{_qualified(message_type)} ({_role(message_type, name)}); give one of "
+                    "them another name with class ...(Command, message_name='...') or drop "
+                    "the alias"
+                )
+        for name in names:
+            self._by_name[name] = message_type
+        self._types.append(message_type)
 
     def resolve(self, name: str) -> type[Message]:
+        """The type known by ``name``; :class:`~idembus.errors.UnknownMessageType` if none."""
         try:
             return self._by_name[name]
         except KeyError:
@@ -44,5 +54,14 @@ class MessageRegistry:
     def __contains__(self, name: object) -> bool:
         return name in self._by_name
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._by_name.values())
+    def __iter__(self) -> Iterator[type[Message]]:
+        """Each known type once."""
+        return iter(list(self._types))
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _role(cls: type[Message], name: str) -> str:
+    return "its name" if message_name(cls) == name else "an alias"

@@ -18,12 +18,14 @@ from .context import MessageContext
 from .envelope import Envelope, format_utc
 from .errors import RoutingError
 from .expiry import TimeToLive, discard_time, time_to_live
+from .hierarchy import enclosed_header
 from .messages import (
     Command,
     Event,
     Message,
     default_time_to_live,
     message_name,
+    message_version,
     parents_of,
 )
 from .routing import Router
@@ -216,6 +218,8 @@ class Bus:
         result.update({
             h.MESSAGE_ID: message_id,
             h.MESSAGE_TYPE: message_name(message),
+            h.MESSAGE_VERSION: str(message_version(message)),
+            h.ENCLOSED_TYPES: enclosed_header(type(message)),
             h.INTENT: intent.value,
             h.ORIGINATING_ENDPOINT: self._endpoint,
             h.REPLY_TO: self._endpoint,

@@ -44,6 +44,7 @@ SIGNAL_NAMES = (
     "discarded",      # a handler did not run: the message came after its discard_after
     "not_found",      # a saga's message found no saga and does not start one (acknowledged)
     "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
+    "unrouted",       # a published event the broker reported no queue took (envelope)
 )
 
 
@@ -75,6 +76,7 @@ class EndpointSignals:
     discarded: Signal
     not_found: Signal
     timeout_dropped: Signal
+    unrouted: Signal
 
     def emit(self, name: str, **details: Any) -> None:
         """Send signal ``name``; a receiver's exception is logged, never propagated."""

@@ -36,6 +36,7 @@ from .clock import Clock
 from .context import MessageContext
 from .dispatching import Dispatcher
 from .envelope import Envelope
+from .evolution import load_state, version_keyword
 from .routing import Router
 from .sending import Bus
 from .storage.base import AggregateRecord, Storage
@@ -98,8 +99,8 @@ class UnitOfWork(Generic[StateT]):
             self._send(previous.outgoing)
             raise AlreadyProcessed(self.key, previous.outgoing)
         self._loaded = loaded
-        self.state = (self._state_type.model_validate(loaded.state) if loaded.live
-                      else self._new_state())
+        self.state = (load_state(self._state_type, loaded.state or {}, loaded.state_version)
+                      if loaded.live else self._new_state())
         return self
 
     def complete(self) -> None:
@@ -119,7 +120,8 @@ class UnitOfWork(Generic[StateT]):
             else:
                 self._storage.commit(self._loaded, key=self.key,
                                      state=self.state.model_dump(mode="json"),
-                                     outgoing=self._outgoing)
+                                     outgoing=self._outgoing,
+                                     **version_keyword(self._state_type))
         except AlreadyProcessed as duplicate:  # the same operation won meanwhile
             self._send(duplicate.outgoing)
             raise

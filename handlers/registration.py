@@ -2,6 +2,11 @@
 
 Everything that can be wrong with a handler is found here, when the endpoint is created,
 and reported with what to change.
+
+Dispatch is polymorphic: a message reaches every handler class that handles its type or a
+message type it derives from, each class once, through its most specific method (the one
+whose type is nearest in the message's MRO). Two classes handling different levels of a
+hierarchy both get it; deduplication stays per (handler, message id).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..messages import Message, is_message_type, message_name
+from ..messages import Message, enclosed_types, is_message_type, message_name
 from .base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
 from .errors import HandlerDefinitionError
 
@@ -45,6 +50,9 @@ class HandlerTable:
 
     def __init__(self, handlers: Iterable[Handler | type[Handler]]) -> None:
         self._bindings: dict[type[Message], list[HandlerBinding]] = {}
+        #: The bindings a concrete type reaches, worked out on first use.
+        self._dispatch: dict[type[Message], list[HandlerBinding]] = {}
+        self._handlers: list[Handler] = []
         names: dict[str, type[Handler]] = {}
         for given in handlers:
             handler = _instantiate(given)
@@ -57,22 +65,44 @@ class HandlerTable:
                     "distinct handler_name on one of them"
                 )
             names[cls.name()] = cls
+            self._handlers.append(handler)
             for binding in _bindings_of(handler):
                 self._add(binding)
 
     def _add(self, binding: HandlerBinding) -> None:
-        existing = self._bindings.setdefault(binding.message_type, [])
-        for other in existing:
-            if binding.is_aggregate and other.aggregate_type == binding.aggregate_type:
-                raise HandlerDefinitionError(
-                    f"{_qualified(type(other.handler))} and {_qualified(type(binding.handler))}"
-                    f" both change aggregate {binding.aggregate_type!r} on "
-                    f"{message_name(binding.message_type)}; let one handler handle it"
-                )
-        existing.append(binding)
+        for handled, existing in self._bindings.items():
+            for other in existing:
+                if (binding.is_aggregate and other.aggregate_type == binding.aggregate_type
+                        and other.handler is not binding.handler
+                        and _overlap(handled, binding.message_type)):
+                    raise HandlerDefinitionError(
+                        f"{_qualified(type(other.handler))} and "
+                        f"{_qualified(type(binding.handler))} both change aggregate "
+                        f"{binding.aggregate_type!r} on {_overlap(handled, binding.message_type)}"
+                        "; let one handler handle it"
+                    )
+        self._bindings.setdefault(binding.message_type, []).append(binding)
 
     def bindings_for(self, message_type: type[Message]) -> list[HandlerBinding]:
-        return self._bindings.get(message_type, [])
+        """The bindings a message of the concrete type ``message_type`` is handled by: one
+        per handler class that handles it or a message type it derives from, the most
+        specific method of each, in the order the handlers were given."""
+        found = self._dispatch.get(message_type)
+        if found is None:
+            found = self._dispatch[message_type] = self._resolve(message_type)
+        return found
+
+    def _resolve(self, message_type: type[Message]) -> list[HandlerBinding]:
+        levels = enclosed_types(message_type)
+        chosen: list[HandlerBinding] = []
+        for handler in self._handlers:
+            for level in levels:  # most derived first: the nearest method wins
+                binding = next((b for b in self._bindings.get(level, ())
+                                if b.handler is handler), None)
+                if binding is not None:
+                    chosen.append(binding)
+                    break
+        return chosen
 
     @property
     def message_types(self) -> list[type[Message]]:
@@ -80,11 +110,17 @@ class HandlerTable:
 
     @property
     def handlers(self) -> list[Handler]:
-        seen: dict[int, Handler] = {}
-        for bindings in self._bindings.values():
-            for binding in bindings:
-                seen.setdefault(id(binding.handler), binding.handler)
-        return list(seen.values())
+        return list(self._handlers)
+
+
+def _overlap(one: type[Message], other: type[Message]) -> str | None:
+    """The wire name of the type a message must be of to reach handlers of both ``one``
+    and ``other`` (the more derived of the two), if one derives from the other."""
+    if issubclass(one, other):
+        return message_name(one)
+    if issubclass(other, one):
+        return message_name(other)
+    return None
 
 
 def _instantiate(given: Handler | type[Handler]) -> Handler:

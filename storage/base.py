@@ -30,8 +30,9 @@ processed, each with the outgoing messages its handler produced. Its role,
     ``processed`` holds the entry of ``key`` if that message was processed; backends that
     keep the history inside the record (MongoDB, memory) return every remembered entry.
 
-``commit(loaded, key=..., state=..., outgoing=..., completed=False)``
-    In **one atomic conditional write**, store the new state, bump the version and record
+``commit(loaded, key=..., state=..., outgoing=..., state_version=..., completed=False)``
+    In **one atomic conditional write**, store the new state (with its schema version),
+    bump the version and record
     ``key`` (the handler-scoped incoming message id) with its outgoing messages. The write
     succeeds only if the aggregate is still at ``loaded.version`` and ``key`` is not yet
     recorded. Creating an aggregate (``loaded.version == 0``) is an insert, so two creators
@@ -290,6 +291,9 @@ class AggregateRecord:
     #: A tombstone: the aggregate was ended (``commit(..., completed=True)``, a saga's
     #: ``complete()``); its state is gone, its processed entries are kept.
     completed: bool = False
+    #: The schema version the state was committed with (``commit(state_version=...)``);
+    #: ``None``: stored before versions existed, read as 1.
+    state_version: int | None = None
 
     @property
     def exists(self) -> bool:
@@ -369,9 +373,14 @@ class AggregateStore(StorageRole, ABC):
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
         completed: bool = False,
+        state_version: int | None = None,
     ) -> None:
         """Store state and ``key -> outgoing`` in one conditional write; with
         ``completed``, leave a tombstone instead of the state (see the module docstring).
+
+        ``state_version``: the schema version of ``state`` (the state model's
+        ``state_version``), stored with it and returned by ``load`` and ``records`` as
+        :attr:`AggregateRecord.state_version`.
 
         Raises ``AlreadyProcessed`` or ``ConcurrencyConflict`` when the write is refused.
         """

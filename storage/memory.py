@@ -68,10 +68,8 @@ class MemoryStorage(Storage):
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
         # The state is the one mutable part a caller could change; entries are immutable.
-        return AggregateRecord(
-            aggregate_type, aggregate_id, record.version,
-            copy.deepcopy(record.state), dict(record.processed), completed=record.completed,
-        )
+        return dataclasses.replace(record, state=copy.deepcopy(record.state),
+                                   processed=dict(record.processed))
 
     def commit(
         self,
@@ -81,6 +79,7 @@ class MemoryStorage(Storage):
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
         completed: bool = False,
+        state_version: int | None = None,
     ) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(
@@ -109,6 +108,7 @@ class MemoryStorage(Storage):
                     processed=processed,
                     updated_at=entry.at,
                     completed=completed,
+                    state_version=state_version,
                 )
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)

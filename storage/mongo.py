@@ -4,8 +4,8 @@ Features
 ========
 * Document per aggregate, in a collection named after the aggregate type::
 
-      {_id: <aggregate id>, version: <int>, state: {...}, updated_at: <datetime>,
-       completed: <bool>,
+      {_id: <aggregate id>, version: <int>, state: {...}, state_version: <int>,
+       updated_at: <datetime>, completed: <bool>,
        processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
                     endpoint: <committing endpoint>}, ...]}
 
@@ -199,6 +199,7 @@ class MongoStorage(Storage):
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
         completed: bool = False,
+        state_version: int | None = None,
     ) -> None:
         entry = {
             "key": key,
@@ -216,7 +217,8 @@ class MongoStorage(Storage):
                 try:
                     collection.insert_one(
                         {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
-                         "updated_at": entry["at"], "completed": completed,
+                         "state_version": state_version, "updated_at": entry["at"],
+                         "completed": completed,
                          "processed": [entry]}
                     )
                     return
@@ -227,7 +229,8 @@ class MongoStorage(Storage):
                     {"_id": loaded.aggregate_id, "version": loaded.version,
                      "processed.key": {"$ne": key}},
                     {"$set": {"state": new_state, "version": loaded.version + 1,
-                              "updated_at": entry["at"], "completed": completed},
+                              "state_version": state_version, "updated_at": entry["at"],
+                              "completed": completed},
                      "$push": {"processed": {"$each": [entry],
                                              "$slice": -self._kept_after(loaded)}}},
                 )
@@ -763,6 +766,7 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateR
         processed=processed,
         updated_at=_utc(document.get("updated_at")) or last_commit,
         completed=bool(document.get("completed", False)),
+        state_version=document.get("state_version"),
     )
 
 

@@ -4,8 +4,8 @@ Features
 ========
 * Two tables (``<prefix>_aggregates`` and ``<prefix>_processed``)::
 
-      aggregates (aggregate_type, aggregate_id) -> version, state jsonb, updated_at,
-                                                   completed
+      aggregates (aggregate_type, aggregate_id) -> version, state jsonb, state_version,
+                                                   updated_at, completed
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
                                                        dispatched, processed_at
 
@@ -162,13 +162,13 @@ class PostgresStorage(Storage):
         self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s)"
         self._update_and_record = (
             f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1,"
-            " updated_at = clock_timestamp(), completed = %s"
+            " state_version = %s, updated_at = clock_timestamp(), completed = %s"
             " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._create_and_record = (
             f"WITH changed AS (INSERT INTO {self._aggregates}"
-            " (aggregate_type, aggregate_id, version, state, updated_at, completed)"
-            " VALUES (%s, %s, 1, %s, clock_timestamp(), %s)"
+            " (aggregate_type, aggregate_id, version, state, state_version, updated_at,"
+            " completed) VALUES (%s, %s, 1, %s, %s, clock_timestamp(), %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
@@ -189,6 +189,7 @@ class PostgresStorage(Storage):
                     state jsonb,
                     updated_at timestamptz,
                     completed boolean NOT NULL DEFAULT false,
+                    state_version integer,
                     PRIMARY KEY (aggregate_type, aggregate_id)
                 )""")
             if not _has_column(connection, self._aggregates, "updated_at"):  # older schema
@@ -202,6 +203,10 @@ class PostgresStorage(Storage):
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._aggregates}_tombstones
                 ON {self._aggregates} (updated_at) WHERE completed""")
+            if not _has_column(connection, self._aggregates, "state_version"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._aggregates}
+                    ADD COLUMN IF NOT EXISTS state_version integer""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._processed} (
                     aggregate_type text NOT NULL,
@@ -341,7 +346,8 @@ class PostgresStorage(Storage):
             (list(self._tables),)).fetchall()
         missing = sorted(set(self._tables) - {row[0] for row in present})
         for table, column in ((self._aggregates, "updated_at"),
-                              (self._aggregates, "completed"), (self._scheduled, "owner"),
+                              (self._aggregates, "completed"),
+                              (self._aggregates, "state_version"), (self._scheduled, "owner"),
                               (self._status, "problems"), (self._processed, "attempts"),
                               (self._scheduled, "attempts")):
             if table not in missing and not _has_column(connection, table, column):
@@ -369,15 +375,15 @@ class PostgresStorage(Storage):
         with self._connection() as connection:
             if aggregate_type == INBOX:
                 row = connection.execute(
-                    f"SELECT 1, NULL::jsonb, key, outgoing, outgoing_ids, dispatched, "
-                    f"processed_at, false FROM {self._processed} "
+                    f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
+                    f"dispatched, processed_at, false FROM {self._processed} "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id),
                 ).fetchone()
             else:
                 row = connection.execute(
-                    f"""SELECT a.version, a.state, p.key, p.outgoing, p.outgoing_ids,
-                               p.dispatched, p.processed_at, a.completed
+                    f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
+                               p.outgoing_ids, p.dispatched, p.processed_at, a.completed
                         FROM (SELECT 1) AS one
                         LEFT JOIN {self._aggregates} a
                                ON a.aggregate_type = %s AND a.aggregate_id = %s
@@ -387,12 +393,13 @@ class PostgresStorage(Storage):
                 ).fetchone()
         if row is None:
             return AggregateRecord(aggregate_type, aggregate_id)
-        version, state, found_key, outgoing, outgoing_ids, dispatched, at, completed = row
+        (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
+         completed) = row
         processed = {}
         if found_key is not None:
             processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
         return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
-                               completed=bool(completed))
+                               completed=bool(completed), state_version=state_version)
 
     def commit(
         self,
@@ -402,6 +409,7 @@ class PostgresStorage(Storage):
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
         completed: bool = False,
+        state_version: int | None = None,
     ) -> None:
         entry = (loaded.aggregate_type, loaded.aggregate_id, key,
                  Jsonb([envelope.to_record() for envelope in outgoing]),
@@ -413,12 +421,12 @@ class PostgresStorage(Storage):
                     written = connection.execute(self._insert_inbox, entry).rowcount
                 elif loaded.exists:
                     written = connection.execute(self._update_and_record, (
-                        document, completed, loaded.aggregate_type, loaded.aggregate_id,
-                        loaded.version, *entry)).rowcount
+                        document, state_version, completed, loaded.aggregate_type,
+                        loaded.aggregate_id, loaded.version, *entry)).rowcount
                 else:
                     written = connection.execute(self._create_and_record, (
-                        loaded.aggregate_type, loaded.aggregate_id, document, completed,
-                        *entry)).rowcount
+                        loaded.aggregate_type, loaded.aggregate_id, document, state_version,
+                        completed, *entry)).rowcount
             except psycopg.errors.UniqueViolation:
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
@@ -707,7 +715,8 @@ class PostgresStorage(Storage):
             with self._connection() as connection:
                 # Rows committed before updated_at existed: their newest processed row's time.
                 rows = connection.execute(
-                    f"SELECT a.aggregate_id, a.version, a.state, coalesce(a.updated_at, "
+                    f"SELECT a.aggregate_id, a.version, a.state, a.state_version, "
+                    "coalesce(a.updated_at, "
                     f"(SELECT max(p.processed_at) FROM {self._processed} p "
                     "WHERE p.aggregate_type = a.aggregate_type "
                     "AND p.aggregate_id = a.aggregate_id)), a.completed "
@@ -716,8 +725,8 @@ class PostgresStorage(Storage):
                     (aggregate_type, after, self.records_page),
                 ).fetchall()
             for r in rows:
-                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[3]),
-                                      completed=r[4])
+                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[4]),
+                                      state_version=r[3], completed=r[5])
             if len(rows) < self.records_page:
                 return
             after = rows[-1][0]

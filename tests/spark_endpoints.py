@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from idembus import Command, Endpoint, Event
+from idembus import Command, Endpoint, Event, upcaster
 from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, handles
 from idembus.storage.postgres import PostgresStorage
@@ -51,6 +52,37 @@ class TrailHandler(AggregateHandler[Trail]):
         self.bus.publish(Stepped(aggregate=message.aggregate, sequence=message.sequence))
 
 
+class Moved(Command, message_name="spark.Moved", message_version=2):
+    """Version 2 of a move, in metres. Version 1 said ``{"aggregate", "sequence", "km"}``."""
+
+    aggregate: str
+    sequence: int
+    metres: int
+
+
+@upcaster(Moved, from_version=1)
+def _kilometres_to_metres(body: dict[str, Any]) -> dict[str, Any]:
+    return {"aggregate": body["aggregate"], "sequence": body["sequence"],
+            "metres": round(body["km"] * 1000)}
+
+
+class Odometer(BaseModel):
+    """The metres of an aggregate's moves, in the order they were applied."""
+
+    metres: list[int] = Field(default_factory=list)
+
+
+class OdometerHandler(AggregateHandler[Odometer]):
+    """Version 2 handlers: record each move's metres."""
+
+    def aggregate_id(self, message: Moved) -> str:
+        return message.aggregate
+
+    @handles
+    def move(self, message: Moved) -> None:
+        self.state.metres.append(message.metres)
+
+
 @dataclass(frozen=True)
 class SparkWorld:
     """Where one test's messages and rows live, and the crash it injects, if any."""
@@ -62,6 +94,9 @@ class SparkWorld:
     crash_message_id: str | None = None
     #: ...and leave a file here saying so.
     crash_marker: str | None = None
+    #: The endpoint's handlers: ``"trail"`` (:class:`TrailHandler`) or ``"odometer"``
+    #: (:class:`OdometerHandler`, of version-2 messages).
+    handlers: str = "trail"
 
     @property
     def name(self) -> str:
@@ -119,8 +154,9 @@ def build_endpoint(world_json: str) -> Endpoint:
     crash = None
     if world.crash_message_id is not None and world.crash_marker is not None:
         crash = CrashOnFirstAttempt(world.crash_message_id, Path(world.crash_marker))
+    handler = OdometerHandler if world.handlers == "odometer" else TrailHandler
     return Endpoint(world.name, transport=world.transport(), storage=world.storage(),
-                    handlers=[TrailHandler], error_queue=world.error_queue, outbox=False,
+                    handlers=[handler], error_queue=world.error_queue, outbox=False,
                     middleware=[crash] if crash is not None else [])
 
 

@@ -469,3 +469,39 @@ def test_a_completed_saga_has_no_state_but_is_known_as_completed() -> None:
     assert scenario.state(Order, "7") is None
     assert scenario.completed(Order, "7")
     assert not scenario.completed(Order, "never-placed")
+
+
+class OrderEvent(Event, message_name="scenario.OrderEvent"):
+    order_id: str
+
+
+class RushOrderPlaced(OrderEvent, message_name="scenario.RushOrderPlaced"):
+    courier: str = "bike"
+
+
+class OrderEventLog(Handler):
+    def __init__(self) -> None:
+        self.seen: list[OrderEvent] = []
+
+    @handles
+    def any_order_event(self, message: OrderEvent) -> None:
+        self.seen.append(message)
+
+
+def test_a_handler_of_a_base_event_receives_its_subclass_in_a_scenario_once() -> None:
+    log = OrderEventLog()
+    scenario = Scenario(handlers=[log], clock=FakeClock(START))
+
+    scenario.publish(RushOrderPlaced(order_id="9", courier="van"))
+
+    assert [type(seen) for seen in log.seen] == [OrderEvent]  # decoded as the type it knows
+    assert log.seen[0].order_id == "9"
+    assert scenario.endpoint().counters["handled"] == 1
+
+
+def test_an_event_no_endpoint_of_the_scenario_subscribes_to_is_counted_as_unrouted() -> None:
+    scenario = Scenario(handlers=[ShortSaga], clock=FakeClock(START))
+
+    scenario.endpoint().bus.publish(OrderPaid(order_id="1"))
+
+    assert scenario.endpoint().counters["unrouted"] == 1

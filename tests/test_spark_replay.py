@@ -322,6 +322,49 @@ def test_the_command_replays_json_lines_and_leaves_the_running_session_alone(
     assert spark.range(3).count() == 3  # the shared session still runs
 
 
+def test_an_archive_of_version_1_messages_replays_into_version_2_handlers_once_each(
+        make_world, spark, tmp_path, unique, capsys):
+    # Given an archive written when Moved was version 1 (kilometres): most rows from before
+    # versions existed (no version header), some saying version 1, one already version 2
+    replaying = make_world(handlers="odometer")
+    source = tmp_path / "archive"
+    source.mkdir()
+    expected: dict[str, list[int]] = defaultdict(list)
+    with open(source / "moves.json", "w") as lines:
+        for aggregate in ("a", "b", "c"):
+            for sequence in range(4):
+                headers: dict[str, str] = {}
+                body: dict[str, Any] = {"aggregate": aggregate, "sequence": sequence,
+                                        "km": sequence + 0.5}
+                if sequence == 1:
+                    headers[h.MESSAGE_VERSION] = "1"
+                if (aggregate, sequence) == ("c", 3):
+                    headers[h.MESSAGE_VERSION] = "2"
+                    body = {"aggregate": aggregate, "sequence": sequence, "metres": 3500}
+                expected[aggregate].append(sequence * 1000 + 500)
+                lines.write(json.dumps({
+                    "message_id": f"{unique}-{aggregate}-{sequence}",
+                    "message_type": "spark.Moved", "body": body, "headers": headers,
+                    "aggregate_id": aggregate, "sequence": sequence}) + "\n")
+
+    # When it is replayed through the command, twice
+    for _ in range(2):
+        assert main(["spark", "replay", replaying.reference, str(source),
+                     "--master", spark.sparkContext.master, "--partitions", "2"]) == 0
+
+    # Then every message was applied once, in order, in its version-2 shape
+    first, second = capsys.readouterr().out.splitlines()[-2:]
+    assert first.startswith("replayed=12 handled=12 duplicates=0 ")
+    assert second.startswith("replayed=12 handled=0 duplicates=12 ")
+    storage = replaying.world.storage()
+    try:
+        applied = {r.aggregate_id: r.state["metres"] for r in storage.records("Odometer")}
+    finally:
+        storage.close()
+    assert applied == expected
+    assert replaying.drain(replaying.world.error_queue) == []
+
+
 def test_an_error_queue_export_replays_through_the_endpoint_once(
         make_world, spark, tmp_path, unique, capsys):
     # Given a failed Step in the endpoint's error queue, with its story in the headers

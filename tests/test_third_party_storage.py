@@ -74,7 +74,8 @@ class DictStorage(AggregateStore, ParkingStore):
                 else AggregateRecord(aggregate_type, aggregate_id))
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
-               outgoing: Sequence[Envelope], completed: bool = False) -> None:
+               outgoing: Sequence[Envelope], completed: bool = False,
+               state_version: int | None = None) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(key, tuple(outgoing), tuple(e.message_id for e in outgoing),
                                  dispatched=not outgoing, at=utc_now())
@@ -87,7 +88,7 @@ class DictStorage(AggregateStore, ParkingStore):
                     *address, current.version + 1,
                     None if completed else copy.deepcopy(dict(state or {})),
                     {k: e for k, e in processed.items() if k in newest or not e.dispatched},
-                    updated_at=entry.at, completed=completed)
+                    updated_at=entry.at, completed=completed, state_version=state_version)
                 return
         raise self._refusal(*address, key)
 

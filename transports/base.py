@@ -121,8 +121,11 @@ class Transport(ABC):
         """Put ``envelope`` on the queue ``envelope.destination``."""
 
     @abstractmethod
-    def publish(self, envelope: Envelope) -> None:
-        """Deliver the event ``envelope`` to every queue subscribed to its type."""
+    def publish(self, envelope: Envelope) -> bool | None:
+        """Deliver the event ``envelope`` to every queue subscribed to its type or to a
+        message type it derives from (``idembus.enclosed_types``), one copy each. Return
+        False if the broker reports that no queue took it (the endpoint counts it as
+        ``unrouted``); True or None otherwise (None: this transport cannot tell)."""
 
     @abstractmethod
     def consume(
@@ -159,13 +162,14 @@ class Transport(ABC):
     def close(self) -> None:
         """Release connections. Idempotent."""
 
-    def dispatch(self, envelope: Envelope) -> None:
+    def dispatch(self, envelope: Envelope) -> bool | None:
         """Send ``envelope`` to its destination queue, or publish it if it has none (an
-        event; a retried event goes back to the one queue that failed it)."""
+        event; a retried event goes back to the one queue that failed it). What
+        :meth:`publish` returns (None for a send)."""
         if envelope.destination is None:
-            self.publish(envelope)
-        else:
-            self.send(envelope)
+            return self.publish(envelope)
+        self.send(envelope)
+        return None
 
     @staticmethod
     def deliver(delivery: Delivery, on_delivery: OnDelivery) -> None:

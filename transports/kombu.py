@@ -3,7 +3,9 @@
 Features
 ========
 * ``amqp://`` (RabbitMQ): a durable queue per endpoint; a durable topic exchange for events,
-  routed by the message type name; publisher confirms on by default; consumer prefetch.
+  routed by the message type name (an event deriving from other events by the names of
+  all its types, :mod:`idembus.hierarchy`); publisher confirms on by default; consumer
+  prefetch.
   Publishing happens on connections of its own: on one connection that also consumes,
   deliveries re-enter the consumer callback while a publish waits for its confirm.
   Delayed delivery is native (``native_delay``) and needs no plugin: a message whose
@@ -40,6 +42,12 @@ broker refuses, or the endpoint's own queue refused, is *permanent for the endpo
 other channel error on a publish — no such exchange or queue, a reserved ``amq.*`` name,
 a message over the broker's size, headers that cannot fit its frame — is *permanent for
 this message* (``DestinationRefused``). A channel the broker closed is replaced.
+
+Events nobody subscribes to are noticed: ``publish`` returns False when no queue took the
+event. On RabbitMQ events are published ``mandatory`` and the broker's ``basic.return`` says
+so (before its confirm; without publisher confirms a return comes too late to be seen, and
+``publish`` returns None); on memory:// and redis:// the exchange's bindings are looked up
+as kombu routes (on Redis one more read of the binding set per event).
 
 Sends are loud: a command sent to a queue nobody declared fails with
 ``DestinationRefused`` instead of creating the queue and stranding the message there. On
@@ -105,7 +113,7 @@ import kombu.exceptions
 from kombu import Exchange, Queue, binding
 
 from .. import headers as h
-from .. import wire
+from .. import hierarchy, wire
 from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..logs import Throttle
@@ -234,7 +242,8 @@ class KombuTransport(Transport):
         topology differs fails here, at start, not at the first delayed retry. A queue or
         exchange that exists with other arguments is a configuration error saying what to
         change; a refusal of the endpoint's own queue is ``BrokerAccessDenied``."""
-        bindings = [binding(self._events, routing_key=name) for name in sorted(subscriptions)]
+        bindings = [binding(self._events, routing_key=key) for name in sorted(subscriptions)
+                    for key in hierarchy.binding_keys(name)]
         delayed = self.native_delay and _takes_delayed(queue)
         scope = self._channel()
         with scope as channel:
@@ -410,18 +419,42 @@ class KombuTransport(Transport):
                                              refusal=DestinationRefused) from exc
         self._delay_bound.add(queue)
 
-    def publish(self, envelope: Envelope) -> None:
+    def publish(self, envelope: Envelope) -> bool | None:
+        """Publish the event to every queue subscribed to one of its types; False if the
+        broker reports that none took it (None: it cannot tell, see the module docstring)."""
         declare = [] if self._exchange_declared else [self._events]
-        self._publish(envelope, exchange=self._events.name, routing_key=envelope.message_type,
-                      declare=declare)
+        key = event_routing_key(envelope)
+        returned = self._publish(envelope, exchange=self._events.name, routing_key=key,
+                                 declare=declare, mandatory=self._is_amqp)
         self._exchange_declared = True
+        if self._is_amqp:
+            return None if not self.publisher_confirms else not returned
+        return self._routed(key)
+
+    def _routed(self, routing_key: str) -> bool | None:
+        """memory:// and redis://: whether the events exchange has a binding for
+        ``routing_key``, as kombu routes it (None if the lookup fails)."""
+        _, producer = self._producer()
+        channel = producer.channel
+        try:
+            table = channel.get_table(self.exchange_name)
+            return bool(channel.typeof(self.exchange_name).lookup(
+                table, self.exchange_name, routing_key, None))
+        except KeyError:  # memory://: the exchange has no bindings at all
+            return False
+        except Exception:
+            log.debug("could not look up the queues of %r", routing_key, exc_info=True)
+            return None
 
     def _publish(self, envelope: Envelope, *, exchange: str, routing_key: str,
-                 declare: list[Any] | None = None, mandatory: bool = False) -> None:
+                 declare: list[Any] | None = None, mandatory: bool = False) -> bool:
+        """Publish; True if RabbitMQ returned the message as unroutable (``mandatory``)."""
         connection, producer = self._producer()
         what = (f"publishing {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} to "
                 f"{exchange or 'queue'} {routing_key!r}")
         self._check_fits(connection, envelope, routing_key, what)
+        returns: list[str] = self._local.returns
+        returns.clear()
         try:
             producer.publish(
                 envelope.body.encode("utf-8", "surrogateescape"),
@@ -446,6 +479,9 @@ class KombuTransport(Transport):
             if classified is None:
                 raise
             raise classified from exc
+        if returns and exchange == "":  # a send: the queue does not exist
+            raise DestinationRefused(f"{what} on {self.safe_url}: {returns[0]}")
+        return bool(returns)
 
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
                     what: str) -> None:
@@ -473,7 +509,15 @@ class KombuTransport(Transport):
             self._local, "publisher", None)
         if publisher is None:
             connection = self._connect()
-            publisher = (connection, kombu.Producer(connection.default_channel))
+            returns: list[str] = []
+            self._local.returns = returns
+
+            def on_return(error: Exception, exchange: str, routing_key: str,
+                          message: Any) -> None:
+                returns.append(redact(str(error)))
+
+            publisher = (connection, kombu.Producer(
+                connection.default_channel, on_return=on_return if self._is_amqp else None))
             self._local.publisher = publisher
         return publisher
 
@@ -828,6 +872,17 @@ class _KombuDelivery(Delivery):
             delivery_mode=2,
         )
         message.ack()
+
+
+def event_routing_key(envelope: Envelope) -> str:
+    """The routing key of a published event: its type's name, or, for an event that
+    encloses several types (``idembus.enclosed_types``), the key that reaches the
+    subscribers of each (:func:`idembus.hierarchy.routing_key`)."""
+    names = [name for name, _ in hierarchy.parse_enclosed(envelope.headers.get(
+        h.ENCLOSED_TYPES))]
+    if len(names) > 1 and names[0] == envelope.message_type:
+        return hierarchy.routing_key(names)
+    return envelope.message_type
 
 
 def _give_back(deliveries: list[_KombuDelivery]) -> None:

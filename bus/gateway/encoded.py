@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..storage.base import JournalEntry
@@ -57,9 +57,14 @@ class Batch:
 
 class EventCache:
     """Encodes journal entries, keeping the newest :data:`CACHE_BYTES` of events by position
-    so that an entry is encoded once however many clients receive it. Thread-safe."""
+    so that an entry is encoded once however many clients receive it. Thread-safe.
 
-    def __init__(self, budget: int = CACHE_BYTES) -> None:
+    ``current``: what an entry is read as before it is encoded and filtered (the gateway
+    upcasts entries of older versions, :func:`idembus.journal.current_entry`)."""
+
+    def __init__(self, budget: int = CACHE_BYTES,
+                 current: Callable[[JournalEntry], JournalEntry] | None = None) -> None:
+        self._current = current or (lambda entry: entry)
         self._budget = budget
         self._events: OrderedDict[int, bytes] = OrderedDict()
         self._size = 0
@@ -69,7 +74,8 @@ class EventCache:
 
     def batch(self, entries: Iterable[JournalEntry]) -> Batch:
         """``entries`` encoded (from the cache where they are in it)."""
-        return Batch(Encoded(entry, self.encode(entry)) for entry in entries)
+        current = [self._current(entry) for entry in entries]
+        return Batch(Encoded(entry, self.encode(entry)) for entry in current)
 
     def encode(self, entry: JournalEntry) -> bytes:
         """The event of ``entry``, encoded now unless the cache has it."""

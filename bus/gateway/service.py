@@ -13,11 +13,12 @@ once the streams had their ``timeout`` to end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -25,7 +26,10 @@ from pydantic import BaseModel
 
 from ..errors import ConfigurationError
 from ..handlers.base import AggregateHandler
+from ..journal import current_entry
+from ..registry import MessageRegistry
 from ..shutdown import Deadline
+from ..storage.base import JournalEntry
 from .auth import Credentials
 from .encoded import EventCache
 from .hub import JournalHub
@@ -93,7 +97,8 @@ class Gateway:
         self._address = (host, port)
         # Half a buffer per round: two rounds in a row fit a client that is reading.
         self.hub = JournalHub(endpoint.storage, interval=poll_interval,
-                              batch=max(1, min(500, buffer // 2)), cache=EventCache())
+                              batch=max(1, min(500, buffer // 2)),
+                              cache=EventCache(current=_current_entries(endpoint)))
         self.counters = StreamCounters()
         #: Set while stopping: new streams are turned away, open ones end.
         self.stopping = threading.Event()
@@ -229,6 +234,15 @@ class _Server(uvicorn.Server):
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=BACKLOG)
+
+
+def _current_entries(endpoint: Endpoint) -> Callable[[JournalEntry], JournalEntry]:
+    """Journal entries as the current versions of the event types the endpoint knows: those
+    its handlers handle and those it journals by name (``journal=[...]``)."""
+    known = MessageRegistry(endpoint.registry)
+    for event_type in endpoint.journal.message_types if endpoint.journal else ():
+        known.add(event_type)
+    return functools.partial(current_entry, known=known)
 
 
 def _aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:

@@ -51,7 +51,8 @@ import anyio
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import BadStreamRequest
+from ..errors import BadStreamRequest, IncompatibleState
+from ..evolution import upcast_state, version_of
 from ..redaction import redact
 from ..storage.base import AggregateRecord, JournalStore, Storage
 from ..storage.errors import StorageUnavailable
@@ -250,9 +251,26 @@ class ClientStream:
     def _states(self, records: Iterator[AggregateRecord]) -> tuple[list[bytes], bool]:
         """The next page of ``records`` (in a worker thread): the wanted ones encoded, and
         whether more may follow."""
-        page = list(itertools.islice(records, PAGE))
+        page = [self._current(record) for record in itertools.islice(records, PAGE)]
         return [sse.state_event(record) for record in page if self._wanted(record)], (
             len(page) == PAGE)
+
+    def _current(self, record: AggregateRecord) -> AggregateRecord:
+        """``record`` with its state upcast to its model's current ``state_version``
+        (:mod:`idembus.evolution`); as stored if its model is unknown, or if it cannot be
+        upcast (logged: replication goes on)."""
+        model = self._settings.aggregates.get(record.aggregate_type)
+        if model is None or record.state is None:
+            return record
+        try:
+            if (record.state_version or 1) == version_of(model):
+                return record
+            state = upcast_state(model, record.state, record.state_version)
+        except IncompatibleState as exc:
+            log.warning("%s %r is replicated as stored: %s", record.aggregate_type,
+                        record.aggregate_id, exc)
+            return record
+        return dataclasses.replace(record, state=state, state_version=version_of(model))
 
     def _replicated_types(self) -> list[str]:
         known = sorted(self._settings.aggregates)

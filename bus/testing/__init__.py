@@ -43,6 +43,7 @@ from .. import headers as h
 from ..aio import closing_thread_loop
 from ..endpoint import Endpoint
 from ..envelope import Envelope
+from ..evolution import version_keyword
 from ..handlers.base import AggregateHandler, Handler
 from ..handlers.registration import HandlerTable
 from ..invocation import HandlerInvoker
@@ -116,7 +117,8 @@ def handle(
         address = (type(binding.handler).storage_name(), binding.handler.aggregate_id(message))
         if state is not None:
             storage.commit(AggregateRecord(*address), key=_SEED_KEY,
-                           state=state.model_dump(mode="json"), outgoing=())
+                           state=state.model_dump(mode="json"), outgoing=(),
+                           **version_keyword(type(state)))
     elif state is not None:
         raise ValueError("state is only for aggregate handlers")
     signals = EndpointSignals(endpoint)

@@ -19,7 +19,9 @@ from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from .. import headers as h
 from ..clock import Clock
+from ..hierarchy import parse_enclosed
 from ..envelope import Envelope
 from ..transports.base import Delivery, OnDelivery, Transport
 
@@ -79,24 +81,34 @@ class ScenarioTransport(Transport):
                              "none (publish events)")
         self._enter(envelope)
 
-    def publish(self, envelope: Envelope) -> None:
-        self._enter(envelope)
+    def publish(self, envelope: Envelope) -> bool:
+        """Deliver the event to the queues subscribed to its type or to a type it derives
+        from, one copy each; False if none is (``unrouted``). A deferred event is judged
+        when it is due: True until then."""
+        return self._enter(envelope)
 
-    def _enter(self, envelope: Envelope) -> None:
+    def _enter(self, envelope: Envelope) -> bool:
         due = envelope.deliver_at
         with self._lock:
             if due is not None and due > self.clock.now():
                 heapq.heappush(self._deferred, (due, next(self._order), envelope))
-            else:
-                self._route(envelope)
+                return True
+            return self._route(envelope)
 
-    def _route(self, envelope: Envelope) -> None:
-        """Into its queue, or the queues subscribed to its type (caller holds the lock)."""
-        targets = ([envelope.destination] if envelope.destination is not None
-                   else self._subscribers.get(envelope.message_type, []))
+    def _route(self, envelope: Envelope) -> bool:
+        """Into its queue, or the queues subscribed to its type or its enclosed types, one
+        copy each (caller holds the lock); whether any queue took it."""
+        if envelope.destination is not None:
+            targets = [envelope.destination]
+        else:
+            names = [envelope.message_type] + [
+                name for name, _ in parse_enclosed(envelope.headers.get(h.ENCLOSED_TYPES))]
+            targets = list(dict.fromkeys(
+                queue for name in names for queue in self._subscribers.get(name, [])))
         for queue in targets:
             self._queues.setdefault(queue, deque()).append(
                 _Queued(next(self._order), envelope))
+        return bool(targets)
 
     def release_due(self) -> int:
         """Move the deferred messages the clock has reached into their queues, in the

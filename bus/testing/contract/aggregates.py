@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 
 from ... import headers as h
 from ...envelope import Envelope, utc_now
+from ...errors import IncompatibleState
+from ...evolution import load_state, upcaster
 from ...storage.base import AggregateRecord, AggregateStore, OutboxStore, StorageRole
 from ...storage.errors import AlreadyProcessed, ConcurrencyConflict
 from .base import StorageFactory
@@ -122,8 +125,9 @@ def race(storage: AggregateStore, loaded: AggregateRecord, keys: Sequence[str]) 
 
 class AggregateStoreContract(CompletionContract):
     """Loads and conditional commits, duplicates refused with their stored messages,
-    dispatch marks, the processed window and retention, racing committers, and completion
-    (:class:`~idembus.testing.contract.completion.CompletionContract`)."""
+    dispatch marks, the processed window and retention, racing committers, the state's
+    schema version (``commit(state_version=...)``, read back by ``load`` and ``records``)
+    and completion (:class:`~idembus.testing.contract.completion.CompletionContract`)."""
 
     roles: ClassVar[tuple[type[StorageRole], ...]] = (AggregateStore,)
 
@@ -536,3 +540,81 @@ class AggregateStoreContract(CompletionContract):
         (record,) = list(storage.records("Order"))
         assert record.updated_at is not None and record.updated_at >= before
         assert record.state == {"n": 1}
+
+    # -- the state's schema version (idembus.evolution) -------------------------------------------
+
+    def test_a_state_committed_with_its_schema_version_is_loaded_and_listed_with_it(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        storage.commit(storage.load("Order", "o1", "k1"), key="k1", state={"n": 1},
+                       outgoing=[], state_version=2)
+        assert storage.load("Order", "o1", "k2").state_version == 2
+
+        storage.commit(storage.load("Order", "o1", "k2"), key="k2", state={"n": 2},
+                       outgoing=[], state_version=3)
+        storage.flush()
+
+        loaded = storage.load("Order", "o1", "k3")
+        assert (loaded.version, loaded.state, loaded.state_version) == (2, {"n": 2}, 3)
+        (record,) = list(storage.records("Order"))
+        assert record.state_version == 3
+
+    def test_a_state_committed_without_a_schema_version_is_loaded_with_none_read_as_1(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        storage.commit(storage.load("Order", "o1", "k1"), key="k1", state={"n": 1},
+                       outgoing=[], state_version=2)
+        storage.commit(storage.load("Order", "o1", "k2"), key="k2", state={"n": 2},
+                       outgoing=[])  # a writer that does not know versions
+
+        assert storage.load("Order", "o1").state_version is None
+        assert storage.load("Order", "o2").state_version is None  # nothing stored yet
+
+    def test_a_stored_state_is_upcast_from_its_version_when_loaded_into_its_model(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        storage.commit(storage.load("Order", "o1", "k1"), key="k1",
+                       state={"total": 1.5}, outgoing=[])  # version 1: euros, unversioned
+
+        record = storage.load("Order", "o1")
+        state = load_state(_OrderV2, record.state or {}, record.state_version)
+
+        assert state == _OrderV2(total_cents=150)
+
+    def test_a_stored_field_the_model_no_longer_declares_is_refused_unless_it_opts_in(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        storage.commit(storage.load("Order", "o1", "k1"), key="k1",
+                       state={"total_cents": 5, "coupon": "X1"}, outgoing=[], state_version=2)
+        record = storage.load("Order", "o1")
+
+        with pytest.raises(IncompatibleState, match="'coupon'"):
+            load_state(_OrderV2, record.state or {}, record.state_version)
+        kept = load_state(_OrderKeepingExtras, record.state or {}, record.state_version)
+        assert kept.model_dump() == {"total_cents": 5, "coupon": "X1"}
+        dropped = load_state(_OrderDroppingExtras, record.state or {}, record.state_version)
+        assert dropped.model_dump() == {"total_cents": 5}
+
+
+class _OrderV2(BaseModel):
+    """Version 2 of a state: cents instead of version 1's euros."""
+
+    state_version: ClassVar[int] = 2
+    total_cents: int = 0
+
+
+@upcaster(_OrderV2, from_version=1)
+def _euros_to_cents(state: dict[str, Any]) -> dict[str, Any]:
+    return {"total_cents": round(state.pop("total") * 100)}
+
+
+class _OrderKeepingExtras(_OrderV2):
+    model_config = ConfigDict(extra="allow")
+
+
+class _OrderDroppingExtras(_OrderV2):
+    model_config = ConfigDict(extra="ignore")
