@@ -26,7 +26,7 @@ to the error queue; states: :class:`~idembus.errors.IncompatibleState`), never g
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import pydantic
 from pydantic import BaseModel
@@ -151,12 +151,18 @@ def load_state(state_type: type[StateT], stored: Mapping[str, Any],
                         f"{error['msg']}" for error in exc.errors())) from exc
 
 
-def version_keyword(state_type: type[BaseModel]) -> dict[str, int]:
+class VersionKeyword(TypedDict, total=False):
+    """The keyword arguments :func:`version_keyword` gives a commit."""
+
+    state_version: int
+
+
+def version_keyword(state_type: type[BaseModel]) -> VersionKeyword:
     """The ``state_version=`` keyword of a commit of a ``state_type`` state: its version, or
     nothing at version 1 (stored as ``None``, read back as 1), so that a storage backend
     written before versions existed keeps working for models that never declared one."""
     version = version_of(state_type)
-    return {} if version == 1 else {"state_version": version}
+    return VersionKeyword() if version == 1 else VersionKeyword(state_version=version)
 
 
 def _declared(model: type[BaseModel]) -> set[str]:

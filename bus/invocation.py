@@ -27,7 +27,7 @@ from .clock import Clock, SystemClock
 from .context import MessageContext
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import EndpointBlocked, HandlerContractError
-from .evolution import load_state, version_keyword
+from .evolution import VersionKeyword, load_state, version_keyword
 from .handlers.base import AggregateHandler
 from .handlers.registration import HandlerBinding
 from .messages import Message
@@ -295,12 +295,12 @@ def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[st
     return NOT_FOUND
 
 
-def _versioned(binding: HandlerBinding) -> dict[str, int]:
+def _versioned(binding: HandlerBinding) -> VersionKeyword:
     """The ``state_version`` keyword of an aggregate handler's commit
     (:func:`idembus.evolution.version_keyword`); none for a stateless handler."""
     handler = binding.handler
     return (version_keyword(type(handler).state_type)
-            if isinstance(handler, AggregateHandler) else {})
+            if isinstance(handler, AggregateHandler) else VersionKeyword())
 
 
 def _call(handler: Any, binding: HandlerBinding, message: Message,

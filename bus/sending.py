@@ -30,7 +30,7 @@ from .messages import (
 )
 from .routing import Router
 
-Emit = Callable[[Envelope], None]
+Emit = Callable[[Envelope], object]
 
 
 class Bus:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from .. import headers as h
 from ..clock import Clock
-from ..hierarchy import parse_enclosed
 from ..envelope import Envelope
+from ..hierarchy import parse_enclosed
 from ..transports.base import Delivery, OnDelivery, Transport
 
 
