@@ -160,7 +160,8 @@ def test_a_py_file_that_does_not_exist_is_refused_before_spark_starts(
                    "--master", "spark://127.0.0.1:1", "--py-files", f"{missing},"])
 
     assert status == 2
-    assert f"--py-files: no such file {missing}" in capsys.readouterr().err
+    assert f"no such file to ship to the executors (--py-files): {missing}" in (
+        capsys.readouterr().err)
 
 
 def kill_an_executor_mid_job(cluster: StandaloneCluster, driver: Workers,

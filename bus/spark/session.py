@@ -37,7 +37,8 @@ def spark_session(master: str = "local[*]", *, app: str = "idembus",
 
     missing = [path for path in py_files if not os.path.isfile(path)]
     if missing:
-        raise ConfigurationError(f"--py-files: no such file {', '.join(missing)}")
+        raise ConfigurationError(
+            f"no such file to ship to the executors (--py-files): {', '.join(missing)}")
     active = SparkSession.getActiveSession()
     if active is not None:
         running = active.sparkContext.master
