@@ -148,7 +148,7 @@ def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: i
     return seconds
 
 
-def _storage(kind: str, name: str) -> Storage:
+def _storage(kind: str, name: str) -> Storage | None:
     if kind == "postgres":
         return PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name))
     return idembus_flow.STORAGES[kind](name)
@@ -259,7 +259,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--transports", type=_names(list(TRANSPORT_URLS)),
                         default=list(TRANSPORT_URLS), help="memory,amqp (both)")
     parser.add_argument("--storages", type=_names(STORAGES), default=["memory"],
-                        help="memory,mongomock,postgres (memory)")
+                        help="default,memory,mongomock,postgres (memory)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file ({RESULTS})")
     args = parser.parse_args(argv)
     if args.messages < 1 or args.rounds < 1:

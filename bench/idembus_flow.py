@@ -1,8 +1,9 @@
 """The idembus side: Sales (PlaceOrder -> OrderPlaced) and Billing (OrderPlaced ->
 OrderBilled) as two endpoints of one consumer thread each, defaults otherwise.
 
-N PlaceOrder commands are queued for Sales before either endpoint starts; the clock runs
-from Sales' first delivery until Billing has handled N OrderPlaced events. Nobody
+N PlaceOrder commands for N distinct orders are queued for Sales before either endpoint
+starts, so Sales ends with N Order aggregates and Billing with N inbox records; the clock
+runs from Sales' first delivery until Billing has handled N OrderPlaced events. Nobody
 subscribes to OrderBilled, so the broker drops it after confirming it, as in the raw loop.
 """
 
@@ -29,11 +30,22 @@ from idembus.transports.kombu import KombuTransport
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.sales import OrderHandler
 
-#: Storage backends measured, by the name printed in the table.
-STORAGES: dict[str, Callable[[str], Storage]] = {
-    "mongomock": lambda database: MongoStorage.embedded(database),
+#: Storage backends measured, by the name of the option; ``default`` is what an Endpoint
+#: given no storage uses (``None`` is passed on: the endpoint picks it).
+STORAGES: dict[str, Callable[[str], Storage | None]] = {
+    "default": lambda database: None,
     "memory": lambda database: MemoryStorage(),
+    "mongomock": lambda database: MongoStorage.embedded(database),
 }
+
+
+def default_storage_name() -> str:
+    """The class an Endpoint given no storage uses, as the table names it."""
+    probe = Endpoint("bench-default-storage-probe", transport="memory://")
+    try:
+        return type(probe.storage).__name__
+    finally:
+        probe.close()
 
 TransportFactory = Callable[..., KombuTransport]
 

@@ -110,10 +110,11 @@ def _stat_fields(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2:].split()
 
 
-def _all_pids() -> Iterable[int]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            yield int(entry.name)
+def _all_pids() -> list[int]:
+    # A list, not a generator over the scandir iterator: a caller that stops early (a
+    # group found alive) would leave the iterator open until garbage collection.
+    with os.scandir("/proc") as entries:
+        return [int(entry.name) for entry in entries if entry.name.isdigit()]
 
 
 def descendants(root: int) -> list[int]:

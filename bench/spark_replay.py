@@ -14,7 +14,19 @@ available before the clock starts:
   driver's check of the endpoint, the shuffle by aggregate id, the sort, the tasks;
 * ``consume loop`` — the endpoint itself (``Endpoint.start``, one consumer thread, prefetch
   16) taking the same kind of messages from its RabbitMQ queue, where they wait beforehand;
-  the clock runs from ``start()`` to the last ``handled`` signal.
+  the clock runs from ``start()`` to the last ``handled`` signal;
+* ``cluster 1w`` / ``2w`` — the same ``replay`` on a Spark standalone cluster on this
+  machine (:class:`bench.spark_cluster.StandaloneCluster`, workers of 1 core each) with one
+  worker and one partition, and with two workers and two partitions. Both clusters run
+  for the whole part; each round opens a session on one, warms its executors up with a
+  replay of 400 messages, waits up to 10 s for the shared machine to be nearly idle, times
+  a replay, closes the session, and does the same on the other. ``ratio_2w_1w`` is the
+  best two-worker rate over the best one-worker rate; each round's own ratio is printed
+  too.
+
+Every run also reports the cores the whole machine kept busy meanwhile (``/proc/stat``):
+two workers can only be faster than one while the machine has a core to spare for the
+second one, its database and broker work included.
 
 Every run gets fresh message ids over the same 1000 aggregates, which exist beforehand (as in
 :mod:`bench.postgres`); one replay of 400 messages first starts Spark's Python workers,
@@ -23,10 +35,12 @@ the best round of each is reported. At the end every counter must equal the numb
 messages applied, every processed record be marked dispatched and the sink hold one event
 per message.
 
-Spark's workers build the endpoint from the run's names in the environment, set before the
-session starts (they inherit it), and import ``bench`` from the working directory: run
+Spark's workers build the endpoint from the run's names in the environment and import
+``bench`` from the repository: in ``local[2]`` they inherit both from this process (set
+before the session starts); a cluster's executors are started by its workers, so they get
+them as ``spark.executorEnv.IDEMBUS_BENCH_PG`` and ``spark.executorEnv.PYTHONPATH``. Run
 ``python -m bench.spark_replay`` from the repository (``make bench``); about a minute and a
-half here (2 cores).
+half for ``--parts local``, two more minutes for ``cluster`` here (2 cores).
 """
 
 from __future__ import annotations
@@ -35,16 +49,20 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.pg_common import ENVIRONMENT, RunNames, aggregate_of
 from bench.pg_handlers import build_endpoint
 from bench.pg_idembus import create_tables, envelopes, totals
+from bench.pg_procs import machine_busy_seconds, wait_for_quiet
 from bench.pg_topology import Broker, Cleanup
+from bench.spark_cluster import LOOPBACK, StandaloneCluster
 from idembus.endpoint import Endpoint
 from idembus.spark.replay import replay
 
@@ -55,6 +73,11 @@ SPARK_WARMUP = 400
 LOOP_WARMUP = 200
 #: Longest wait for the consume loop to handle its messages.
 LOOP_TIMEOUT = 300.0
+REPOSITORY = Path(__file__).resolve().parents[1]
+LOCAL_VARIANTS = ("spark replay 1p", "spark replay 2p", "consume loop")
+CLUSTER_VARIANTS = ("cluster 1w", "cluster 2w")
+#: Before each timed cluster run, the longest wait for the shared machine to calm down.
+QUIET_WAIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,10 +85,25 @@ class Result:
     variant: str
     messages: int
     seconds: float
+    #: Cores the whole machine kept busy meanwhile: this run, the services, anyone else.
+    busy: float
 
     @property
     def rate(self) -> float:
         return self.messages / self.seconds
+
+
+class Stopwatch:
+    """Started when made; :meth:`result` reads the time and the machine's busy cores."""
+
+    def __init__(self) -> None:
+        self._busy = machine_busy_seconds()
+        self._started = time.perf_counter()
+
+    def result(self, variant: str, messages: int) -> Result:
+        seconds = time.perf_counter() - self._started
+        busy = (machine_busy_seconds() - self._busy) / seconds
+        return Result(variant, messages, seconds, busy)
 
 
 class Batches:
@@ -91,17 +129,19 @@ def rows(names: RunNames, indexes: range) -> Iterator[tuple[str, str, str, str, 
                json.dumps(dict(envelope.headers)), aggregate_of(index), index)
 
 
-def spark_run(spark: Any, names: RunNames, indexes: range, partitions: int) -> Result:
+def spark_run(spark: Any, names: RunNames, indexes: range, partitions: int,
+              variant: str | None = None) -> Result:
+    variant = variant or f"spark replay {partitions}p"
     frame = spark.createDataFrame(list(rows(names, indexes)), SCHEMA).cache()
     frame.count()  # materialised before the clock starts
-    started = time.perf_counter()
+    watch = Stopwatch()
     summary = replay(frame, FACTORY, partitions=partitions)
-    seconds = time.perf_counter() - started
+    result = watch.result(variant, len(indexes))
     frame.unpersist()
     expected = len(indexes)
     if not summary.ok or (summary.replayed, summary.handled) != (expected, expected):
-        raise SystemExit(f"spark replay {partitions}p went wrong: {summary.line()}")
-    return Result(f"spark replay {partitions}p", len(indexes), seconds)
+        raise SystemExit(f"{variant} went wrong: {summary.line()}")
+    return result
 
 
 def loop_run(names: RunNames, broker: Broker, indexes: range) -> Result:
@@ -109,16 +149,16 @@ def loop_run(names: RunNames, broker: Broker, indexes: range) -> Result:
         broker.publish_raw(names.input_queue, envelope.body.encode(), dict(envelope.headers))
     endpoint = build_endpoint(names)
     done = HandledCount(endpoint)
-    started = time.perf_counter()
+    watch = Stopwatch()
     endpoint.start()
     try:
         finished = done.wait_for(len(indexes), LOOP_TIMEOUT)
-        seconds = time.perf_counter() - started
+        result = watch.result("consume loop", len(indexes))
     finally:
         endpoint.close()
     if not finished:
         raise SystemExit(f"the consume loop handled {done.count} of {len(indexes)} messages")
-    return Result("consume loop", len(indexes), seconds)
+    return result
 
 
 class HandledCount:
@@ -139,6 +179,16 @@ class HandledCount:
             return self._condition.wait_for(lambda: self.count >= count, timeout)
 
 
+def declare_input(names: RunNames) -> None:
+    """The endpoint's queue as the endpoint declares it (a quorum queue by default), before
+    the consume loop's messages are put there."""
+    endpoint = build_endpoint(names)
+    try:
+        endpoint.transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
+    finally:
+        endpoint.close()
+
+
 def verify(names: RunNames, broker: Broker, applied: int) -> None:
     """Every message applied once, every event marked dispatched and waiting in the sink."""
     counted, processed, undispatched = totals(names)
@@ -149,30 +199,67 @@ def verify(names: RunNames, broker: Broker, applied: int) -> None:
             f"records, {undispatched} undispatched, {events} events in the sink")
 
 
-def start_spark(master: str) -> Any:
+def start_spark(master: str, conf: Mapping[str, str] | None = None) -> Any:
     """A quiet session whose workers run this interpreter."""
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    spark = (SparkSession.builder.master(master).appName("idembus bench spark_replay")
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    builder = (SparkSession.builder.master(master).appName("idembus bench spark_replay")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
 
-def measure(spark: Any, names: RunNames, broker: Broker, *, messages: int,
+def cluster_conf(names: RunNames) -> dict[str, str]:
+    """What a cluster's executors need to build the run's endpoint (their workers start
+    them: they inherit nothing from this process), and the driver's address on loopback."""
+    return {f"spark.executorEnv.{ENVIRONMENT}": names.environment()[ENVIRONMENT],
+            "spark.executorEnv.PYTHONPATH": str(REPOSITORY),
+            "spark.driver.host": LOOPBACK["SPARK_LOCAL_IP"]}
+
+
+def measure(master: str, names: RunNames, broker: Broker, batches: Batches, *, messages: int,
             rounds: int) -> list[Result]:
-    batches = Batches()
-    spark_run(spark, names, batches.take(SPARK_WARMUP), 2)
-    loop_run(names, broker, batches.take(LOOP_WARMUP))
-    results = []
-    for _ in range(rounds):
-        results.append(spark_run(spark, names, batches.take(messages), 1))
-        results.append(spark_run(spark, names, batches.take(messages), 2))
-        results.append(loop_run(names, broker, batches.take(messages)))
-    verify(names, broker, batches.total)
+    """The local variants, interleaved, on one ``master`` session."""
+    spark = start_spark(master)
+    try:
+        spark_run(spark, names, batches.take(SPARK_WARMUP), 2)
+        loop_run(names, broker, batches.take(LOOP_WARMUP))
+        results = []
+        for _ in range(rounds):
+            results.append(spark_run(spark, names, batches.take(messages), 1))
+            results.append(spark_run(spark, names, batches.take(messages), 2))
+            results.append(loop_run(names, broker, batches.take(messages)))
+    finally:
+        spark.stop()
+    return results
+
+
+def measure_clusters(names: RunNames, batches: Batches, directory: Path, *, messages: int,
+                     rounds: int) -> list[Result]:
+    """The cluster variants: a one-worker and a two-worker cluster, a session on each in
+    turn, every round."""
+    with StandaloneCluster(directory / "one-worker", workers=1) as one, \
+            StandaloneCluster(directory / "two-workers", workers=2) as two:
+        results = []
+        for _ in range(rounds):
+            for variant, cluster in zip(CLUSTER_VARIANTS, (one, two), strict=True):
+                spark = start_spark(cluster.master_url, cluster_conf(names))
+                try:
+                    workers = cluster.worker_count
+                    spark_run(spark, names, batches.take(SPARK_WARMUP), workers, variant)
+                    wait_for_quiet(longest=QUIET_WAIT)
+                    results.append(spark_run(spark, names, batches.take(messages), workers,
+                                             variant))
+                finally:
+                    spark.stop()
+                print(f"  {variant}: {results[-1].rate:.0f} msgs/s, "
+                      f"{results[-1].busy:.2f} cores busy", flush=True)
     return results
 
 
@@ -181,19 +268,35 @@ def best(results: Sequence[Result], variant: str) -> Result:
 
 
 def report(results: Sequence[Result], master: str) -> None:
+    variants = [v for v in (*LOCAL_VARIANTS, *CLUSTER_VARIANTS)
+                if any(r.variant == v for r in results)]
+    rounds = sum(1 for r in results if r.variant == variants[0])
     print(f"\nspark replay vs the endpoint's consume loop (PostgreSQL + RabbitMQ, "
-          f"Spark {master}, best of {len(results) // 3} rounds)")
-    print(f"{'variant':<18}{'messages':>10}{'seconds':>10}{'msgs/s':>10}{'rounds (msgs/s)':>24}")
+          f"Spark {master} and standalone clusters of 1-core workers, best of {rounds} rounds)")
+    print(f"{'variant':<18}{'messages':>10}{'seconds':>10}{'msgs/s':>10}{'cores busy':>12}"
+          f"{'rounds (msgs/s)':>24}")
     chosen = {}
-    for variant in ("spark replay 1p", "spark replay 2p", "consume loop"):
+    for variant in variants:
         chosen[variant] = top = best(results, variant)
-        rounds = " ".join(f"{r.rate:.0f}" for r in results if r.variant == variant)
+        each = " ".join(f"{r.rate:.0f}" for r in results if r.variant == variant)
         print(f"{variant:<18}{top.messages:>10}{top.seconds:>10.2f}{top.rate:>10.0f}"
-              f"{rounds:>24}")
-    loop = chosen["consume loop"].rate
-    print(f"bench: spark_replay_1p={chosen['spark replay 1p'].rate:.0f} "
-          f"spark_replay_2p={chosen['spark replay 2p'].rate:.0f} consume_loop={loop:.0f} "
-          f"ratio_2p={chosen['spark replay 2p'].rate / loop:.2f}")
+              f"{top.busy:>12.2f}{each:>24}")
+    fields = []
+    if "consume loop" in chosen:
+        loop = chosen["consume loop"].rate
+        fields += [f"spark_replay_1p={chosen['spark replay 1p'].rate:.0f}",
+                   f"spark_replay_2p={chosen['spark replay 2p'].rate:.0f}",
+                   f"consume_loop={loop:.0f}",
+                   f"ratio_2p={chosen['spark replay 2p'].rate / loop:.2f}"]
+    if "cluster 2w" in chosen:
+        one, two = chosen["cluster 1w"].rate, chosen["cluster 2w"].rate
+        paired = [b.rate / a.rate for a, b in zip(
+            [r for r in results if r.variant == "cluster 1w"],
+            [r for r in results if r.variant == "cluster 2w"], strict=True)]
+        print("two workers / one, each round: " + " ".join(f"{p:.2f}" for p in paired))
+        fields += [f"cluster_1w={one:.0f}", f"cluster_2w={two:.0f}",
+                   f"ratio_2w_1w={two / one:.2f}"]
+    print("bench: " + " ".join(fields))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,31 +304,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=3000, help="per run (3000)")
     parser.add_argument("--rounds", type=int, default=2, help="of each variant (2)")
-    parser.add_argument("--master", default="local[2]", help="Spark master (local[2])")
+    parser.add_argument("--master", default="local[2]",
+                        help="Spark master of the local part (local[2])")
+    parser.add_argument("--parts", type=_parts, default=["local", "cluster"],
+                        help="local (local[2] and the consume loop), cluster (standalone "
+                             "clusters of one and two workers) (local,cluster)")
     args = parser.parse_args(argv)
     names = RunNames.fresh()
-    # Before the session starts: Spark's workers inherit the environment and build the
-    # endpoint of this run from it (bench.pg_handlers.factory).
+    # Before the first session starts: Spark's local workers inherit the environment and
+    # build the endpoint of this run from it (bench.pg_handlers.factory); the JVM, and the
+    # drivers of the cluster part, stay on loopback.
     os.environ[ENVIRONMENT] = names.environment()[ENVIRONMENT]
+    os.environ.update(LOOPBACK)
     cleanup = Cleanup(names)
     broker = Broker(names.amqp_url)
-    spark = None
+    batches = Batches()
+    results: list[Result] = []
     try:
         create_tables(names, cleanup)
         broker.declare_sink(names)
-        broker.declare_queue(names.input_queue)
+        declare_input(names)
         cleanup.queues.append(names.error_queue)
-        spark = start_spark(args.master)
-        results = measure(spark, names, broker, messages=args.messages, rounds=args.rounds)
+        if "local" in args.parts:
+            results += measure(args.master, names, broker, batches, messages=args.messages,
+                               rounds=args.rounds)
+        if "cluster" in args.parts:
+            with tempfile.TemporaryDirectory(prefix="idembus-bench-spark-") as directory:
+                results += measure_clusters(names, batches, Path(directory),
+                                            messages=args.messages, rounds=args.rounds)
+        verify(names, broker, batches.total)
     finally:
-        if spark is not None:
-            spark.stop()
         broker.close()
         cleanup.tables += [f"{names.table_prefix}_{table}" for table in
                            ("scheduled", "leases", "audit", "status")]
         cleanup.run()
     report(results, args.master)
     return 0
+
+
+def _parts(text: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or set(parts) - {"local", "cluster"}:
+        raise argparse.ArgumentTypeError("choose from local, cluster")
+    return parts
 
 
 if __name__ == "__main__":

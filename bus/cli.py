@@ -154,8 +154,8 @@ def _run(args: argparse.Namespace) -> int:
                 f"--workers {args.workers} needs a broker and a database that several "
                 f"processes can share; {endpoint.name!r} uses "
                 f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
-                "and memory:// or mongomock live inside one process. Use RabbitMQ or Redis "
-                "and PostgreSQL or MongoDB, or --concurrency for threads."
+                "and memory://, MemoryStorage and mongomock live inside one process. Use "
+                "RabbitMQ or Redis and PostgreSQL or MongoDB, or --concurrency for threads."
             )
     finally:
         endpoint.close()

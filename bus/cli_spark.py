@@ -13,6 +13,7 @@ from typing import Any
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     from .spark import reconcile_cli, replay_cli, report_cli
+    from .spark.session import conf_pair, path_list
 
     spark = commands.add_parser("spark", help="bulk work on Spark: replay messages, report, "
                                               "reconcile with a dump")
@@ -28,6 +29,17 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                                     description=description,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--master", default="local[*]",
-                            help="Spark master URL (local[*]; a cluster's to run there)")
+                            help="Spark master URL (local[*]; a cluster's to run there, "
+                                 "such as spark://HOST:7077)")
+        parser.add_argument("--conf", action="append", type=conf_pair, metavar="KEY=VALUE",
+                            help="a Spark property, repeatable: spark.executorEnv.NAME=VALUE "
+                                 "sets a variable for the executors (a cluster's do not see "
+                                 "this environment), spark.driver.host=ADDRESS where they "
+                                 "reach the driver")
+        parser.add_argument("--py-files", action="append", type=path_list,
+                            metavar="FILE[,FILE...]",
+                            help=".py, .zip or .egg files shipped to the executors and put on "
+                                 "their Python path: the endpoint's module and what it "
+                                 "imports, unless installed where the workers run")
         module.add_arguments(parser)
         parser.set_defaults(handler=module.run)

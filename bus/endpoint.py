@@ -80,7 +80,8 @@ class Endpoint:
         A :class:`~idembus.transports.base.Transport`, or a kombu URL (default ``memory://``).
     storage:
         A storage backend (:mod:`idembus.storage.base`; it needs the roles the options below
-        use); default: an embedded mongomock database.
+        use); default: a :class:`~idembus.storage.memory.MemoryStorage` of its own, in this
+        process (for trials and tests: nothing survives the process).
     handlers:
         Handler classes (created once, without arguments) or handler instances.
     routes:
@@ -198,7 +199,7 @@ class Endpoint:
                 audit=any(isinstance(item, Audit) for item in middleware),
                 status=bool(status_interval), schedules=bool(scheduling.schedules))
         # Typed as the whole contract: only the roles checked above are ever called.
-        self.storage = cast(Storage, storage) if storage is not None else _embedded_storage(name)
+        self.storage = cast(Storage, storage) if storage is not None else _embedded_storage()
         self._check_retention()
         self.signals = EndpointSignals(name)
         self.counters = Counters(self.signals)
@@ -584,10 +585,13 @@ def _transport_from(transport: Transport | str) -> Transport:
     )
 
 
-def _embedded_storage(name: str) -> Storage:
-    from .storage.mongo import MongoStorage
+def _embedded_storage() -> Storage:
+    """The storage of an endpoint given none: in-process dicts, whose time per message does
+    not grow with what they hold (mongomock, the earlier default, scans whole collections
+    and slowed down as data grew; it stays MongoStorage's test double)."""
+    from .storage.memory import MemoryStorage
 
-    return MongoStorage.embedded(database=name)
+    return MemoryStorage()
 
 
 def _described(part: object) -> str:

@@ -44,10 +44,11 @@ Features
 
 mongomock
 =========
-mongomock (the embedded default) is not thread-safe: four threads doing guarded conditional
-updates were seen to apply one message up to four times. Given a mongomock client, this
-backend serialises every operation behind one lock. mongomock also scans whole collections
-on every query, so keep its data modest; measure speed on a real server.
+mongomock is this backend's test double (no longer the endpoint's default). It is not
+thread-safe: four threads doing guarded conditional updates were seen to apply one message
+up to four times. Given a mongomock client, this backend serialises every operation behind
+one lock. mongomock also scans whole collections on every query, so keep its data modest;
+measure speed on a real server.
 
 Connection String
 =================
@@ -176,7 +177,8 @@ class MongoStorage(Storage):
         cls, database: str = "idembus", *, processed_window: int = DEFAULT_PROCESSED_WINDOW,
         retention: datetime.timedelta | None = None,
     ) -> MongoStorage:
-        """An in-process mongomock database: the embedded default of ``make demo``."""
+        """An in-process mongomock database: MongoStorage's test double, for tests of code
+        written against MongoDB (an endpoint given no storage uses a MemoryStorage)."""
         import mongomock
 
         return cls(mongomock.MongoClient(), database=database, processed_window=processed_window,

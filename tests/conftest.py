@@ -122,7 +122,7 @@ def make_endpoint(
 
     ``make_endpoint("sales", handlers=[...], routes=...)``: the endpoint is named
     ``sales-<unique>``; its error queue is ``error-<unique>``; storage defaults to the
-    embedded mongomock.
+    endpoint's own (an in-process MemoryStorage).
     """
     endpoints: list[Endpoint] = []
 

@@ -3,12 +3,15 @@
 Workers import this module by name, so it holds no test state: everything a test varies
 (its queues, exchange and tables, which message crashes) travels in a :class:`SparkWorld`,
 written as JSON into a small module generated per test and shipped to the workers
-(``tests/test_spark_replay.py``).
+(``tests/test_spark_replay.py``), or into the environment variable :data:`WORLD_VARIABLE`,
+which a cluster's executors get as ``spark.executorEnv.IDEMBUS_SPARK_WORLD``
+(``tests/test_spark_cluster.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +161,16 @@ def build_endpoint(world_json: str) -> Endpoint:
     return Endpoint(world.name, transport=world.transport(), storage=world.storage(),
                     handlers=[handler], error_queue=world.error_queue, outbox=False,
                     middleware=[crash] if crash is not None else [])
+
+
+#: The environment variable :func:`endpoint_from_environment` reads a world from.
+WORLD_VARIABLE = "IDEMBUS_SPARK_WORLD"
+
+
+def endpoint_from_environment() -> Endpoint:
+    """The endpoint of the world in the environment (:data:`WORLD_VARIABLE`), as an
+    application configured by its environment builds its own."""
+    return build_endpoint(os.environ[WORLD_VARIABLE])
 
 
 def process_local_endpoint() -> Endpoint:

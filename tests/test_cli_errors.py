@@ -556,7 +556,7 @@ def test_an_endpoint_another_process_cannot_see_is_refused_with_exit_2_and_the_r
     command: tuple[str, ...],
 ) -> None:
     # Given an endpoint whose broker or storage lives inside its own process (the defaults:
-    # memory:// and an embedded mongomock)
+    # memory:// and a MemoryStorage)
     def local() -> Endpoint:
         broker = KombuTransport("memory://")
         if transport.startswith("shared"):

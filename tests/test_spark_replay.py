@@ -126,15 +126,21 @@ def expected_trails(aggregates: int = AGGREGATES, steps: int = STEPS) -> dict[st
     return {f"agg-{a}": list(range(steps)) for a in range(aggregates)}
 
 
-@pytest.fixture(scope="module")
-def shipped_helpers(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """``tests.spark_endpoints`` for the workers, in a zip on their path."""
+def helpers_archive(directory: Path) -> Path:
+    """``tests.spark_endpoints`` in a zip for Spark's workers (``addPyFile``, ``--py-files``),
+    so that they find it whatever their working directory."""
     tests = Path(__file__).parent
-    archive = tmp_path_factory.mktemp("spark-helpers") / "idembus_spark_test_helpers.zip"
+    archive = directory / "idembus_spark_test_helpers.zip"
     with zipfile.ZipFile(archive, "w") as bundle:
         for name in ("__init__.py", "spark_endpoints.py"):
             bundle.write(tests / name, f"tests/{name}")
-    spark.sparkContext.addPyFile(str(archive))
+    return archive
+
+
+@pytest.fixture(scope="module")
+def shipped_helpers(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``tests.spark_endpoints`` for the workers, in a zip on their path."""
+    spark.sparkContext.addPyFile(str(helpers_archive(tmp_path_factory.mktemp("spark-helpers"))))
 
 
 @pytest.fixture

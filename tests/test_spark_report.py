@@ -48,6 +48,7 @@ ENDPOINT_MODULE = textwrap.dedent('''
     """Written by tests/test_spark_report.py; Spark's workers import it (addPyFile)."""
     from idembus import Endpoint
     from idembus.storage.memory import MemoryStorage
+    from idembus.storage.mongo import MongoStorage
     from idembus.storage.postgres import PostgresStorage
 
 
@@ -186,7 +187,8 @@ def test_the_source_refuses_bad_options(options, reason):
 
 @pytest.mark.parametrize("storage_expression, kind", [
     ("MemoryStorage()", "MemoryStorage"),
-    ("None", "MongoStorage"),  # the endpoint's default: embedded mongomock
+    ("None", "MemoryStorage"),  # the endpoint's default
+    ("MongoStorage.embedded('spark-audit')", "MongoStorage"),  # mongomock
 ])
 def test_a_process_local_storage_is_refused_saying_what_to_use(
     spark, ship, tmp_path, storage_expression, kind,

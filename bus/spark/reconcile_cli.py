@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .reconcile import reconcile
-    from .session import spark_session
+    from .session import session_for
 
-    with spark_session(args.master, app="idembus reconcile") as spark:
+    with session_for(args, app="idembus reconcile") as spark:
         summary = reconcile(spark, args.endpoint, args.dumps, dry_run=args.dry_run)
     print(summary.line())
     if args.dry_run:

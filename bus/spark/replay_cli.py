@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .replay import replay_files
-    from .session import spark_session
+    from .session import session_for
 
-    with spark_session(args.master, app="idembus replay") as spark:
+    with session_for(args, app="idembus replay") as spark:
         summary = replay_files(spark, args.inputs, args.endpoint, file_format=args.format,
                                partition_by=args.partition_by, order_by=args.order_by,
                                partitions=args.partitions)

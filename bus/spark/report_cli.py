@@ -18,9 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .report import report
-    from .session import spark_session
+    from .session import session_for
 
-    with spark_session(args.master, app="idembus report") as spark:
+    with session_for(args, app="idembus report") as spark:
         result = report(spark, args.endpoint, out=args.out, partitions=args.partitions)
     print(result.table)
     print(f"written: {result.csv} {result.chart}")

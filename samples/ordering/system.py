@@ -11,7 +11,6 @@ from idembus import Endpoint
 from idembus.handlers import Handler
 from idembus.pipeline import Middleware
 from idembus.storage.base import Storage
-from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle
 from idembus.transports.base import Transport
 from idembus.transports.kombu import KombuTransport
@@ -48,14 +47,16 @@ def build(
     transport: Callable[[], Transport] | str = "memory://",
     *,
     namespace: str | None = None,
-    storage: Callable[[str], Storage] = MongoStorage.embedded,
+    storage: Callable[[str], Storage] | None = None,
     middleware: Sequence[Middleware] = (),
     concurrency: int = 2,
     journal: bool = False,
 ) -> OrderingSystem:
     """Create Sales, Billing and Shipping; queue names carry ``namespace`` so that runs
-    sharing a broker do not see each other's messages. With ``journal`` each keeps the
-    events it publishes in its storage's event journal (``samples.stream`` serves Sales')."""
+    sharing a broker do not see each other's messages. ``storage(endpoint_name)`` makes
+    each endpoint's storage (default: the endpoint's own, an in-process MemoryStorage).
+    With ``journal`` each keeps the events it publishes in its storage's event journal
+    (``samples.stream`` serves Sales')."""
     suffix = f"-{namespace}" if namespace else ""
     if isinstance(transport, str):
         url = transport
@@ -66,7 +67,7 @@ def build(
         return Endpoint(
             f"{name}{suffix}",
             transport=transport(),
-            storage=storage(f"{name}{suffix}"),
+            storage=storage(f"{name}{suffix}") if storage is not None else None,
             handlers=[handler],
             error_queue=f"error{suffix}",
             concurrency=concurrency,

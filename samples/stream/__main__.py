@@ -1,6 +1,6 @@
 """The ordering sample with Sales' events served as a Server-Sent Events stream.
 
-    python -m samples.stream                 # memory:// and mongomock, in one process
+    python -m samples.stream                 # memory:// and MemoryStorage, in one process
 
 Sales journals the OrderPlaced events it publishes (``Endpoint(journal=True)``, with
 simulated crashes and duplicate commands as in ``samples.ordering``) and a gateway serves

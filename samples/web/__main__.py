@@ -1,4 +1,4 @@
-"""Serve the ordering sample over HTTP on memory:// and mongomock:
+"""Serve the ordering sample over HTTP on memory:// and MemoryStorage:
 
     python -m samples.web [--port 8000]
     curl -X POST localhost:8000/orders -H 'Idempotency-Key: k1' \
