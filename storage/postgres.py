@@ -58,7 +58,7 @@ import datetime
 import hashlib
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -99,7 +99,7 @@ from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
 from .postgres_errors import (
     classified,
-    discards_connection,
+    discarding,
     is_privilege_refusal,
     login_problem,
 )
@@ -414,22 +414,67 @@ class PostgresStorage(Storage):
         entry = (loaded.aggregate_type, loaded.aggregate_id, key,
                  Jsonb([envelope.to_record() for envelope in outgoing]),
                  Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
-        document = Jsonb(dict(state)) if state is not None and not completed else None
         with self._connection() as connection:
             try:
-                if loaded.aggregate_type == INBOX:
-                    written = connection.execute(self._insert_inbox, entry).rowcount
-                elif loaded.exists:
-                    written = connection.execute(self._update_and_record, (
-                        document, state_version, completed, loaded.aggregate_type,
-                        loaded.aggregate_id, loaded.version, *entry)).rowcount
-                else:
-                    written = connection.execute(self._create_and_record, (
-                        loaded.aggregate_type, loaded.aggregate_id, document, state_version,
-                        completed, *entry)).rowcount
+                written = self._write(connection, loaded, entry, state, completed,
+                                      state_version)
             except psycopg.errors.UniqueViolation:
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
+            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def _write(self, connection: psycopg.Connection[Any], loaded: AggregateRecord,
+               entry: tuple[Any, ...], state: Mapping[str, Any] | None, completed: bool,
+               state_version: int | None) -> int:
+        """The commit's one statement: how many rows it wrote (1, or 0 when refused)."""
+        document = Jsonb(dict(state)) if state is not None and not completed else None
+        if loaded.aggregate_type == INBOX:
+            return connection.execute(self._insert_inbox, entry).rowcount
+        if loaded.exists:
+            return connection.execute(self._update_and_record, (
+                document, state_version, completed, loaded.aggregate_type,
+                loaded.aggregate_id, loaded.version, *entry)).rowcount
+        return connection.execute(self._create_and_record, (
+            loaded.aggregate_type, loaded.aggregate_id, document, state_version, completed,
+            *entry)).rowcount
+
+    def commit_with(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+        within: Callable[[psycopg.Connection[Any]], None],
+        keep_bodies: bool = False,
+        journal: Sequence[JournalEntry] = (),
+        completed: bool = False,
+        state_version: int | None = None,
+    ) -> None:
+        """:meth:`commit`, and in the same transaction the ``journal`` entries and
+        ``within(connection)``: the shared transaction of a PostgreSQL transport in this
+        database (:mod:`idembus.shared_transaction`), whose ``within`` inserts the outgoing
+        messages into their queues and deletes the incoming one. The outgoing messages are
+        recorded as dispatched already (their bodies kept only with ``keep_bodies``), so
+        no outbox sends them and no mark follows. A refused write rolls everything back and
+        raises as :meth:`commit` does; so does whatever ``within`` raises."""
+        entry = (loaded.aggregate_type, loaded.aggregate_id, key,
+                 Jsonb([envelope.to_record() for envelope in outgoing] if keep_bodies else []),
+                 Jsonb([envelope.message_id for envelope in outgoing]), True)
+        with self._connection() as connection:
+            try:
+                with connection.transaction():
+                    if self._write(connection, loaded, entry, state, completed,
+                                   state_version) != 1:
+                        raise _Refused
+                    if journal:
+                        self._append_journal(connection, journal)
+                    within(connection)
+            except (psycopg.errors.UniqueViolation, _Refused):
+                written = False  # rolled back: the message was handled, or a race was lost
+            else:
+                written = True
+        if not written:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
@@ -820,18 +865,17 @@ class PostgresStorage(Storage):
                     if not self._opened:
                         self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
-            with self._pool.connection() as connection:
-                try:
-                    yield connection
-                except psycopg.Error as exc:
-                    if discards_connection(exc):
-                        connection.close()  # the pool replaces a closed connection
-                    raise
+            with self._pool.connection() as pooled, discarding(pooled) as connection:
+                yield connection
         except PoolTimeout as exc:
             refusal = login_problem(self.conninfo, self._connect_timeout)
             raise (refusal or classified(exc, redact(self.conninfo))) from exc
         except psycopg.Error as exc:
             raise classified(exc, redact(self.conninfo)) from exc
+
+
+class _Refused(Exception):
+    """A commit's conditional write changed nothing (inside a transaction, to roll back)."""
 
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
