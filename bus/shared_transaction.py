@@ -11,7 +11,9 @@ False)`` turns it off) commits each handler's work in one transaction that also
   with the journal entries of the events it journals, and
 * for the message's last handler, deletes the incoming message from its queue.
 
-So there is no window between commit and dispatch, nor between dispatch and
+It is one statement (:mod:`idembus.storage.postgres_shared`), in one round trip, in a
+transaction of its own only when the endpoint journals events (the entries are appended
+first). So there is no window between commit and dispatch, nor between dispatch and
 acknowledgement: either all of it happened or none of it. A crash before the commit leaves
 the message to be delivered again; after it, nothing is delivered again. A copy of the
 message that comes from outside (a publisher's retry) still finds it processed and is
@@ -22,8 +24,8 @@ unnecessary), done per handler: a message several handlers handle commits each o
 its own, as on every transport, and the last one takes the incoming message with it.
 
 Outgoing messages whose queue nobody declared, or that the database refuses, cannot be
-inserted: the transaction is rolled back and the work committed the way every transport
-does (commit, then dispatch: the refused message is parked, :mod:`idembus.parking`).
+inserted: nothing is written, and the work is committed the way every transport does
+(commit, then dispatch: the refused message is parked, :mod:`idembus.parking`).
 The ``dispatch`` middleware hooks run for each message after the commit, around nothing
 (source ``handler``): tracing records its send, which took place in the commit.
 """
@@ -46,37 +48,40 @@ log = logging.getLogger(__name__)
 
 
 class _Enqueued(Protocol):
+    queues: tuple[str, ...]
+
     def refused(self, envelopes: Sequence[Envelope]) -> list[Envelope]: ...
 
     def unrouted(self, envelopes: Sequence[Envelope]) -> list[Envelope]: ...
 
 
+class _Part(Protocol):
+    """The transport's part of the commit statement
+    (:class:`~idembus.transports.postgres.QueuePart`)."""
+
+    def enqueued(self, result: Any) -> _Enqueued: ...
+
+
 class _Queues(Protocol):
-    """What the transport lends the transaction (:class:`PostgresTransport`)."""
+    """What the transport lends the commit (:class:`PostgresTransport`)."""
 
-    def enqueue(self, connection: Any, envelopes: Sequence[Envelope]) -> _Enqueued: ...
-
-    def remove(self, connection: Any, delivery: Delivery) -> None: ...
+    def part(self, envelopes: Sequence[Envelope], *,
+             remove: Delivery | None = None) -> _Part: ...
 
     def removed(self, delivery: Delivery) -> None: ...
 
 
 class _Committer(Protocol):
-    """What the storage lends the transaction (:meth:`PostgresStorage.commit_with`)."""
+    """What the storage lends the commit (:meth:`PostgresStorage.commit_with`)."""
 
     def commit_with(self, loaded: AggregateRecord, *, key: str,
                     state: Mapping[str, Any] | None, outgoing: Sequence[Envelope],
-                    within: Callable[[Any], None], keep_bodies: bool = False,
-                    journal: Sequence[Any] = (), completed: bool = False,
-                    state_version: int | None = None) -> None: ...
+                    part: Any, keep_bodies: bool = False, journal: Sequence[Any] = (),
+                    completed: bool = False, state_version: int | None = None) -> Any: ...
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], completed: bool = False,
                state_version: int | None = None) -> None: ...
-
-
-class _Undeliverable(Exception):
-    """An outgoing message found no queue: roll the transaction back."""
 
 
 class SharedTransaction:
@@ -106,30 +111,19 @@ class SharedTransaction:
         if not outgoing and settle is None:
             self._storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
             return False
-        unrouted: list[Envelope] = []
-
-        def within(connection: Any) -> None:
-            enqueued = self._transport.enqueue(connection, outgoing)
-            if enqueued.refused(outgoing):
-                raise _Undeliverable
-            unrouted.extend(enqueued.unrouted(outgoing))
-            if settle is not None:
-                self._transport.remove(connection, settle)
-
+        part = self._transport.part(outgoing, remove=settle)
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=loaded.aggregate_type, aggregate_id=loaded.aggregate_id)
         try:
-            self._storage.commit_with(loaded, key=key, state=state, outgoing=outgoing,
-                                      within=within, keep_bodies=self._keep_bodies,
-                                      journal=journal, **options)
-        except (_Undeliverable, StorageRefused) as refused:
-            # Rolled back: commit as every transport does; the dispatcher parks what the
-            # queues refuse (or, if the database refuses the work itself, this raises).
-            log.info("%s commits %s apart from its messages: %s", self._endpoint, key,
-                     "a destination queue nobody declared" if isinstance(
-                         refused, _Undeliverable) else refused)
-            self._storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
-            return False
+            result = self._storage.commit_with(loaded, key=key, state=state, outgoing=outgoing,
+                                               part=part, keep_bodies=self._keep_bodies,
+                                               journal=journal, **options)
+        except StorageRefused as refused:  # the database refused a row: nothing was written
+            return self._apart(loaded, key, state, outgoing, options, refused)
+        if result is None:  # a destination queue nobody declared: nothing was written
+            return self._apart(loaded, key, state, outgoing, options,
+                               "a destination queue nobody declared")
+        enqueued = part.enqueued(result)
         if settle is not None:
             self._transport.removed(settle)
         for envelope in outgoing:
@@ -137,9 +131,18 @@ class SharedTransaction:
                                     lambda: None)
             self._signals.emit("dispatched", message_id=envelope.message_id,
                                message_type=envelope.message_type, envelope=envelope)
-        for envelope in unrouted:
+        for envelope in enqueued.unrouted(outgoing):
             self._on_unrouted(envelope)
         return True
+
+    def _apart(self, loaded: AggregateRecord, key: str, state: Mapping[str, Any] | None,
+               outgoing: Sequence[Envelope], options: Mapping[str, Any],
+               reason: object) -> bool:
+        """Commit as every transport does; the dispatcher then sends the messages and parks
+        what the queues refuse (if the database refuses the work itself, this raises)."""
+        log.info("%s commits %s apart from its messages: %s", self._endpoint, key, reason)
+        self._storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
+        return False
 
 
 def shared_transaction(storage: Any, transport: Any, **parts: Any) -> SharedTransaction | None:

@@ -58,7 +58,7 @@ import datetime
 import hashlib
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -103,6 +103,8 @@ from .postgres_errors import (
     is_privilege_refusal,
     login_problem,
 )
+from .postgres_shared import StatementPart
+from .postgres_shared import statement as shared_statement
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -133,6 +135,8 @@ class PostgresStorage(Storage):
                 f"table_prefix {table_prefix!r} must be lower-case letters, digits and '_'"
             )
         self.conninfo = conninfo
+        #: The prefix of this storage's tables.
+        self.table_prefix = table_prefix
         self._aggregates = f"{table_prefix}_aggregates"
         self._processed = f"{table_prefix}_processed"
         self._scheduled = f"{table_prefix}_scheduled"
@@ -414,29 +418,23 @@ class PostgresStorage(Storage):
         entry = (loaded.aggregate_type, loaded.aggregate_id, key,
                  Jsonb([envelope.to_record() for envelope in outgoing]),
                  Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
+        document = Jsonb(dict(state)) if state is not None and not completed else None
         with self._connection() as connection:
             try:
-                written = self._write(connection, loaded, entry, state, completed,
-                                      state_version)
+                if loaded.aggregate_type == INBOX:
+                    written = connection.execute(self._insert_inbox, entry).rowcount
+                elif loaded.exists:
+                    written = connection.execute(self._update_and_record, (
+                        document, state_version, completed, loaded.aggregate_type,
+                        loaded.aggregate_id, loaded.version, *entry)).rowcount
+                else:
+                    written = connection.execute(self._create_and_record, (
+                        loaded.aggregate_type, loaded.aggregate_id, document, state_version,
+                        completed, *entry)).rowcount
             except psycopg.errors.UniqueViolation:
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
-
-    def _write(self, connection: psycopg.Connection[Any], loaded: AggregateRecord,
-               entry: tuple[Any, ...], state: Mapping[str, Any] | None, completed: bool,
-               state_version: int | None) -> int:
-        """The commit's one statement: how many rows it wrote (1, or 0 when refused)."""
-        document = Jsonb(dict(state)) if state is not None and not completed else None
-        if loaded.aggregate_type == INBOX:
-            return connection.execute(self._insert_inbox, entry).rowcount
-        if loaded.exists:
-            return connection.execute(self._update_and_record, (
-                document, state_version, completed, loaded.aggregate_type,
-                loaded.aggregate_id, loaded.version, *entry)).rowcount
-        return connection.execute(self._create_and_record, (
-            loaded.aggregate_type, loaded.aggregate_id, document, state_version, completed,
-            *entry)).rowcount
 
     def commit_with(
         self,
@@ -445,37 +443,58 @@ class PostgresStorage(Storage):
         key: str,
         state: Mapping[str, Any] | None,
         outgoing: Sequence[Envelope],
-        within: Callable[[psycopg.Connection[Any]], None],
+        part: StatementPart,
         keep_bodies: bool = False,
         journal: Sequence[JournalEntry] = (),
         completed: bool = False,
         state_version: int | None = None,
-    ) -> None:
-        """:meth:`commit`, and in the same transaction the ``journal`` entries and
-        ``within(connection)``: the shared transaction of a PostgreSQL transport in this
-        database (:mod:`idembus.shared_transaction`), whose ``within`` inserts the outgoing
-        messages into their queues and deletes the incoming one. The outgoing messages are
-        recorded as dispatched already (their bodies kept only with ``keep_bodies``), so
-        no outbox sends them and no mark follows. A refused write rolls everything back and
-        raises as :meth:`commit` does; so does whatever ``within`` raises."""
-        entry = (loaded.aggregate_type, loaded.aggregate_id, key,
-                 Jsonb([envelope.to_record() for envelope in outgoing] if keep_bodies else []),
-                 Jsonb([envelope.message_id for envelope in outgoing]), True)
+    ) -> Any:
+        """:meth:`commit`, in one statement with another's ``part``
+        (:mod:`idembus.storage.postgres_shared`; the PostgreSQL transport inserting the
+        outgoing messages into their queues and deleting the incoming one, for
+        :mod:`idembus.shared_transaction`), and with the ``journal`` entries in the same
+        transaction; then the part's ``after`` statement, in the same round trip where
+        there is no journal. The outgoing messages are recorded as dispatched already (their
+        bodies kept only with ``keep_bodies``): no outbox sends them, no mark follows.
+
+        Returns the part's result; ``None`` if the part's precondition failed (nothing was
+        written: commit another way); raises as :meth:`commit` does when the write is
+        refused (nothing was written either)."""
+        kind = ("inbox" if loaded.aggregate_type == INBOX
+                else "update" if loaded.exists else "create")
+        parameters = {
+            **part.params, "type": loaded.aggregate_type, "id": loaded.aggregate_id,
+            "key": key, "version": loaded.version, "completed": completed,
+            "state": Jsonb(dict(state)) if state is not None and not completed else None,
+            "state_version": state_version,
+            "outgoing": Jsonb([e.to_record() for e in outgoing] if keep_bodies else []),
+            "ids": Jsonb([envelope.message_id for envelope in outgoing]),
+        }
+        query = shared_statement(self._aggregates, self._processed, kind=kind, part=part)
         with self._connection() as connection:
             try:
-                with connection.transaction():
-                    if self._write(connection, loaded, entry, state, completed,
-                                   state_version) != 1:
-                        raise _Refused
-                    if journal:
+                if not journal:
+                    with connection.pipeline():
+                        cursor = connection.execute(query, parameters)
+                        connection.execute(part.after, parameters)
+                        row = cursor.fetchone()
+                else:
+                    with connection.transaction():
                         self._append_journal(connection, journal)
-                    within(connection)
-            except (psycopg.errors.UniqueViolation, _Refused):
-                written = False  # rolled back: the message was handled, or a race was lost
-            else:
-                written = True
-        if not written:
-            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+                        row = connection.execute(query, parameters).fetchone()
+                        if not row or not row[0]:
+                            raise _Refused(row)  # rolls the journal entries back
+                    connection.execute(part.after, parameters)
+            except psycopg.errors.UniqueViolation:
+                row = (0, True, None)  # the processed row exists: the message was handled
+            except _Refused as refused:
+                row = refused.row
+        written, deliverable, result = row if row else (0, True, None)
+        if written:
+            return result
+        if not deliverable:
+            return None
+        raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
                         keep_bodies: bool = False, lease: Lease | None = None,
@@ -876,6 +895,10 @@ class PostgresStorage(Storage):
 
 class _Refused(Exception):
     """A commit's conditional write changed nothing (inside a transaction, to roll back)."""
+
+    def __init__(self, row: Any) -> None:
+        super().__init__("nothing written")
+        self.row = row
 
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,

@@ -18,12 +18,11 @@ from typing import Any
 
 import pytest
 
-from idembus import Endpoint, RetryPolicy
+from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.faults import CrashPoint
 from idembus.handlers import Handler, handles
-from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
@@ -68,8 +67,7 @@ class Shop:
             endpoint.close()  # closes their storages, whose tables go with fresh ones:
         for storage in self.storages:
             storage.close()
-            dropper = PostgresStorage(storage.conninfo,
-                                      table_prefix=storage._aggregates.removesuffix("_aggregates"))
+            dropper = PostgresStorage(storage.conninfo, table_prefix=storage.table_prefix)
             dropper.drop_tables()
             dropper.close()
         if self.transports:
@@ -109,6 +107,22 @@ class Seen(Handler):
     @handles
     def deposit(self, message: Deposit) -> None:
         self.seen.append(self.context.message_id)
+
+
+class _Dying:
+    """A statement part whose result ends the database session running it."""
+
+    def __init__(self, part: Any) -> None:
+        self._part = part
+        self.inputs, self.precondition, self.params = part.inputs, part.precondition, part.params
+        self.result = (f"(SELECT CASE WHEN pg_terminate_backend(pg_backend_pid()) "
+                       f"THEN {part.result} END)")
+
+    def effects(self, guard: str) -> str:
+        return str(self._part.effects(guard))
+
+    def enqueued(self, result: Any) -> Any:
+        return self._part.enqueued(result)
 
 
 class Deletes:
@@ -185,37 +199,35 @@ def test_a_crash_before_the_commit_is_redelivered_and_after_it_nothing_comes_aga
     assert downstream.counters["received"] == 1
 
 
-def test_a_failure_inside_the_transaction_leaves_nothing_half_done(
+def test_a_connection_lost_inside_the_commit_leaves_nothing_half_done(
     shop: Shop, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Given a transaction that fails once after the commit's write and the outgoing inserts,
-    # before the incoming message's removal
+    # Given a commit whose database session dies once in the middle of its statement, after
+    # the write, the inserts and the deletion ran and before it could commit
     transport = shop.transport()
-    failures = [1]
-    original = transport.remove
+    deaths = [1]
+    original = transport.part
 
-    def failing_once(connection: Any, delivery: Any) -> None:
-        if failures[0]:
-            failures[0] -= 1
-            raise RuntimeError("the transaction fails here")
-        original(connection, delivery)
+    def dying_once(envelopes: Any, **options: Any) -> Any:
+        part = original(envelopes, **options)
+        if not deaths[0] or options.get("remove") is None:  # a send, not a commit
+            return part
+        deaths[0] -= 1
+        return _Dying(part)
 
-    monkeypatch.setattr(transport, "remove", failing_once)
-    accounts, downstream, ledger = accounts_and_ledger(
-        shop, transport=transport,
-        recoverability=Recoverability(retries=RetryPolicy(immediate_retries=1, delayed=())))
-    failed = SignalCounter(accounts, "failed")
+    monkeypatch.setattr(transport, "part", dying_once)
+    accounts, downstream, ledger = accounts_and_ledger(shop, transport=transport)
     recorded = SignalCounter(downstream, "handled")
 
     # When a deposit is handled
     accounts.bus.send(Deposit(account="a", amount=5))
 
-    # Then the failed attempt left nothing (its retry was no duplicate), and the retry
-    # applied the deposit and sent its event once
+    # Then the lost statement left nothing (the attempt after the outage is no duplicate),
+    # and that attempt applied the deposit and sent its event, once
     assert recorded.wait_for(1)
     wait_until_idle([accounts, downstream])
-    assert failed.count == 1
-    assert accounts.counters["duplicate"] == 0
+    assert deaths == [0]
+    assert accounts.counters["duplicate"] == 0 and accounts.counters["handled"] == 1
     assert account(accounts, "a") == Account(balance=5, deposits=1)
     assert len(ledger.entries) == 1 and downstream.counters["received"] == 1
     assert transport.pending(accounts.name) == 0

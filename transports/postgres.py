@@ -10,14 +10,21 @@ Features
   by a role that may) created them.
 * Competing consumers claim the oldest due messages of their queue with ``FOR UPDATE SKIP
   LOCKED``, up to ``prefetch`` at a time, in one statement that sets their lease
-  (``leased_until``, ``lease``). A delivery is acknowledged by deleting its row, requeued by
-  clearing its lease: it keeps its place in the queue. While a delivery is unsettled its
-  lease is renewed every third of ``visibility_timeout``; a consumer that dies (SIGKILL)
-  renews nothing, and its messages are due again once their leases run out.
-* An idle consumer does not poll: it listens on its queue's channel (``LISTEN``); a
-  trigger notifies it when a message is inserted (on commit), and a requeue notifies too.
-  It also wakes when the next delayed message or lease of its queue is due, and at least
-  every ``max_idle_wait`` seconds (one cheap query).
+  (``leased_until``, ``lease``). Claims and acknowledgements on a consumer's connection
+  are committed without waiting for the disk (``synchronous_commit=off``): one that a crash
+  of the database forgets only delivers its message again, which is deduplicated; sends
+  and the shared transaction's commits wait for it. A delivery is acknowledged by
+  deleting its row, requeued by clearing its lease: it keeps its place in the queue.
+  While a delivery is unsettled its lease is renewed every third of
+  ``visibility_timeout``; a consumer that dies (SIGKILL) renews nothing, and its messages
+  are due again once their leases run out.
+* An idle consumer does not poll: its queue's channel is listened on (``LISTEN``, one
+  connection per queue and process, :mod:`~idembus.transports.postgres_listener`) and a
+  notification wakes one idle consumer thread; a send or a commit that inserted messages
+  notifies right after committing (another writer should do the same: ``SELECT
+  pg_notify(<channel>, '')``, :func:`~idembus.transports.postgres_schema.channel`), and a
+  requeue notifies too. A consumer also wakes when the next delayed message or lease of
+  its queue is due, and at least every ``max_idle_wait`` seconds (one cheap query).
 * Delayed delivery is native (``native_delay``): a message whose ``idembus.deliver_at``
   is in the future is inserted with that due time (``visible_at``), to the microsecond;
   the delay is reckoned from this process's clock, the due time on the database's.
@@ -32,8 +39,7 @@ Features
   rows, nothing taken) serve ``idembus errors``.
 * When the endpoint's :class:`~idembus.storage.postgres.PostgresStorage` is in the same
   database, the commit, the outgoing messages and the removal of the incoming one are one
-  transaction (:mod:`idembus.shared_transaction`, through :meth:`PostgresTransport.enqueue`
-  and :meth:`PostgresTransport.remove`).
+  statement (:mod:`idembus.shared_transaction`, with :meth:`PostgresTransport.part`).
 
 Failures
 ========
@@ -71,13 +77,11 @@ import datetime
 import logging
 import secrets
 import threading
-import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -103,21 +107,25 @@ from .database import (
     transport_error,
 )
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
+from .postgres_listener import Listener
 from .postgres_schema import QueueSchema, channel
 
 log = logging.getLogger(__name__)
 
-#: How long one wait for a notification lasts before the stop flag is looked at again.
-_STOP_CHECK = 0.1
+#: In a statement of its own (autocommit), lets its transaction commit without waiting for
+#: the disk: for what a crash of the database may forget (a notification, a requeue).
+_NO_DISK_WAIT = "set_config('synchronous_commit', 'off', true)"
 #: The columns a claim or read returns, in the order :class:`_PostgresDelivery` reads them.
 _COLUMNS = "m.id, m.headers::text, m.body, m.content_type, m.content_encoding, m.deliveries"
 
 
 @dataclass(frozen=True)
 class Enqueued:
-    """What one :meth:`PostgresTransport.enqueue` inserted: copies per envelope, in order."""
+    """What one insert of envelopes did: copies per envelope, in order, and the queues
+    that got any (whose consumers to wake once it committed)."""
 
     copies: tuple[int, ...]
+    queues: tuple[str, ...] = ()
 
     def refused(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
         """The sent ones (with a destination) that found no declared queue."""
@@ -128,6 +136,81 @@ class Enqueued:
         """The published ones no queue subscribed to."""
         return [e for e, n in zip(envelopes, self.copies, strict=True)
                 if e.destination is None and n == 0]
+
+
+@dataclass(frozen=True)
+class QueuePart:
+    """The transport's part of a statement (named parameters, all ``bus_*``): insert
+    ``envelopes`` — each sent one into its destination queue if that queue was declared,
+    each published one into every queue subscribed to one of its types — and delete the
+    row ``remove`` (or nothing). :meth:`PostgresTransport.enqueue` runs it alone; the
+    shared transaction runs it inside the storage's commit statement
+    (:mod:`idembus.storage.postgres_shared`), its effects guarded by the commit's write."""
+
+    schema: QueueSchema
+    envelopes: tuple[Envelope, ...]
+    params: dict[str, Any]
+
+    @property
+    def inputs(self) -> str:
+        return ("bus_m(ord, headers, body, content_type, content_encoding, delay) AS ("
+                "SELECT * FROM unnest(%(bus_ord)s::int[], %(bus_headers)s::text[],"
+                " %(bus_body)s::bytea[], %(bus_content_type)s::text[],"
+                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[])), "
+                "bus_t(ord, name, published) AS (SELECT * FROM unnest("
+                "%(bus_target_ord)s::int[], %(bus_target)s::text[], %(bus_published)s::bool[]))")
+
+    @property
+    def precondition(self) -> str:
+        """Every sent envelope has a declared queue."""
+        return ("NOT EXISTS (SELECT 1 FROM bus_t WHERE NOT bus_t.published AND NOT EXISTS ("
+                f"SELECT 1 FROM {self.schema.queues} q WHERE q.name = bus_t.name))")
+
+    def effects(self, guard: str) -> str:
+        schema = self.schema
+        return (
+            f"bus_targets AS (SELECT t.ord, q.name AS queue FROM bus_t t JOIN {schema.queues} q"
+            f" ON NOT t.published AND q.name = t.name WHERE {guard} "
+            f"UNION SELECT t.ord, s.queue FROM bus_t t JOIN {schema.subscriptions} s"
+            f" ON t.published AND s.message_type = t.name WHERE {guard}), "
+            f"bus_inserted AS (INSERT INTO {schema.messages}"
+            " (queue, headers, body, content_type, content_encoding, visible_at)"
+            " SELECT bus_targets.queue, m.headers::json, m.body, m.content_type,"
+            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second'"
+            " FROM bus_targets JOIN bus_m m USING (ord) ORDER BY m.ord, bus_targets.queue), "
+            f"bus_removed AS (DELETE FROM {schema.messages} WHERE id = %(bus_remove)s"
+            f" AND {guard})")
+
+    @property
+    def after(self) -> str:
+        """Wake the consumers of the queues written to (a statement of its own, after the
+        commit: see :mod:`.postgres_schema`). Each queue the envelopes may go to is
+        notified, written to or not: a consumer woken for nothing claims nothing. A NOTIFY
+        gives its transaction an id, whose commit would wait for the disk while holding
+        the database's notification lock: this one does not wait (a notification lost in
+        a crash of the database only leaves a consumer to look ``max_idle_wait`` later)."""
+        schema = self.schema
+        return (f"WITH {self.inputs} SELECT {_NO_DISK_WAIT}, pg_notify(%(bus_prefix)s || '_' "
+                "|| left(md5(q.queue), 16), '') FROM ("
+                f"SELECT q.name AS queue FROM bus_t t JOIN {schema.queues} q"
+                " ON NOT t.published AND q.name = t.name "
+                f"UNION SELECT s.queue FROM bus_t t JOIN {schema.subscriptions} s"
+                " ON t.published AND s.message_type = t.name) AS q")
+
+    @property
+    def result(self) -> str:
+        """How many copies each envelope got and the queues that got any, as JSON
+        ``[[[ordinal, copies], ...], [queue, ...]]``."""
+        return ("json_build_array((SELECT coalesce(json_agg(json_build_array(ord, n)), '[]') "
+                "FROM (SELECT ord, count(*) AS n FROM bus_targets GROUP BY ord) AS routed), "
+                "(SELECT coalesce(json_agg(DISTINCT queue), '[]') FROM bus_targets))")
+
+    def enqueued(self, result: Any) -> Enqueued:
+        """What :attr:`result` says, per envelope."""
+        routed, queues = result or ((), ())
+        copies = {int(ordinal): int(count) for ordinal, count in routed}
+        return Enqueued(tuple(copies.get(ordinal, 0) for ordinal in range(len(self.envelopes))),
+                        tuple(queues))
 
 
 class PostgresTransport(Transport):
@@ -181,32 +264,28 @@ class PostgresTransport(Transport):
         self._leases: LeaseKeeper[_PostgresDelivery] = LeaseKeeper(
             self.renew, visibility_timeout, name="idembus-postgres-leases")
         self._consumers: set[psycopg.Connection[Any]] = set()
+        self._listeners: dict[str, Listener] = {}
         self._consumers_lock = threading.Lock()
         schema = self.schema
-        self._enqueue_sql = (
-            "WITH m(ord, headers, body, content_type, content_encoding, delay) AS ("
-            "SELECT * FROM unnest(%s::int[], %s::text[], %s::bytea[], %s::text[], %s::text[],"
-            " %s::float8[])), "
-            "t(ord, name, published) AS (SELECT * FROM unnest(%s::int[], %s::text[],"
-            " %s::bool[])), "
-            f"targets AS (SELECT t.ord, q.name AS queue FROM t JOIN {schema.queues} q"
-            " ON NOT t.published AND q.name = t.name "
-            f"UNION SELECT t.ord, s.queue FROM t JOIN {schema.subscriptions} s"
-            " ON t.published AND s.message_type = t.name), "
-            f"inserted AS (INSERT INTO {schema.messages}"
-            " (queue, headers, body, content_type, content_encoding, visible_at)"
-            " SELECT targets.queue, m.headers::json, m.body, m.content_type,"
-            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second'"
-            " FROM targets JOIN m USING (ord) ORDER BY m.ord, targets.queue) "
-            "SELECT ord, count(*) FROM targets GROUP BY ord")
+        # Claims up to a limit; one row more says in how many seconds the next delayed
+        # message or lease of the queue is due (NULL: none).
+        due = ("visible_at <= clock_timestamp() AND (leased_until IS NULL"
+               " OR leased_until <= clock_timestamp())")
         self._claim_sql = (
-            f"UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() + %s"
-            " * interval '1 second', lease = %s, deliveries = m.deliveries + 1"
-            f" FROM (SELECT id, visible_at FROM {schema.messages} WHERE queue = %s"
-            " AND visible_at <= clock_timestamp() AND (leased_until IS NULL"
-            " OR leased_until <= clock_timestamp()) ORDER BY visible_at, id LIMIT %s"
-            " FOR UPDATE SKIP LOCKED) AS c"
-            f" WHERE m.id = c.id RETURNING {_COLUMNS}, c.visible_at")
+            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} WHERE queue = %(queue)s"
+            f" AND {due} ORDER BY visible_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
+            f"u AS (UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() +"
+            " %(lease)s * interval '1 second', lease = %(token)s,"
+            " deliveries = m.deliveries + 1 FROM c"
+            f" WHERE m.id = c.id RETURNING {_COLUMNS}, c.visible_at) "
+            "SELECT *, NULL::float8 FROM u UNION ALL "
+            "SELECT NULL::bigint, NULL::text, NULL::bytea, NULL::text, NULL::text, NULL::int,"
+            " NULL::timestamptz, extract(epoch FROM least("
+            f"(SELECT min(visible_at) FROM {schema.messages} WHERE queue = %(queue)s"
+            " AND visible_at > clock_timestamp()), "
+            f"(SELECT min(leased_until) FROM {schema.messages} WHERE queue = %(queue)s"
+            " AND visible_at <= clock_timestamp() AND leased_until > clock_timestamp()))"
+            " - clock_timestamp())::float8")
 
     # -- schema -----------------------------------------------------------------------
 
@@ -309,33 +388,45 @@ class PostgresTransport(Transport):
 
     def enqueue(self, connection: psycopg.Connection[Any],
                 envelopes: Sequence[Envelope]) -> Enqueued:
-        """Insert ``envelopes`` on ``connection``, in whatever transaction it is in: each
-        sent one into its destination queue if that queue was declared, each published one
-        into every queue subscribed to one of its types. One statement; the caller commits
-        (and looks at what found no queue)."""
+        """Insert ``envelopes`` on ``connection`` (:class:`QueuePart`, alone: one statement
+        in autocommit, then the one that wakes the consumers, in one round trip); the
+        caller looks at what found no queue."""
         if not envelopes:
             return Enqueued(())
-        now = datetime.datetime.now(datetime.timezone.utc)
-        columns: tuple[list[Any], ...] = ([], [], [], [], [], [])
-        targets: tuple[list[Any], ...] = ([], [], [])
-        for ordinal, envelope in enumerate(envelopes):
-            for column, value in zip(columns, _row(ordinal, envelope, now), strict=True):
-                column.append(value)
-            for name in _targets(envelope):
-                for column, value in zip(targets, (ordinal, name, envelope.destination is None),
-                                         strict=True):
-                    column.append(value)
-        rows = connection.execute(self._enqueue_sql, (*columns, *targets)).fetchall()
-        copies = dict(rows)
-        return Enqueued(tuple(int(copies.get(ordinal, 0)) for ordinal in range(len(envelopes))))
+        part = self.part(envelopes)
+        with connection.pipeline():
+            cursor = connection.execute(f"WITH {part.inputs}, {part.effects('true')} "
+                                        f"SELECT {part.result}", part.params)
+            connection.execute(part.after, part.params)
+            row = cursor.fetchone()
+        return part.enqueued(row[0] if row else None)
 
-    def remove(self, connection: psycopg.Connection[Any], delivery: Delivery) -> None:
-        """Delete ``delivery``'s row on ``connection``, in its transaction; once that
-        committed, :meth:`removed` says so (the shared transaction does both)."""
-        if not isinstance(delivery, _PostgresDelivery):
-            raise TypeError(f"{delivery!r} was not delivered by a PostgresTransport")
-        connection.execute(f"DELETE FROM {self.schema.messages} WHERE id = %s",
-                           (delivery.row_id,))
+    def part(self, envelopes: Sequence[Envelope], *,
+             remove: Delivery | None = None) -> QueuePart:
+        """The statement part that inserts ``envelopes`` and deletes ``remove``'s row
+        (a delivery of this transport); see :class:`QueuePart`."""
+        if remove is not None and not isinstance(remove, _PostgresDelivery):
+            raise TypeError(f"{remove!r} was not delivered by a PostgresTransport")
+        now = datetime.datetime.now(datetime.timezone.utc)
+        params: dict[str, Any] = {name: [] for name in (
+            "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
+            "bus_delay", "bus_target_ord", "bus_target", "bus_published")}
+        for ordinal, envelope in enumerate(envelopes):
+            due = envelope.deliver_at
+            for name, value in (
+                    ("bus_ord", ordinal), ("bus_headers", encode_headers(envelope.headers)),
+                    ("bus_body", envelope.body.encode("utf-8", "surrogateescape")),
+                    ("bus_content_type", envelope.content_type),
+                    ("bus_content_encoding", envelope.content_encoding),
+                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0)):
+                params[name].append(value)
+            for target in _targets(envelope):
+                params["bus_target_ord"].append(ordinal)
+                params["bus_target"].append(target)
+                params["bus_published"].append(envelope.destination is None)
+        params["bus_remove"] = remove.row_id if remove is not None else None
+        params["bus_prefix"] = self.schema.prefix
+        return QueuePart(self.schema, tuple(envelopes), params)
 
     def removed(self, delivery: Delivery) -> None:
         """``delivery``'s row was deleted by a transaction that committed: acknowledging or
@@ -362,92 +453,93 @@ class PostgresTransport(Transport):
     ) -> None:
         """See the contract; outages are waited out here (reconnecting with backoff), and a
         refusal only an operator can end (``BrokerAccessDenied``) is raised."""
-        failures = 0
-        while not stop.is_set():
-            try:
-                connection = self._listening(queue)
-            except BrokerAccessDenied:
-                raise
-            except TransportUnavailable as exc:
-                failures = self._reconnects.pause(queue, exc, failures, stop)
-                continue
-            try:
-                failures = 0
-                self._consume_on(connection, queue, on_delivery, stop, max(1, prefetch))
-            except BrokerAccessDenied:
-                raise
-            except TransportUnavailable as exc:
-                failures = self._reconnects.pause(queue, exc, failures, stop)
-            finally:
-                self._hang_up(connection)
+        listener = self._listener(queue)
+        listener.join()
+        try:
+            failures = 0
+            while not stop.is_set():
+                try:
+                    connection = self._consumer_connection("consume", queue)
+                except BrokerAccessDenied:
+                    raise
+                except TransportUnavailable as exc:
+                    failures = self._reconnects.pause(queue, exc, failures, stop)
+                    continue
+                try:
+                    failures = 0
+                    self._consume_on(connection, listener, on_delivery, stop, max(1, prefetch))
+                except BrokerAccessDenied:
+                    raise
+                except TransportUnavailable as exc:
+                    failures = self._reconnects.pause(queue, exc, failures, stop)
+                finally:
+                    self._hang_up(connection)
+        finally:
+            listener.leave()
 
-    def _consume_on(self, connection: psycopg.Connection[Any], queue: str,
+    def _consume_on(self, connection: psycopg.Connection[Any], listener: Listener,
                     on_delivery: OnDelivery, stop: threading.Event, prefetch: int) -> None:
+        queue = listener.queue
         while not stop.is_set():
             with _seam(self, f"consuming {queue!r}", refusal=BrokerAccessDenied):
-                _drain(connection)
-                deliveries = self._claim(connection, queue, prefetch)
-                if not deliveries:
-                    self._wait(connection, self._idle_wait(connection, queue), stop)
-                    continue
+                deliveries, due = self._claim(connection, queue, prefetch)
+            full = len(deliveries) == prefetch
+            if full:
+                listener.pass_on()  # more may be waiting: another idle consumer looks
             deliver_claimed(deliveries, on_delivery, stop, self._give_back)
+            if not full:
+                # The queue had no more when claimed: what came since has notified, and
+                # what comes due has its time (no claim that would find nothing)
+                wait = self.max_idle_wait if due is None else min(due, self.max_idle_wait)
+                listener.wait(max(0.0, wait), stop)
 
     def _claim(self, connection: psycopg.Connection[Any], queue: str,
-               limit: int | None) -> list[_PostgresDelivery]:
+               limit: int | None) -> tuple[list[_PostgresDelivery], float | None]:
         """Up to ``limit`` due messages of ``queue`` (every one for ``None``), leased to
-        this process, oldest due first; their leases are renewed until they are settled."""
+        this process, oldest due first (their leases are renewed until they are settled),
+        and the seconds until the next delayed message or lease is due, if any."""
         token = secrets.randbits(63)
-        rows = connection.execute(
-            self._claim_sql, (self.visibility_timeout, token, queue, limit)).fetchall()
-        rows.sort(key=lambda row: (row[-1], row[0]))
-        deliveries = [_PostgresDelivery(self, queue, row[:-1], lease=token,
-                                        connection=connection) for row in rows]
+        rows = connection.execute(self._claim_sql, {
+            "queue": queue, "limit": limit, "lease": self.visibility_timeout,
+            "token": token}).fetchall()
+        due = next((row[-1] for row in rows if row[0] is None), None)
+        claimed = sorted((row for row in rows if row[0] is not None),
+                         key=lambda row: (row[-2], row[0]))
+        deliveries = [_PostgresDelivery(self, queue, row[:-2], lease=token,
+                                        connection=connection) for row in claimed]
         self._leases.hold(deliveries)
-        return deliveries
+        return deliveries, due
 
-    def _idle_wait(self, connection: psycopg.Connection[Any], queue: str) -> float:
-        """Seconds until the next delayed message or lease of ``queue`` is due, at most
-        ``max_idle_wait``."""
-        row = connection.execute(
-            "SELECT extract(epoch FROM least("
-            f"(SELECT min(visible_at) FROM {self.schema.messages} WHERE queue = %s"
-            " AND visible_at > clock_timestamp()), "
-            f"(SELECT min(leased_until) FROM {self.schema.messages} WHERE queue = %s"
-            " AND visible_at <= clock_timestamp() AND leased_until > clock_timestamp()))"
-            " - clock_timestamp())", (queue, queue)).fetchone()
-        due = None if row is None or row[0] is None else float(row[0])
-        return self.max_idle_wait if due is None else max(0.0, min(due, self.max_idle_wait))
+    def _listener(self, queue: str) -> Listener:
+        """The listener of ``queue`` in this process (one for all its consumer threads)."""
+        with self._consumers_lock:
+            listener = self._listeners.get(queue)
+            if listener is None:
+                listener = self._listeners[queue] = Listener(
+                    queue, channel(self.schema.prefix, queue),
+                    connect=lambda role: self._consumer_connection(role, queue),
+                    reconnects=self._reconnects)
+            return listener
 
-    @staticmethod
-    def _wait(connection: psycopg.Connection[Any], seconds: float,
-              stop: threading.Event) -> None:
-        """Wait up to ``seconds`` for a notification on ``connection``, or for ``stop``."""
-        deadline = time.monotonic() + seconds
-        while not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            for _ in connection.notifies(timeout=min(left, _STOP_CHECK), stop_after=1):
-                return
-
-    def _listening(self, queue: str) -> psycopg.Connection[Any]:
-        """A connection of its own for a consumer of ``queue``, listening on its channel
-        (named in ``pg_stat_activity`` as ``idembus consume <queue>``)."""
+    def _consumer_connection(self, role: str, queue: str) -> psycopg.Connection[Any]:
+        """A connection of its own for a consumer (``role`` ``consume``) or the listener
+        (``listen``) of ``queue``, named ``idembus <role> <queue>`` in
+        ``pg_stat_activity``."""
         if not self._schema_ready:
             self.verify()
         try:
             connection = psycopg.connect(
                 self.url, autocommit=True, connect_timeout=max(1, int(self._connect_timeout)),
-                application_name=f"idembus consume {queue}"[:63])
+                application_name=f"idembus {role} {queue}"[:63])
         except psycopg.Error as exc:
-            raise transport_error(classified(exc, self.url),
-                                  f"consuming {queue!r}") from exc
+            raise transport_error(classified(exc, self.url), f"consuming {queue!r}") from exc
         try:
-            connection.execute(sql.SQL("LISTEN {}").format(
-                sql.Identifier(channel(self.schema.prefix, queue))))
+            # Claims and acknowledgements need not wait for the disk: one a crash of the
+            # database forgets only delivers its message again, which is deduplicated.
+            connection.execute("SET synchronous_commit TO off")
         except psycopg.Error as exc:
             _close_quietly(connection)
-            raise transport_error(classified(exc, self.url), f"listening for {queue!r}") from exc
+            raise transport_error(classified(exc, self.url), f"consuming {queue!r}") from exc
         with self._consumers_lock:
             self._consumers.add(connection)
         return connection
@@ -476,7 +568,7 @@ class PostgresTransport(Transport):
                 f"WITH back AS (UPDATE {self.schema.messages} AS m SET leased_until = NULL, "
                 "lease = NULL FROM unnest(%s::bigint[], %s::bigint[]) AS d(id, lease) "
                 "WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
-                "SELECT pg_notify(%s, '') WHERE EXISTS (SELECT 1 FROM back)",
+                f"SELECT {_NO_DISK_WAIT}, pg_notify(%s, '') WHERE EXISTS (SELECT 1 FROM back)",
                 ([d.row_id for d in deliveries], [d.lease for d in deliveries],
                  channel(self.schema.prefix, first.queue)))
         self._leases.drop(deliveries)
@@ -541,7 +633,7 @@ class PostgresTransport(Transport):
             yield []
             return
         with self._connection(f"taking the messages of {queue!r}") as connection:
-            taken = self._claim(connection, queue, limit)
+            taken, _ = self._claim(connection, queue, limit)
         for delivery in taken:
             delivery.connection = None  # settled through the pool, from any thread
         try:
@@ -602,6 +694,9 @@ class PostgresTransport(Transport):
         self._leases.close()
         with self._consumers_lock:
             consumers, self._consumers = self._consumers, set()
+            listeners, self._listeners = list(self._listeners.values()), {}
+        for listener in listeners:
+            listener.close()
         for connection in consumers:
             _close_quietly(connection)
         with self._opening:
@@ -654,22 +749,6 @@ def _seam(transport: PostgresTransport, what: str, *,
         raise error from exc
     except UnicodeEncodeError as exc:  # text the database cannot hold as UTF-8
         raise refusal(f"{what}: {exc}") from exc
-
-
-def _drain(connection: psycopg.Connection[Any]) -> None:
-    """Take the notifications received meanwhile (a claim follows, which sees their
-    messages), so that none pile up while the consumer is busy."""
-    for _ in connection.notifies(timeout=0):
-        pass
-
-
-def _row(ordinal: int, envelope: Envelope, now: datetime.datetime) -> tuple[Any, ...]:
-    """One envelope's columns for :meth:`PostgresTransport.enqueue`."""
-    due = envelope.deliver_at
-    delay = max(0.0, (due - now).total_seconds()) if due is not None else 0.0
-    return (ordinal, encode_headers(envelope.headers),
-            envelope.body.encode("utf-8", "surrogateescape"), envelope.content_type,
-            envelope.content_encoding, delay)
 
 
 def _targets(envelope: Envelope) -> list[str]:
