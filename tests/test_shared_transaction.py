@@ -26,6 +26,7 @@ from idembus.handlers import Handler, handles
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from idembus.transports.base import Delivery
 from idembus.transports.postgres import PostgresTransport
 from tests.conftest import POSTGRES_URL, require_service
 from tests.hostile import Pinger
@@ -315,3 +316,43 @@ def test_only_a_storage_in_the_same_database_shares_the_transaction(
     endpoint = shop.endpoint("sharing", transport=shop.transport(**option),
                              storage=makers[storage](), handlers=[AccountHandler])
     assert (endpoint.shared_transaction is not None) is shared
+
+
+class Replayed(Delivery):
+    """A message a tool brings itself (``idembus spark replay`` does so)."""
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(queue="replay", headers={h.MESSAGE_ID: message_id,
+                                                  h.MESSAGE_TYPE: "test.Deposit"},
+                         body=b'{"account": "r", "amount": 3}', content_type=h.CONTENT_TYPE,
+                         redelivered=False)
+        self.acked = False
+
+    def _ack(self) -> None:
+        self.acked = True
+
+    def _requeue(self) -> None:
+        raise AssertionError("a replayed message is never requeued here")
+
+
+def test_a_message_a_tool_brings_itself_is_committed_with_its_messages_and_acked_as_usual(
+    shop: Shop,
+) -> None:
+    # Given an endpoint on the shared path, not consuming, and a ledger that is
+    accounts = shop.endpoint("accounts", handlers=[AccountHandler])
+    ledger = Ledger()
+    downstream = shop.endpoint("ledger", handlers=[ledger])
+    downstream.start()
+    accounts.storage.verify()
+    recorded = SignalCounter(downstream, "handled")
+
+    # When a tool hands it a delivery of its own
+    replayed = Replayed(str(uuid.uuid4()))
+    accounts.process(replayed)
+
+    # Then the deposit is applied, its event sent with the commit, and the tool's delivery
+    # acknowledged its own way (no row of the queue table was touched for it)
+    assert recorded.wait_for(1)
+    assert replayed.acked
+    assert account(accounts, "r") == Account(balance=3, deposits=1)
+    assert len(ledger.entries) == 1

@@ -284,7 +284,8 @@ class MongoTransport(Transport):
         due = envelope.deliver_at
         visible_at = max(due, now) if due is not None else now
         headers = encode_headers(envelope.headers)
-        body = envelope.body.encode("utf-8", "surrogateescape")
+        with self._op(what):
+            body = envelope.body.encode("utf-8", "surrogateescape")
         documents = [{
             "_id": _document_id(envelope, queue, headers, body), "queue": queue,
             "headers": headers, "body": body, "content_type": envelope.content_type,
@@ -467,6 +468,8 @@ class MongoTransport(Transport):
             if isinstance(error, DestinationRefused) and refusal is not DestinationRefused:
                 error = refusal(str(error))
             raise error from exc
+        except UnicodeEncodeError as exc:  # text that cannot be stored as UTF-8
+            raise refusal(f"{what} on {self.safe_url}: {exc}") from exc
 
     def close(self) -> None:
         self._leases.close()

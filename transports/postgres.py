@@ -403,10 +403,10 @@ class PostgresTransport(Transport):
 
     def part(self, envelopes: Sequence[Envelope], *,
              remove: Delivery | None = None) -> QueuePart:
-        """The statement part that inserts ``envelopes`` and deletes ``remove``'s row
-        (a delivery of this transport); see :class:`QueuePart`."""
-        if remove is not None and not isinstance(remove, _PostgresDelivery):
-            raise TypeError(f"{remove!r} was not delivered by a PostgresTransport")
+        """The statement part that inserts ``envelopes`` and deletes ``remove``'s row —
+        if it is a delivery of this transport's table (another one, a tool's own, is left
+        to be acknowledged as usual); see :class:`QueuePart`."""
+        remove = self._own(remove)
         now = datetime.datetime.now(datetime.timezone.utc)
         params: dict[str, Any] = {name: [] for name in (
             "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
@@ -431,9 +431,17 @@ class PostgresTransport(Transport):
     def removed(self, delivery: Delivery) -> None:
         """``delivery``'s row was deleted by a transaction that committed: acknowledging or
         requeueing it has nothing left to do, and its lease is no longer renewed."""
-        if isinstance(delivery, _PostgresDelivery):
-            delivery.removed = True
-            self._leases.drop([delivery])
+        own = self._own(delivery)
+        if own is not None:
+            own.removed = True
+            self._leases.drop([own])
+
+    def _own(self, delivery: Delivery | None) -> _PostgresDelivery | None:
+        """``delivery`` if it is a row of this transport's messages table."""
+        if (isinstance(delivery, _PostgresDelivery) and not delivery.settled
+                and delivery.table == self.schema.messages):
+            return delivery
+        return None
 
     def shares_database_with(self, storage: object) -> bool:
         """Whether ``storage`` is a :class:`~idembus.storage.postgres.PostgresStorage` in
@@ -723,6 +731,8 @@ class _PostgresDelivery(Delivery):
         #: The consumer connection it was claimed on (``None``: settled through the pool).
         self.connection = connection
         self._transport = transport
+        #: The table its row is in.
+        self.table = transport.schema.messages
         #: Its row was deleted by a committed transaction (the shared transaction).
         self.removed = False
 

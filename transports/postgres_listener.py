@@ -23,8 +23,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..errors import BusError
 from .database import Reconnects
-from .errors import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ STOP_CHECK = 0.1
 
 class Listener:
     """Listens on ``channel`` for the consumers of ``queue`` (see the module docstring);
-    ``connect()`` opens a connection or raises a transport error."""
+    ``connect(role)`` opens a connection or raises a bus error (an outage, a refusal)."""
 
     def __init__(self, queue: str, channel: str, *,
                  connect: Callable[[str], psycopg.Connection[Any]],
@@ -102,7 +102,7 @@ class Listener:
         while not self._stop.is_set():
             try:
                 connection = self._connect("listen")
-            except TransportError as exc:
+            except BusError as exc:  # consumers meanwhile look every max_idle_wait
                 failures = self._reconnects.pause(self.queue, exc, failures, self._stop)
                 continue
             try:
