@@ -610,27 +610,31 @@ class HeldMessages:
 
 
 @pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch) -> HeldMessages:
-    """Every message kombu hands this process (a raw message of idembus's channels)."""
+def held(monkeypatch: pytest.MonkeyPatch, transport_url: str) -> HeldMessages:
+    """Every message the transport hands this process: a raw message of idembus's kombu
+    channels, or a delivery of a database transport (a row, a document)."""
     spy = HeldMessages()
-    original = kombu_transport._RawBody.__init__
+    if is_kombu_url(transport_url):
+        held_class: Any = kombu_transport._RawBody
+    elif transport_url.startswith("postgres"):
+        from idembus.transports.postgres import _PostgresDelivery as held_class
+    else:
+        from idembus.transports.mongo import _MongoDelivery as held_class
+    original = held_class.__init__
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         spy.created(self)
 
-    monkeypatch.setattr(kombu_transport._RawBody, "__init__", counted)
+    monkeypatch.setattr(held_class, "__init__", counted)
     return spy
 
 
 def test_a_long_error_queue_is_listed_and_exported_a_page_at_a_time_and_kept_whole(
     make_transport: Callable[..., KombuTransport], queue_name: Callable[[str], str],
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    held: HeldMessages, tmp_path: Any, transport_url: str,
+    held: HeldMessages, tmp_path: Any,
 ) -> None:
-    if not is_kombu_url(transport_url):
-        pytest.skip("counts kombu's messages; tests/test_database_transports.py pages the "
-                    "database transports")
     # Given an error queue of 60 failed messages, read 10 at a time
     monkeypatch.setattr(cli_errors, "PAGE", 10)
     name, error_queue = queue_name("long"), queue_name("long-error")
