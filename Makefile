@@ -48,11 +48,14 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m bench.postgres
 	$(BIN)/python -m bench.spark_replay
 	$(BIN)/python -m bench.gateway
+	$(BIN)/python -m bench.database_queues
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
-# reduced one): worker processes killed every ~2 s, RabbitMQ restarted once.
+# reduced one): worker processes killed every ~2 s, RabbitMQ restarted once. With the queues
+# in PostgreSQL (PostgreSQL restarted once with pg_ctlcluster instead):
+#   make torture TORTURE_ARGS="--transport postgresql://postgres@127.0.0.1:5432/test"
 torture: $(VENV)/.test
-	$(BIN)/python -m samples.torture --orders 10000
+	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
         "migrate", parents=[common],
-        help="create the endpoint's storage schema (tables, indexes) and exit")
+        help="create the endpoint's storage schema (tables, indexes), and its transport's "
+             "when the queues are in a database, and exit")
     migrate.add_argument("endpoint", help="package.module:endpoint")
     migrate.set_defaults(handler=lambda args: _migrate(args.endpoint))
     for register in _TOOLS:
@@ -117,6 +118,8 @@ def _migrate(reference: str) -> int:
     try:
         endpoint.storage.migrate()
         print(f"{endpoint.name}: {type(endpoint.storage).__name__} schema is in place")
+        if endpoint.transport.migrate():
+            print(f"{endpoint.name}: {type(endpoint.transport).__name__} schema is in place")
     finally:
         endpoint.close()
     return 0
@@ -155,7 +158,8 @@ def _run(args: argparse.Namespace) -> int:
                 f"processes can share; {endpoint.name!r} uses "
                 f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
                 "and memory://, MemoryStorage and mongomock live inside one process. Use "
-                "RabbitMQ or Redis and PostgreSQL or MongoDB, or --concurrency for threads."
+                "RabbitMQ, Redis or a postgresql:// transport and PostgreSQL or MongoDB, or "
+                "--concurrency for threads."
             )
     finally:
         endpoint.close()

@@ -54,6 +54,7 @@ from .routing import Router
 from .scheduler import Scheduler
 from .schedules import Schedule, SchedulerPolicy, scheduler_policy
 from .sending import Bus
+from .shared_transaction import shared_transaction
 from .shutdown import Deadline, StopSignals
 from .signals import EndpointSignals
 from .status import StatusReporter
@@ -77,7 +78,9 @@ class Endpoint:
     name:
         The endpoint's name, also its queue and the reply address of what it sends.
     transport:
-        A :class:`~idembus.transports.base.Transport`, or a kombu URL (default ``memory://``).
+        A :class:`~idembus.transports.base.Transport`, or a URL (default ``memory://``):
+        ``postgresql://`` and ``mongodb://`` keep the queues in that database, any other
+        is a kombu URL (:func:`idembus.transports.urls.transport_for`).
     storage:
         A storage backend (:mod:`idembus.storage.base`; it needs the roles the options below
         use); default: a :class:`~idembus.storage.memory.MemoryStorage` of its own, in this
@@ -221,11 +224,17 @@ class Endpoint:
             keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock,
             on_unrouted=self.unrouted)
         self._unrouted_lines = Throttle(10.0)
+        #: Commits, sends and acknowledgements in one transaction when the queues are in
+        #: the storage's database (:mod:`idembus.shared_transaction`), else ``None``.
+        self.shared_transaction = shared_transaction(
+            self.storage, self.transport, endpoint=name, signals=self.signals,
+            pipeline=self.pipeline, journal=self.journal, on_unrouted=self.unrouted,
+            keep_bodies=not self.outbox_policy.compact_after_dispatch)
         invoker = HandlerInvoker(
             endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
             conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
             defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
-            clock=self.clock,
+            clock=self.clock, shared=self.shared_transaction,
         )
         self._processor = MessageProcessor(
             endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
@@ -424,6 +433,10 @@ class Endpoint:
                  ", ".join(type(h).name() for h in self.table.handlers) or "none",
                  ", ".join(self.subscriptions) or "nothing", _described(self.transport),
                  _described(self.storage), extra={"endpoint": self.name})
+        if self.shared_transaction is not None:
+            log.info("endpoint %s commits, sends and acknowledges in one transaction: its "
+                     "queues are in its storage's database", self.name,
+                     extra={"endpoint": self.name})
 
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Stop taking messages, let the ones in progress finish; True if all threads ended
@@ -577,11 +590,12 @@ def _transport_from(transport: Transport | str) -> Transport:
     if isinstance(transport, Transport):
         return transport
     if isinstance(transport, str):
-        from .transports.kombu import KombuTransport
+        from .transports.urls import transport_for
 
-        return KombuTransport(transport)
+        return transport_for(transport)
     raise ConfigurationError(
-        f"transport must be a Transport or a kombu URL such as 'memory://', got {transport!r}"
+        f"transport must be a Transport or a kombu URL such as 'memory://' (or a database "
+        f"URL: 'postgresql://...', 'mongodb://...'), got {transport!r}"
     )
 
 

@@ -35,6 +35,7 @@ from .pipeline import HandlerCall, Pipeline
 from .policies import ConflictPolicy
 from .routing import Router
 from .sending import Bus
+from .shared_transaction import SharedTransaction
 from .signals import EndpointSignals
 from .storage.base import INBOX, AggregateRecord, Storage
 from .storage.errors import (
@@ -44,6 +45,7 @@ from .storage.errors import (
     ConflictRetriesExhausted,
     StorageUnavailable,
 )
+from .transports.base import Delivery
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,12 @@ class HandlerInvoker:
         pipeline: Pipeline | None = None,
         defer_fresh_redispatch: float = 0.0,
         clock: Clock | None = None,
+        shared: SharedTransaction | None = None,
     ) -> None:
         self._endpoint = endpoint
+        #: Commits with the outgoing messages and the incoming one's removal, when the
+        #: queues share the storage's database (:mod:`idembus.shared_transaction`).
+        self._shared = shared
         #: The handlers' "now" (what their buses stamp and defer by).
         self._clock = clock or SystemClock()
         #: Seconds during which a duplicate leaves an undispatched entry to its committer.
@@ -104,6 +110,7 @@ class HandlerInvoker:
     def invoke(
         self, binding: HandlerBinding, call: HandlerCall, *,
         commit_may_have_landed: bool = False, expired: bool = False,
+        settle: Delivery | None = None,
     ) -> Outcome:
         """Run the binding's handler on ``call.message`` once per (handler, message id),
         the commit inside the pipeline's ``commit`` stage; sets ``call.duplicate`` and
@@ -117,6 +124,10 @@ class HandlerInvoker:
         ``expired``: the message was received after its ``idembus.discard_after``. Found
         recorded, it is a duplicate as ever (what was stored is sent again); otherwise the
         handler does not run and the outcome says ``discarded``.
+
+        ``settle``: the delivery, when this is its last handler; with a shared transaction
+        its removal is part of the commit, and the outgoing messages go out with it (the
+        outcome then has nothing left to dispatch).
         """
         context, message, headers = call.context, call.message, call.context.headers
         key = context.dedup_key
@@ -142,14 +153,17 @@ class HandlerInvoker:
                                    binding.handler_name)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
-                commit = functools.partial(self._storage.commit, loaded, key=key, state=state,
-                                           outgoing=outgoing)
+                commit: Callable[..., Any] = functools.partial(
+                    self._storage.commit, loaded, key=key, state=state, outgoing=outgoing)
+                if self._shared is not None:
+                    commit = functools.partial(self._shared.commit, loaded, key=key,
+                                               state=state, outgoing=outgoing, settle=settle)
                 if completed:  # only then: a backend from before completion still commits
                     commit = functools.partial(commit, completed=True)
                 else:  # a version only above 1: a backend from before versions still commits
                     commit = functools.partial(commit, **_versioned(binding))
                 try:
-                    self._pipeline.commit(call, commit)
+                    sent = self._pipeline.commit(call, commit)
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -164,7 +178,8 @@ class HandlerInvoker:
                     stored, committed_at = duplicate.outgoing, utc_now()
                 else:
                     self._signals.emit("handled", **details)
-                    return Outcome(aggregate_type, aggregate_id, key, tuple(outgoing), False,
+                    return Outcome(aggregate_type, aggregate_id, key,
+                                   () if sent is True else tuple(outgoing), False,
                                    binding.handler_name)
             else:
                 stored = previous.outgoing

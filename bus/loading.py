@@ -70,7 +70,7 @@ def refuse_process_local(part: Any, *, endpoint: str, role: str, unseen: str) ->
     if not getattr(part, "process_local", False):
         return
     shared = ("a database (PostgreSQL, MongoDB)" if role == "storage"
-              else "a broker (RabbitMQ, Redis)")
+              else "a broker (RabbitMQ, Redis) or a database (PostgreSQL, MongoDB)")
     raise ConfigurationError(
         f"the {role} of endpoint {endpoint!r} ({type(part).__name__}) is process-local: "
         f"another process cannot see its {unseen}. Give the endpoint {shared} that its "

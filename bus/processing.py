@@ -164,8 +164,10 @@ class MessageProcessor:
         expired = expires is not None and self._clock.now() > expires
         discarded = False
         try:
-            for binding in self._table.bindings_for(type(message)):
-                done = self._handle(binding, message, delivery, incoming, expired=expired)
+            bindings = self._table.bindings_for(type(message))
+            for binding in bindings:
+                done = self._handle(binding, message, delivery, incoming, expired=expired,
+                                    last=binding is bindings[-1])
                 if isinstance(done, _Failure):
                     return self._after_failure(delivery, incoming, done)
                 discarded |= done is not None and done.discarded
@@ -210,10 +212,12 @@ class MessageProcessor:
 
     def _handle(
         self, binding: HandlerBinding, message: Message, delivery: Delivery,
-        incoming: IncomingMessage, *, expired: bool = False,
+        incoming: IncomingMessage, *, expired: bool = False, last: bool = False,
     ) -> _Failure | Outcome | None:
         """Invoke and dispatch with immediate retries; the failure if every attempt raised,
-        else the outcome (``None``: the handler skipped the message).
+        else the outcome (``None``: the handler skipped the message). The ``last`` handler
+        of the message may remove it from its queue in its commit (a shared transaction,
+        :mod:`idembus.shared_transaction`).
 
         While the database or the broker is unreachable the message keeps its place: the
         attempt is repeated with backoff, retries are not used up, and when the endpoint
@@ -237,7 +241,8 @@ class MessageProcessor:
                     call = HandlerCall(incoming, context, message, attempts)
                     outcome = self._pipeline.handler(call, functools.partial(
                         self._invoker.invoke, binding, call,
-                        commit_may_have_landed=commit_may_have_landed, expired=expired))
+                        commit_may_have_landed=commit_may_have_landed, expired=expired,
+                        settle=delivery if last else None))
                     if outcome.discarded:
                         self._discarded(binding.handler_name, delivery.headers)
                 self._dispatch(outcome, delivery.headers, dispatching)

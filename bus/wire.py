@@ -28,6 +28,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 #: ``idembus.*``): ``'x-count' (a int), 'blob' (bytes)``. The copies idembus makes of the
 #: message (error queue, delayed retry) carry it; the headers it names are not in them.
 DROPPED_HEADERS = "idembus.wire.dropped_headers"
+#: Content encodings of a body that is the bytes themselves (kombu writes ``binary`` for
+#: bytes and ``utf-8`` for text).
+PLAIN_ENCODINGS = frozenset({"", "utf-8", "utf8", "binary", "identity"})
 #: Longest ``repr`` of a non-text header value kept for an operator to see.
 _SHOWN = 200
 #: Longest :data:`DROPPED_HEADERS` value, in characters.
@@ -94,6 +97,22 @@ def problem_with(delivery: Delivery, *, max_message_bytes: int) -> str | None:
         if any(ord(character) < 32 or ord(character) == 127 for character in message_id):
             return f"the {h.MESSAGE_ID} header {shown(message_id)} has control characters"
     return None
+
+
+def encoding_problem(headers: Mapping[Any, Any], encoding: str | None) -> str | None:
+    """A body idembus would have to decode or decompress to read (``headers`` as the
+    broker carried them): refused as received."""
+    if "compression" in headers:  # whatever it says: kombu would decompress by it
+        return (f"the body is compressed ({shown(headers['compression'])}); idembus "
+                "does not decompress what it receives")
+    if (encoding or "").strip().lower() not in PLAIN_ENCODINGS:
+        return f"the content encoding {shown(encoding)} is not one idembus reads"
+    return None
+
+
+def joined(*problems: str | None) -> str | None:
+    """The problems found, in one text (``None``: none)."""
+    return "; ".join(problem for problem in problems if problem) or None
 
 
 def _is_text(value: Any) -> bool:

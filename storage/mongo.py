@@ -731,6 +731,11 @@ def _translated() -> Iterator[None]:
         raise StorageRefused(f"MongoDB refused the data: {redact(str(exc))}") from exc
 
 
+#: The taxonomy of pymongo's errors as storage errors, for others at the same seam (the
+#: MongoDB transport).
+translated = _translated
+
+
 def _is_aggregate(document: Mapping[str, Any] | None) -> bool:
     """True if ``document`` has the shape of an aggregate idembus committed: an integer
     version and processed entries with a key and a dispatched flag."""

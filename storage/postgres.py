@@ -99,10 +99,12 @@ from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
 from .postgres_errors import (
     classified,
-    discards_connection,
+    discarding,
     is_privilege_refusal,
     login_problem,
 )
+from .postgres_shared import StatementPart
+from .postgres_shared import statement as shared_statement
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -133,6 +135,8 @@ class PostgresStorage(Storage):
                 f"table_prefix {table_prefix!r} must be lower-case letters, digits and '_'"
             )
         self.conninfo = conninfo
+        #: The prefix of this storage's tables.
+        self.table_prefix = table_prefix
         self._aggregates = f"{table_prefix}_aggregates"
         self._processed = f"{table_prefix}_processed"
         self._scheduled = f"{table_prefix}_scheduled"
@@ -431,6 +435,66 @@ class PostgresStorage(Storage):
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def commit_with(
+        self,
+        loaded: AggregateRecord,
+        *,
+        key: str,
+        state: Mapping[str, Any] | None,
+        outgoing: Sequence[Envelope],
+        part: StatementPart,
+        keep_bodies: bool = False,
+        journal: Sequence[JournalEntry] = (),
+        completed: bool = False,
+        state_version: int | None = None,
+    ) -> Any:
+        """:meth:`commit`, in one statement with another's ``part``
+        (:mod:`idembus.storage.postgres_shared`; the PostgreSQL transport inserting the
+        outgoing messages into their queues and deleting the incoming one, for
+        :mod:`idembus.shared_transaction`), and with the ``journal`` entries in the same
+        transaction; then the part's ``after`` statement, in the same round trip where
+        there is no journal. The outgoing messages are recorded as dispatched already (their
+        bodies kept only with ``keep_bodies``): no outbox sends them, no mark follows.
+
+        Returns the part's result; ``None`` if the part's precondition failed (nothing was
+        written: commit another way); raises as :meth:`commit` does when the write is
+        refused (nothing was written either)."""
+        kind = ("inbox" if loaded.aggregate_type == INBOX
+                else "update" if loaded.exists else "create")
+        parameters = {
+            **part.params, "type": loaded.aggregate_type, "id": loaded.aggregate_id,
+            "key": key, "version": loaded.version, "completed": completed,
+            "state": Jsonb(dict(state)) if state is not None and not completed else None,
+            "state_version": state_version,
+            "outgoing": Jsonb([e.to_record() for e in outgoing] if keep_bodies else []),
+            "ids": Jsonb([envelope.message_id for envelope in outgoing]),
+        }
+        query = shared_statement(self._aggregates, self._processed, kind=kind, part=part)
+        with self._connection() as connection:
+            try:
+                if not journal:
+                    with connection.pipeline():
+                        cursor = connection.execute(query, parameters)
+                        connection.execute(part.after, parameters)
+                        row = cursor.fetchone()
+                else:
+                    with connection.transaction():
+                        self._append_journal(connection, journal)
+                        row = connection.execute(query, parameters).fetchone()
+                        if not row or not row[0]:
+                            raise _Refused(row)  # rolls the journal entries back
+                    connection.execute(part.after, parameters)
+            except psycopg.errors.UniqueViolation:
+                row = (0, True, None)  # the processed row exists: the message was handled
+            except _Refused as refused:
+                row = refused.row
+        written, deliverable, result = row if row else (0, True, None)
+        if written:
+            return result
+        if not deliverable:
+            return None
+        raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
                         keep_bodies: bool = False, lease: Lease | None = None,
@@ -820,18 +884,21 @@ class PostgresStorage(Storage):
                     if not self._opened:
                         self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
-            with self._pool.connection() as connection:
-                try:
-                    yield connection
-                except psycopg.Error as exc:
-                    if discards_connection(exc):
-                        connection.close()  # the pool replaces a closed connection
-                    raise
+            with self._pool.connection() as pooled, discarding(pooled) as connection:
+                yield connection
         except PoolTimeout as exc:
             refusal = login_problem(self.conninfo, self._connect_timeout)
             raise (refusal or classified(exc, redact(self.conninfo))) from exc
         except psycopg.Error as exc:
             raise classified(exc, redact(self.conninfo)) from exc
+
+
+class _Refused(Exception):
+    """A commit's conditional write changed nothing (inside a transaction, to roll back)."""
+
+    def __init__(self, row: Any) -> None:
+        super().__init__("nothing written")
+        self.row = row
 
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,

@@ -42,6 +42,10 @@ more, directly, to tell the two apart.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import psycopg
 
 from ..redaction import redact
@@ -97,6 +101,18 @@ def discards_connection(error: Exception) -> bool:
     after a failover it may still be connected to the old primary, now read-only, and
     waiting would never cure that."""
     return getattr(error, "sqlstate", None) in _DISCARDING_STATES
+
+
+@contextmanager
+def discarding(connection: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """Use a pooled ``connection``; close it (the pool then replaces it) when it met an
+    error after which it must not be used again (:func:`discards_connection`)."""
+    try:
+        yield connection
+    except psycopg.Error as exc:
+        if discards_connection(exc):
+            connection.close()
+        raise
 
 
 def is_privilege_refusal(error: BaseException) -> bool:

@@ -22,6 +22,7 @@ from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing.contract.base import eager_switching
+from idembus.transports.base import Transport
 from idembus.transports.kombu import KombuTransport
 
 AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -54,14 +55,40 @@ TRANSPORT_URLS = [
 ]
 
 
-@pytest.fixture(params=TRANSPORT_URLS)
-def transport_url(request: pytest.FixtureRequest) -> str:
-    url: str = request.param
+#: The transports that keep their queues in a database, for the suites that run on every
+#: transport (the contract, the failure matrix): PostgreSQL, mongomock in this process, and
+#: a real MongoDB when IDEMBUS_MONGODB_URL is set.
+DATABASE_TRANSPORT_URLS = [
+    pytest.param(POSTGRES_URL, id="postgresql-transport", marks=pytest.mark.postgres),
+    pytest.param("mongomock://", id="mongomock-transport"),
+    pytest.param(MONGODB_URL or "mongodb://", id="mongodb-transport", marks=pytest.mark.mongodb),
+]
+ALL_TRANSPORT_URLS = TRANSPORT_URLS + DATABASE_TRANSPORT_URLS
+
+
+def required_transport(url: str) -> str:
+    """``url``, once the service behind it is known to be reachable (else skip or fail)."""
     if url.startswith("amqp"):
         require_service(url, "RabbitMQ")
     elif url.startswith("redis"):
         require_service(url, "Redis")
+    elif url.startswith(("postgresql", "postgres")):
+        require_service(url, "PostgreSQL")
+    elif url.startswith("mongodb"):
+        if not MONGODB_URL:
+            pytest.skip("set IDEMBUS_MONGODB_URL to run the MongoDB transport on a real server")
+        require_service(MONGODB_URL, "MongoDB")
     return url
+
+
+def is_kombu_url(url: str) -> bool:
+    """Whether ``url`` is served by KombuTransport (not by a database transport)."""
+    return url.split("://", 1)[0] in ("memory", "amqp", "amqps", "redis", "rediss")
+
+
+@pytest.fixture(params=TRANSPORT_URLS)
+def transport_url(request: pytest.FixtureRequest) -> str:
+    return required_transport(request.param)
 
 
 @pytest.fixture
@@ -80,26 +107,55 @@ def _fresh_memory_broker() -> Iterator[None]:
 
 
 @pytest.fixture
-def make_transport(transport_url: str, unique: str) -> Iterator[Callable[..., KombuTransport]]:
-    """Transports on the parametrised broker, with this test's own exchange."""
-    created: list[KombuTransport] = []
+def make_transport(transport_url: str, unique: str) -> Iterator[Callable[..., Any]]:
+    """Transports on the parametrised broker, with this test's own exchange (or, on a
+    database, tables or collections of its own, which every transport of the test shares
+    and which are dropped afterwards)."""
+    created: list[Any] = []
+    shared: dict[str, Any] = {}
 
-    def make(**options: Any) -> KombuTransport:
-        options.setdefault("exchange", f"test-events-{unique}")
-        transport = KombuTransport(transport_url, **options)
+    def make(**options: Any) -> Any:
+        transport: Transport
+        if is_kombu_url(transport_url):
+            options.setdefault("exchange", f"test-events-{unique}")
+            transport = KombuTransport(transport_url, **options)
+        elif transport_url.startswith(("postgresql", "postgres")):
+            from idembus.transports.postgres import PostgresTransport
+
+            options.setdefault("table_prefix", f"t{unique}")
+            transport = PostgresTransport(transport_url, **options)
+        else:
+            from idembus.transports.mongo import MongoTransport
+
+            if transport_url.startswith("mongomock"):
+                import mongomock
+
+                client = shared.setdefault("client", mongomock.MongoClient())
+            else:
+                client = transport_url
+            transport = MongoTransport(client, database=f"idembus-test-{unique}", **options)
         created.append(transport)
         return transport
 
     yield make
     for transport in created:
-        if not transport_url.startswith("memory"):
+        if is_kombu_url(transport_url) and not transport_url.startswith("memory"):
             transport.delete_exchange()
+    if created and transport_url.startswith(("postgresql", "postgres")):
+        created[0].drop_tables()
+    for transport in created:
         transport.close()
+    if created and transport_url.startswith("mongodb"):
+        import pymongo
+
+        with pymongo.MongoClient(transport_url) as client:
+            client.drop_database(f"idembus-test-{unique}")
 
 
 @pytest.fixture
 def queue_name(unique: str, transport_url: str) -> Iterator[Callable[[str], str]]:
-    """``queue_name("sales")`` -> a queue name unique to this test, deleted afterwards."""
+    """``queue_name("sales")`` -> a queue name unique to this test, deleted afterwards
+    (on a database with the transport's tables)."""
     names: list[str] = []
 
     def name(prefix: str) -> str:
@@ -107,7 +163,7 @@ def queue_name(unique: str, transport_url: str) -> Iterator[Callable[[str], str]
         return names[-1]
 
     yield name
-    if not transport_url.startswith("memory"):
+    if is_kombu_url(transport_url) and not transport_url.startswith("memory"):
         cleaner = KombuTransport(transport_url)
         for queue in names:
             cleaner.delete_queue(queue)

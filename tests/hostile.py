@@ -14,6 +14,7 @@ import bz2
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 import urllib.parse
@@ -26,6 +27,7 @@ from typing import Any
 import amqp
 import amqp.exceptions
 import pydantic
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from idembus import Command
@@ -34,6 +36,16 @@ from idembus.handlers import Handler, handles
 from idembus.wire import DEFAULT_MAX_MESSAGE_BYTES, DROPPED_HEADERS, MAX_MESSAGE_ID_LENGTH
 from tests.support import Deposit
 
+#: Examples of the generated hostile traffic (reduced in ``make test``).
+EXAMPLES = int(os.environ.get("IDEMBUS_HOSTILE_EXAMPLES", "25"))
+#: Hypothesis settings of a suite sending hostile traffic to a live endpoint. Shrinking
+#: would replay against it, each failing replay waiting for its sentinel: a failing example
+#: is reported as generated instead.
+LIVE_ENDPOINT = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                         phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                         suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                HealthCheck.too_slow,
+                                                HealthCheck.data_too_large])
 #: Header carrying the test's own sequence number (plain text), to match error-queue copies.
 SEQUENCE = "test.sequence"
 #: An account name PostgreSQL cannot index (a btree row holds at most ~2,700 bytes, after
@@ -219,7 +231,8 @@ def received_value(value: Any) -> Any:
     return value
 
 
-def _is_text(value: Any) -> bool:
+def is_text(value: Any) -> bool:
+    """A ``str`` that is valid UTF-8 (lone surrogates are not)."""
     if not isinstance(value, str):
         return False
     try:
@@ -257,20 +270,20 @@ def wire_reasons(message: WireMessage) -> list[str]:
     before handling it; the error copy must state one of them."""
     headers = received_headers(message)
     reasons = []
-    if any(name.startswith("idembus.") and not _is_text(value)
-           for name, value in headers.items() if _is_text(name)):
+    if any(name.startswith("idembus.") and not is_text(value)
+           for name, value in headers.items() if is_text(name)):
         reasons.append("not text")
     if "compression" in headers:
         reasons.append("compressed")
     encoding = received_value(message.content_encoding or "")
-    if not _is_text(encoding) or encoding.strip().lower() not in PLAIN_ENCODINGS:
+    if not is_text(encoding) or encoding.strip().lower() not in PLAIN_ENCODINGS:
         reasons.append("encoded")
     if len(message.body) > DEFAULT_MAX_MESSAGE_BYTES:
         reasons.append("too large")
     message_id = headers.get(h.MESSAGE_ID)
     if not message_id:
         reasons.append("no id")
-    elif _is_text(message_id) and (len(message_id) > MAX_MESSAGE_ID_LENGTH or any(
+    elif is_text(message_id) and (len(message_id) > MAX_MESSAGE_ID_LENGTH or any(
             ord(c) < 32 or ord(c) == 127 for c in message_id)):
         reasons.append("bad id")
     message_type = headers.get(h.MESSAGE_TYPE)
@@ -279,7 +292,7 @@ def wire_reasons(message: WireMessage) -> list[str]:
     elif message_type != "test.Deposit":
         reasons.append("unknown type")
     content_type = received_value(message.content_type or "")
-    if not _is_text(content_type) or content_type.split(";", 1)[0].strip().lower() not in (
+    if not is_text(content_type) or content_type.split(";", 1)[0].strip().lower() not in (
             "", "application/json"):
         reasons.append("content type")
     try:
@@ -294,7 +307,7 @@ def dropped_names(message: WireMessage) -> list[str]:
     named in the copies' :data:`~idembus.wire.DROPPED_HEADERS` header."""
     return [name for name, value in received_headers(message).items()
             if name != "x-delivery-count" and not (
-                _is_text(name) and (_is_text(value) or name.startswith("idembus.")))]
+                is_text(name) and (is_text(value) or name.startswith("idembus.")))]
 
 
 def names_dropped(copy_headers: dict[str, Any], names: list[str]) -> bool:
@@ -337,6 +350,31 @@ class Model:
         self.applied.add(key)
         self.balances[deposit.account] = self.balances.get(deposit.account, 0) + deposit.amount
         return "applied"
+
+
+def assert_handled(model: Model, copies: dict[int, Any], sent: dict[int, WireMessage],
+                   stored: dict[str, dict[str, Any]]) -> None:
+    """The invariants once an endpoint handled everything ``sent`` (by sequence number):
+    ``copies`` (error-queue deliveries, by sequence number) are the refused messages and
+    nothing else, each with a reason of the kind expected, its body unchanged and the
+    headers it could not carry named; every other message was applied exactly once (or was
+    a duplicate of one that was): the ``stored`` accounts have the model's balances."""
+    refused = {sequence for sequence in sent if sequence in model.refused}
+    assert set(copies) == refused, {
+        "missing": {s: model.refused[s] for s in refused - set(copies)},
+        "unexpected": {s: copies[s].headers.get(h.EXCEPTION_MESSAGE)
+                       for s in set(copies) - refused},
+    }
+    for sequence, copy in copies.items():
+        expected = model.refused[sequence]
+        assert states_a_reason(dict(copy.headers), expected), (
+            sequence, expected, copy.headers.get(h.EXCEPTION_TYPE),
+            copy.headers.get(h.EXCEPTION_MESSAGE))
+        assert copy.body == sent[sequence].body, sequence
+        lost = dropped_names(sent[sequence])
+        assert names_dropped(dict(copy.headers), lost), (sequence, lost, copy.headers)
+    for account, balance in model.balances.items():
+        assert stored.get(account, {}).get("balance") == balance, account
 
 
 def states_a_reason(copy_headers: dict[str, Any], reasons: list[str]) -> bool:

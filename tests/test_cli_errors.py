@@ -1,4 +1,5 @@
-"""`idembus errors list|show|retry|purge` on memory://, RabbitMQ and Redis.
+"""`idembus errors list|show|retry|purge` on memory://, RabbitMQ, Redis and the database
+transports (PostgreSQL, MongoDB on mongomock).
 
 Requirement (the issue): list the failed messages with their type, exception and time;
 show one; retry one id, all, or a filter (type, exception), returning each message to its
@@ -42,10 +43,17 @@ from idembus.storage.memory import MemoryStorage
 from idembus.supervisor import EXIT_CONFIGURATION
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport
+from tests.conftest import ALL_TRANSPORT_URLS, is_kombu_url, required_transport
 from tests.support import Account, Deposit, Deposited, Ledger, SignalCounter
 
 MakeEndpoint = Callable[..., Endpoint]
 NO_RETRIES = RetryPolicy(immediate_retries=0, delayed=())
+
+
+@pytest.fixture(params=ALL_TRANSPORT_URLS)
+def transport_url(request: pytest.FixtureRequest) -> str:
+    """Every transport: an error queue is a queue on each of them."""
+    return required_transport(request.param)
 
 
 class SharedMemoryStorage(MemoryStorage):
@@ -602,16 +610,23 @@ class HeldMessages:
 
 
 @pytest.fixture
-def held(monkeypatch: pytest.MonkeyPatch) -> HeldMessages:
-    """Every message kombu hands this process (a raw message of idembus's channels)."""
+def held(monkeypatch: pytest.MonkeyPatch, transport_url: str) -> HeldMessages:
+    """Every message the transport hands this process: a raw message of idembus's kombu
+    channels, or a delivery of a database transport (a row, a document)."""
     spy = HeldMessages()
-    original = kombu_transport._RawBody.__init__
+    if is_kombu_url(transport_url):
+        held_class: Any = kombu_transport._RawBody
+    elif transport_url.startswith("postgres"):
+        from idembus.transports.postgres import _PostgresDelivery as held_class
+    else:
+        from idembus.transports.mongo import _MongoDelivery as held_class
+    original = held_class.__init__
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         spy.created(self)
 
-    monkeypatch.setattr(kombu_transport._RawBody, "__init__", counted)
+    monkeypatch.setattr(held_class, "__init__", counted)
     return spy
 
 

@@ -5,9 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from idembus.faults import RandomCrashes
 from samples.ordering.__main__ import main
 from samples.ordering.system import build, report, run
+from tests.conftest import ALL_TRANSPORT_URLS, POSTGRES_URL, require_service, required_transport
+
+
+@pytest.fixture(params=ALL_TRANSPORT_URLS)
+def transport_url(request):
+    """The sample on every transport (its storages are embedded mongomock)."""
+    return required_transport(request.param)
 
 
 def test_the_sample_applies_every_order_once_despite_duplicates_and_crashes(
@@ -64,3 +73,31 @@ def test_the_demo_runs_as_a_module_in_a_fresh_interpreter():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("orders=20 placed=20 billed=20 shipped=20 charges=20")
+
+
+@pytest.mark.postgres
+def test_the_demo_runs_with_its_queues_in_postgresql_beside_its_tables(capsys):
+    # Given the sample's queues and its stores in one PostgreSQL database
+    require_service(POSTGRES_URL, "PostgreSQL")
+
+    # When it runs, crashes injected
+    status = main(["--orders", "40", "--seed", "5", "--crash-rate", "0.1",
+                   "--transport", POSTGRES_URL, "--storage", POSTGRES_URL])
+
+    # Then every order took effect once; with commit, send and acknowledgement in one
+    # transaction, a crash after a commit is never delivered again, so nothing is redispatched
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    fields = dict(part.split("=") for part in line.split())
+    assert status == 0, line
+    assert fields["lost"] == fields["double_effects"] == fields["redispatched"] == "0"
+    assert fields["placed"] == fields["shipped"] == fields["charges"] == "40"
+
+
+def test_the_demo_runs_on_the_mongodb_transport_served_by_mongomock(capsys):
+    status = main(["--orders", "40", "--seed", "5", "--transport",
+                   "mongodb://127.0.0.1:27017/shop", "--mongomock"])
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    fields = dict(part.split("=") for part in line.split())
+    assert status == 0, line
+    assert fields["lost"] == fields["double_effects"] == "0"
+    assert fields["placed"] == fields["shipped"] == fields["charges"] == "40"

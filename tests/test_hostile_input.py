@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.pg_procs import resident_kib
@@ -39,15 +39,14 @@ from idembus.transports.kombu import KombuTransport
 from idembus.wire import DEFAULT_MAX_MESSAGE_BYTES
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.hostile import (
+    LIVE_ENDPOINT,
     SEQUENCE,
     Model,
     WireMessage,
-    dropped_names,
-    names_dropped,
+    assert_handled,
     plain_amqp,
     publish,
     publish_refusal,
-    states_a_reason,
     wire_messages,
 )
 from tests.test_workers import LineWatcher, wait_until
@@ -56,7 +55,6 @@ pytestmark = [pytest.mark.amqp, pytest.mark.postgres,
               # A failing example's repr is large (the model): report it, do not fail on it
               pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = int(os.environ.get("IDEMBUS_HOSTILE_EXAMPLES", "25"))
 #: The endpoint's resident memory may never exceed this while hostile traffic flows: it
 #: stays near 60 MiB under the generated traffic (bodies of a few KiB) and below 80 MiB
 #: under the bomb and the 8 MiB bodies (RabbitMQ 3.10, PostgreSQL 16, Python 3.11).
@@ -265,37 +263,11 @@ def _declared(transport: KombuTransport, queue: str) -> bool:
 
 def check(target: HostileTarget, sent: dict[int, WireMessage]) -> None:
     """The invariants, after the endpoint has handled everything ``sent``."""
-    copies = target.take_error_queue()
-    refused = {sequence for sequence in sent if sequence in target.model.refused}
-    # Every refused message is in the error queue once, nothing else is there, ...
-    assert set(copies) == refused, {
-        "missing": {s: target.model.refused[s] for s in refused - set(copies)},
-        "unexpected": {s: copies[s].headers.get(h.EXCEPTION_MESSAGE)
-                       for s in set(copies) - refused},
-    }
-    for sequence, copy in copies.items():
-        # ... with a reason of the kind expected, its body unchanged, and the headers it
-        # could not carry named
-        expected = target.model.refused[sequence]
-        assert states_a_reason(dict(copy.headers), expected), (
-            sequence, expected, copy.headers.get(h.EXCEPTION_TYPE),
-            copy.headers.get(h.EXCEPTION_MESSAGE))
-        assert copy.body == sent[sequence].body, sequence
-        lost = dropped_names(sent[sequence])
-        assert names_dropped(dict(copy.headers), lost), (sequence, lost, copy.headers)
-    # Every other message was applied exactly once (or was a duplicate of one that was).
-    stored = target.accounts()
-    for account, balance in target.model.balances.items():
-        assert stored.get(account, {}).get("balance") == balance, account
+    assert_handled(target.model, target.take_error_queue(), sent, target.accounts())
     target.assert_memory_bounded()
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          # Shrinking would replay against a live endpoint, each failing replay waiting for
-          # its sentinel: report the failing example as generated instead.
-          phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@LIVE_ENDPOINT
 @given(messages=st.lists(wire_messages(), min_size=1, max_size=8))
 def test_whatever_a_hostile_client_publishes_is_applied_once_or_dead_lettered_with_a_reason(
     target: HostileTarget, messages: list[WireMessage],

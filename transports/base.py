@@ -159,6 +159,12 @@ class Transport(ABC):
             "messages; tools that look at queues need a transport that implements inspect()"
         )
 
+    def migrate(self) -> bool:
+        """Create what this transport keeps in a database (tables, indexes) if it does not
+        exist yet; idempotent (``idembus migrate`` runs it). True if there was anything to
+        create; a broker has nothing (:meth:`declare` makes its queues)."""
+        return False
+
     def close(self) -> None:
         """Release connections. Idempotent."""
 

@@ -119,6 +119,8 @@ from ..errors import ConfigurationError
 from ..logs import Throttle
 from ..policies import Backoff
 from ..redaction import redact
+from ..wire import encoding_problem as _encoding_problem
+from ..wire import joined as _joined
 from . import delays
 from .base import Delivery, OnDelivery, Transport
 from .errors import (
@@ -139,9 +141,6 @@ _DRAIN_TIMEOUT = 0.1
 QUEUE_TYPES = ("quorum", "classic")
 #: The Redis set in which ``declare`` records queues, for sends to look in.
 REDIS_QUEUES = "_idembus.queues"
-#: Content encodings of a body that is the bytes themselves (kombu writes ``binary`` for
-#: bytes and ``utf-8`` for text).
-_PLAIN_ENCODINGS = frozenset({"", "utf-8", "utf8", "binary", "identity"})
 #: Headers a broker adds to a delivery for its own bookkeeping (RabbitMQ's quorum queues
 #: count redeliveries): not the sender's, so neither read nor listed as dropped.
 _BROKER_HEADERS = frozenset({"x-delivery-count"})
@@ -979,20 +978,6 @@ def _is_redis_auth_error(error: BaseException) -> bool:
     name = type(error).__name__
     return (type(error).__module__.startswith("redis") and name.startswith("Authentication")
             or "NOAUTH" in str(error) or "WRONGPASS" in str(error))
-
-
-def _encoding_problem(headers: Mapping[str, Any], encoding: str | None) -> str | None:
-    """A body idembus would have to decode or decompress to read: refused as received."""
-    if "compression" in headers:  # whatever it says: kombu would decompress by it
-        return (f"the body is compressed ({wire.shown(headers['compression'])}); idembus "
-                "does not decompress what it receives")
-    if (encoding or "").strip().lower() not in _PLAIN_ENCODINGS:
-        return f"the content encoding {wire.shown(encoding)} is not one idembus reads"
-    return None
-
-
-def _joined(*problems: str | None) -> str | None:
-    return "; ".join(problem for problem in problems if problem) or None
 
 
 class _RawBody:

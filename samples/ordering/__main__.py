@@ -2,6 +2,9 @@
 
     python -m samples.ordering                       # memory:// and MemoryStorage
     python -m samples.ordering --transport amqp://guest:guest@127.0.0.1:5672// --orders 1000
+    python -m samples.ordering --transport postgresql://postgres@127.0.0.1:5432/test \\
+        --storage postgresql://postgres@127.0.0.1:5432/test    # no broker: one transaction
+    python -m samples.ordering --transport mongodb://127.0.0.1:27017/shop --mongomock
 """
 
 from __future__ import annotations
@@ -10,16 +13,27 @@ import argparse
 import logging
 import sys
 import uuid
+from collections.abc import Callable
 
 from idembus.faults import RandomCrashes
-from idembus.transports.kombu import KombuTransport
+from idembus.storage.base import Storage
+from idembus.storage.mongo import MongoStorage
+from samples.ordering.brokers import Broker
 from samples.ordering.system import build, run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m samples.ordering", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transport", default="memory://", help="kombu URL (memory://)")
+    parser.add_argument("--transport", default="memory://",
+                        help="where the queues are: a kombu URL (memory://, amqp://, "
+                             "redis://), postgresql://... or mongodb://... (memory://)")
+    parser.add_argument("--storage", default="mongomock",
+                        help="mongomock (embedded), or a postgresql:// URL; the same database "
+                             "as a postgresql:// transport makes commit, send and ack one "
+                             "transaction (mongomock)")
+    parser.add_argument("--mongomock", action="store_true",
+                        help="serve a mongodb:// transport with mongomock in this process")
     parser.add_argument("--orders", type=int, default=200, help="orders to place (200)")
     parser.add_argument("--duplicates", type=float, default=0.2,
                         help="share of orders sent twice with the same id (0.2)")
@@ -32,26 +46,49 @@ def main(argv: list[str] | None = None) -> int:
 
     duplicates = max(1, int(args.orders * args.duplicates)) if args.duplicates > 0 else 0
     namespace = uuid.uuid4().hex[:8]
-    transports: list[KombuTransport] = []
-
-    def transport() -> KombuTransport:
-        transports.append(KombuTransport(args.transport))
-        return transports[-1]
-
-    system = build(transport, namespace=namespace, concurrency=args.concurrency,
+    broker = Broker(args.transport, f"ordering_{namespace}", mongomock=args.mongomock)
+    storages: list[Storage] = []
+    system = build(broker.transport, namespace=namespace, concurrency=args.concurrency,
+                   storage=_storages(args.storage, namespace, storages),
                    middleware=[RandomCrashes(args.crash_rate, seed=args.seed)])
     try:
         result = run(system, args.orders, duplicates, seed=args.seed)
     finally:
         system.close()
-        if not args.transport.startswith("memory"):
-            cleaner = KombuTransport(args.transport)
-            for endpoint in system.endpoints:
-                cleaner.delete_queue(endpoint.name)
-            cleaner.delete_queue(system.sales.error_queue)
-            cleaner.close()
+        broker.clean([endpoint.name for endpoint in system.endpoints]
+                     + [system.sales.error_queue])
+        for storage in storages:
+            _drop(storage)
     print(result.line())
     return 0 if result.ok else 1
+
+
+def _drop(storage: Storage) -> None:
+    """Drop a PostgreSQL storage's tables (its endpoint closed it: through a new one)."""
+    from idembus.storage.postgres import PostgresStorage
+
+    if isinstance(storage, PostgresStorage):
+        dropper = PostgresStorage(storage.conninfo, table_prefix=storage.table_prefix)
+        try:
+            dropper.drop_tables()
+        finally:
+            dropper.close()
+
+
+def _storages(option: str, namespace: str, made: list[Storage]) -> Callable[[str], Storage]:
+    """The storage of each endpoint: embedded mongomock, or tables of its own in the
+    PostgreSQL database ``option`` names (kept in ``made``, dropped at the end)."""
+    if option == "mongomock":
+        return MongoStorage.embedded
+
+    def postgres(name: str) -> Storage:
+        from idembus.storage.postgres import PostgresStorage
+
+        endpoint = name.split("-", 1)[0]
+        made.append(PostgresStorage(option, table_prefix=f"ordering_{namespace}_{endpoint}"))
+        return made[-1]
+
+    return postgres
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ several processes share, and with a payment gateway whose charges live in Postgr
 
 Environment
 ===========
-``ORDERING_TRANSPORT``  kombu URL of the broker (default ``amqp://guest:guest@127.0.0.1:5672//``)
+``ORDERING_TRANSPORT``  where the queues are: a kombu URL of the broker (default
+                        ``amqp://guest:guest@127.0.0.1:5672//``), or a postgresql:// URL (the
+                        PostgreSQL transport; in ``ORDERING_POSTGRES``'s database, commit,
+                        send and acknowledgement are one transaction)
 ``ORDERING_POSTGRES``   libpq URL of the database (default
                         ``postgresql://postgres@127.0.0.1:5432/test``)
 ``ORDERING_NAMESPACE``  keeps deployments that share a broker and a database apart
@@ -23,12 +26,19 @@ Environment
                         undispatched entry to its committer and the outbox (default 0:
                         ``Endpoint(defer_fresh_redispatch=...)``)
 ``ORDERING_STATUS_INTERVAL``  seconds between status reports (default 5)
+``ORDERING_VISIBILITY_TIMEOUT``  seconds before a dead worker's messages are due again
+                        on the PostgreSQL transport (default 15)
+``ORDERING_SHARED_TRANSACTIONS``  ``0``: on the PostgreSQL transport, commit and send apart
+                        as with a broker (default ``1``: one transaction)
+``ORDERING_CONCURRENCY``  consumer threads of each endpoint process (default 1;
+                        ``idembus run --concurrency`` overrides)
 
 Names derived from the namespace ``ns``
 =======================================
 * queues ``sales-ns``, ``billing-ns``, ``shipping-ns`` and the error queue ``error-ns``;
 * the events exchange ``idembus.events-ns`` (so that another deployment's Billing does not
-  receive this one's ``OrderPlaced``);
+  receive this one's ``OrderPlaced``), or on the PostgreSQL transport its tables
+  ``ns_bus_*``;
 * the tables ``ns_sales_*``, ``ns_billing_*``, ``ns_shipping_*`` (:class:`PostgresStorage`
   with the table prefix ``ns_<endpoint>``) and the gateway's ``ns_charges``.
 
@@ -47,8 +57,9 @@ from dataclasses import dataclass
 from idembus import Endpoint, OutboxPolicy
 from idembus.handlers import Handler
 from idembus.storage.postgres import PostgresStorage
-from idembus.transports.kombu import KombuTransport
+from idembus.transports.base import Transport
 from samples.ordering.billing import BillingHandler
+from samples.ordering.brokers import Broker
 from samples.ordering.gateway import PostgresPaymentGateway
 from samples.ordering.sales import OrderHandler
 from samples.ordering.shipping import ShippingHandler
@@ -75,6 +86,11 @@ class Deployment:
     defer_fresh_redispatch: float = 0.0
     #: ``Endpoint(status_interval=...)`` of every endpoint.
     status_interval: float = 5.0
+    #: Seconds before a dead worker's messages are due again on a database's queues.
+    visibility_timeout: float = 15.0
+    #: On the PostgreSQL transport in the storage's database: commit, send and
+    #: acknowledge in one transaction (``PostgresTransport(shared_transactions=...)``).
+    shared_transactions: bool = True
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.match(self.namespace):
@@ -92,6 +108,9 @@ class Deployment:
             namespace=environ.get("ORDERING_NAMESPACE") or DEFAULT_NAMESPACE,
             defer_fresh_redispatch=float(environ.get("ORDERING_DEFER_FRESH_REDISPATCH") or 0),
             status_interval=float(environ.get("ORDERING_STATUS_INTERVAL") or 5),
+            visibility_timeout=float(environ.get("ORDERING_VISIBILITY_TIMEOUT") or 15),
+            shared_transactions=environ.get("ORDERING_SHARED_TRANSACTIONS", "1") != "0",
+            concurrency=int(environ.get("ORDERING_CONCURRENCY") or 1),
         )
 
     def environment(self) -> dict[str, str]:
@@ -100,7 +119,10 @@ class Deployment:
                 "ORDERING_POSTGRES": self.postgres_url,
                 "ORDERING_NAMESPACE": self.namespace,
                 "ORDERING_DEFER_FRESH_REDISPATCH": str(self.defer_fresh_redispatch),
-                "ORDERING_STATUS_INTERVAL": str(self.status_interval)}
+                "ORDERING_STATUS_INTERVAL": str(self.status_interval),
+                "ORDERING_VISIBILITY_TIMEOUT": str(self.visibility_timeout),
+                "ORDERING_SHARED_TRANSACTIONS": "1" if self.shared_transactions else "0",
+                "ORDERING_CONCURRENCY": str(self.concurrency)}
 
     # -- names ---------------------------------------------------------------------------
 
@@ -123,8 +145,16 @@ class Deployment:
 
     # -- parts ---------------------------------------------------------------------------
 
-    def transport(self) -> KombuTransport:
-        return KombuTransport(self.transport_url, exchange=self.exchange)
+    def broker(self) -> Broker:
+        """Where the queues are: RabbitMQ (or another kombu broker), or tables of the
+        PostgreSQL transport (``<namespace>_bus_*``), whose leases run out after
+        ``visibility_timeout`` seconds."""
+        options = {} if self.shared_transactions else {"shared_transactions": False}
+        return Broker(self.transport_url, self.namespace, exchange=self.exchange,
+                      visibility_timeout=self.visibility_timeout, **options)
+
+    def transport(self) -> Transport:
+        return self.broker().transport()
 
     def storage(self, endpoint: str) -> PostgresStorage:
         return PostgresStorage(self.postgres_url, table_prefix=f"{self.namespace}_{endpoint}")
@@ -149,6 +179,7 @@ class Deployment:
 
     def migrate(self) -> None:
         """Create every table of the deployment (idempotent)."""
+        self.broker().migrate()
         for name in ENDPOINTS:
             storage = self.storage(name)
             try:
@@ -163,13 +194,7 @@ class Deployment:
 
     def drop(self) -> None:
         """Delete the queues and the exchange, and drop every table of the deployment."""
-        transport = self.transport()
-        try:
-            for queue in self.queues:
-                transport.delete_queue(queue)
-            transport.delete_exchange()
-        finally:
-            transport.close()
+        self.broker().clean(self.queues)
         for name in ENDPOINTS:
             storage = self.storage(name)
             try:

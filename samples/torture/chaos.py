@@ -1,4 +1,5 @@
-"""Chaos: SIGKILL a random worker every few seconds; restart the broker once."""
+"""Chaos: SIGKILL a random worker every few seconds; restart the broker (RabbitMQ, or
+PostgreSQL when the queues are in it) once."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-
-from samples.torture.rabbitmq import Rabbitmqctl
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,24 @@ class WorkerKiller:
             log.info("killed worker pid %d (kill %d)", victim, self.kills)
 
 
-class BrokerRestart:
-    """Restarts the RabbitMQ application once, in a thread of its own: ``stop_app``, a
-    pause of ``down_for`` seconds, ``start_app``, ``await_startup``. The broker is started
-    again whatever happens (see also :meth:`ensure_up`)."""
+class BrokerControl(Protocol):
+    """Stops and starts the broker: :class:`~samples.torture.rabbitmq.Rabbitmqctl`, or
+    :class:`~samples.torture.postgres.PgCtlcluster` when the queues are in PostgreSQL."""
 
-    def __init__(self, rabbitmqctl: Rabbitmqctl, *, down_for: float = 2.0) -> None:
+    def stop_app(self) -> None: ...
+
+    def start_app(self) -> None: ...
+
+    def await_startup(self) -> None: ...
+
+
+class BrokerRestart:
+    """Restarts the broker once, in a thread of its own: ``stop_app``, a pause of
+    ``down_for`` seconds, ``start_app``, ``await_startup`` (RabbitMQ's application, or the
+    PostgreSQL cluster). The broker is started again whatever happens (see also
+    :meth:`ensure_up`)."""
+
+    def __init__(self, rabbitmqctl: BrokerControl, *, down_for: float = 2.0) -> None:
         self.restarts = 0
         #: Seconds from stop_app to the end of await_startup.
         self.outage = 0.0
@@ -94,7 +106,7 @@ class BrokerRestart:
     def _run(self) -> None:
         stopped = False
         try:
-            log.warning("restarting the broker: rabbitmqctl stop_app")
+            log.warning("restarting the broker: %s stop", type(self._ctl).__name__)
             began = time.monotonic()
             self._ctl.stop_app()
             stopped = True

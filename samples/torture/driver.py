@@ -23,8 +23,8 @@ from idembus import Backoff
 from idembus.envelope import Envelope
 from idembus.routing import Router
 from idembus.sending import Bus
+from idembus.transports.base import Transport
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
-from idembus.transports.kombu import KombuTransport
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.system import order_commands
 
@@ -89,7 +89,7 @@ class Driver:
 
     def __init__(
         self,
-        make_transport: Callable[[], KombuTransport],
+        make_transport: Callable[[], Transport],
         sales_queue: str,
         sends: Sequence[Send],
         *,

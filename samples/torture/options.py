@@ -33,6 +33,11 @@ class Options:
     #: Leave the queues and tables in place for a post-mortem.
     keep: bool = False
     rabbitmqctl: str = "rabbitmqctl"
+    #: The PostgreSQL cluster to restart when the queues are in PostgreSQL ("15 main");
+    #: ``None``: the one listening on the transport URL's port.
+    pg_cluster: str | None = None
+    #: Seconds before a killed worker's messages are due again on PostgreSQL's queues.
+    visibility_timeout: float = 5.0
     #: ``Endpoint(defer_fresh_redispatch=...)`` of the workers (0: re-send at once).
     defer_fresh_redispatch: float = 0.0
 
@@ -46,9 +51,10 @@ def parse(argv: Sequence[str] | None = None) -> Options:
     the defaults of ``--transport`` / ``--postgres`` when set)."""
     parser = argparse.ArgumentParser(
         prog="python -m samples.torture",
-        description="The ordering sample on RabbitMQ and PostgreSQL with worker processes "
-                    "killed and the broker restarted; prints one line read from the stores "
-                    "and exits 0 only if every order took effect exactly once.",
+        description="The ordering sample on RabbitMQ (or the PostgreSQL transport) and "
+                    "PostgreSQL with worker processes killed and the broker restarted; prints "
+                    "one line read from the stores and exits 0 only if every order took "
+                    "effect exactly once.",
     )
     parser.add_argument("--orders", type=int, default=Options.orders,
                         help="orders to place (%(default)s)")
@@ -61,10 +67,19 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                              "(%(default)s)")
     parser.add_argument("--broker-restart", action=argparse.BooleanOptionalAction,
                         default=Options.broker_restart,
-                        help="restart RabbitMQ once mid-run with rabbitmqctl (on)")
+                        help="restart the broker once mid-run: RabbitMQ with rabbitmqctl, or "
+                             "PostgreSQL with pg_ctlcluster when the queues are in it (on)")
     parser.add_argument("--transport",
                         default=os.environ.get("IDEMBUS_AMQP_URL", Options.transport),
-                        help="RabbitMQ URL (%(default)s)")
+                        help="RabbitMQ URL, or a postgresql:// URL for the PostgreSQL "
+                             "transport (%(default)s)")
+    parser.add_argument("--pg-cluster", default=Options.pg_cluster, metavar="'VERSION NAME'",
+                        help="the PostgreSQL cluster pg_ctlcluster restarts (default: the one "
+                             "on the --transport URL's port, from pg_lsclusters)")
+    parser.add_argument("--visibility-timeout", type=float,
+                        default=Options.visibility_timeout, metavar="SECONDS",
+                        help="leases of the PostgreSQL transport: a killed worker's messages "
+                             "are due again after this (%(default)s)")
     parser.add_argument("--postgres",
                         default=os.environ.get("IDEMBUS_POSTGRES_URL", Options.postgres),
                         help="PostgreSQL URL (%(default)s)")
@@ -98,4 +113,5 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         transport=args.transport, postgres=args.postgres, seed=args.seed,
         timeout=args.timeout, log_dir=args.log_dir, keep=args.keep,
         rabbitmqctl=args.rabbitmqctl, defer_fresh_redispatch=args.defer_fresh_redispatch,
+        pg_cluster=args.pg_cluster, visibility_timeout=args.visibility_timeout,
     )

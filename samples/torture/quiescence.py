@@ -10,10 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from samples.torture.rabbitmq import QueueProbe, QueueStatus
+from samples.torture.rabbitmq import QueueStatus
 
 log = logging.getLogger(__name__)
+
+
+class Probe(Protocol):
+    """Tells the depth and consumers of queues (RabbitMQ's, or the PostgreSQL
+    transport's); raises while the broker is unreachable."""
+
+    def status(self, queues: list[str]) -> dict[str, QueueStatus]: ...
 
 #: Give up waiting for orders when none was shipped for this long: the chaos costs seconds
 #: (a broker restart, workers restarting with a backoff of up to 10 s), not minutes.
@@ -23,7 +31,7 @@ STALL_AFTER = 120.0
 def wait_until_shipped(
     shipped: Callable[[], int],
     expected: int,
-    probe: QueueProbe,
+    probe: Probe,
     queues: Sequence[str],
     *,
     deadline: float,
@@ -56,7 +64,7 @@ def wait_until_shipped(
 
 
 def wait_until_drained(
-    probe: QueueProbe,
+    probe: Probe,
     queues: Sequence[str],
     *,
     consumers: int,
@@ -80,7 +88,7 @@ def wait_until_drained(
     return False
 
 
-def _statuses(probe: QueueProbe, queues: Sequence[str]) -> dict[str, QueueStatus] | None:
+def _statuses(probe: Probe, queues: Sequence[str]) -> dict[str, QueueStatus] | None:
     try:
         return probe.status(list(queues))
     except Exception as error:  # the broker may be restarting; ask again next time

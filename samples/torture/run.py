@@ -23,6 +23,7 @@ from samples.ordering.deployment import ENDPOINTS, Deployment
 from samples.torture.chaos import BrokerRestart, WorkerKiller
 from samples.torture.driver import Driver, DriverStats, Plan
 from samples.torture.options import Options
+from samples.torture.postgres import PgCtlcluster, TableProbe
 from samples.torture.quiescence import wait_until_drained, wait_until_shipped
 from samples.torture.rabbitmq import QueueProbe, Rabbitmqctl
 from samples.torture.report import (
@@ -64,17 +65,15 @@ class Outcome:
 
 def torture(options: Options) -> Outcome:
     """Run the torture test described by ``options``; see the module docstring."""
-    rabbitmqctl = Rabbitmqctl(options.rabbitmqctl)
-    if options.broker_restart and not rabbitmqctl.usable():
-        raise CannotRun(f"{options.rabbitmqctl} cannot reach the broker's node: run as "
-                           "root (or the rabbitmq user) or pass --no-broker-restart")
     deployment = Deployment(options.transport, options.postgres,
                             namespace=f"torture_{uuid.uuid4().hex[:8]}",
                             defer_fresh_redispatch=options.defer_fresh_redispatch,
-                            status_interval=STATUS_INTERVAL)
+                            status_interval=STATUS_INTERVAL,
+                            visibility_timeout=options.visibility_timeout)
+    control = _broker_control(options, deployment)
     log_dir = pathlib.Path(options.log_dir or tempfile.mkdtemp(prefix="idembus-torture-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    restart = BrokerRestart(rabbitmqctl) if options.broker_restart else None
+    restart = BrokerRestart(control) if options.broker_restart else None
     supervisors = Supervisors(deployment, workers=options.workers, log_dir=log_dir)
     killer = WorkerKiller(supervisors.worker_pids, interval=options.kill_interval,
                           seed=options.seed)
@@ -101,6 +100,31 @@ def torture(options: Options) -> Outcome:
     return outcome
 
 
+def _broker_control(options: Options, deployment: Deployment) -> Rabbitmqctl | PgCtlcluster:
+    """What restarts the broker: rabbitmqctl, or pg_ctlcluster when the queues are in
+    PostgreSQL. Raises :class:`CannotRun` if a restart is wanted and it cannot act."""
+    if deployment.broker().kind == "postgresql":
+        control: Rabbitmqctl | PgCtlcluster = PgCtlcluster(options.transport, options.pg_cluster)
+        refusal = ("pg_ctlcluster cannot act on the PostgreSQL cluster of --transport: run as "
+                   "root (or the postgres user), name it with --pg-cluster, or pass "
+                   "--no-broker-restart")
+    else:
+        control = Rabbitmqctl(options.rabbitmqctl)
+        refusal = (f"{options.rabbitmqctl} cannot reach the broker's node: run as root (or "
+                   "the rabbitmq user) or pass --no-broker-restart")
+    if options.broker_restart and not control.usable():
+        raise CannotRun(refusal)
+    return control
+
+
+def _probe(options: Options, deployment: Deployment) -> QueueProbe | TableProbe:
+    """What tells the depths and consumers of the queues."""
+    broker = deployment.broker()
+    if broker.kind == "postgresql":
+        return TableProbe(options.transport, broker.table_prefix)
+    return QueueProbe(options.transport)
+
+
 def _drop(deployment: Deployment) -> None:
     """Delete the queues and exchange and drop the tables; a failure is logged, not raised
     (it must not hide what went wrong before)."""
@@ -115,7 +139,7 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
          killer: WorkerKiller, restart: BrokerRestart | None, plan: Plan, *,
          deadline: float) -> Outcome:
     problems: list[str] = []
-    probe = QueueProbe(options.transport)
+    probe = _probe(options, deployment)
     endpoint_queues = [deployment.queue(name) for name in ENDPOINTS]
 
     supervisors.start()

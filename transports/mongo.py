@@ -1,0 +1,583 @@
+"""A transport whose queues are a MongoDB collection (pymongo), or mongomock in one process.
+
+Features
+========
+* One collection holds the messages of every queue, ``<prefix>_queue``::
+
+      {_id: "<message id>:<digest>", queue, headers: <JSON text>, body: <bytes>,
+       content_type, content_encoding, visible_at, order: <ObjectId>, leased_until,
+       lease, deliveries}
+
+  beside ``<prefix>_queues`` (``{_id: <queue>}``) and ``<prefix>_subscriptions``
+  (``{_id, message_type, queue}``).
+* The ``_id`` is the message id followed by a digest of the queue, headers and body: an
+  outbox re-send of a message still queued (the same bytes) is the same ``_id`` and the
+  insert deduplicates it, while different messages that share an id — one event failed by
+  two endpoints into one error queue, a delayed retry of a message still in flight — are
+  all kept.
+* A consumer claims the oldest due message of its queue with ``find_one_and_update``
+  (``visible_at`` passed, no live lease), setting a lease (``leased_until``, ``lease``),
+  up to ``prefetch`` of them; acknowledging deletes it, requeueing clears the lease (it
+  keeps its place). Unsettled deliveries have their leases renewed every third of
+  ``visibility_timeout``; a consumer that dies renews nothing, and its messages are
+  delivered again once their leases run out.
+* Delayed delivery is native: ``visible_at`` is the due time (``idembus.deliver_at``).
+* Publish/subscribe: ``declare`` writes the queue's subscriptions; ``publish`` inserts one
+  copy for each queue subscribed to the event's type or a type it derives from
+  (``idembus.enclosed_types``), and returns False when there was none. Sends to a queue
+  nobody declared are refused (``DestinationRefused``).
+* Waking idle consumers: on a real server, each insert also writes a signal into a capped
+  collection, ``<prefix>_signals``, that idle consumers follow with a tailable cursor
+  (``TAILABLE_AWAIT``), so they wake at once without polling; they also wake when the next
+  delayed message or lease is due, and at least every ``max_idle_wait`` seconds. On
+  mongomock (no capped collections, no tailable cursors) an idle consumer polls, from 5 ms
+  up to ``poll_interval`` seconds.
+* Times are this process's clock (mongomock has no server time): leases and due times of
+  processes whose clocks differ are off by the difference.
+
+**Verified only on a real server**: the capped signal collection and its tailable cursor
+are written against pymongo's documented API (``create_collection(capped=True)``,
+``CursorType.TAILABLE_AWAIT``, ``max_await_time_ms``) and guarded — if they fail, the
+consumer logs it once and polls as on mongomock — but no MongoDB server can be installed
+where idembus is built, so they have not run. Everything else runs on mongomock in the
+transport contract suite, and on a real server when ``IDEMBUS_MONGODB_URL`` is set.
+
+mongomock
+=========
+mongomock is not thread-safe: every operation of the transports sharing one mongomock
+client goes through one lock, kept on that client.
+
+Failures
+========
+pymongo's errors by the MongoDB storage's taxonomy (:func:`idembus.storage.mongo.translated`):
+connection failures and retryable codes are ``TransportUnavailable`` (a consumer waits
+them out), a refused login or privilege ``BrokerAccessDenied``, what the server refuses of
+one message (a document over 16 MiB) ``DestinationRefused``.
+
+Connection String
+=================
+``MongoTransport("mongodb://host:27017/?replicaSet=rs0", database="shop")``, a
+``pymongo.MongoClient``, or a ``mongomock.MongoClient`` shared by the transports of one
+process; ``Endpoint(transport="mongodb://host:27017/shop")`` builds one on the URL's
+database (``idembus`` without one).
+
+Options
+=======
+``database``            the database (``idembus``)
+``collection_prefix``   prefix of the collections (``idembus``)
+``visibility_timeout``  seconds after which a claimed message whose consumer stopped
+                        renewing its lease is delivered again (15)
+``max_idle_wait``       most seconds an idle consumer waits without looking (5)
+``poll_interval``       longest wait between two looks of an idle consumer on mongomock (0.1)
+``reconnect_backoff``   waits between a consumer's attempts after an outage
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import secrets
+import threading
+import time
+import urllib.parse
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import bson
+import pymongo
+import pymongo.errors
+
+from .. import headers as h
+from ..envelope import Envelope
+from ..errors import ConfigurationError
+from ..policies import Backoff
+from ..redaction import redact
+from ..storage.errors import StorageError
+from ..storage.mongo import is_mongomock, translated
+from .base import Delivery, OnDelivery, Transport
+from .database import (
+    LeaseKeeper,
+    Reconnects,
+    check_prefix,
+    deliver_claimed,
+    encode_headers,
+    read_headers,
+    routing_names,
+    transport_error,
+)
+from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
+
+log = logging.getLogger(__name__)
+
+#: Size of the capped signal collection, in bytes (signals are a few dozen bytes each).
+SIGNALS_SIZE = 1 << 20
+#: The first wait of an idle consumer on mongomock, doubled up to ``poll_interval``.
+_FIRST_POLL = 0.005
+#: How long one wait lasts before the stop flag is looked at again.
+_STOP_CHECK = 0.1
+
+
+class MongoTransport(Transport):
+    """Transport on MongoDB collections; see the module docstring."""
+
+    native_delay = True
+    publisher_confirms = True
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        database: str | None = None,
+        collection_prefix: str = "idembus",
+        visibility_timeout: float = 15.0,
+        max_idle_wait: float = 5.0,
+        poll_interval: float = 0.1,
+        reconnect_backoff: Backoff | None = None,
+    ) -> None:
+        if min(visibility_timeout, max_idle_wait, poll_interval) <= 0:
+            raise ConfigurationError(
+                "visibility_timeout, max_idle_wait and poll_interval must be positive seconds")
+        check_prefix(collection_prefix)
+        if isinstance(client, str):
+            url = client
+            database = database or urllib.parse.urlsplit(url).path.lstrip("/") or None
+            options: dict[str, Any] = {} if "serverselectiontimeoutms" in url.lower() else {
+                "serverSelectionTimeoutMS": 5000}
+            try:
+                client = pymongo.MongoClient(url, tz_aware=True, **options)
+            except (pymongo.errors.ConfigurationError, ValueError) as exc:
+                raise ConfigurationError(
+                    f"transport URL {redact(url)!r} cannot be used: {redact(str(exc))}; use "
+                    "mongodb://user:password@host:27017/database") from exc
+            self._owns_client = True
+        else:
+            url = f"mongodb ({type(client).__module__.split('.')[0]})"
+            self._owns_client = False
+        self.client = client
+        #: Where the transport connects, as it may be shown (password hidden).
+        self.safe_url = redact(url)
+        self.database = client[database or "idembus"]
+        self.process_local = is_mongomock(client)
+        self.messages = self.database[f"{collection_prefix}_queue"]
+        self.queues = self.database[f"{collection_prefix}_queues"]
+        self.subscriptions = self.database[f"{collection_prefix}_subscriptions"]
+        self._signals_name = f"{collection_prefix}_signals"
+        #: The capped collection idle consumers tail; ``None`` until made, or on mongomock.
+        self._signals: Any = None
+        self.visibility_timeout = visibility_timeout
+        self.max_idle_wait = max_idle_wait
+        self.poll_interval = poll_interval
+        self._reconnects = Reconnects(reconnect_backoff, self.safe_url)
+        self._guard: AbstractContextManager[Any] = (
+            _client_lock(client) if self.process_local else contextlib.nullcontext())
+        self._known_queues: set[str] = set()
+        self._indexed = False
+        self._leases: LeaseKeeper[_MongoDelivery] = LeaseKeeper(
+            self.renew, visibility_timeout, name="idembus-mongo-leases")
+
+    @classmethod
+    def embedded(cls, database: str = "idembus", **options: Any) -> MongoTransport:
+        """A transport on a mongomock client of its own (one process, one transport: give
+        transports that must see each other one shared ``mongomock.MongoClient``)."""
+        import mongomock
+
+        return cls(mongomock.MongoClient(), database=database, **options)
+
+    # -- schema -----------------------------------------------------------------------
+
+    def migrate(self) -> bool:
+        """Create the indexes (and, on a real server, the capped signal collection)."""
+        with self._op("creating the transport's indexes", refusal=BrokerAccessDenied):
+            self.messages.create_index([("queue", 1), ("visible_at", 1), ("order", 1)],
+                                       name="idembus_ready")
+            self.subscriptions.create_index([("message_type", 1)], name="idembus_routes")
+        self._indexed = True
+        if not self.process_local:
+            self._make_signals()
+        return True
+
+    def _make_signals(self) -> None:
+        """The capped signal collection, with one document (a tailable cursor on an empty
+        capped collection dies at once). Unverified here: see the module docstring."""
+        try:
+            with contextlib.suppress(pymongo.errors.CollectionInvalid):
+                self.database.create_collection(self._signals_name, capped=True,
+                                                size=SIGNALS_SIZE)
+            signals = self.database[self._signals_name]
+            if signals.find_one() is None:
+                signals.insert_one({"queue": None})
+            self._signals = signals
+        except pymongo.errors.PyMongoError as exc:
+            log.warning("idle consumers of %s will poll: the signal collection %s cannot be "
+                        "used (%s)", self.safe_url, self._signals_name, redact(str(exc)))
+
+    def drop_tables(self) -> None:
+        """Drop the collections and every message in them (tests and samples clean up)."""
+        with self._op("dropping the transport's collections"):
+            for name in (self.messages.name, self.queues.name, self.subscriptions.name,
+                         self._signals_name):
+                self.database.drop_collection(name)
+        self._indexed = False
+        self._known_queues.clear()
+
+    # -- topology ---------------------------------------------------------------------
+
+    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
+        if not queue:
+            raise ConfigurationError("a queue needs a name")
+        if not self._indexed:
+            self.migrate()
+        with self._op(f"declaring queue {queue!r}", refusal=BrokerAccessDenied):
+            self.queues.update_one({"_id": queue}, {"$setOnInsert": {"declared_at": _now()}},
+                                   upsert=True)
+            for name in sorted(subscriptions):
+                self.subscriptions.update_one(
+                    {"_id": f"{name}\n{queue}"},
+                    {"$set": {"message_type": name, "queue": queue}}, upsert=True)
+        self._known_queues.add(queue)
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete ``queue``, its messages and its subscriptions (tests and samples)."""
+        with self._op(f"deleting queue {queue!r}"):
+            self.messages.delete_many({"queue": queue})
+            self.subscriptions.delete_many({"queue": queue})
+            self.queues.delete_one({"_id": queue})
+        self._known_queues.discard(queue)
+
+    # -- sending ----------------------------------------------------------------------
+
+    def send(self, envelope: Envelope) -> None:
+        queue = envelope.destination
+        if not queue:
+            raise ValueError(f"message {envelope.headers.get(h.MESSAGE_ID)} has no destination "
+                             "queue")
+        what = f"putting {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} on {queue!r}"
+        if queue not in self._known_queues:
+            with self._op(what):
+                known = self.queues.find_one({"_id": queue}) is not None
+            if not known:
+                raise DestinationRefused(
+                    f"no queue {queue!r} in {self.queues.name} at {self.safe_url}: no endpoint "
+                    "declared it (start the endpoint that consumes it, or correct the route)")
+            self._known_queues.add(queue)
+        self._insert(envelope, [queue], what)
+
+    def publish(self, envelope: Envelope) -> bool:
+        """Insert a copy for every queue subscribed to one of the event's types; False if
+        there was none."""
+        names = routing_names(envelope)
+        what = (f"publishing {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} "
+                f"({envelope.message_type})")
+        with self._op(what):
+            queues = sorted({document["queue"] for document in self.subscriptions.find(
+                {"message_type": {"$in": names}}, {"queue": 1})})
+        self._insert(envelope, queues, what)
+        return bool(queues)
+
+    def _insert(self, envelope: Envelope, queues: list[str], what: str) -> None:
+        if not queues:
+            return
+        now = _now()
+        due = envelope.deliver_at
+        visible_at = max(due, now) if due is not None else now
+        headers = encode_headers(envelope.headers)
+        with self._op(what):
+            body = envelope.body.encode("utf-8", "surrogateescape")
+        documents = [{
+            "_id": _document_id(envelope, queue, headers, body), "queue": queue,
+            "headers": headers, "body": body, "content_type": envelope.content_type,
+            "content_encoding": envelope.content_encoding, "visible_at": visible_at,
+            "order": bson.ObjectId(), "leased_until": None, "lease": None, "deliveries": 0,
+        } for queue in queues]
+        with self._op(what):
+            try:
+                self.messages.insert_many(documents, ordered=False)
+            except pymongo.errors.BulkWriteError as exc:
+                others = [e for e in exc.details.get("writeErrors", []) if e.get("code") != 11000]
+                if others:  # a duplicate key is a copy already queued: deduplicated
+                    raise
+        self._signal(queues)
+
+    def _signal(self, queues: list[str]) -> None:
+        """Wake the idle consumers of ``queues`` (real servers; best effort: they also look
+        every ``max_idle_wait`` seconds)."""
+        if self._signals is None:
+            return
+        try:
+            self._signals.insert_many([{"queue": queue} for queue in queues])
+        except pymongo.errors.PyMongoError:
+            log.debug("could not signal %s", queues, exc_info=True)
+
+    # -- consuming --------------------------------------------------------------------
+
+    def consume(
+        self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event, prefetch: int = 1
+    ) -> None:
+        """See the contract; outages are waited out here, and a refusal only an operator
+        can end (``BrokerAccessDenied``) is raised."""
+        failures = 0
+        watch = _Watch(self, queue)
+        try:
+            while not stop.is_set():
+                try:
+                    deliveries = self._claim(queue, max(1, prefetch))
+                    failures = 0
+                    if not deliveries:
+                        watch.wait(self._idle_wait(queue), stop)
+                        continue
+                    watch.busy()
+                    deliver_claimed(deliveries, on_delivery, stop, self._give_back)
+                except BrokerAccessDenied:
+                    raise
+                except TransportUnavailable as exc:
+                    failures = self._reconnects.pause(queue, exc, failures, stop)
+        finally:
+            watch.close()
+
+    def _claim(self, queue: str, limit: int | None) -> list[_MongoDelivery]:
+        """Up to ``limit`` due messages of ``queue`` (all for ``None``), leased here, oldest
+        due first; their leases are renewed until they are settled."""
+        token = secrets.randbits(63)
+        claimed: list[_MongoDelivery] = []
+        with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
+            while limit is None or len(claimed) < limit:
+                now = _now()
+                document = self.messages.find_one_and_update(
+                    _due(queue, now),
+                    {"$set": {"leased_until": now + datetime.timedelta(
+                        seconds=self.visibility_timeout), "lease": token},
+                     "$inc": {"deliveries": 1}},
+                    sort=[("visible_at", 1), ("order", 1)],
+                    return_document=pymongo.ReturnDocument.AFTER)
+                if document is None:
+                    break
+                claimed.append(_MongoDelivery(self, queue, document, lease=token))
+        self._leases.hold(claimed)
+        return claimed
+
+    def _idle_wait(self, queue: str) -> float:
+        """Seconds until the next delayed message or lease of ``queue`` is due, at most
+        ``max_idle_wait``."""
+        now = _now()
+        found = []
+        with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
+            for field, condition in (
+                    ("visible_at", {"visible_at": {"$gt": now}}),
+                    ("leased_until", {"visible_at": {"$lte": now},
+                                      "leased_until": {"$gt": now}})):
+                first = self.messages.find_one({"queue": queue, **condition},
+                                               {field: 1}, sort=[(field, 1)])
+                if first is not None:
+                    found.append((_aware(first[field]) - now).total_seconds())
+        return max(0.0, min([*found, self.max_idle_wait]))
+
+    # -- settling ---------------------------------------------------------------------
+
+    def _delete(self, delivery: _MongoDelivery) -> None:
+        with self._op(f"acknowledging a message of {delivery.queue!r}"):
+            self.messages.delete_one({"_id": delivery.document_id})
+        self._leases.drop([delivery])
+
+    def _give_back(self, deliveries: Sequence[_MongoDelivery]) -> None:
+        """Clear the leases their claims still hold (they keep their places); wake the
+        queue's idle consumers."""
+        if not deliveries:
+            return
+        with self._op(f"requeueing messages of {deliveries[0].queue!r}"):
+            for delivery in deliveries:
+                self.messages.update_one({"_id": delivery.document_id, "lease": delivery.lease},
+                                         {"$set": {"leased_until": None, "lease": None}})
+        self._leases.drop(deliveries)
+        self._signal(sorted({delivery.queue for delivery in deliveries}))
+
+    def renew(self, deliveries: Sequence[_MongoDelivery]) -> None:
+        """Extend the leases their claims still hold (every third of the timeout)."""
+        until = _now() + datetime.timedelta(seconds=self.visibility_timeout)
+        with self._op("renewing leases"):
+            for delivery in deliveries:
+                self.messages.update_one({"_id": delivery.document_id, "lease": delivery.lease},
+                                         {"$set": {"leased_until": until}})
+
+    # -- tools ------------------------------------------------------------------------
+
+    def get(self, queue: str) -> Delivery | None:
+        with self._op(f"taking a message of {queue!r}"):
+            document = self.messages.find_one_and_delete(
+                _due(queue, _now()), sort=[("visible_at", 1), ("order", 1)])
+        return None if document is None else _MongoDelivery(self, queue, document, lease=0,
+                                                             settled=True)
+
+    def pending(self, queue: str) -> int:
+        with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
+            return int(self.messages.count_documents(_due(queue, _now())))
+
+    @contextlib.contextmanager
+    def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
+        """The messages due in ``queue`` now, claimed (leases renewed while the block runs);
+        those left unsettled go back to their places; see the contract."""
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be at least 0, got {limit}")
+        taken = [] if limit == 0 else self._claim(queue, limit)
+        try:
+            yield list(taken)
+        finally:
+            self._give_back([delivery for delivery in taken if not delivery.settled])
+
+    @contextlib.contextmanager
+    def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
+        """Read the messages stored in ``queue`` now (due, delayed or in flight), each once,
+        in the order they were sent, at most ``page`` at a time; nothing is taken, and the
+        deliveries are for reading only (settled)."""
+        if page < 1:
+            raise ValueError(f"page must be at least 1, got {page}")
+        with self._op(f"reading {queue!r}"):
+            newest = self.messages.find_one({"queue": queue}, {"order": 1},
+                                            sort=[("order", -1)])
+
+        def read() -> Iterator[Delivery]:
+            if newest is None:
+                return
+            bound: dict[str, Any] = {"$lte": newest["order"]}
+            while True:
+                with self._op(f"reading {queue!r}"):
+                    documents = list(self.messages.find(
+                        {"queue": queue, "order": bound}).sort("order", 1).limit(page))
+                for document in documents:
+                    yield _MongoDelivery(self, queue, document, lease=0, settled=True)
+                if len(documents) < page:
+                    return
+                bound = {"$gt": documents[-1]["order"], "$lte": newest["order"]}
+
+        yield read()
+
+    # -- the seam -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _op(self, what: str, *, refusal: type[TransportError] = DestinationRefused,
+            ) -> Iterator[None]:
+        """One operation on the database: behind mongomock's lock, its failures as
+        transport errors (``refusal`` for what is neither an outage nor the endpoint's)."""
+        try:
+            with self._guard, translated():
+                yield
+        except StorageError as exc:
+            error = transport_error(exc, f"{what} on {self.safe_url}")
+            if isinstance(error, DestinationRefused) and refusal is not DestinationRefused:
+                error = refusal(str(error))
+            raise error from exc
+        except UnicodeEncodeError as exc:  # text that cannot be stored as UTF-8
+            raise refusal(f"{what} on {self.safe_url}: {exc}") from exc
+
+    def close(self) -> None:
+        self._leases.close()
+        if self._owns_client:
+            self.client.close()
+
+
+class _MongoDelivery(Delivery):
+    """A document of the queue collection, claimed (or read)."""
+
+    def __init__(self, transport: MongoTransport, queue: str, document: Mapping[str, Any], *,
+                 lease: int, settled: bool = False) -> None:
+        content_encoding = document.get("content_encoding")
+        headers, problem = read_headers(document.get("headers"), content_encoding)
+        body = document.get("body")
+        if not isinstance(body, bytes):
+            problem = problem or f"its body is {type(body).__name__}, not bytes"
+            body = b"" if body is None else str(body).encode("utf-8", "surrogateescape")
+        super().__init__(queue=queue, headers=headers, body=bytes(body),
+                         content_type=document.get("content_type"),
+                         content_encoding=content_encoding,
+                         redelivered=int(document.get("deliveries") or 0) > 1,
+                         wire_error=problem)
+        self.settled = settled
+        self.document_id = document["_id"]
+        self.lease = lease
+        self._transport = transport
+
+    def _ack(self) -> None:
+        self._transport._delete(self)
+
+    def _requeue(self) -> None:
+        self._transport._give_back([self])
+
+
+class _Watch:
+    """How an idle consumer of one queue waits: following the signal collection with a
+    tailable cursor on a real server (unverified here, guarded), polling with growing waits
+    on mongomock or when the cursor fails."""
+
+    def __init__(self, transport: MongoTransport, queue: str) -> None:
+        self._transport = transport
+        self._queue = queue
+        self._poll = _FIRST_POLL
+        self._cursor: Any = None
+        self._failed = False
+
+    def busy(self) -> None:
+        """A message came: the next idle wait polls quickly again."""
+        self._poll = _FIRST_POLL
+
+    def wait(self, seconds: float, stop: threading.Event) -> None:
+        if self._transport._signals is not None and not self._failed:
+            try:
+                self._follow(seconds, stop)
+                return
+            except pymongo.errors.PyMongoError as exc:
+                self._failed = True
+                log.warning("idle consumers of %r will poll: following %s failed (%s)",
+                            self._queue, self._transport._signals_name, redact(str(exc)))
+        stop.wait(min(seconds, self._poll))
+        self._poll = min(self._poll * 2, self._transport.poll_interval)
+
+    def _follow(self, seconds: float, stop: threading.Event) -> None:
+        """Wait for a signal of this queue (or ``seconds``, or ``stop``) on a tailable,
+        awaiting cursor over the capped signal collection."""
+        deadline = time.monotonic() + seconds
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self._cursor is None or not self._cursor.alive:
+                newest = self._transport._signals.find_one(sort=[("$natural", -1)])
+                after = newest["_id"] if newest is not None else bson.ObjectId()
+                self._cursor = self._transport._signals.find(
+                    {"_id": {"$gt": after}, "queue": self._queue},
+                    cursor_type=pymongo.CursorType.TAILABLE_AWAIT,
+                ).max_await_time_ms(int(_STOP_CHECK * 1000))
+            for _ in self._cursor:
+                return
+
+    def close(self) -> None:
+        if self._cursor is not None:
+            with contextlib.suppress(Exception):
+                self._cursor.close()
+
+
+def _due(queue: str, now: datetime.datetime) -> dict[str, Any]:
+    """The filter of ``queue``'s messages that are due and not leased at ``now``."""
+    return {"queue": queue, "visible_at": {"$lte": now},
+            "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
+
+
+def _document_id(envelope: Envelope, queue: str, headers: str, body: bytes) -> str:
+    """The message id, then a digest of what makes this copy this copy: the same bytes to
+    the same queue are the same document."""
+    digest = hashlib.sha256(b"\0".join((queue.encode("utf-8", "surrogateescape"),
+                                         headers.encode("ascii"), body))).hexdigest()[:32]
+    return f"{envelope.headers.get(h.MESSAGE_ID, '')}:{digest}"
+
+
+def _client_lock(client: Any) -> Any:
+    """The lock of every transport on this mongomock client, kept on the client itself."""
+    attributes = vars(client)
+    return attributes.setdefault("_idembus_transport_lock", threading.RLock())
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _aware(moment: datetime.datetime) -> datetime.datetime:
+    """A stored time in UTC (mongomock, and clients without tz_aware, return it naive)."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

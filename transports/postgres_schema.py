@@ -1,0 +1,103 @@
+"""The tables of the PostgreSQL transport, and how they are created.
+
+One table holds the messages of every queue (a ``queue`` column), beside the declared
+queues and the subscriptions::
+
+    <prefix>_queues        (name) -> declared_at
+    <prefix>_subscriptions (message_type, queue)
+    <prefix>_messages      (id identity) -> queue, headers json, body bytea, content_type,
+                           content_encoding, visible_at, leased_until, lease, deliveries,
+                           enqueued_at
+    index (queue, visible_at, id): the ready messages of a queue, oldest due first
+
+``visible_at`` is when a message may be delivered (its due time: now, or later for a
+delayed one) and never changes; a consumer's claim sets ``leased_until`` and ``lease``,
+which no index covers, so a claim is an update PostgreSQL can make in place (the table
+leaves 30 % of each page free for them).
+
+Idle consumers listen on their queue's channel (:func:`channel`). Whoever inserts messages
+notifies those channels *after* its transaction committed, in a statement of its own: a
+``NOTIFY`` inside a transaction takes a database-wide lock until that transaction's commit
+is on disk, which would put every commit with outgoing messages in one line (a trigger
+did, and halved the throughput).
+
+:meth:`QueueSchema.migrate` creates what is missing under an advisory lock (safe to run
+concurrently); :meth:`QueueSchema.missing` only reads the catalogue, so that a role without
+DDL rights can start an endpoint once ``idembus migrate`` has run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import psycopg
+
+from .database import check_prefix
+
+#: Key of the advisory lock that serialises the creation of these tables.
+_SCHEMA_LOCK = 0x1DE3B06
+
+
+def channel(prefix: str, queue: str) -> str:
+    """The LISTEN/NOTIFY channel of ``queue``: the prefix and the start of the queue name's
+    MD5 (a channel name holds at most 63 bytes, a queue name any number)."""
+    digest = hashlib.md5(queue.encode("utf-8"), usedforsecurity=False).hexdigest()
+    return f"{prefix}_{digest[:16]}"
+
+
+class QueueSchema:
+    """The names and the DDL of one transport's tables (``table_prefix``)."""
+
+    def __init__(self, prefix: str) -> None:
+        check_prefix(prefix)
+        self.prefix = prefix
+        self.messages = f"{prefix}_messages"
+        self.queues = f"{prefix}_queues"
+        self.subscriptions = f"{prefix}_subscriptions"
+        #: Every table, in the order they are dropped.
+        self.tables = (self.messages, self.subscriptions, self.queues)
+
+    def migrate(self, connection: psycopg.Connection[Any]) -> None:
+        """Create the tables and the index that do not exist."""
+        with connection.transaction():
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self.queues} (
+                    name text PRIMARY KEY,
+                    declared_at timestamptz NOT NULL DEFAULT clock_timestamp()
+                )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self.subscriptions} (
+                    message_type text NOT NULL,
+                    queue text NOT NULL,
+                    PRIMARY KEY (message_type, queue)
+                )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self.messages} (
+                    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                    queue text NOT NULL,
+                    headers json NOT NULL,
+                    body bytea NOT NULL,
+                    content_type text,
+                    content_encoding text,
+                    visible_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                    leased_until timestamptz,
+                    lease bigint,
+                    deliveries integer NOT NULL DEFAULT 0,
+                    enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp()
+                ) WITH (fillfactor = 70)""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self.messages}_ready
+                ON {self.messages} (queue, visible_at, id)""")
+
+    def missing(self, connection: psycopg.Connection[Any]) -> list[str]:
+        """The tables of this schema that do not exist; reads only."""
+        present = connection.execute(
+            "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+            (list(self.tables),)).fetchall()
+        return sorted(set(self.tables) - {row[0] for row in present})
+
+    def drop(self, connection: psycopg.Connection[Any]) -> None:
+        """Drop the tables, with every message."""
+        connection.execute(f"DROP TABLE IF EXISTS {', '.join(self.tables)}")
