@@ -156,6 +156,15 @@ class StandaloneCluster:
                       if EXECUTOR_CLASS in _command_line(pid)]
         return found
 
+    def busiest_worker(self) -> int:
+        """The worker whose executor's Python workers (its pyspark daemon and what the
+        daemon forked, the processes that run the tasks) have used the most CPU so far,
+        those that ended included: the one that has done the most of the job's work."""
+        spent = {}
+        for index in range(len(self.workers)):
+            spent[index] = sum(_python_cpu(pid) for pid in self.executors(index))
+        return max(spent, key=lambda index: spent[index])
+
     def kill_executor(self, worker: int = 0) -> int:
         """SIGKILL the executor JVM under worker ``worker``; its pid. ``LookupError`` if
         that worker runs none."""
@@ -180,6 +189,21 @@ class StandaloneCluster:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         self.stop()
+
+
+def _python_cpu(executor: int) -> float:
+    """CPU seconds of the Python processes below executor JVM ``executor``, with what
+    their exited children used (``cutime``/``cstime``: the daemon's finished workers)."""
+    total = 0.0
+    for pid in descendants(executor)[1:]:
+        if "python" not in _command_line(pid):
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _command_line(pid: int) -> str:
