@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo test lint bench torture clean
+.PHONY: demo test lint bench torture screenshots clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -53,6 +53,11 @@ bench: $(VENV)/.bench
 # reduced one): worker processes killed every ~2 s, RabbitMQ restarted once.
 torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000
+
+# README's pictures of the dashboard (docs/screenshots/*.png): its browser test run against
+# RabbitMQ and PostgreSQL with Debian's Chromium, saving a PNG of each page it walks through.
+screenshots: $(VENV)/.test
+	IDEMBUS_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_dashboard_browser.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

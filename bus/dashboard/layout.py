@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..envelope import format_utc
+from ..envelope import format_utc, parse_utc
 from .html import Child, Markup, escape, render, tag, url
 
 #: The pages of the navigation: (path, title).
@@ -46,7 +46,10 @@ def moment(value: datetime.datetime | str | None) -> Markup:
     if value is None or value == "":
         return escape("-")
     if isinstance(value, str):
-        return tag("time", value)
+        parsed = parse_utc(value)
+        if parsed is None:
+            return tag("time", value)  # unreadable: shown as it came
+        value = parsed
     text = format_utc(value)
     return tag("time", text.replace("T", " ")[:19] + " UTC", datetime=text)
 
