@@ -16,6 +16,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -28,9 +29,10 @@ from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.parking import park
 from idembus.recovery import Recoverability
 from idembus.storage.base import AggregateRecord
+from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.kombu import KombuTransport
-from tests.support import Deposit, SignalCounter
+from tests.support import Deposit, Deposited, SignalCounter
 from tests.test_cli_errors import AccountFrozen, FlakyAccounts
 from tests.test_status import wait_until
 
@@ -362,18 +364,59 @@ def test_without_credentials_the_instances_show_no_host_or_pid(unique: str) -> N
 
 
 def test_the_live_page_shows_recent_events_and_follows_the_gateways_stream(shop: Shop) -> None:
-    shop.endpoint.bus.send(Deposit(account="j-1", amount=1))
-    assert shop.handled.wait_for(1)
+    # An empty journal: the stream starts from the time it was read (0 would replicate)
+    empty = re.search(r'data-stream="([^"]+)"', shop.client.get("/journal").text)
+    assert empty is not None and re.search(r"last_event_id=\d{13}", empty.group(1))
+    shop.endpoint.bus.publish(Deposited(account="j-1", amount=1))
+    # (an event is journaled once the broker confirmed it)
+    assert wait_until(lambda: shop.endpoint.storage.journal_bounds().newest >= 1)
     page = shop.client.get("/journal")
+    assert "j-1" in text_of(page)
     # the script follows the gateway's own stream after the newest entry shown
     source = re.search(r'data-stream="([^"]+)"', page.text)
     assert source is not None
     start = _unescape(source.group(1))
-    assert start.startswith("/stream/0/?") and "last_event_id=" in start
-    shop.endpoint.bus.send(Deposit(account="j-2", amount=2))
+    assert start.startswith("/stream/0/?") and "last_event_id=1" in start
+    shop.endpoint.bus.publish(Deposited(account="j-2", amount=2))
+    events = []
     with shop.client.stream("GET", start, headers={"Accept": "text/event-stream"}) as stream:
         assert stream.status_code == 200
         for line in stream.iter_lines():
-            if line.startswith("data:") and "j-2" in line:
+            if line.startswith("data:"):
+                events.append(line)
                 break
-    assert shop.client.get("/journal", params={"types": "nothing.Like.This"}).status_code == 200
+    assert len(events) == 1 and '"j-2"' in events[0]  # j-1 not again, j-2 live
+    filtered = shop.client.get("/journal", params={"types": "nothing.Like.This"})
+    assert filtered.status_code == 200 and "j-1" not in text_of(filtered)
+
+
+class Unreachable(MemoryStorage):
+    """A storage whose status reports and parked messages cannot be read, with a password
+    in the reason (as a driver's error may name its URL)."""
+
+    process_local = False
+
+    def status_reports(self, endpoint: str) -> list[Any]:
+        raise StorageUnavailable(f"cannot connect to postgresql://shop:{PASSWORD}@db:5432/x")
+
+    def parked_messages(self, endpoint: str) -> list[Any]:
+        raise StorageUnavailable(f"cannot connect to postgresql://shop:{PASSWORD}@db:5432/x")
+
+
+def test_a_storage_that_cannot_be_read_is_said_on_the_page_without_its_password(
+    unique: str,
+) -> None:
+    with Endpoint(f"down-{unique}", storage=Unreachable()) as endpoint:
+        dashboard = Dashboard([endpoint], port=0, auth=f"admin:{PASSWORD}")
+        dashboard.start()
+        try:
+            client = httpx.Client(base_url=dashboard.url, auth=("admin", PASSWORD), timeout=10)
+            overview, errors = client.get("/"), client.get("/errors")
+            client.close()
+        finally:
+            dashboard.stop(5)
+    assert "status reports cannot be read: cannot connect to postgresql://shop:***@db" in \
+        text_of(overview)
+    assert errors.status_code == 503 and "cannot be read now" in text_of(errors)
+    for page in (overview, errors):
+        assert PASSWORD not in page.text

@@ -3,7 +3,8 @@ and ``parents`` filters.
 
 The page shows the newest entries that pass the filters, read from the storage, and the
 shipped script follows the gateway's own stream (mounted under ``/stream/N/``) from the
-last of them on, with ``last_event_id``: nothing between the two is lost or repeated. Each
+last of them on, with ``last_event_id`` (from an empty journal: the time it was read):
+nothing between the two is lost or repeated. Each
 event is written into the page as text (``textContent``), never as markup.
 """
 
@@ -13,7 +14,8 @@ import json
 from typing import TYPE_CHECKING
 
 from ..errors import BadStreamRequest
-from ..gateway.request import Filters, filters_from
+from ..envelope import utc_now
+from ..gateway.request import TIMESTAMP_FROM, Filters, filters_from
 from ..storage.base import JournalEntry
 from .html import Markup, render, tag, url
 from .layout import hidden, moment, notice, table
@@ -52,10 +54,14 @@ def journal(endpoint: Endpoint, params: Params, stream: str | None) -> Page:
         filters = filters_from({key: [value] for key, value in query.items() if value})
     except BadStreamRequest as error:
         raise Refused(str(error)) from None
+    read_at = utc_now()
     bounds = endpoint.storage.journal_bounds()
     entries = endpoint.storage.read_journal(after=max(0, bounds.newest - RECENT), limit=RECENT)
     shown = [entry for entry in entries if filters.matches(entry)][-ROWS:]
-    source = url(stream, {**query, "last_event_id": bounds.newest})
+    # Resume after the newest entry read; from an empty journal, from the time it was read
+    # (a position of 0 would ask for full replication)
+    resume = bounds.newest or max(TIMESTAMP_FROM, int(read_at.timestamp() * 1000))
+    source = url(stream, {**query, "last_event_id": resume})
     rows = [_row(entry) for entry in reversed(shown)]
     return Page("Live stream", render([
         form,

@@ -16,6 +16,7 @@ from ..errors import ConfigurationError
 from ..gateway.auth import Credentials
 from ..gateway.service import Gateway, aggregates_of
 from ..gateway.serving import ServedApp
+from ..logs import Throttle
 from ..redaction import redact
 from ..shutdown import Deadline
 from .app import build_app
@@ -71,6 +72,7 @@ class Dashboard:
         #: Per endpoint with a journal: the gateway whose stream the live page follows.
         self.gateways = {endpoint.name: Gateway(endpoint, auth=self.credentials)
                          for endpoint in endpoints if endpoint.journal is not None}
+        self._outage_lines = Throttle(10.0)
         self._poller = _Poller(self)
         self.app = build_app(self)
         self._served = ServedApp(Guard(self.app, self.credentials), host=host, port=port,
@@ -108,8 +110,10 @@ class Dashboard:
                 reports = endpoint.storage.status_reports(name)
             except Exception as error:
                 self.problems[name] = redact(str(error)) or type(error).__name__
-                log.warning("could not read the status reports of %s: %s", name,
-                            self.problems[name])
+                held = self._outage_lines.allow(f"{name}:{type(error).__name__}")
+                if held is not None:  # one line per cause every 10 s
+                    log.warning("could not read the status reports of %s: %s%s", name,
+                                self.problems[name], self._outage_lines.said(held))
                 continue
             self.problems.pop(name, None)
             self.samplers[name].sample(reports, self.now())

@@ -48,7 +48,9 @@ function addEvent(table, event) {
   const aggregate = data.aggregate_type && data.aggregate_id
     ? `${data.aggregate_type}/${data.aggregate_id}` : "-";
   const shown = typeof data.body === "string" ? data.body : JSON.stringify(data.body);
-  row.append(cell(event.id), cell(String(data.recorded_at || "-").replace("T", " ")),
+  const recorded = data.recorded_at
+    ? `${String(data.recorded_at).replace("T", " ").slice(0, 19)} UTC` : "-";
+  row.append(cell(event.id), cell(recorded),
              cell(event.type, true), cell(aggregate, true),
              cell((data.parents || []).join(", ") || "-", true), cell(shown, true));
   row.lastChild.firstChild.className = "body";
