@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ..errors import BadStreamRequest
 from ..envelope import utc_now
+from ..errors import BadStreamRequest
 from ..gateway.request import TIMESTAMP_FROM, Filters, filters_from
 from ..storage.base import JournalEntry
 from .html import Markup, render, tag, url
