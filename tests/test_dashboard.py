@@ -348,7 +348,9 @@ def test_the_overview_shows_each_instance_and_the_counts_of_the_hour(shop: Shop)
     assert 'data-refresh="/fragment/overview"' in shop.client.get("/").text
 
 
-def test_without_credentials_the_instances_show_no_host_or_pid(unique: str) -> None:
+def test_without_credentials_no_host_or_pid_is_shown_and_only_loopback_names_answer(
+    unique: str,
+) -> None:
     storage = MemoryStorage()
     with Endpoint(f"plain-{unique}", storage=storage, status_interval=0.05) as endpoint:
         endpoint.stop()
@@ -356,11 +358,15 @@ def test_without_credentials_the_instances_show_no_host_or_pid(unique: str) -> N
         dashboard.start()
         try:
             page = httpx.get(f"{dashboard.url}/", timeout=10)
+            rebound = httpx.get(f"{dashboard.url}/errors", timeout=10,
+                                headers={"Host": f"rebound.example:{dashboard.address[1]}"})
         finally:
             dashboard.stop(5)
     assert page.status_code == 200
     assert "stopped" in text_of(page)
     assert socket.gethostname() not in page.text
+    # and, without credentials, a page of another site resolved to 127.0.0.1 gets nothing
+    assert rebound.status_code == 400 and "rebound" not in rebound.text
 
 
 def test_the_live_page_shows_recent_events_and_follows_the_gateways_stream(shop: Shop) -> None:

@@ -10,6 +10,9 @@ something, and headers that keep the browser from running anything the pages did
   lives only in this process: a page of another origin can neither read the token nor
   make one. A POST without the cookie, with a token that does not match it, or with an
   ``Origin`` other than the dashboard's own is refused (403).
+* **Host**: without credentials, a request must name the dashboard by a loopback name or
+  address (``Host``), so that a page of another site whose name was made to resolve to
+  127.0.0.1 (DNS rebinding) cannot use it as its own origin (400 otherwise).
 * **Headers**: a Content-Security-Policy allowing scripts, styles, images and connections
   from the dashboard itself only (no inline script, no inline style, no ``eval``, no
   frames), ``X-Content-Type-Options: nosniff``, ``Referrer-Policy: same-origin``, and
@@ -95,13 +98,19 @@ def _own_origin(request: Request) -> str:
     return f"{request.url.scheme}://{request.headers.get('host', '')}"
 
 
-class Guard:
-    """ASGI middleware: authentication on every HTTP request (with credentials), and
-    :data:`HEADERS` on every response."""
+#: The names a dashboard without credentials answers to (and the address it listens on).
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
-    def __init__(self, app: ASGIApp, credentials: Credentials | None) -> None:
+
+class Guard:
+    """ASGI middleware: authentication on every HTTP request (with credentials), or else
+    a ``Host`` among ``hosts``; and :data:`HEADERS` on every response."""
+
+    def __init__(self, app: ASGIApp, credentials: Credentials | None,
+                 hosts: frozenset[str] = LOOPBACK_NAMES) -> None:
         self._app = app
         self._credentials = credentials
+        self._hosts = hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,11 +126,23 @@ class Guard:
             await send(message)
 
         credentials = self._credentials
-        if credentials is not None and not credentials.admit(
-                Headers(scope=scope).get("authorization")):
+        headers = Headers(scope=scope)
+        if credentials is None and _host_name(headers.get("host", "")) not in self._hosts:
+            wrong = PlainTextResponse("this dashboard answers to a loopback name only "
+                                      "(127.0.0.1, localhost)", status_code=400)
+            await wrong(scope, receive, send_guarded)
+            return
+        if credentials is not None and not credentials.admit(headers.get("authorization")):
             refused = PlainTextResponse(
                 "authentication required (HTTP basic)", status_code=401,
                 headers={"WWW-Authenticate": 'Basic realm="idembus dashboard", charset="UTF-8"'})
             await refused(scope, receive, send_guarded)
             return
         await self._app(scope, receive, send_guarded)
+
+
+def _host_name(host: str) -> str:
+    """The name in a ``Host`` header, without its port (and an IPv6 address's brackets)."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host

@@ -22,7 +22,7 @@ from ..shutdown import Deadline
 from .app import build_app
 from .history import Sampler
 from .pages import Refused
-from .security import Csrf, Guard
+from .security import LOOPBACK_NAMES, Csrf, Guard
 
 if TYPE_CHECKING:
     from ..endpoint import Endpoint
@@ -75,8 +75,9 @@ class Dashboard:
         self._outage_lines = Throttle(10.0)
         self._poller = _Poller(self)
         self.app = build_app(self)
-        self._served = ServedApp(Guard(self.app, self.credentials), host=host, port=port,
-                                 idle_timeout=idle_timeout, name="idembus-dashboard")
+        guard = Guard(self.app, self.credentials, LOOPBACK_NAMES | {host})
+        self._served = ServedApp(guard, host=host, port=port, idle_timeout=idle_timeout,
+                                 name="idembus-dashboard")
 
     @property
     def url(self) -> str:
