@@ -62,10 +62,8 @@ class History:
         with self._lock:
             if not self._minutes or self._minutes[-1].start < start:
                 self._minutes.append(_Minute(start))
-            minute = self._minutes[-1]
-            if minute.start > start:  # a clock that went back: keep to the newest minute
-                start = minute.start
-            minute.counts.update({key: value for key, value in amounts.items()
+            # (a clock that went back adds to the newest minute)
+            self._minutes[-1].counts.update({key: value for key, value in amounts.items()
                                   if key in _KEPT and value > 0})
 
     def minutes(self, now: datetime.datetime) -> list[datetime.datetime]:
