@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo test lint bench torture clean
+.PHONY: demo test lint bench torture screenshots clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -56,6 +56,11 @@ bench: $(VENV)/.bench
 #   make torture TORTURE_ARGS="--transport postgresql://postgres@127.0.0.1:5432/test"
 torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
+
+# README's pictures of the dashboard (docs/screenshots/*.png): its browser test run against
+# RabbitMQ and PostgreSQL with Debian's Chromium, saving a PNG of each page it walks through.
+screenshots: $(VENV)/.test
+	IDEMBUS_SCREENSHOTS=docs/screenshots $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_dashboard_browser.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import (
+    cli_dashboard,
     cli_dispatcher,
     cli_errors,
     cli_gateway,
@@ -45,7 +46,7 @@ EXIT_UNAVAILABLE = 1
 #: Modules adding subcommands: each has ``register(commands, common_options)``.
 _TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     cli_status.register, cli_errors.register, cli_dispatcher.register, cli_gateway.register,
-    cli_spark.register, cli_schedules.register,
+    cli_spark.register, cli_schedules.register, cli_dashboard.register,
 ]
 
 

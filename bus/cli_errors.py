@@ -41,16 +41,24 @@ import argparse
 import json
 import sys
 import textwrap
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
+from . import error_queue
 from . import headers as h
-from .envelope import Envelope, parse_utc
+from .envelope import parse_utc
+from .error_queue import (
+    PAGE,
+    FailedMessage,
+    Selection,
+    exception_matches,
+    retried_envelope,
+)
 from .errors import ConfigurationError
 from .loading import load_endpoint, refuse_process_local
-from .parking import ParkedDelivery, parked_deliveries
+from .parking import ParkedDelivery
 from .recoverability import without_failure_headers
 from .redaction import redact
 from .storage.errors import StorageError
@@ -61,60 +69,26 @@ from .transports.errors import TransportUnavailable
 if TYPE_CHECKING:
     from .endpoint import Endpoint
 
+__all__ = ["PAGE", "FailedMessage", "Selection", "exception_matches", "printable",
+           "register", "retried_envelope"]
+
 #: Longest exception message shown by ``errors list`` (``--json`` gives it whole).
 _SHORT_MESSAGE = 60
-#: How many messages of the error queue ``list``, ``show`` and ``export`` hold at a time
-#: (and ``list`` prints at a time).
-PAGE = 100
 _MISSING = "-"
 
 
-# -- reading failed messages -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FailedMessage:
-    """One message of the error queue, as its failure headers tell it."""
-
-    message_id: str | None
-    message_type: str | None
-    exception_type: str | None
-    exception_message: str | None
-    failed_queue: str | None
-    time_of_failure: str | None
-    immediate_attempts: str | None
-    delayed_attempts: str | None
-    #: Kept in the storage because the broker refused it a place (``idembus.parking``).
-    parked: bool = False
-
-    @classmethod
-    def of(cls, delivery: Delivery) -> FailedMessage:
-        """Read the failure story from a delivery's headers."""
-        headers = delivery.headers
-        return cls(
-            parked=isinstance(delivery, ParkedDelivery),
-            message_id=headers.get(h.MESSAGE_ID),
-            message_type=headers.get(h.MESSAGE_TYPE),
-            exception_type=headers.get(h.EXCEPTION_TYPE),
-            exception_message=headers.get(h.EXCEPTION_MESSAGE),
-            failed_queue=headers.get(h.FAILED_QUEUE),
-            time_of_failure=headers.get(h.TIME_OF_FAILURE),
-            immediate_attempts=headers.get(h.IMMEDIATE_ATTEMPTS),
-            delayed_attempts=headers.get(h.DELAYED_ATTEMPTS),
-        )
-
-    def columns(self) -> list[str]:
-        """The cells of this message's row in ``errors list``."""
-        return [
-            self.message_id or _MISSING,
-            self.message_type or _MISSING,
-            self.exception_type or _MISSING,
-            _shorten(self.exception_message or _MISSING, _SHORT_MESSAGE),
-            self.failed_queue or _MISSING,
-            _readable_time(self.time_of_failure),
-            f"{self.immediate_attempts or 0}/{self.delayed_attempts or 0}",
-            "parked" if self.parked else "error queue",
-        ]
+def _columns(message: FailedMessage) -> list[str]:
+    """The cells of a message's row in ``errors list``."""
+    return [
+        message.message_id or _MISSING,
+        message.message_type or _MISSING,
+        message.exception_type or _MISSING,
+        _shorten(message.exception_message or _MISSING, _SHORT_MESSAGE),
+        message.failed_queue or _MISSING,
+        _readable_time(message.time_of_failure),
+        f"{message.immediate_attempts or 0}/{message.delayed_attempts or 0}",
+        "parked" if message.parked else "error queue",
+    ]
 
 
 _COLUMN_TITLES = ["MESSAGE ID", "TYPE", "EXCEPTION", "MESSAGE", "FAILED QUEUE",
@@ -133,87 +107,10 @@ def _readable_time(text: str | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") if moment else (text or _MISSING)
 
 
-def exception_matches(exception_type: str | None, wanted: str) -> bool:
-    """True if ``wanted`` is the full dotted name of the exception type or its last part."""
-    if not exception_type:
-        return False
-    return wanted in (exception_type, exception_type.rsplit(".", 1)[-1])
-
-
-# -- choosing messages -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Which messages of the error queue a command acts on."""
-
-    ids: tuple[str, ...] = ()
-    everything: bool = False
-    message_type: str | None = None
-    exception: str | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Selection:
-        return cls(ids=tuple(getattr(args, "ids", ()) or ()),
-                   everything=bool(getattr(args, "all", False)),
-                   message_type=args.type, exception=args.exception)
-
-    @property
-    def by_filter(self) -> bool:
-        return self.message_type is not None or self.exception is not None
-
-    def require(self, command: str) -> None:
-        """Refuse an empty or ambiguous selection (ConfigurationError: exit status 2)."""
-        kinds = [bool(self.ids), self.everything, self.by_filter]
-        if sum(kinds) == 0:
-            raise ConfigurationError(
-                f"errors {command} needs a selection: message ids, --all, --type or "
-                "--exception")
-        if sum(kinds) > 1:
-            raise ConfigurationError(
-                f"errors {command}: give message ids, --all, or --type/--exception, "
-                "not several of them")
-
-    def matches(self, delivery: Delivery) -> bool:
-        headers = delivery.headers
-        if self.ids:
-            return headers.get(h.MESSAGE_ID) in self.ids
-        if self.message_type is not None and headers.get(h.MESSAGE_TYPE) != self.message_type:
-            return False
-        if self.exception is not None:
-            return exception_matches(headers.get(h.EXCEPTION_TYPE), self.exception)
-        return True
-
-    def pick(self, deliveries: Sequence[Delivery], queue: str) -> list[Delivery]:
-        """The selected deliveries; ConfigurationError if a given id is not among them."""
-        chosen = [delivery for delivery in deliveries if self.matches(delivery)]
-        found = {delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}
-        missing = [message_id for message_id in self.ids if message_id not in found]
-        if missing:
-            raise ConfigurationError(
-                f"no message {', '.join(missing)} in the error queue {queue!r}; nothing "
-                "was changed (see: idembus errors list)")
-        return chosen
-
-
-# -- the retried message -----------------------------------------------------------------
-
-
-def retried_envelope(delivery: Delivery) -> Envelope:
-    """The message as it was before it failed, addressed to the queue that failed it."""
-    queue = delivery.headers.get(h.FAILED_QUEUE)
-    if not queue:
-        raise ConfigurationError(
-            f"message {delivery.headers.get(h.MESSAGE_ID, '(without id)')} has no "
-            f"{h.FAILED_QUEUE} header: there is no queue to return it to")
-    headers = without_failure_headers(delivery.headers)
-    return Envelope(
-        headers=headers,
-        body=delivery.body.decode("utf-8", "surrogateescape"),
-        destination=queue,
-        content_type=delivery.content_type or h.CONTENT_TYPE,
-        content_encoding=delivery.content_encoding,
-    )
+def _selection(args: argparse.Namespace) -> Selection:
+    return Selection(ids=tuple(getattr(args, "ids", ()) or ()),
+                     everything=bool(getattr(args, "all", False)),
+                     message_type=args.type, exception=args.exception)
 
 
 # -- commands ----------------------------------------------------------------------------
@@ -239,46 +136,23 @@ def _endpoint(args: argparse.Namespace) -> Iterator[Endpoint]:
         endpoint.close()
 
 
-def _own(args: argparse.Namespace, endpoint: Endpoint,
-         deliveries: Iterable[Delivery]) -> Iterator[Delivery]:
-    """The deliveries of the error queue that failed in the endpoint's own queue (every one
-    with ``--all-endpoints``: error queues are often shared), then the messages it parked
-    in its storage."""
-    for delivery in deliveries:
-        if args.all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name:
-            yield delivery
-    yield from parked_deliveries(endpoint.storage, endpoint.name)
-
-
 @contextmanager
 def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Delivery]]]:
-    """The endpoint and its failed messages (:func:`_own`), all taken unsettled for the
-    block (``Transport.inspect``): for commands that retry or purge some of them."""
+    """The endpoint and its failed messages, all taken unsettled for the block
+    (:func:`idembus.error_queue.taking`): for commands that retry or purge some of them."""
     with _endpoint(args) as endpoint, \
-            endpoint.transport.inspect(endpoint.error_queue) as deliveries:
-        yield endpoint, list(_own(args, endpoint, deliveries))
-
-
-@runtime_checkable
-class _Browsing(Protocol):
-    """A transport that reads a queue a page at a time (``KombuTransport.browse``)."""
-
-    def browse(self, queue: str, *,
-               page: int = ...) -> AbstractContextManager[Iterator[Delivery]]: ...
+            error_queue.taking(endpoint, all_endpoints=args.all_endpoints) as deliveries:
+        yield endpoint, deliveries
 
 
 @contextmanager
 def _failed_messages(args: argparse.Namespace) -> Iterator[tuple[Endpoint, Iterator[Delivery]]]:
-    """The endpoint and its failed messages (:func:`_own`) one after the other, for
-    commands that only read them: at most :data:`PAGE` of the error queue are held at a
-    time where the transport can browse, whatever the length of the queue."""
-    with _endpoint(args) as endpoint:
-        transport = endpoint.transport
-        reading = (transport.browse(endpoint.error_queue, page=PAGE)
-                   if isinstance(transport, _Browsing)
-                   else transport.inspect(endpoint.error_queue))
-        with reading as deliveries:
-            yield endpoint, _own(args, endpoint, deliveries)
+    """The endpoint and its failed messages one after the other, for commands that only
+    read them (:func:`idembus.error_queue.reading`: a page at a time)."""
+    with _endpoint(args) as endpoint, \
+            error_queue.reading(endpoint, all_endpoints=args.all_endpoints,
+                                page=PAGE) as deliveries:
+        yield endpoint, deliveries
 
 
 def printable(text: str, *, lines: bool = False) -> str:
@@ -321,7 +195,7 @@ def _print_rows(messages: Iterable[FailedMessage]) -> int:
     for message in messages:
         if count == 0:
             rows.append(_COLUMN_TITLES)
-        rows.append(message.columns())
+        rows.append(_columns(message))
         count += 1
         if len(rows) >= PAGE:
             widths = _print_table(rows, widths)
@@ -399,38 +273,30 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _retry(args: argparse.Namespace) -> int:
-    selection = Selection.from_args(args)
+    selection = _selection(args)
     selection.require("retry")
     status = 0
     with _error_queue(args) as (endpoint, deliveries):
         retried = 0
         for delivery in selection.pick(deliveries, endpoint.error_queue):
-            if isinstance(delivery, ParkedDelivery):
-                envelope = delivery.retried()
-                endpoint.transport.dispatch(envelope)  # an event is published again
-                delivery.ack()
-                retried += 1
-                print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} "
-                      f"from the storage to {envelope.destination or 'its subscribers'!r}")
-                continue
             try:
-                envelope = retried_envelope(delivery)
+                envelope = error_queue.retry(endpoint, delivery)
             except ConfigurationError as exc:
                 print(f"idembus: {redact(str(exc))}; left in {endpoint.error_queue!r}",
                       file=sys.stderr)
                 status = EXIT_CONFIGURATION
                 continue
-            endpoint.transport.send(envelope)
-            delivery.ack()  # only once the broker has the retried copy
             retried += 1
-            print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} "
-                  f"to {envelope.destination!r}")
+            where = ("from the storage to "
+                     f"{envelope.destination or 'its subscribers'!r}"
+                     if isinstance(delivery, ParkedDelivery) else f"to {envelope.destination!r}")
+            print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} {where}")
     print(f"{retried} message(s) retried from {endpoint.error_queue!r}")
     return status
 
 
 def _purge(args: argparse.Namespace) -> int:
-    selection = Selection.from_args(args)
+    selection = _selection(args)
     selection.require("purge")
     with _error_queue(args) as (endpoint, deliveries):
         chosen = selection.pick(deliveries, endpoint.error_queue)
@@ -444,7 +310,7 @@ def _purge(args: argparse.Namespace) -> int:
             print("nothing purged")
             return EXIT_CONFIGURATION
         for delivery in chosen:
-            delivery.ack()
+            error_queue.purge(delivery)
     print(f"{len(chosen)} message(s) purged from {endpoint.error_queue!r}")
     return 0
 

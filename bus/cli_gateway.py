@@ -20,12 +20,14 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
+from .extras import web_part
 from .loading import load_endpoint, refuse_process_local
 from .logs import log_uncaught
 from .shutdown import Deadline, StopSignals
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
+    from .gateway.auth import Credentials
     from .gateway.service import Gateway
 
 #: Environment variable holding ``user:password`` (kept here too for older imports).
@@ -74,26 +76,14 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     log_uncaught()  # its threads' tracebacks, redacted like the log lines
-    if args.auth is not None:
-        raise ConfigurationError(
-            "--auth puts the password where every user of this machine can read it (the "
-            f"process list): put user:password in ${AUTH_VARIABLE}, or in a file named by "
-            "--auth-file")
-    try:
-        from .gateway.auth import load_credentials
-        from .gateway.service import Gateway
-    except ImportError as error:
-        missing = (error.name or "").partition(".")[0] or str(error)
-        raise ConfigurationError(f"idembus gateway needs {missing}: pip install "
-                                 "'idembus[web]'") from error
-    credentials = load_credentials(args.auth_file)
-    host, port = _address(args.listen)
+    gateway_class = served_part("Gateway", args)
+    credentials, host, port = serving_options(args)
     endpoint = load_endpoint(args.endpoint)
     gateway: Gateway | None = None
     with StopSignals() as signals:
         try:
             _refuse_an_unseen_journal(endpoint, consume=args.consume)
-            gateway = Gateway(endpoint, host=host, port=port, auth=credentials,
+            gateway = gateway_class(endpoint, host=host, port=port, auth=credentials,
                               buffer=args.buffer, heartbeat=args.heartbeat,
                               cors_origins=args.cors_origin, max_clients=args.max_clients,
                               idle_timeout=args.idle_timeout)
@@ -127,7 +117,32 @@ def _refuse_an_unseen_journal(endpoint: Endpoint, *, consume: bool) -> None:
                    "runs the endpoint in the gateway's process, on a broker)")
 
 
-def _address(listen: str) -> tuple[str, int]:
+def served_part(name: str, args: argparse.Namespace) -> Any:
+    """The class ``Gateway`` or ``Dashboard`` of the command ``args`` run, once ``--auth``
+    is refused (the password would be on the command line); a ConfigurationError with the
+    pip command if the web extra is missing."""
+    if args.auth is not None:
+        raise ConfigurationError(
+            "--auth puts the password where every user of this machine can read it (the "
+            f"process list): put user:password in ${AUTH_VARIABLE}, or in a file named by "
+            "--auth-file")
+    try:
+        return web_part(f"idembus.{name.lower()}.service", name, f"idembus {args.command}")
+    except ImportError as error:
+        raise ConfigurationError(str(error)) from error
+
+
+def serving_options(args: argparse.Namespace) -> tuple[Credentials | None, str, int]:
+    """The credentials (``--auth-file`` or the environment) and the ``--listen`` address
+    of a command that serves HTTP."""
+    from .gateway.auth import load_credentials
+
+    host, port = address_of(args.listen)
+    return load_credentials(args.auth_file), host, port
+
+
+def address_of(listen: str) -> tuple[str, int]:
+    """``host:port`` of ``--listen`` (brackets of an IPv6 host removed)."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         raise ConfigurationError(f"--listen {listen!r}: give host:port, such as 127.0.0.1:8042")

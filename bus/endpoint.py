@@ -60,6 +60,7 @@ from .signals import EndpointSignals
 from .status import StatusReporter
 from .storage.base import Storage, StorageRole
 from .storage.roles import check_storage_roles
+from .timings import HandlingTimes
 from .transports.base import Delivery, Transport
 from .unit_of_work import UnitOfWork
 from .wire import DEFAULT_MAX_MESSAGE_BYTES
@@ -214,9 +215,12 @@ class Endpoint:
         #: Appends published events to the event journal (``journal=...``), else ``None``.
         self.journal = journal_for(self.storage, journal_policy.events)
         self._check_evolution(journal_policy)
+        #: How long handled deliveries took, by bucket (reported with the counters).
+        self.handling_times = HandlingTimes()
         #: The middleware around messages, handlers, commits and dispatches.
         self.pipeline = Pipeline(
-            ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
+            [self.handling_times]
+            + ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
             + list(middleware))
         #: Sends what handlers, units of work and ``bus`` send, and marks it.
         self.dispatcher = Dispatcher(
@@ -265,12 +269,17 @@ class Endpoint:
             scheduling, endpoint=name, storage=self.storage, dispatcher=self.dispatcher,
             router=self.router, clock=self.clock, signals=self.signals, health=self.health,
             backoff=self.recoverability.outage_backoff) if scheduling.schedules else None
-        self._status = StatusReporter(self.storage, name, self.counters.snapshot,
+        self._status = StatusReporter(self.storage, name, self._reported_counters,
                                       interval=status_interval, problems=self.health.problems)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
         self.pipeline.setup(self)
+
+    def _reported_counters(self) -> dict[str, int]:
+        """What the status reports carry: the signal counters and the handling-time
+        buckets (:mod:`idembus.timings`)."""
+        return {**self.counters.snapshot(), **self.handling_times.snapshot()}
 
     def add_middleware(self, middleware: Middleware) -> None:
         """Add ``middleware`` after those given at construction (innermost), and set it up;

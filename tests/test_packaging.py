@@ -25,6 +25,8 @@ def test_the_wheel_holds_only_the_idembus_namespace_typed_and_licensed(
     for module in ("idembus/__init__.py", "idembus/__main__.py", "idembus/py.typed",
                    "idembus/handlers/__init__.py", "idembus/storage/postgres.py",
                    "idembus/transports/kombu.py", "idembus/gateway/server.py",
-                   "idembus/spark/__init__.py"):
+                   "idembus/spark/__init__.py", "idembus/dashboard/service.py",
+                   "idembus/dashboard/static/dashboard.js",
+                   "idembus/dashboard/static/dashboard.css"):
         assert module in names, module
     assert any(name.endswith("/LICENSE") for name in names)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..extras import web_part
+
 if TYPE_CHECKING:
     from .service import Gateway
 
@@ -32,12 +34,4 @@ __all__ = ["Gateway"]
 def __getattr__(name: str) -> Any:
     if name != "Gateway":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        from .service import Gateway
-    except ModuleNotFoundError as error:
-        missing = (error.name or "").partition(".")[0]
-        if missing not in ("starlette", "uvicorn", "anyio", "h11"):
-            raise
-        raise ImportError(f"the event gateway needs {missing}: pip install 'idembus[web]'",
-                          name=missing) from error
-    return Gateway
+    return web_part(f"{__name__}.service", "Gateway", "the event gateway")

@@ -12,16 +12,13 @@ once the streams had their ``timeout`` to end.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from pydantic import BaseModel
 
 from ..errors import ConfigurationError
@@ -33,8 +30,8 @@ from ..storage.base import JournalEntry
 from .auth import Credentials
 from .encoded import EventCache
 from .hub import JournalHub
-from .protocol import GatewayProtocol
 from .server import build_app
+from .serving import ServedApp
 from .stream import StreamCounters, StreamSettings
 
 if TYPE_CHECKING:
@@ -42,15 +39,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Connections the listening socket queues before uvicorn accepts them.
-BACKLOG = 2048
-
 #: Seconds the hub may go without reading the journal before ``/healthz`` says so (at
 #: least; ten poll intervals if that is longer).
 STALE_AFTER = 10.0
-
-#: Seconds ``start`` waits for the server to be up.
-START_TIMEOUT = 30.0
 
 
 class Gateway:
@@ -103,55 +94,33 @@ class Gateway:
         #: Set while stopping: new streams are turned away, open ones end.
         self.stopping = threading.Event()
         self.settings = StreamSettings(
-            storage=endpoint.storage, hub=self.hub, aggregates=_aggregates_of(endpoint),
+            storage=endpoint.storage, hub=self.hub, aggregates=aggregates_of(endpoint),
             counters=self.counters, stopping=self.stopping, buffer=buffer,
             heartbeat=heartbeat)
         self._stale_after = max(STALE_AFTER, 10 * poll_interval)
-        self._socket: socket.socket | None = None
-        self._bound: tuple[str, int] | None = None
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        #: The HTTP API (a Starlette app): what :meth:`start` serves, or what another app
+        #: mounts (the dashboard's live stream) after :meth:`follow`.
+        self.app = build_app(self)
+        self._served = ServedApp(self.app, host=host, port=port, idle_timeout=idle_timeout,
+                                 name="idembus-gateway")
 
     @property
     def address(self) -> tuple[str, int]:
         """Where it listens (the real port once started with port 0)."""
-        return self._bound or self._address
+        return self._served.address
 
     @property
     def url(self) -> str:
-        host, port = self.address
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return self._served.url
 
     def start(self) -> None:
         """Listen, and serve in background threads until :meth:`stop`."""
-        self.endpoint.storage.verify()
-        self.stopping.clear()
+        self.follow()
         try:
-            listening = _listen(*self._address)
-        except OSError as error:
-            raise ConfigurationError(
-                f"cannot listen on {self._address[0]}:{self._address[1]}: {error}") from error
-        self._socket = listening
-        host, port = listening.getsockname()[:2]
-        self._bound = (str(host), int(port))
-        self.hub.start()
-        config = uvicorn.Config(
-            build_app(self), http=GatewayProtocol, ws="none", lifespan="off",
-            log_config=None, log_level=logging.WARNING, access_log=False,
-            server_header=False, timeout_keep_alive=max(1, round(self.idle_timeout)),
-            backlog=BACKLOG)
-        config.timeout_keep_alive = self.idle_timeout  # type: ignore[assignment]  # fractions too
-        server = _Server(config)
-        self._server = server
-        self._thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]},
-                                        name="idembus-gateway", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while not server.ready.wait(0.05):
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop(0)
-                raise ConfigurationError(f"the gateway's HTTP server did not start on {self.url}"
-                                         " (its log says why)")
+            self._served.start()
+        except BaseException:
+            self.stop(0)
+            raise
         log.info("event gateway of %s listening on %s", self.endpoint.name, self.url)
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -159,18 +128,20 @@ class Gateway:
         port; the waits share ``timeout`` seconds (connections still open then are
         aborted)."""
         deadline = Deadline(timeout)
+        self.unfollow(deadline.left())
+        self._served.stop(deadline.left())
+
+    def follow(self) -> None:
+        """Check the storage and follow its journal: what :attr:`app` needs to serve
+        streams, whoever serves it."""
+        self.endpoint.storage.verify()
+        self.stopping.clear()
+        self.hub.start()
+
+    def unfollow(self, timeout: float | None = 30.0) -> None:
+        """Turn new streams away and end every stream (within ``timeout`` seconds)."""
         self.stopping.set()
-        self.hub.stop(deadline.left())  # ends the live streams
-        server, thread = self._server, self._thread
-        if server is not None and thread is not None:
-            left = deadline.left()
-            server.config.timeout_graceful_shutdown = (
-                None if left is None else max(0, int(left * 0.8)))
-            server.should_exit = True
-            thread.join(left)
-        if self._socket is not None:
-            self._socket.close()
-        self._server = self._thread = None
+        self.hub.stop(timeout)  # ends the live streams
 
     def problem(self) -> str | None:
         """Why the gateway is not serving its journal, or ``None`` (``GET /healthz``)."""
@@ -190,10 +161,9 @@ class Gateway:
         (host:pid:tag) are cut to their tags."""
         bounds = self.endpoint.storage.journal_bounds()
         reports = self.endpoint.storage.status_reports(self.endpoint.name)
-        server = self._server
         return {
             **self.counters.snapshot(),
-            "open_connections": len(server.server_state.connections) if server else 0,
+            "open_connections": self._served.open_connections,
             "max_clients": self.max_clients,
             "overflows": self.hub.overflows,
             "encoded": self.hub.cache.encoded,
@@ -209,33 +179,6 @@ class Gateway:
         }
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, saying when it is up, and aborting at the end of its shutdown the
-    connections still open (a client that does not read would hold its own forever)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = threading.Event()
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if not self.should_exit:
-            self.ready.set()
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().shutdown(sockets)
-        for connection in list(self.server_state.connections):
-            transport = getattr(connection, "transport", None)
-            if transport is not None:
-                transport.abort()
-        await asyncio.sleep(0)  # their connection_lost runs: the sockets close
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=BACKLOG)
-
-
 def _current_entries(endpoint: Endpoint) -> Callable[[JournalEntry], JournalEntry]:
     """Journal entries as the current versions of the event types the endpoint knows: those
     its handlers handle and those it journals by name (``journal=[...]``)."""
@@ -245,7 +188,7 @@ def _current_entries(endpoint: Endpoint) -> Callable[[JournalEntry], JournalEntr
     return functools.partial(current_entry, known=known)
 
 
-def _aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:
+def aggregates_of(endpoint: Endpoint) -> dict[str, type[BaseModel]]:
     """The aggregate types the endpoint's handlers keep, with their state models."""
     return {type(handler).storage_name(): type(handler).state_type
             for handler in endpoint.table.handlers if isinstance(handler, AggregateHandler)}

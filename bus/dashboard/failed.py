@@ -1,0 +1,325 @@
+"""The failed messages of an endpoint (after ServicePulse's failed-message views): the
+list with its groups and filters, one message whole, and retry or purge of one, a
+selection or a filter, each after a confirmation page. Every operation goes through
+:mod:`idembus.error_queue`, as ``idembus errors`` does.
+
+Reading the error queue takes its messages out of everyone else's reach for the time of
+the request (``idembus errors list`` does the same) and gives them all back; only the
+confirmed POST settles any.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import ImmutableMultiDict
+
+from .. import error_queue
+from .. import headers as h
+from ..error_queue import FailedMessage, Selection
+from ..errors import ConfigurationError
+from ..transports.base import Delivery
+from .html import Child, Markup, render, tag, url
+from .layout import hidden, moment, notice, pairs, pretty, table
+from .pages import Page, Refused
+
+if TYPE_CHECKING:
+    from ..endpoint import Endpoint
+
+Params = ImmutableMultiDict[str, str]
+
+#: What a confirmed action does, in words: (verb, past tense, what happens).
+ACTIONS = {
+    "retry": ("Retry", "retried", "Each goes back to the queue it failed in (a parked one to "
+                                  "its own destination) with its failure headers removed and "
+                                  "its id unchanged: handlers that had processed it find it "
+                                  "processed."),
+    "purge": ("Purge", "purged", "Each is deleted from the error queue (or the storage, if "
+                                 "parked) for good. This cannot be undone."),
+}
+#: The filter's query parameters.
+FILTERS = ("type", "exception", "after", "before")
+
+
+def selection_of(params: Params) -> Selection:
+    """The messages a request names: ``id`` (repeatable), a filter (``type``,
+    ``exception``, ``after``, ``before``: times of failure, UTC, as ``YYYY-MM-DDTHH:MM``),
+    or ``all=1``; :class:`~.pages.Refused` if none or several of them."""
+    ids = tuple(value for value in params.getlist("id") if value)
+    chosen = _filter_of(params)
+    everything = params.get("all") == "1"
+    if sum([bool(ids), chosen.by_filter, everything]) != 1:
+        raise Refused("choose the messages: one or more ids, a filter, or all of them")
+    if ids:
+        return Selection(ids=ids)
+    if everything:
+        return Selection(everything=True)
+    return chosen
+
+
+def _filter_of(params: Params) -> Selection:
+    return Selection(message_type=params.get("type") or None,
+                     exception=params.get("exception") or None,
+                     failed_after=_time(params, "after"), failed_before=_time(params, "before"))
+
+
+def _time(params: Params, name: str) -> datetime.datetime | None:
+    text = params.get(name) or ""
+    if not text:
+        return None
+    try:
+        moment_ = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise Refused(f"{name}: {text[:40]!r} is not a time; write YYYY-MM-DDTHH:MM (UTC)") \
+            from None
+    if moment_.tzinfo is None:
+        moment_ = moment_.replace(tzinfo=datetime.timezone.utc)
+    return moment_
+
+
+def _fields(selection: Selection) -> list[tuple[str, object]]:
+    """The query fields that name ``selection`` again."""
+    if selection.ids:
+        return [("id", message_id) for message_id in selection.ids]
+    if selection.everything:
+        return [("all", "1")]
+    return [(name, value) for name, value in (
+        ("type", selection.message_type), ("exception", selection.exception),
+        ("after", _local(selection.failed_after)), ("before", _local(selection.failed_before)))
+        if value is not None]
+
+
+def _local(moment_: datetime.datetime | None) -> str | None:
+    if moment_ is None:
+        return None
+    return moment_.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
+
+
+# -- the list ----------------------------------------------------------------------------
+
+
+def listing(endpoint: Endpoint, params: Params, *, limit: int) -> Page:
+    """The endpoint's failed messages that pass the filter, at most ``limit`` rows (all
+    counted), with groups by exception and type."""
+    chosen = _filter_of(params)
+    shown: list[FailedMessage] = []
+    groups: Counter[tuple[str, str]] = Counter()
+    total = parked = 0
+    with error_queue.reading(endpoint) as deliveries:
+        for delivery in deliveries:
+            failed = FailedMessage.of(delivery)
+            groups[(failed.exception_type or "-", failed.message_type or "-")] += 1
+            if not chosen.matches(delivery):
+                continue
+            total += 1
+            parked += failed.parked
+            if len(shown) < limit:
+                shown.append(failed)
+    name = endpoint.name
+    body = [
+        _outcome(params),
+        _filter_form(name, params, sorted({t for _, t in groups if t != "-"})),
+        tag("h2", f"{total} failed message(s)", " matching" if chosen.by_filter else "",
+            f" ({parked} parked in the storage)" if parked else ""),
+        _bulk_form(name, chosen, total) if total else None,
+        notice(f"showing the first {limit} of {total}") if total > limit else None,
+        _table(name, shown),
+        tag("h2", "Groups"),
+        table(["exception", "message type", "messages", ""],
+              [[tag("code", exception), tag("code", message_type), str(count),
+                tag("a", "show", href=url("/errors", {
+                    "endpoint": name, "exception": None if exception == "-" else exception,
+                    "type": None if message_type == "-" else message_type}))]
+               for (exception, message_type), count in groups.most_common()],
+              empty="the error queue holds nothing of this endpoint", class_="groups"),
+    ]
+    return Page("Failed messages", render(body))
+
+
+def _outcome(params: Params) -> Markup | None:
+    """What the action just confirmed did (numbers only: nothing from the query is shown)."""
+    said = []
+    for key in ("retried", "purged", "refused"):
+        value = params.get(key, "")
+        if value.isdigit():
+            said.append(f"{int(value)} message(s) {key}" if key != "refused" else
+                        f"{int(value)} could not be retried (no queue to go back to)")
+    return notice("; ".join(said), "ok") if said else None
+
+
+def _filter_form(endpoint: str, params: Params, types: list[str]) -> Markup:
+    return tag(
+        "form",
+        hidden({"endpoint": endpoint}),
+        tag("label", "message type ", tag("input", name="type", value=params.get("type", ""),
+                                          list="types", size=24)),
+        tag("datalist", [tag("option", value=t) for t in types], id="types"),
+        tag("label", "exception ", tag("input", name="exception", size=20,
+                                       value=params.get("exception", ""),
+                                       placeholder="ValueError")),
+        tag("label", "failed from ", tag("input", type="datetime-local", name="after",
+                                         value=params.get("after", ""))),
+        tag("label", "to ", tag("input", type="datetime-local", name="before",
+                                value=params.get("before", ""))),
+        tag("span", "(UTC)", class_="caption"),
+        tag("button", "Filter", type="submit"),
+        tag("a", "clear", href=url("/errors", {"endpoint": endpoint})),
+        method="get", action="/errors", class_="filters")
+
+
+def _bulk_form(endpoint: str, chosen: Selection, total: int) -> Markup:
+    selection = chosen if chosen.by_filter else Selection(everything=True)
+    what = "matching" if chosen.by_filter else "all"
+    return tag("form", hidden([("endpoint", endpoint), *_fields(selection)]),
+               tag("button", f"Retry {what} ({total})", type="submit", name="action",
+                   value="retry"),
+               tag("button", f"Purge {what} ({total})", type="submit", name="action",
+                   value="purge", class_="danger"),
+               method="get", action="/errors/confirm", class_="bulk")
+
+
+def _table(endpoint: str, shown: Iterable[FailedMessage]) -> Markup:
+    rows: list[list[Child]] = []
+    for failed in shown:
+        rows.append([
+            tag("input", type="checkbox", name="id", value=failed.message_id or "",
+                disabled=not failed.message_id, aria_label="select"),
+            tag("a", tag("code", failed.message_id or "(without id)"),
+                href=url("/errors/message", {"endpoint": endpoint, "id": failed.message_id}))
+            if failed.message_id else tag("code", "(without id)"),
+            tag("code", failed.message_type or "-"),
+            render([tag("code", failed.exception_type or "-"),
+                    tag("div", _short(failed.exception_message), class_="caption")]),
+            tag("code", failed.failed_queue or "-"),
+            moment(failed.failed_at or failed.time_of_failure),
+            f"{failed.immediate_attempts or 0}/{failed.delayed_attempts or 0}",
+            "parked" if failed.parked else "error queue",
+        ])
+    listed = table(["", "message id", "type", "exception", "failed queue", "time of failure",
+                    "attempts (imm./del.)", "kept in"], rows,
+                   empty="no failed message", class_="failed")
+    return tag("form", hidden({"endpoint": endpoint}), listed,
+               tag("div", tag("button", "Retry selected", type="submit", name="action",
+                              value="retry"),
+                   tag("button", "Purge selected", type="submit", name="action",
+                       value="purge", class_="danger"), class_="actions"),
+               method="get", action="/errors/confirm", class_="selection")
+
+
+def _short(text: str | None, width: int = 120) -> str:
+    line = " ".join((text or "").split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+# -- one message -------------------------------------------------------------------------
+
+
+def message(endpoint: Endpoint, params: Params) -> Page:
+    """Every copy of one failed message: its story, stack trace, headers and body."""
+    message_id = params.get("id") or ""
+    if not message_id:
+        raise Refused("which message? give its id")
+    selection = Selection(ids=(message_id,))
+    with error_queue.reading(endpoint) as deliveries:
+        copies = [delivery for delivery in deliveries if selection.matches(delivery)]
+    if not copies:
+        raise Refused(f"no message {message_id!r} among the failed messages of "
+                      f"{endpoint.name} (retried or purged meanwhile?)", 404)
+    body = [_copy(delivery) for delivery in copies]
+    body.append(tag("form", hidden({"endpoint": endpoint.name, "id": message_id}),
+                    tag("button", "Retry", type="submit", name="action", value="retry"),
+                    tag("button", "Purge", type="submit", name="action", value="purge",
+                        class_="danger"),
+                    method="get", action="/errors/confirm", class_="actions"))
+    return Page(f"Failed message {message_id}", render(body))
+
+
+def _copy(delivery: Delivery) -> Markup:
+    failed = FailedMessage.of(delivery)
+    headers = delivery.headers
+    return tag(
+        "article",
+        pairs([("message id", tag("code", failed.message_id or "-")),
+               ("type", tag("code", failed.message_type or "-")),
+               ("exception", tag("code", failed.exception_type or "-")),
+               ("exception message", tag("span", failed.exception_message or "-",
+                                         class_="exception-message")),
+               ("failed queue", tag("code", failed.failed_queue or "-")),
+               ("time of failure", moment(failed.failed_at or failed.time_of_failure)),
+               ("attempts (immediate / delayed)",
+                f"{failed.immediate_attempts or 0} / {failed.delayed_attempts or 0}"),
+               ("kept in", "the storage (parked)" if failed.parked else "the error queue")]),
+        tag("h2", "Stack trace"),
+        tag("pre", headers.get(h.STACK_TRACE) or "(none recorded)", class_="code trace"),
+        tag("h2", "Headers"),
+        table(["name", "value"], [[tag("code", name), tag("code", value)]
+                                  for name, value in sorted(headers.items())
+                                  if name != h.STACK_TRACE], class_="headers"),
+        tag("h2", "Body ", tag("span", delivery.content_type or "no content type",
+                               class_="caption")),
+        pretty(delivery.body.decode("utf-8", "replace")),
+        class_="copy")
+
+
+# -- confirming and acting ---------------------------------------------------------------
+
+
+def confirm(endpoint: Endpoint, params: Params, *, token: str, limit: int) -> Page:
+    """What a retry or purge would act on, and the form that does it (POST, with the CSRF
+    token)."""
+    action = params.get("action", "")
+    if action not in ACTIONS:
+        raise Refused(f"no action {action[:20]!r}: retry or purge")
+    verb, _, consequence = ACTIONS[action]
+    selection = selection_of(params)
+    with error_queue.reading(endpoint) as deliveries:
+        chosen = [FailedMessage.of(d) for d in deliveries if selection.matches(d)]
+    found = {failed.message_id for failed in chosen}
+    missing = [message_id for message_id in selection.ids if message_id not in found]
+    back = tag("a", "Back to the failed messages", href=url("/errors", {"endpoint": endpoint.name}))
+    if not chosen:
+        return Page(f"{verb} failed messages", render([
+            notice("No failed message matches: nothing to do.", "warn"), back]), 404)
+    body = [
+        tag("p", f"{verb} {len(chosen)} message(s) of {endpoint.name}? ", consequence,
+            class_="question"),
+        notice(f"not among the failed messages (retried or purged meanwhile?): "
+               f"{', '.join(missing)}; the others are listed", "warn") if missing else None,
+        _table(endpoint.name, chosen[:limit]),
+        notice(f"showing the first {limit} of {len(chosen)}") if len(chosen) > limit else None,
+        tag("form", hidden([("endpoint", endpoint.name), *_fields(selection),
+                            ("csrf_token", token)]),
+            tag("button", f"Yes, {verb.lower()} {len(chosen)} message(s)", type="submit",
+                class_="danger" if action == "purge" else None, id="confirm"),
+            " ", back, method="post", action=f"/errors/{action}", class_="confirm"),
+    ]
+    return Page(f"{verb} failed messages", render(body))
+
+
+def act(endpoint: Endpoint, action: str, form: Params) -> str:
+    """Retry or purge what ``form`` selects (confirmed, its token checked); where to go
+    next. :class:`~.pages.Refused` (409) changes nothing if a selected id is gone."""
+    selection = selection_of(form)
+    done = refused = 0
+    with error_queue.taking(endpoint) as deliveries:
+        try:
+            chosen = selection.pick(deliveries, endpoint.error_queue)
+        except ConfigurationError as missing:
+            raise Refused(f"{missing}", 409) from None
+        for delivery in chosen:
+            if action == "purge":
+                error_queue.purge(delivery)
+            else:
+                try:
+                    error_queue.retry(endpoint, delivery)
+                except ConfigurationError:
+                    refused += 1
+                    continue
+            done += 1
+    outcome: dict[str, object] = {"endpoint": endpoint.name, ACTIONS[action][1]: done}
+    if refused:
+        outcome["refused"] = refused
+    return url("/errors", outcome)

@@ -1,0 +1,100 @@
+"""The overview (after Flower's): each endpoint with its instances and an hour of
+per-minute charts, refreshed in place by the shipped script."""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+from ..cli_status import HIDDEN_AFTER, summarise
+from ..redaction import redact
+from . import charts
+from .history import CHARTED, PERCENTILES
+from .html import Markup, render, tag, url
+from .layout import moment, notice, table
+
+if TYPE_CHECKING:
+    from ..endpoint import Endpoint
+    from .service import Dashboard
+
+#: A running process that has not reported for this many status intervals is stale.
+STALE_AFTER_INTERVALS = 3
+#: The counters the instance table shows.
+SHOWN = ("received", "handled", "duplicate", "redispatched", "failed", "dead_lettered",
+         "conflict")
+
+
+def overview(dashboard: Dashboard, now: datetime.datetime) -> Markup:
+    """Every endpoint's section (the part the page refreshes)."""
+    return render([_endpoint(dashboard, endpoint, now)
+                   for endpoint in dashboard.endpoints.values()])
+
+
+def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) -> Markup:
+    name = endpoint.name
+    sampler = dashboard.samplers[name]
+    reports = [r for r in sampler.latest if now - r.updated_at <= HIDDEN_AFTER]
+    stale_after = datetime.timedelta(seconds=STALE_AFTER_INTERVALS * endpoint.status_interval)
+    summary = summarise(name, reports, now=now, stale_after=stale_after)
+    states = [instance["state"] for instance in summary["instances"]]
+    history = sampler.history
+    minutes = history.minutes(now)
+    counts = {key: history.series(key, now) for key, _ in CHARTED}
+    problem = dashboard.problems.get(name)
+    return tag(
+        "section",
+        tag("h2", name, " ", tag("span", f"{states.count('running')} running", class_="badge ok"),
+            " ", tag("span", f"{states.count('stale')} stale",
+                     class_="badge warn" if "stale" in states else "badge"),
+            " ", tag("span", f"{states.count('stopped')} stopped", class_="badge")),
+        notice(f"status reports cannot be read: {problem}", "error") if problem else None,
+        _queues(dashboard, endpoint),
+        tag("div", [tag("div", tag("span", f"{sum(counts[key]):,}", class_="figure",
+                                   data_counter=key),
+                           tag("span", f"{title.lower()} in the hour", class_="caption"),
+                           class_="tile") for key, title in CHARTED], class_="tiles"),
+        tag("div", [tag("figure", charts.bars(f"{title} per minute", minutes, counts[key]),
+                        tag("figcaption", f"{title} per minute")) for key, title in CHARTED]
+            + [tag("figure", charts.lines(
+                "Handling time per minute", minutes,
+                {label: history.percentiles(fraction, now) for fraction, label in PERCENTILES},
+                "ms"), tag("figcaption", "Handling time (ms): p50, p95, p99"))],
+            class_="charts"),
+        tag("h3", "Instances"),
+        _instances(summary, private=dashboard.credentials is not None),
+        class_="endpoint", data_endpoint=name)
+
+
+def _queues(dashboard: Dashboard, endpoint: Endpoint) -> Markup:
+    """The error queue's depth and the parked messages, linking to them."""
+    try:
+        waiting: Any = endpoint.transport.pending(endpoint.error_queue)
+    except Exception as error:
+        waiting = f"unknown ({redact(str(error))})"
+    try:
+        parked: Any = len(endpoint.storage.parked_messages(endpoint.name))
+    except Exception as error:
+        parked = f"unknown ({redact(str(error))})"
+    return tag("p", "Error queue ", tag("code", endpoint.error_queue), ": ",
+               tag("a", str(waiting), href=url("/errors", {"endpoint": endpoint.name}),
+                   data_counter="error_queue"),
+               " message(s) waiting (every endpoint's); parked in the storage: ",
+               tag("span", str(parked), data_counter="parked"), ".", class_="queues")
+
+
+def _instances(summary: dict[str, Any], *, private: bool) -> Markup:
+    rows = []
+    for instance in summary["instances"]:
+        name = instance["instance"] if private else instance["instance"].rsplit(":", 1)[-1]
+        problems = [f"{source}: {text}" for source, text in sorted(instance["problems"].items())]
+        rows.append([
+            tag("code", name), tag("span", instance["state"], class_=f"state {instance['state']}"),
+            moment(instance["started_at"]), moment(instance["updated_at"]),
+            *(tag("span", str(instance["counters"][key]), data_counter=key) for key in SHOWN),
+            render([tag("div", problem, class_="problem") for problem in problems]) or "-",
+        ])
+    head = ["instance" if private else "instance (host and pid with authentication)",
+            "state", "started", "last report",
+            *(key.replace("_", "-") for key in SHOWN), "problems"]
+    return table(head, rows, empty="no instance reported in the last hour",
+                 class_="instances")

@@ -1,0 +1,428 @@
+"""The dashboard's pages over HTTP, on memory:// and an in-process storage: what each shows,
+that nothing from a message can become markup, and that every change needs the
+credentials, the form's token and a confirmation.
+
+Each test runs an endpoint whose handler fails on chosen accounts, without retries, and a
+dashboard over a second, never started endpoint of the same name on the same broker and
+storage — as ``idembus dashboard`` in another process would see it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import re
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from idembus import Endpoint, RetryPolicy
+from idembus import headers as h
+from idembus.dashboard import Dashboard
+from idembus.dashboard.security import CSRF_COOKIE
+from idembus.envelope import Envelope, format_utc, utc_now
+from idembus.parking import park
+from idembus.recovery import Recoverability
+from idembus.storage.base import AggregateRecord
+from idembus.storage.errors import StorageUnavailable
+from idembus.storage.memory import MemoryStorage
+from idembus.transports.kombu import KombuTransport
+from tests.support import Deposit, Deposited, SignalCounter
+from tests.test_cli_errors import AccountFrozen, FlakyAccounts
+from tests.test_status import wait_until
+
+PASSWORD = "s3cret-Pass-9"
+HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=1">'
+
+
+@dataclass
+class Shop:
+    endpoint: Endpoint
+    dashboard: Dashboard
+    client: httpx.Client
+    failing: dict[str, type[Exception]]
+    dead_lettered: SignalCounter
+    handled: SignalCounter
+
+    def fail(self, account: str, error: type[Exception] = ValueError) -> str:
+        """Send a deposit that fails; its id once it is in the error queue."""
+        self.failing[account] = error
+        waited = self.dead_lettered.count + 1
+        message_id = self.endpoint.bus.send(Deposit(account=account, amount=5))
+        assert self.dead_lettered.wait_for(waited)
+        return message_id
+
+    def form(self, path: str, **query: object) -> tuple[str, dict[str, list[str]]]:
+        """The POST form of the page at ``path``: its action and fields."""
+        page = self.client.get(path, params=query)
+        assert page.status_code == 200, page.text
+        action = re.search(r'<form[^>]*method="post" action="([^"]+)"', page.text)
+        assert action is not None, page.text
+        form = page.text[action.start():page.text.index("</form>", action.start())]
+        fields: dict[str, list[str]] = {}
+        for name, value in re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"',
+                                      form):
+            fields.setdefault(name, []).append(_unescape(value))
+        return action.group(1), fields
+
+    def in_error_queue(self) -> list[str]:
+        with self.endpoint.transport.inspect(self.endpoint.error_queue) as deliveries:
+            return sorted(d.headers.get(h.MESSAGE_ID, "") for d in deliveries)
+
+
+def _unescape(value: str) -> str:
+    return html.unescape(value)
+
+
+@pytest.fixture
+def shop(unique: str) -> Iterator[Shop]:
+    storage = MemoryStorage()
+    failing: dict[str, type[Exception]] = {}
+    options = {"storage": storage, "journal": True, "error_queue": f"error-{unique}"}
+    endpoint = Endpoint(f"shop-{unique}", transport=KombuTransport("memory://"),
+                        handlers=[FlakyAccounts(failing, [])], status_interval=0.05,
+                        recoverability=Recoverability(
+                            retries=RetryPolicy(immediate_retries=0, delayed=())), **options)
+    tool = Endpoint(f"shop-{unique}", transport=KombuTransport("memory://"),
+                    handlers=[FlakyAccounts({}, [])], **options)
+    dashboard = Dashboard([tool], port=0, auth=f"admin:{PASSWORD}", sample_interval=0.05)
+    counters = SignalCounter(endpoint, "dead_lettered"), SignalCounter(endpoint, "handled")
+    endpoint.start()
+    dashboard.start()
+    client = httpx.Client(base_url=dashboard.url, auth=("admin", PASSWORD), timeout=15,
+                          follow_redirects=False)
+    try:
+        yield Shop(endpoint, dashboard, client, failing, *counters)
+    finally:
+        client.close()
+        dashboard.stop(5)
+        endpoint.close()
+        tool.close()
+
+
+def text_of(page: httpx.Response) -> str:
+    """What a person reads: the page without its tags, entities decoded, spaces folded."""
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page.text)).split())
+
+
+# -- authentication, CSRF, headers ---------------------------------------------------------
+
+
+def test_every_page_and_every_post_needs_the_credentials(shop: Shop) -> None:
+    anonymous = httpx.Client(base_url=shop.dashboard.url, timeout=10)
+    wrong = httpx.Client(base_url=shop.dashboard.url, auth=("admin", "nope"), timeout=10)
+    for path in ("/", "/fragment/overview", "/errors", "/aggregates", "/journal",
+                 "/static/dashboard.js", "/stream/0/"):
+        for client in (anonymous, wrong):
+            refused = client.get(path)
+            assert refused.status_code == 401, path
+            assert refused.headers["www-authenticate"].startswith("Basic")
+    # A POST with a valid token and cookie, but no credentials, changes nothing
+    message_id = shop.fail("acc-1")
+    action, fields = shop.form("/errors/confirm", action="retry", id=message_id)
+    cookie = shop.client.cookies.get(CSRF_COOKIE)
+    anonymous.cookies.set(CSRF_COOKIE, cookie)
+    assert anonymous.post(action, data=fields).status_code == 401
+    assert shop.in_error_queue() == [message_id]
+    anonymous.close()
+    wrong.close()
+
+
+def test_every_page_forbids_inline_script_and_styles_and_framing(shop: Shop) -> None:
+    for path in ("/", "/errors", "/aggregates", "/journal", "/nowhere"):
+        page = shop.client.get(path)
+        policy = page.headers["content-security-policy"]
+        assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+        assert "frame-ancestors 'none'" in policy and "default-src 'none'" in policy
+        assert page.headers["x-content-type-options"] == "nosniff"
+        assert page.headers["cache-control"] == "no-store"
+        # and the pages themselves hold no inline script, handler or style
+        assert not re.search(r"<script(?![^>]*\bsrc=)", page.text), path
+        assert not re.search(r"\son[a-z]+=", page.text), path
+        assert " style=" not in page.text, path
+
+
+def test_a_change_without_the_forms_token_or_from_another_site_is_refused(shop: Shop) -> None:
+    message_id = shop.fail("acc-1")
+    action, fields = shop.form("/errors/confirm", action="purge", id=message_id)
+    # Without the token, with another browser's token, from another origin: refused
+    without = {key: value for key, value in fields.items() if key != "csrf_token"}
+    assert shop.client.post(action, data=without).status_code == 403
+    forged = {**fields, "csrf_token": ["x" + fields["csrf_token"][0][1:]]}
+    assert shop.client.post(action, data=forged).status_code == 403
+    other_site = shop.client.post(action, data=fields,
+                                  headers={"Origin": "https://evil.example"})
+    assert other_site.status_code == 403
+    assert "another site" in text_of(other_site)
+    fresh = httpx.Client(base_url=shop.dashboard.url, auth=("admin", PASSWORD), timeout=10)
+    assert fresh.post(action, data=fields).status_code == 403  # no cookie of its own
+    fresh.close()
+    assert shop.in_error_queue() == [message_id]
+    # With both, from its own page: purged
+    done = shop.client.post(action, data=fields)
+    assert done.status_code == 303
+    assert shop.in_error_queue() == []
+    assert "1 message(s) purged" in text_of(shop.client.get(done.headers["location"]))
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def hostile_failure(shop: Shop) -> str:
+    """A failed message whose id, header name, header value, exception and body hold HTML
+    and script, put straight into the error queue; its id."""
+    message_id = f"{uuid.uuid4()}{HOSTILE}"
+    shop.endpoint.transport.send(Envelope(
+        {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: f"test.Deposit{HOSTILE}",
+         h.FAILED_QUEUE: shop.endpoint.name, h.EXCEPTION_TYPE: f"builtins.ValueError{HOSTILE}",
+         h.EXCEPTION_MESSAGE: f"bad {HOSTILE}", h.STACK_TRACE: f"Traceback {HOSTILE}",
+         h.TIME_OF_FAILURE: format_utc(utc_now()), f"x-note{HOSTILE}": f"value {HOSTILE}"},
+        f'{{"account": "{HOSTILE.replace(chr(34), chr(39))}", "amount": 1}}',
+        shop.endpoint.error_queue))
+    return message_id
+
+
+def assert_shown_as_text(page: httpx.Response) -> None:
+    assert page.status_code == 200, page.text
+    assert "<script>window.pwned" not in page.text
+    assert "<img src=x" not in page.text
+    assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in page.text
+
+
+def test_html_in_an_id_a_header_name_a_header_value_and_a_body_is_shown_as_text(
+    shop: Shop,
+) -> None:
+    message_id = hostile_failure(shop)
+    listed = shop.client.get("/errors")
+    assert_shown_as_text(listed)
+    shown = shop.client.get("/errors/message", params={"id": message_id})
+    assert_shown_as_text(shown)
+    text = text_of(shown)
+    assert f"x-note{HOSTILE}" in text and f"value {HOSTILE}" in text
+    assert f"Traceback {HOSTILE}" in text and f"bad {HOSTILE}" in text
+    assert "window.pwned=1</script>" in text  # the body, as text
+    assert_shown_as_text(shop.client.get("/errors/confirm",
+                                         params={"action": "retry", "id": message_id}))
+    # The type filter echoes what was typed, escaped
+    assert_shown_as_text(shop.client.get("/errors", params={"type": HOSTILE}))
+
+
+def test_html_in_an_aggregate_id_is_shown_as_text(shop: Shop) -> None:
+    shop.endpoint.bus.send(Deposit(account=HOSTILE, amount=3))
+    assert shop.handled.wait_for(1)
+    page = shop.client.get("/aggregates", params={"type": "Account", "id": HOSTILE})
+    assert_shown_as_text(page)
+    assert "live" in text_of(page) and '"balance": 3' in text_of(page)
+
+
+def test_unknown_endpoints_pages_and_bad_filters_are_told_not_crashed(shop: Shop) -> None:
+    assert shop.client.get("/errors", params={"endpoint": "nope"}).status_code == 404
+    assert shop.client.get("/nowhere").status_code == 404
+    bad_time = shop.client.get("/errors", params={"after": "yesterday<b>"})
+    assert bad_time.status_code == 400 and "YYYY-MM-DDTHH:MM" in text_of(bad_time)
+    assert "<b>" not in bad_time.text
+    assert shop.client.get("/errors/confirm", params={"action": "explode", "all": "1"}
+                           ).status_code == 400
+    assert shop.client.get("/aggregates", params={"type": "Account"}).status_code == 400
+    bad_filter = shop.client.get("/journal", params={"types": ",,"})
+    assert bad_filter.status_code == 400
+
+
+# -- the pages -----------------------------------------------------------------------------
+
+
+def test_a_failed_message_is_retried_after_confirming_and_handled(shop: Shop) -> None:
+    # Given a deposit that failed
+    message_id = shop.fail("acc-7")
+    listed = text_of(shop.client.get("/errors"))
+    assert message_id in listed and "builtins.ValueError" in listed
+    shown = text_of(shop.client.get("/errors/message", params={"id": message_id}))
+    assert "account acc-7 cannot take deposits" in shown and "Traceback" in shown
+    # When the confirmation page is opened, nothing changes yet
+    action, fields = shop.form("/errors/confirm", action="retry", id=message_id)
+    assert shop.in_error_queue() == [message_id]
+    # When the cause is gone and the retry is confirmed
+    del shop.failing["acc-7"]
+    done = shop.client.post(action, data=fields)
+    assert done.status_code == 303
+    assert "1 message(s) retried" in text_of(shop.client.get(done.headers["location"]))
+    # Then it is handled, once, with its id
+    assert shop.handled.wait_for(1)
+    assert shop.endpoint.storage.load("Account", "acc-7").state == {"balance": 5, "deposits": 1}
+    assert shop.in_error_queue() == []
+
+
+def test_a_selection_or_a_filter_is_retried_or_purged_and_nothing_else(shop: Shop) -> None:
+    frozen = [shop.fail(f"frozen-{i}", AccountFrozen) for i in range(2)]
+    broken = [shop.fail(f"broken-{i}") for i in range(3)]
+    groups = text_of(shop.client.get("/errors"))
+    assert "5 failed message(s)" in groups
+    # Purge by the exception filter: only the frozen ones go
+    action, fields = shop.form("/errors/confirm", action="purge", exception="AccountFrozen")
+    assert fields["exception"] == ["AccountFrozen"]
+    assert shop.client.post(action, data=fields).status_code == 303
+    assert shop.in_error_queue() == sorted(broken)
+    # Retry a selection of two: those two come back and fail again (the cause stays)
+    action, fields = shop.form("/errors/confirm", action="retry", id=broken[:2])
+    assert sorted(fields["id"]) == sorted(broken[:2])
+    waited = shop.dead_lettered.count + 2
+    assert shop.client.post(action, data=fields).status_code == 303
+    assert shop.dead_lettered.wait_for(waited)
+    assert shop.in_error_queue() == sorted(broken)
+    assert not set(frozen) & set(shop.in_error_queue())
+
+
+def test_the_time_filter_selects_by_time_of_failure(shop: Shop) -> None:
+    message_id = shop.fail("acc-1")
+    now = utc_now()
+    earlier = (now - datetime.timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M")
+    later = (now + datetime.timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M")
+    assert message_id in shop.client.get("/errors", params={"after": earlier}).text
+    assert message_id not in shop.client.get("/errors", params={"after": later}).text
+    assert message_id in shop.client.get("/errors", params={"before": later}).text
+
+
+def test_parked_messages_are_listed_shown_and_retried_with_the_failed(shop: Shop) -> None:
+    envelope = Envelope({h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: "test.Deposit"},
+                        '{"account": "parked-1", "amount": 2}', shop.endpoint.name)
+    park(shop.endpoint.storage, endpoint=shop.endpoint.name, source="error-queue",
+         envelope=envelope, error=ValueError("too large for the broker"),
+         queue=shop.endpoint.name)
+    listed = text_of(shop.client.get("/errors"))
+    assert "1 failed message(s) (1 parked in the storage)" in listed and "parked" in listed
+    assert "too large for the broker" in text_of(
+        shop.client.get("/errors/message", params={"id": envelope.message_id}))
+    action, fields = shop.form("/errors/confirm", action="retry", id=envelope.message_id)
+    assert shop.client.post(action, data=fields).status_code == 303
+    assert shop.handled.wait_for(1)
+    assert shop.endpoint.storage.parked_messages(shop.endpoint.name) == []
+
+
+def test_an_aggregate_shows_its_state_version_and_processed_messages(shop: Shop) -> None:
+    first = shop.endpoint.bus.send(Deposit(account="acc-9", amount=4))
+    second = shop.endpoint.bus.send(Deposit(account="acc-9", amount=6))
+    assert shop.handled.wait_for(2)
+    page = shop.client.get("/aggregates", params={"type": "Account", "id": "acc-9"})
+    text = text_of(page)
+    assert '"balance": 10' in text and "version 2" in text and "live" in text
+    assert f"FlakyAccounts/{first}" in text and f"FlakyAccounts/{second}" in text
+    assert shop.client.get("/aggregates", params={"type": "Account", "id": "none"}
+                           ).status_code == 404
+
+
+def test_a_completed_saga_shows_its_tombstone_and_what_it_processed(shop: Shop) -> None:
+    storage = shop.endpoint.storage
+    storage.commit(AggregateRecord("Order", "o-1"), key="Saga/m-1", state={"step": 1},
+                   outgoing=[Envelope({h.MESSAGE_ID: "out-1", h.MESSAGE_TYPE: "t.Shipped"},
+                                      "{}", "shipping")])
+    storage.commit(storage.load("Order", "o-1"), key="Saga/m-2", state=None, outgoing=[],
+                   completed=True)
+    text = text_of(shop.client.get("/aggregates", params={"type": "Order", "id": "o-1"}))
+    assert "completed (tombstone)" in text and "tombstone" in text
+    assert "State: none (tombstone)" in text and '"step"' not in text
+    assert "Saga/m-1" in text and "out-1" in text and "not yet" in text and "Saga/m-2" in text
+
+
+def test_the_overview_shows_each_instance_and_the_counts_of_the_hour(shop: Shop) -> None:
+    for account in ("a", "b", "c"):
+        shop.endpoint.bus.send(Deposit(account=account, amount=1))
+    assert shop.handled.wait_for(3)
+    shop.fail("d")
+    # Reports are written on a timer: read until one says what the endpoint counted
+    assert wait_until(lambda: any(
+        r.counters.get("dead_lettered") == 1 and r.counters.get("handled") == 3
+        for r in shop.endpoint.storage.status_reports(shop.endpoint.name)))
+    shop.dashboard.sample()
+    page = shop.client.get("/fragment/overview")
+    assert re.search(r'data-counter="handled">3<', page.text)
+    assert re.search(r'data-counter="dead_lettered">1<', page.text)
+    text = text_of(page)
+    assert "1 running" in text and socket.gethostname() in text  # authenticated: host shown
+    assert re.search(r'data-counter="error_queue">1<', page.text)
+    # the whole page refreshes that part in place, through the shipped script
+    assert 'data-refresh="/fragment/overview"' in shop.client.get("/").text
+
+
+def test_without_credentials_no_host_or_pid_is_shown_and_only_loopback_names_answer(
+    unique: str,
+) -> None:
+    storage = MemoryStorage()
+    with Endpoint(f"plain-{unique}", storage=storage, status_interval=0.05) as endpoint:
+        endpoint.stop()
+        dashboard = Dashboard([endpoint], port=0)
+        dashboard.start()
+        try:
+            page = httpx.get(f"{dashboard.url}/", timeout=10)
+            rebound = httpx.get(f"{dashboard.url}/errors", timeout=10,
+                                headers={"Host": f"rebound.example:{dashboard.address[1]}"})
+        finally:
+            dashboard.stop(5)
+    assert page.status_code == 200
+    assert "stopped" in text_of(page)
+    assert socket.gethostname() not in page.text
+    # and, without credentials, a page of another site resolved to 127.0.0.1 gets nothing
+    assert rebound.status_code == 400 and "rebound" not in rebound.text
+
+
+def test_the_live_page_shows_recent_events_and_follows_the_gateways_stream(shop: Shop) -> None:
+    # An empty journal: the stream starts from the time it was read (0 would replicate)
+    empty = re.search(r'data-stream="([^"]+)"', shop.client.get("/journal").text)
+    assert empty is not None and re.search(r"last_event_id=\d{13}", empty.group(1))
+    shop.endpoint.bus.publish(Deposited(account="j-1", amount=1))
+    # (an event is journaled once the broker confirmed it)
+    assert wait_until(lambda: shop.endpoint.storage.journal_bounds().newest >= 1)
+    page = shop.client.get("/journal")
+    assert "j-1" in text_of(page)
+    # the script follows the gateway's own stream after the newest entry shown
+    source = re.search(r'data-stream="([^"]+)"', page.text)
+    assert source is not None
+    start = _unescape(source.group(1))
+    assert start.startswith("/stream/0/?") and "last_event_id=1" in start
+    shop.endpoint.bus.publish(Deposited(account="j-2", amount=2))
+    events = []
+    with shop.client.stream("GET", start, headers={"Accept": "text/event-stream"}) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                break
+    assert len(events) == 1 and '"j-2"' in events[0]  # j-1 not again, j-2 live
+    filtered = shop.client.get("/journal", params={"types": "nothing.Like.This"})
+    assert filtered.status_code == 200 and "j-1" not in text_of(filtered)
+
+
+class Unreachable(MemoryStorage):
+    """A storage whose status reports and parked messages cannot be read, with a password
+    in the reason (as a driver's error may name its URL)."""
+
+    process_local = False
+
+    def status_reports(self, endpoint: str) -> list[Any]:
+        raise StorageUnavailable(f"cannot connect to postgresql://shop:{PASSWORD}@db:5432/x")
+
+    def parked_messages(self, endpoint: str) -> list[Any]:
+        raise StorageUnavailable(f"cannot connect to postgresql://shop:{PASSWORD}@db:5432/x")
+
+
+def test_a_storage_that_cannot_be_read_is_said_on_the_page_without_its_password(
+    unique: str,
+) -> None:
+    with Endpoint(f"down-{unique}", storage=Unreachable()) as endpoint:
+        dashboard = Dashboard([endpoint], port=0, auth=f"admin:{PASSWORD}")
+        dashboard.start()
+        try:
+            client = httpx.Client(base_url=dashboard.url, auth=("admin", PASSWORD), timeout=10)
+            overview, errors = client.get("/"), client.get("/errors")
+            client.close()
+        finally:
+            dashboard.stop(5)
+    assert "status reports cannot be read: cannot connect to postgresql://shop:***@db" in \
+        text_of(overview)
+    assert errors.status_code == 503 and "cannot be read now" in text_of(errors)
+    for page in (overview, errors):
+        assert PASSWORD not in page.text
