@@ -98,7 +98,7 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import headers as h
@@ -403,6 +403,19 @@ class AggregateStore(StorageRole, ABC):
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         """Every stored record of one aggregate type, for reports and tools (not per
         message), with ``updated_at``."""
+
+    def history(self, aggregate_type: str, aggregate_id: str, *,
+                entries: int = 200) -> AggregateRecord:
+        """The aggregate's record with its ``entries`` newest processed entries (newest
+        last, as ``load`` orders them), for tools that show one aggregate (the dashboard's
+        lookup); a completed saga's tombstone too. The default serves backends whose
+        ``load`` returns every remembered entry; those that keep entries apart (PostgreSQL)
+        override it."""
+        if entries < 0:
+            raise ValueError(f"entries cannot be negative, got {entries}")
+        record = self.load(aggregate_type, aggregate_id)
+        kept = list(record.processed.items())[-entries:] if entries else []
+        return replace(record, processed=dict(kept))
 
     def flush(self) -> None:
         """Apply every ``mark_dispatched`` made so far (backends that batch them)."""

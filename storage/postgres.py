@@ -756,6 +756,31 @@ class PostgresStorage(Storage):
                 f"DELETE FROM {self._status} WHERE endpoint = %s AND updated_at < %s",
                 (endpoint, updated_before)).rowcount
 
+    def history(self, aggregate_type: str, aggregate_id: str, *,
+                entries: int = 200) -> AggregateRecord:
+        """The aggregate's row and its ``entries`` newest processed rows (newest last)."""
+        if entries < 0:
+            raise ValueError(f"entries cannot be negative, got {entries}")
+        with self._connection() as connection:
+            row = connection.execute(
+                f"SELECT version, state, state_version, completed, updated_at "
+                f"FROM {self._aggregates} WHERE aggregate_type = %s AND aggregate_id = %s",
+                (aggregate_type, aggregate_id)).fetchone()
+            rows = connection.execute(
+                f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at "
+                f"FROM {self._processed} WHERE aggregate_type = %s AND aggregate_id = %s "
+                "ORDER BY processed_at DESC, key DESC LIMIT %s",
+                (aggregate_type, aggregate_id, entries)).fetchall()
+        processed = {found[0]: _entry(*found) for found in reversed(rows)}
+        newest = next(reversed(processed.values())).at if processed else None
+        if row is None:
+            return AggregateRecord(aggregate_type, aggregate_id, processed=processed,
+                                   updated_at=newest)
+        version, state, state_version, completed, updated_at = row
+        return AggregateRecord(aggregate_type, aggregate_id, version, state, processed,
+                               updated_at=_utc(updated_at) or newest,
+                               completed=bool(completed), state_version=state_version)
+
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         if aggregate_type != INBOX:
             return self._aggregate_records(aggregate_type)

@@ -185,6 +185,26 @@ class AggregateStoreContract(CompletionContract):
         assert set(remembered(storage, "a", "Seed/m0", "AccountHandler/m2")) == {
             "Seed/m0", "AccountHandler/m2"}
 
+    def test_history_gives_the_record_with_its_newest_processed_entries_newest_last(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        loaded = created(storage, "a", balance=1)
+        for index in range(1, 4):
+            commit(storage, loaded, f"AccountHandler/m{index}", {"balance": index + 1},
+                   [envelope()])
+            loaded = storage.load(ACCOUNT, "a")
+
+        record = storage.history(ACCOUNT, "a", entries=2)
+        everything = storage.history(ACCOUNT, "a", entries=10)
+
+        assert (record.version, dict(record.state or {})) == (4, {"balance": 4})
+        assert list(record.processed) == ["AccountHandler/m2", "AccountHandler/m3"]
+        assert record.processed["AccountHandler/m3"].outgoing_ids
+        assert list(everything.processed) == [
+            "Seed/m0", "AccountHandler/m1", "AccountHandler/m2", "AccountHandler/m3"]
+        assert storage.history(ACCOUNT, "nobody").version == 0
+
     # -- duplicates -------------------------------------------------------------------------------
 
     def test_committing_a_key_again_from_the_stale_loaded_record_raises_already_processed(
