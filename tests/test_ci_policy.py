@@ -34,3 +34,14 @@ def test_under_ci_an_unreachable_broker_fails_the_run():
     done = run_smoke_test_on_amqp(ci="true")
     assert done.returncode != 0
     assert "under CI=true every service must be up" in done.stdout
+
+
+def test_the_ci_script_is_valid_bash_and_ends_by_running_make_test():
+    # An edit once folded a block into the script's first comment, leaving an unclosed
+    # backquote: bash refused the whole script and CI would have run no test at all.
+    script = ROOT / ".ci" / "run"
+    checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    commands = [line.strip() for line in script.read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith("#")]
+    assert commands[-1] == "make test"
