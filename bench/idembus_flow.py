@@ -4,6 +4,9 @@ OrderBilled) as two endpoints of one consumer thread each, defaults otherwise.
 N PlaceOrder commands are queued for Sales before either endpoint starts; the clock runs
 from Sales' first delivery until Billing has handled N OrderPlaced events. Nobody
 subscribes to OrderBilled, so the broker drops it after confirming it, as in the raw loop.
+
+Storages (:data:`STORAGES`): the embedded default (mongomock), MemoryStorage, and
+PostgreSQL at ``IDEMBUS_POSTGRES_URL`` (tables of the run's own, dropped afterwards).
 """
 
 from __future__ import annotations
@@ -17,23 +20,50 @@ from bench.common import (
     PREFETCH,
     FlowClock,
     orders,
+    postgres_unreachable_reason,
     timeout_for,
     unique_suffix,
 )
+from bench.pg_common import POSTGRES_URL
 from idembus.endpoint import Endpoint
 from idembus.pipeline import Middleware
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
+from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.sales import OrderHandler
 
-#: Storage backends measured, by the name printed in the table.
+#: Storage backends measured, by the name printed in the table; each is made for an
+#: endpoint name.
 STORAGES: dict[str, Callable[[str], Storage]] = {
-    "mongomock": lambda database: MongoStorage.embedded(database),
-    "memory": lambda database: MemoryStorage(),
+    "mongomock": lambda name: MongoStorage.embedded(name),
+    "memory": lambda name: MemoryStorage(),
+    "postgres": lambda name: PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name)),
 }
+
+
+def unavailable(storage: str) -> str | None:
+    """Why ``storage`` cannot be measured here, or ``None`` (only PostgreSQL may be
+    missing)."""
+    return postgres_unreachable_reason(POSTGRES_URL) if storage == "postgres" else None
+
+
+def drop_storage(storage: str, name: str) -> None:
+    """Drop the tables of ``name``'s PostgreSQL storage (with a storage of their own: the
+    endpoint closed its); the other storages keep nothing."""
+    if storage != "postgres":
+        return
+    cleaner = PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name))
+    try:
+        cleaner.drop_tables()
+    finally:
+        cleaner.close()
+
+
+def _table_prefix(name: str) -> str:
+    return name.replace("-", "_")
 
 TransportFactory = Callable[..., KombuTransport]
 
@@ -48,6 +78,8 @@ class Flow:
     transport: KombuTransport
     exchange: str
     clock: FlowClock
+    #: The storage kind of both endpoints (a key of :data:`STORAGES`).
+    storage: str
 
     @property
     def endpoints(self) -> tuple[Endpoint, Endpoint]:
@@ -80,7 +112,7 @@ def build_flow(url: str, storage: str, count: int, *, confirm: bool,
     )
     flow = Flow(endpoint("sales", OrderHandler, sales_transport),
                 endpoint("billing", BillingHandler(FakePaymentGateway()), billing_transport),
-                sales_transport, exchange, FlowClock(count))
+                sales_transport, exchange, FlowClock(count), storage)
     for each in flow.endpoints:
         each.transport.declare(each.name, subscriptions=each.subscriptions)
     flow.sales.signals.received.connect(lambda sender, **_: flow.clock.start(), weak=False)
@@ -104,11 +136,14 @@ def check(flow: Flow, count: int) -> None:
 
 
 def cleanup(flow: Flow) -> None:
-    """Delete the run's queues and exchange (memory:// keeps them at class level too)."""
+    """Delete the run's queues and exchange (memory:// keeps them at class level too), and
+    its tables."""
     transport = flow.transport
     for queue in (flow.sales.name, flow.billing.name, flow.sales.error_queue):
         transport.delete_queue(queue)
     transport.delete_exchange()
+    for each in flow.endpoints:
+        drop_storage(flow.storage, each.name)
 
 
 def run(url: str, storage: str, count: int, *, confirm: bool = True,

@@ -28,6 +28,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from bench.instructions import VARIANTS, run_pipeline
+from bench.throughput import main as throughput_main
 from idembus import headers as h
 from idembus.context import MessageContext
 from idembus.envelope import Envelope
@@ -865,3 +867,30 @@ def test_the_w3c_fast_path_writes_what_the_default_propagator_writes(
 ])
 def test_the_fast_path_is_taken_for_w3c_propagators_only(propagator, fast):
     assert HeaderCodec.of(propagator).w3c is fast
+
+
+# -- the benchmarks of what tracing costs --------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_the_throughput_benchmark_measures_middleware_on_postgres_at_a_reduced_size(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_service(POSTGRES_URL, "PostgreSQL")
+    assert throughput_main(["--transports", "memory", "--storages", "postgres",
+                            "--messages", "10", "--rounds", "1",
+                            "--json", str(tmp_path / "throughput.json")]) == 0
+
+    (line,) = [text for text in capsys.readouterr().out.splitlines()
+               if text.startswith("bench: ")]
+    fields = dict(field.split("=") for field in line.removeprefix("bench: ").split())
+    assert float(fields["memory_idembus_postgresstorage"]) > 0
+    for cost in ("5_noop_middleware", "tracing", "tracing_sampled"):
+        assert float(fields[f"memory_postgres_{cost}_vs_none"]) > 0
+        assert fields[f"memory_{cost}_vs_none"] == "n/a"  # MemoryStorage was not measured
+
+
+@pytest.mark.parametrize("variant", VARIANTS["pipeline"])
+def test_each_pipeline_variant_counted_for_instructions_runs_and_leaves_no_span_open(variant):
+    run_pipeline(variant, 3)  # what callgrind counts: it must run, and leave no span open
+    assert not trace.get_current_span().get_span_context().is_valid
