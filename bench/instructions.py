@@ -24,13 +24,17 @@ Drivers (``--drivers``) and their variants:
     the same SDK provider, with the attributes ``Tracing`` gives them and the same
     parents: what the OpenTelemetry SDK itself costs, the floor under four spans).
 ``flow``
-    :mod:`bench.idembus_flow` on memory:// with MemoryStorage (Sales and Billing, two
-    messages handled per order), per handled message: the whole of idembus's work, with
-    the middleware variants ``none``, ``noop5``, ``tracing``, ``tracing_sampled`` (as
+    :mod:`bench.idembus_flow` (Sales and Billing, two messages handled per order), per
+    handled message: the whole of idembus's work in the process, with the middleware
+    variants ``none``, ``noop5``, ``tracing``, ``tracing_sampled`` (as
     :mod:`bench.throughput` runs them).
 ``async``
-    :mod:`bench.async_handlers` on memory:// with MemoryStorage, per handled message:
-    ``sync``, ``async``, ``async_await``.
+    :mod:`bench.async_handlers`, per handled message: ``sync``, ``async``,
+    ``async_await``.
+
+Both run on memory:// with MemoryStorage unless ``--transport amqp`` (RabbitMQ at
+``IDEMBUS_AMQP_URL``) and ``--storage postgres`` (``IDEMBUS_POSTGRES_URL``) say otherwise;
+the broker's and the database's own work is not counted, only this process's.
 
 Each table gives the instructions per message, the difference from the driver's first
 variant, and that variant's count over this one's: the throughput ratio the variant would
@@ -51,6 +55,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench import middleware_cost
+from bench.common import TRANSPORT_URLS
+from bench.idembus_flow import STORAGES
 
 #: driver -> its variants, the first being the one the others are compared with.
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -164,16 +170,17 @@ def _sdk_floor() -> Callable[[dict[str, str]], None]:
     return four_spans
 
 
-def run_flow(variant: str, count: int, *, queue_only: bool = False) -> None:
-    """``count`` orders through :mod:`bench.idembus_flow` on memory:// + MemoryStorage;
-    with ``queue_only``, only what happens before its clock starts (building the endpoints,
-    queueing the orders through ``sales.bus``, traced too) and the clean-up."""
+def run_flow(variant: str, count: int, url: str, storage: str, *,
+             queue_only: bool = False) -> None:
+    """``count`` orders through :mod:`bench.idembus_flow`; with ``queue_only``, only what
+    happens before its clock starts (building the endpoints, queueing the orders through
+    ``sales.bus``, traced too) and the clean-up."""
     from bench import idembus_flow
 
     if not queue_only:
-        idembus_flow.run("memory://", "memory", count, middleware=_middleware(variant))
+        idembus_flow.run(url, storage, count, middleware=_middleware(variant))
         return
-    flow = idembus_flow.build_flow("memory://", "memory", count, confirm=True,
+    flow = idembus_flow.build_flow(url, storage, count, confirm=True,
                                    middleware=_middleware(variant))
     try:
         idembus_flow.preload(flow, count)
@@ -183,17 +190,18 @@ def run_flow(variant: str, count: int, *, queue_only: bool = False) -> None:
         idembus_flow.cleanup(flow)
 
 
-def run_async(variant: str, count: int, *, queue_only: bool = False) -> None:
-    """``count`` orders through :mod:`bench.async_handlers` on memory:// + MemoryStorage
-    (with ``queue_only``, as :func:`run_flow`)."""
+def run_async(variant: str, count: int, url: str, storage: str, *,
+              queue_only: bool = False) -> None:
+    """``count`` orders through :mod:`bench.async_handlers` (with ``queue_only``, as
+    :func:`run_flow`)."""
     from bench import async_handlers
 
     logging.getLogger("idembus.endpoint").setLevel(logging.ERROR)
     handler = async_handlers.VARIANTS[variant][1]
     if not queue_only:
-        async_handlers.run("memory://", "memory", handler, count)
+        async_handlers.run(url, storage, handler, count)
         return
-    orders = async_handlers.build("memory://", "memory", handler, count)
+    orders = async_handlers.build(url, storage, handler, count)
     try:
         async_handlers.preload(orders, count)
     finally:
@@ -203,14 +211,15 @@ def run_async(variant: str, count: int, *, queue_only: bool = False) -> None:
 # -- counting instructions ----------------------------------------------------------------
 
 
-def instructions(driver: str, variant: str, count: int, *, queue_only: bool = False) -> int:
+def instructions(driver: str, variant: str, count: int, *, transport: str = "memory",
+                 storage: str = "memory", queue_only: bool = False) -> int:
     """Instructions callgrind counts for one run of ``driver`` with ``count`` messages (or
     orders), interpreter start-up included."""
     with tempfile.TemporaryDirectory() as where:
         out = os.path.join(where, "callgrind.out")
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                    sys.executable, "-m", "bench.instructions", "--inside", driver, variant,
-                   str(count), *(["--queue-only"] if queue_only else [])]
+                   str(count), transport, storage, *(["--queue-only"] if queue_only else [])]
         env = {**os.environ, "PYTHONHASHSEED": "0"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
@@ -221,24 +230,26 @@ def instructions(driver: str, variant: str, count: int, *, queue_only: bool = Fa
         return int(match.group(1))
 
 
-def per_message(driver: str, variant: str, count: int) -> float:
+def per_message(driver: str, variant: str, count: int, **where: str) -> float:
     """Instructions per handled message: the difference between runs of 2 x ``count`` and
     ``count``, less the same difference of queueing them (flow and async), over the
-    messages handled in between."""
-    handled = instructions(driver, variant, 2 * count) - instructions(driver, variant, count)
+    messages handled in between. ``where``: ``transport`` and ``storage``."""
+    handled = (instructions(driver, variant, 2 * count, **where)
+               - instructions(driver, variant, count, **where))
     if driver != "pipeline":
-        handled -= (instructions(driver, variant, 2 * count, queue_only=True)
-                    - instructions(driver, variant, count, queue_only=True))
+        handled -= (instructions(driver, variant, 2 * count, queue_only=True, **where)
+                    - instructions(driver, variant, count, queue_only=True, **where))
     return handled / (count * HANDLED_PER_UNIT[driver])
 
 
 def _inside(argv: list[str]) -> None:
-    driver, variant, count = argv[0], argv[1], int(argv[2])
-    queue_only = "--queue-only" in argv
+    driver, variant, count, transport, storage = argv[:5]
     if driver == "pipeline":
-        run_pipeline(variant, count)
+        run_pipeline(variant, int(count))
     else:
-        (run_flow if driver == "flow" else run_async)(variant, count, queue_only=queue_only)
+        (run_flow if driver == "flow" else run_async)(
+            variant, int(count), TRANSPORT_URLS[transport], storage,
+            queue_only="--queue-only" in argv)
 
 
 def _names(text: str, choices: Sequence[str]) -> list[str]:
@@ -263,7 +274,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=300,
                         help="messages (pipeline) or orders (flow, async) of the smaller run "
                              "(300)")
+    parser.add_argument("--transport", choices=sorted(TRANSPORT_URLS), default="memory",
+                        help="of the flow and async drivers (memory)")
+    parser.add_argument("--storage", choices=sorted(STORAGES), default="memory",
+                        help="of the flow and async drivers (memory)")
     args = parser.parse_args(arguments)
+    where = {"transport": args.transport, "storage": args.storage}
     drivers = _names(args.drivers, list(VARIANTS))
     wanted = None if args.variants is None else set(
         _names(args.variants, sorted({v for vs in VARIANTS.values() for v in vs})))
@@ -271,18 +287,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for driver in drivers:
         chosen = [v for v in VARIANTS[driver] if wanted is None or v in wanted]
         base_name = VARIANTS[driver][0]
-        print(f"\n{driver}: instructions per handled message (callgrind, {args.messages} "
+        on = "" if driver == "pipeline" else f" on {args.transport} + {args.storage}"
+        print(f"\n{driver}{on}: instructions per handled message (callgrind, {args.messages} "
               f"and {2 * args.messages} {'messages' if driver == 'pipeline' else 'orders'})")
         print(f"{'variant':<20} {'instructions':>13} {'vs ' + base_name:>13} "
               f"{base_name + '/variant':>14}")
         base: float | None = None
         for variant in chosen:
-            cost = per_message(driver, variant, args.messages)
+            cost = per_message(driver, variant, args.messages, **where)
             base = cost if variant == base_name else base
             difference = f"{cost - base:>+13,.0f}" if base is not None else f"{'':>13}"
             ratio = f"{base / cost:>14.3f}" if base is not None else f"{'':>14}"
             print(f"{variant:<20} {cost:>13,.0f} {difference} {ratio}", flush=True)
-            fields.append(f"{driver}_{variant}={cost:.0f}")
+            place = "" if driver == "pipeline" or where == {"transport": "memory",
+                                                            "storage": "memory"} else (
+                f"_{args.transport}_{args.storage}")
+            fields.append(f"{driver}{place}_{variant}={cost:.0f}")
     print("\ninstructions: " + " ".join(fields))
     return 0
 

@@ -10,9 +10,16 @@ endpoint ends a consumer thread's loop with :func:`close_thread_loop` when the t
 Why a loop per consumer thread, not one loop for the process (as Dramatiq's ``AsyncIO``
 middleware has, in a thread of its own): the method runs in the thread that took the
 message, with no hand-over to another thread and back, so an async handler costs about what
-a sync one does (an asyncio task and one loop iteration: some 40 us); a handler that
-blocks its loop by mistake holds up its own consumer only; ``concurrency=`` still says how
-many messages are handled at once; and there is no extra thread to start, watch and stop.
+a sync one does; a handler that blocks its loop by mistake holds up its own consumer only;
+``concurrency=`` still says how many messages are handled at once; and there is no extra
+thread to start, watch and stop.
+
+The method's task starts eagerly (where the default event loop policy is in force): its
+first step runs at once, in the call, with the loop as the running loop and the task as the
+current task, instead of in a loop iteration; a method that never waits is done without
+the loop turning at all (one asyncio task, a few microseconds), and one that waits runs the
+loop until it is done. On Python 3.12+ this is the task's own eager start; before, the
+first step the new task schedules is taken and run at once (:class:`_ConsumerLoop`).
 The price: loop-bound resources exist once per consumer thread (four consumer threads,
 four client pools), and handlers cannot share them across threads (below).
 
@@ -32,9 +39,9 @@ What it asks of handlers
               await clients.get().post(...)   # this consumer thread's client
 
   ``close`` runs on the loop when idembus closes it.
-* Await everything the method starts. A task left running advances only while later
-  messages of the same thread are handled, is cancelled when the loop is closed, and what
-  it records through ``self.bus`` after the method returned is never committed.
+* Await everything the method starts. A task left running advances only while a later
+  method of the same thread waits on the loop, is cancelled when the loop is closed, and
+  what it records through ``self.bus`` after the method returned is never committed.
 * A thread that is already running an event loop cannot run a second one, and blocking
   its loop while waiting for itself would deadlock: an ``async def`` method called from
   such a thread (a synchronous ``idembus.testing.handle`` inside an async test,

@@ -153,13 +153,14 @@ class Tracing(Middleware):
     def before_message(self, incoming: IncomingMessage) -> None:
         headers = incoming.headers
         parent, carrier = self._headers().read(headers)
+        sender = trace.get_current_span(parent).get_span_context()
         # Shared by the handlers of this delivery and the dispatches that follow them: the
         # context a message was last recorded in, and the headers that carry it.
         recorded = _Recorded()
         parent = otel_context.set_value(self._recorded_key, recorded, parent)
         if carrier is not None:
-            recorded.remember(carrier, parent)
-        if _sampled_out(trace.get_current_span(parent).get_span_context()):
+            recorded.remember(carrier, parent, sender.trace_flags.sampled)
+        if _sampled_out(sender):
             # The sender decided not to record this trace: make no span here either, only
             # carry its context on, so that what this message causes stays unrecorded too.
             incoming.items[self._key] = (None, otel_context.attach(parent), recorded)
@@ -253,10 +254,11 @@ class Tracing(Middleware):
             carrier = recorded.carrier  # recorded in the same context as the last one
             return envelope.with_headers(carrier) if carrier else envelope
         creator = trace.get_current_span(current)
-        if creator.get_span_context().is_valid:
+        span_context = creator.get_span_context()
+        if span_context.is_valid:
             carrier = codec.inject(creator, current)
             if recorded is not None:
-                recorded.remember(carrier, current)
+                recorded.remember(carrier, current, span_context.trace_flags.sampled)
             return envelope.with_headers(carrier) if carrier else envelope
         destination = _destination(envelope)
         attributes: dict[str, Any] = {
@@ -284,11 +286,12 @@ class Tracing(Middleware):
         headers = envelope.headers
         current = otel_context.get_current()
         recorded = cast("_Recorded | None", current.get(self._recorded_key))
-        parent = recorded.context_of(headers) if recorded is not None else None
-        if parent is not None:  # recorded in this delivery: no need to read the headers
-            if _sampled_out(trace.get_current_span(parent).get_span_context()):
+        parent = None
+        if recorded is not None:  # in a delivery: recorded there? then no need to read
+            parent = recorded.context_of(headers)
+            if parent is not None and not recorded.sampled:
                 return  # recorded in a trace the sampler left out
-        else:  # recorded elsewhere, or earlier: its headers say where
+        if parent is None:  # recorded elsewhere, or earlier: its headers say where
             if dispatch.source in _RECORDED_HERE and _unrecorded(
                     trace.get_current_span(current)):
                 return  # recorded in this very trace, which the sampler left out
@@ -349,14 +352,16 @@ class _Recorded:
     that context without reading them back. It lives in the delivery's context, which it
     also holds: :meth:`forget` when the delivery is settled."""
 
-    __slots__ = ("carrier", "context")
+    __slots__ = ("carrier", "context", "sampled")
 
     def __init__(self) -> None:
         self.carrier: dict[str, str] = {}
         self.context: Context | None = None
+        #: The remembered context's trace is recorded (its sampled flag is on).
+        self.sampled = False
 
-    def remember(self, carrier: dict[str, str], context: Context) -> None:
-        self.carrier, self.context = carrier, context
+    def remember(self, carrier: dict[str, str], context: Context, sampled: bool) -> None:
+        self.carrier, self.context, self.sampled = carrier, context, sampled
 
     def forget(self) -> None:
         self.carrier, self.context = {}, None
