@@ -101,17 +101,18 @@ def run_to_completion(coroutine: Coroutine[Any, Any, T]) -> T:
         return _in_helper_thread(coroutine)
     try:
         loop = _thread_loop().loop
-        if isinstance(loop, _ConsumerLoop):
-            task = loop.start_eagerly(coroutine)
+        if isinstance(loop, _ConsumerLoop):  # its first step runs in there
+            task, turn = loop.start_eagerly(coroutine), False
         else:
-            task = loop.create_task(coroutine)
-            # A stop() before run_forever() makes it run exactly one iteration
-            # (documented): all a method that never waits needs.
-            loop.stop()
-            loop.run_forever()
+            task, turn = loop.create_task(coroutine), True
     except BaseException:
         coroutine.close()  # if it never started, closing it keeps "never awaited" away
         raise
+    if turn:
+        # A stop() before run_forever() makes it run exactly one iteration (documented):
+        # all a method that never waits needs.
+        loop.stop()
+        loop.run_forever()
     if not task.done():  # it waits for something: run the loop, blocking, until it is done
         return loop.run_until_complete(task)
     return task.result()
