@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import logging
 import platform
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +56,18 @@ from bench.common import (
     unique_suffix,
     unreachable_reason,
 )
-from bench.pg_common import POSTGRES_URL
 from bench.throughput import write_json
 from idembus.endpoint import Endpoint
 from idembus.handlers import AggregateHandler, handles
-from idembus.storage.base import Storage
-from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.messages import OrderPlaced, PlaceOrder
 from samples.ordering.sales import Order
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_handlers.json"
 WARM_UP_ORDERS = 100
-#: Storages measured: those of :mod:`bench.throughput`, and PostgreSQL at
-#: ``IDEMBUS_POSTGRES_URL`` (tables of their own per run, dropped afterwards).
-STORAGES = [*idembus_flow.STORAGES, "postgres"]
+#: Storages measured: those of :mod:`bench.idembus_flow` (PostgreSQL at
+#: ``IDEMBUS_POSTGRES_URL``, tables of their own per run, dropped afterwards).
+STORAGES = list(idembus_flow.STORAGES)
 
 
 def place(handler: AggregateHandler[Order], message: PlaceOrder) -> None:
@@ -117,54 +116,65 @@ VARIANTS: dict[str, tuple[str, type[AggregateHandler[Order]]]] = {
 }
 
 
-def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int) -> float:
-    """One timed run; returns the seconds taken for ``count`` handled messages."""
+@dataclass
+class Orders:
+    """One run's endpoint, its transport (kept with its kombu type for the clean-up), its
+    storage kind and the clock watching it."""
+
+    endpoint: Endpoint
+    transport: KombuTransport
+    storage: str
+    clock: FlowClock
+
+
+def build(url: str, storage: str, handler: type[AggregateHandler[Order]],
+          count: int) -> Orders:
+    """The endpoint of one run on fresh queues (and tables), declared, with its clock."""
     suffix = unique_suffix()
     polling = MEMORY_POLLING_INTERVAL if url.startswith("memory://") else None
     transport = KombuTransport(url, exchange=f"bench.events.{suffix}", polling_interval=polling)
     endpoint = Endpoint(f"bench-orders-{suffix}", transport=transport,
-                        storage=_storage(storage, f"bench-orders-{suffix}"),
+                        storage=idembus_flow.STORAGES[storage](f"bench-orders-{suffix}"),
                         handlers=[handler], error_queue=f"bench-error-{suffix}",
                         concurrency=1, prefetch=PREFETCH)
     clock = FlowClock(count)
     endpoint.signals.received.connect(lambda sender, **_: clock.start(), weak=False)
     endpoint.signals.handled.connect(lambda sender, **_: clock.finish_one(), weak=False)
-    try:
-        transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
-        for command in orders(count):
-            endpoint.bus.send(command)
-        endpoint.start()
-        seconds = clock.wait(timeout_for(count))
-    finally:
-        endpoint.close()
-        for queue in (endpoint.name, endpoint.error_queue):
-            transport.delete_queue(queue)
+    transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
+    return Orders(endpoint, transport, storage, clock)
+
+
+def preload(orders_run: Orders, count: int) -> None:
+    """Queue ``count`` PlaceOrder commands while the endpoint does not consume."""
+    for command in orders(count):
+        orders_run.endpoint.bus.send(command)
+
+
+def cleanup(orders_run: Orders) -> None:
+    """Close the endpoint; delete the run's queues, exchange and tables."""
+    endpoint, transport = orders_run.endpoint, orders_run.transport
+    endpoint.close()
+    for queue in (endpoint.name, endpoint.error_queue):
+        transport.delete_queue(queue)
+    with contextlib.suppress(KeyError):  # memory:// never made one nothing was published to
         transport.delete_exchange()
-        if storage == "postgres":
-            _drop_tables(_table_prefix(endpoint.name))
+    idembus_flow.drop_storage(orders_run.storage, endpoint.name)
+
+
+def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int) -> float:
+    """One timed run; returns the seconds taken for ``count`` handled messages."""
+    orders_run = build(url, storage, handler, count)
+    endpoint = orders_run.endpoint
+    try:
+        preload(orders_run, count)
+        endpoint.start()
+        seconds = orders_run.clock.wait(timeout_for(count))
+    finally:
+        cleanup(orders_run)
     counts = endpoint.counters.snapshot()
     if counts["handled"] != count or counts["dead_lettered"] or counts["duplicate"]:
         raise RuntimeError(f"{endpoint.name} did not handle {count} messages cleanly: {counts}")
     return seconds
-
-
-def _storage(kind: str, name: str) -> Storage | None:
-    if kind == "postgres":
-        return PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name))
-    return idembus_flow.STORAGES[kind](name)
-
-
-def _table_prefix(name: str) -> str:
-    return name.replace("-", "_")
-
-
-def _drop_tables(prefix: str) -> None:
-    """With a storage of its own: the endpoint closed the run's."""
-    cleaner = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
-    try:
-        cleaner.drop_tables()
-    finally:
-        cleaner.close()
 
 
 def measure(url: str, storage: str, count: int, rounds: int) -> dict[str, Measurement]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+from idembus.redaction import redact
 from samples.ordering.messages import PlaceOrder
 
 AMQP_URL = os.environ.get("IDEMBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -69,6 +70,17 @@ def unreachable_reason(url: str) -> str | None:
         socket.create_connection((host, port), timeout=2).close()
     except OSError as exc:
         return f"RabbitMQ is not reachable at {host}:{port} ({exc})"
+    return None
+
+
+def postgres_unreachable_reason(url: str) -> str | None:
+    """Why the PostgreSQL server at ``url`` cannot be used, or ``None`` if it answers."""
+    import psycopg  # only where PostgreSQL is measured
+
+    try:
+        psycopg.connect(url, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        return f"PostgreSQL is not reachable at {display_url(url)} ({redact(str(exc)).strip()})"
     return None
 
 

@@ -5,6 +5,9 @@ N PlaceOrder commands for N distinct orders are queued for Sales before either e
 starts, so Sales ends with N Order aggregates and Billing with N inbox records; the clock
 runs from Sales' first delivery until Billing has handled N OrderPlaced events. Nobody
 subscribes to OrderBilled, so the broker drops it after confirming it, as in the raw loop.
+
+Storages (:data:`STORAGES`): the embedded default (mongomock), MemoryStorage, and
+PostgreSQL at ``IDEMBUS_POSTGRES_URL`` (tables of the run's own, dropped afterwards).
 """
 
 from __future__ import annotations
@@ -18,24 +21,29 @@ from bench.common import (
     PREFETCH,
     FlowClock,
     orders,
+    postgres_unreachable_reason,
     timeout_for,
     unique_suffix,
 )
+from bench.pg_common import POSTGRES_URL
 from idembus.endpoint import Endpoint
 from idembus.pipeline import Middleware
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
+from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
 from samples.ordering.sales import OrderHandler
 
-#: Storage backends measured, by the name of the option; ``default`` is what an Endpoint
-#: given no storage uses (``None`` is passed on: the endpoint picks it).
+#: Storage backends measured, by the name of the option, each made for an endpoint name;
+#: ``default`` is what an Endpoint given no storage uses (``None`` is passed on: the
+#: endpoint picks it).
 STORAGES: dict[str, Callable[[str], Storage | None]] = {
-    "default": lambda database: None,
-    "memory": lambda database: MemoryStorage(),
-    "mongomock": lambda database: MongoStorage.embedded(database),
+    "default": lambda name: None,
+    "memory": lambda name: MemoryStorage(),
+    "mongomock": lambda name: MongoStorage.embedded(name),
+    "postgres": lambda name: PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name)),
 }
 
 
@@ -46,6 +54,28 @@ def default_storage_name() -> str:
         return type(probe.storage).__name__
     finally:
         probe.close()
+
+
+def unavailable(storage: str) -> str | None:
+    """Why ``storage`` cannot be measured here, or ``None`` (only PostgreSQL may be
+    missing)."""
+    return postgres_unreachable_reason(POSTGRES_URL) if storage == "postgres" else None
+
+
+def drop_storage(storage: str, name: str) -> None:
+    """Drop the tables of ``name``'s PostgreSQL storage (with a storage of their own: the
+    endpoint closed its); the other storages keep nothing."""
+    if storage != "postgres":
+        return
+    cleaner = PostgresStorage(POSTGRES_URL, table_prefix=_table_prefix(name))
+    try:
+        cleaner.drop_tables()
+    finally:
+        cleaner.close()
+
+
+def _table_prefix(name: str) -> str:
+    return name.replace("-", "_")
 
 TransportFactory = Callable[..., KombuTransport]
 
@@ -60,6 +90,8 @@ class Flow:
     transport: KombuTransport
     exchange: str
     clock: FlowClock
+    #: The storage kind of both endpoints (a key of :data:`STORAGES`).
+    storage: str
 
     @property
     def endpoints(self) -> tuple[Endpoint, Endpoint]:
@@ -92,7 +124,7 @@ def build_flow(url: str, storage: str, count: int, *, confirm: bool,
     )
     flow = Flow(endpoint("sales", OrderHandler, sales_transport),
                 endpoint("billing", BillingHandler(FakePaymentGateway()), billing_transport),
-                sales_transport, exchange, FlowClock(count))
+                sales_transport, exchange, FlowClock(count), storage)
     for each in flow.endpoints:
         each.transport.declare(each.name, subscriptions=each.subscriptions)
     flow.sales.signals.received.connect(lambda sender, **_: flow.clock.start(), weak=False)
@@ -116,11 +148,14 @@ def check(flow: Flow, count: int) -> None:
 
 
 def cleanup(flow: Flow) -> None:
-    """Delete the run's queues and exchange (memory:// keeps them at class level too)."""
+    """Delete the run's queues and exchange (memory:// keeps them at class level too), and
+    its tables."""
     transport = flow.transport
     for queue in (flow.sales.name, flow.billing.name, flow.sales.error_queue):
         transport.delete_queue(queue)
     transport.delete_exchange()
+    for each in flow.endpoints:
+        drop_storage(flow.storage, each.name)
 
 
 def run(url: str, storage: str, count: int, *, confirm: bool = True,

@@ -65,10 +65,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-import psycopg
-
 from bench import pg_costs, pg_duplicates, pg_memory, pg_profile
-from bench.common import display_url, unreachable_reason
+from bench.common import display_url, postgres_unreachable_reason, unreachable_reason
 from bench.pg_celery import CeleryVariant
 from bench.pg_common import AMQP_URL, POSTGRES_URL
 from bench.pg_dramatiq import DramatiqVariant
@@ -206,14 +204,7 @@ def twice(measure: Callable[[], Measured]) -> Measured:
 
 
 def check_services() -> str | None:
-    reason = unreachable_reason(AMQP_URL)
-    if reason:
-        return reason
-    try:
-        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
-    except psycopg.Error as exc:
-        return f"PostgreSQL is not reachable at {display_url(POSTGRES_URL)} ({exc})"
-    return None
+    return unreachable_reason(AMQP_URL) or postgres_unreachable_reason(POSTGRES_URL)
 
 
 def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:

@@ -21,9 +21,17 @@ Each variant runs ``--rounds`` times (default 3) in one process, in a rotating o
 an untimed warm-up; the table shows the **median** of the rounds and every round.
 By default idembus runs on the storage an Endpoint given none uses (MemoryStorage: what
 ``make demo`` users get, and the bus' own overhead with a storage that costs next to
-nothing), with and without middleware. ``--storages default,mongomock`` adds mongomock,
+nothing) and on PostgreSQL at ``IDEMBUS_POSTGRES_URL`` (what users deploy; skipped, with
+the reason, when it cannot be reached). ``--storages default,mongomock`` adds mongomock,
 MongoStorage's test double and the default until issue 15: it scans whole collections,
 so its rate falls as N grows (use ``--messages 2000`` or less with it).
+
+What middleware costs
+=====================
+On the default storage and on PostgreSQL the flow runs again with five no-op middleware, with
+tracing recording every trace and with tracing keeping one trace in ten
+(:mod:`bench.middleware_cost`); each is reported as the median over rounds of its rate
+over the same storage's rate without middleware in the same round.
 
 Run ``python -m bench.throughput`` (``make bench``); ``--help`` lists the options.
 Results also go to ``bench/results/throughput.json``.
@@ -37,7 +45,7 @@ import json
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,23 +73,51 @@ Variants = dict[str, tuple[str, Runner]]
 
 def variants(storages: Sequence[str], *, confirm: bool, middleware: bool = True) -> Variants:
     chosen: Variants = {"raw": ("raw kombu loop", _raw_runner(confirm))}
-    labels = {"default": f"idembus + {idembus_flow.default_storage_name()} (default)",
-              "memory": "idembus + MemoryStorage", "mongomock": "idembus + mongomock"}
     for storage in storages:
-        chosen[_variant_key(storage)] = (labels[storage], _idembus_runner(storage, confirm))
-    if middleware and "default" in storages:  # the cost of the pipeline, against none
-        for key, (label, factory) in MIDDLEWARE_VARIANTS.items():
-            chosen[key] = (label, _idembus_runner("default", confirm, factory))
+        chosen[_variant_key(storage)] = (storage_label(storage),
+                                          _idembus_runner(storage, confirm))
+        if middleware and storage in MIDDLEWARE_STORAGES:  # the pipeline's cost, against none
+            for suffix, (label, factory) in MIDDLEWARE_VARIANTS.items():
+                chosen[middleware_key(storage, suffix)] = (
+                    label, _idembus_runner(storage, confirm, factory))
     return chosen
 
 
-#: variant key -> (label, middleware factory): measured on the default storage, compared
-#: with ``idembus`` (the default storage, no middleware) of the same run.
+def storage_label(storage: str) -> str:
+    """How the table names idembus on ``storage``."""
+    if storage == "default":
+        return f"idembus + {idembus_flow.default_storage_name()} (default)"
+    return {"mongomock": "idembus + mongomock", "memory": "idembus + MemoryStorage",
+            "postgres": "idembus + PostgreSQL"}[storage]
+
+
+#: Storages whose flow is measured again with each of :data:`MIDDLEWARE_VARIANTS`.
+MIDDLEWARE_STORAGES = ("default", "postgres")
+#: key suffix -> (label, middleware factory): each measured on the storages of
+#: :data:`MIDDLEWARE_STORAGES` and compared with the same storage without middleware in
+#: the same round.
 MIDDLEWARE_VARIANTS: dict[str, tuple[str, Callable[[], list[Middleware]]]] = {
-    "idembus_5_noop_middleware": ("  + 5 no-op middleware", middleware_cost.five_no_ops),
-    "idembus_tracing": ("  + tracing, no-op exporter", middleware_cost.tracing),
-    "idembus_tracing_sampled": ("  + tracing, 1 trace in 10", middleware_cost.tracing_sampled),
+    "5_noop_middleware": ("  + 5 no-op middleware", middleware_cost.five_no_ops),
+    "tracing": ("  + tracing, no-op exporter", middleware_cost.tracing),
+    "tracing_sampled": ("  + tracing, 1 trace in 10", middleware_cost.tracing_sampled),
 }
+
+
+def middleware_key(storage: str, suffix: str) -> str:
+    """``idembus_tracing`` on the default storage (the first names, kept), and
+    ``idembus_postgresstorage_tracing`` on another storage."""
+    return f"idembus_{suffix}" if storage == "default" else f"{_variant_key(storage)}_{suffix}"
+
+
+def middleware_pairs(results: dict[str, Measurement]) -> Iterator[tuple[str, str, str, str]]:
+    """(storage, suffix, key, key of the same storage without middleware) of every
+    middleware variant measured, with its base."""
+    for storage in MIDDLEWARE_STORAGES:
+        base = _variant_key(storage)
+        for suffix in MIDDLEWARE_VARIANTS:
+            key = middleware_key(storage, suffix)
+            if key in results and base in results:
+                yield storage, suffix, key, base
 
 
 def _variant_key(storage: str) -> str:
@@ -134,14 +170,17 @@ def print_table(name: str, orders: int, results: dict[str, Measurement],
               f"{measurement.median / raw:>7.3f}  {rounds}")
     if "idembus_mongomockstorage" in results:
         print("(mongomock scans a whole collection per query: its rate falls as N grows)")
-    if "idembus" in results and any(key in results for key in MIDDLEWARE_VARIANTS):
-        print("middleware cost, against the default storage without middleware (median of "
-              "the rounds' ratios): " + ", ".join(
-                  f"{chosen[key][0].strip()} {paired_ratio(results, key):.3f}x"
-                  for key in MIDDLEWARE_VARIANTS if key in results))
+    for storage in MIDDLEWARE_STORAGES:
+        pairs = [(key, base) for each, _, key, base in middleware_pairs(results)
+                 if each == storage]
+        if pairs:
+            print(f"middleware cost, against {storage_label(storage).removeprefix('idembus + ')}"
+                  " without middleware (median of the rounds' ratios): " + ", ".join(
+                      f"{chosen[key][0].strip()} {paired_ratio(results, key, base):.3f}x"
+                      for key, base in pairs))
 
 
-def paired_ratio(results: dict[str, Measurement], key: str, base: str = "idembus") -> float:
+def paired_ratio(results: dict[str, Measurement], key: str, base: str) -> float:
     """The median over rounds of ``key``'s rate / ``base``'s rate in the same round: each
     round runs every variant back to back, so a busy moment of the machine weighs on both
     sides of a ratio rather than on one median."""
@@ -151,24 +190,30 @@ def paired_ratio(results: dict[str, Measurement], key: str, base: str = "idembus
 
 def summary(report: dict[str, Any]) -> str:
     """``bench: aggregates=N default_storage=... memory_idembus=... memory_raw=...
-    memory_ratio=... amqp_...`` (idembus on the default storage), then the other storages
-    measured and the middleware figures."""
+    memory_ratio=... amqp_...`` (idembus on the default storage), then the middleware
+    figures on it (``memory_tracing_vs_none=...``), then the other storages measured
+    (``amqp_idembus_postgresstorage=... amqp_postgres_tracing_vs_none=...``)."""
     fields = [f"aggregates={report['orders']}", f"default_storage={report['default_storage']}"]
     extra: list[str] = []
     for name, entry in report["transports"].items():
         medians = {key: v["median_msgs_per_s"] for key, v in entry.get("variants", {}).items()}
         ratios = entry.get("ratios", {})
-        fields += [f"{name}_idembus={_figure(medians.get('idembus'), '.0f')}",
-                   f"{name}_raw={_figure(medians.get('raw'), '.0f')}",
-                   f"{name}_ratio={_figure(ratios.get('idembus'), '.3f')}"]
-        for key in ("idembus_memorystorage", "idembus_mongomockstorage"):
-            if key in medians:
-                suffix = key.removeprefix("idembus")
-                extra += [f"{name}_idembus{suffix}={_figure(medians[key], '.0f')}",
-                          f"{name}_ratio{suffix}={_figure(ratios.get(key), '.3f')}"]
-        for key in MIDDLEWARE_VARIANTS:
-            extra.append(f"{name}_{key.removeprefix('idembus_')}_vs_none="
-                         f"{_figure(entry.get('middleware_cost', {}).get(key), '.3f')}")
+        costs = entry.get("middleware_cost", {})
+        for storage, target in (("default", fields), ("memory", extra), ("mongomock", extra),
+                                ("postgres", extra)):
+            key = _variant_key(storage)
+            if storage in ("memory", "mongomock") and key not in medians:
+                continue  # measured only on request
+            suffix = key.removeprefix("idembus")
+            target.append(f"{name}_idembus{suffix}={_figure(medians.get(key), '.0f')}")
+            if key == "idembus":
+                target.append(f"{name}_raw={_figure(medians.get('raw'), '.0f')}")
+            target.append(f"{name}_ratio{suffix}={_figure(ratios.get(key), '.3f')}")
+            if storage in MIDDLEWARE_STORAGES:
+                prefix = "" if storage == "default" else f"{storage}_"
+                for cost in MIDDLEWARE_VARIANTS:
+                    extra.append(f"{name}_{prefix}{cost}_vs_none="
+                                 f"{_figure(costs.get(middleware_key(storage, cost)), '.3f')}")
     return "bench: " + " ".join(fields + extra)
 
 
@@ -186,9 +231,8 @@ def transport_report(url: str, results: dict[str, Measurement] | None,
     entry["variants"] = {key: m.as_json() for key, m in results.items()}
     entry["ratios"] = {key: round(m.median / raw, 4) for key, m in results.items()
                        if key != "raw"}
-    if "idembus" in results:
-        entry["middleware_cost"] = {key: round(paired_ratio(results, key), 4)
-                                    for key in MIDDLEWARE_VARIANTS if key in results}
+    entry["middleware_cost"] = {key: round(paired_ratio(results, key, base), 4)
+                                for _, _, key, base in middleware_pairs(results)}
     return entry
 
 
@@ -199,13 +243,14 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    chosen = variants(args.storages, confirm=args.confirm)
+    storages = reachable(args.storages)
+    chosen = variants(storages, confirm=args.confirm)
     report: dict[str, Any] = {
         "generated": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "python": platform.python_version(), "kombu": kombu.__version__,
         "orders": args.messages, "messages_per_run": 2 * args.messages,
-        "default_storage": idembus_flow.default_storage_name(),
         "rounds": args.rounds, "statistic": "median", "confirms_requested": args.confirm,
+        "storages": storages, "default_storage": idembus_flow.default_storage_name(),
         "transports": {},
     }
     for name in args.transports:
@@ -223,6 +268,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def reachable(storages: Sequence[str]) -> list[str]:
+    """``storages`` less those that cannot be used here (each said, with the reason)."""
+    kept = []
+    for storage in storages:
+        reason = idembus_flow.unavailable(storage)
+        if reason:
+            print(f"storage {storage} skipped: {reason}")
+        else:
+            kept.append(storage)
+    return kept
+
+
 def _confirm_text(used: bool, wanted: bool) -> str:
     if used:
         return "on"
@@ -236,7 +293,7 @@ def profile(args: argparse.Namespace) -> None:
         if reason:
             print(f"\nprofile on {name} skipped: {reason}")
             continue
-        for storage in args.storages:
+        for storage in reachable(args.storages):
             profile_run(url, storage, args.messages, confirm=args.confirm)
 
 
@@ -260,9 +317,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--transports", type=_names(list(TRANSPORT_URLS)),
                         default=list(TRANSPORT_URLS), help="memory,amqp (both)")
     parser.add_argument("--storages", type=_names(list(idembus_flow.STORAGES)),
-                        default=["default"],
-                        help="default (what Endpoint() uses, with the middleware variants), "
-                             "memory, mongomock (default)")
+                        default=["default", "postgres"],
+                        help="default (what Endpoint() uses), memory, mongomock, postgres; "
+                             "the middleware variants run on default and postgres "
+                             "(default,postgres)")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per variant (3)")
     parser.add_argument("--no-confirms", dest="confirm", action="store_false",
                         help="publish without waiting for confirms, on both sides")

@@ -10,9 +10,16 @@ endpoint ends a consumer thread's loop with :func:`close_thread_loop` when the t
 Why a loop per consumer thread, not one loop for the process (as Dramatiq's ``AsyncIO``
 middleware has, in a thread of its own): the method runs in the thread that took the
 message, with no hand-over to another thread and back, so an async handler costs about what
-a sync one does (an asyncio task and one loop iteration: some 40 us); a handler that
-blocks its loop by mistake holds up its own consumer only; ``concurrency=`` still says how
-many messages are handled at once; and there is no extra thread to start, watch and stop.
+a sync one does; a handler that blocks its loop by mistake holds up its own consumer only;
+``concurrency=`` still says how many messages are handled at once; and there is no extra
+thread to start, watch and stop.
+
+The method's task starts eagerly (where the default event loop policy is in force): its
+first step runs at once, in the call, with the loop as the running loop and the task as the
+current task, instead of in a loop iteration; a method that never waits is done without
+the loop turning at all (one asyncio task, a few microseconds), and one that waits runs the
+loop until it is done. On Python 3.12+ this is the task's own eager start; before, the
+first step the new task schedules is taken and run at once (:class:`_ConsumerLoop`).
 The price: loop-bound resources exist once per consumer thread (four consumer threads,
 four client pools), and handlers cannot share them across threads (below).
 
@@ -32,9 +39,9 @@ What it asks of handlers
               await clients.get().post(...)   # this consumer thread's client
 
   ``close`` runs on the loop when idembus closes it.
-* Await everything the method starts. A task left running advances only while later
-  messages of the same thread are handled, is cancelled when the loop is closed, and what
-  it records through ``self.bus`` after the method returned is never committed.
+* Await everything the method starts. A task left running advances only while a later
+  method of the same thread waits on the loop, is cancelled when the loop is closed, and
+  what it records through ``self.bus`` after the method returned is never committed.
 * A thread that is already running an event loop cannot run a second one, and blocking
   its loop while waiting for itself would deadlock: an ``async def`` method called from
   such a thread (a synchronous ``idembus.testing.handle`` inside an async test,
@@ -55,6 +62,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -89,24 +97,22 @@ def run_to_completion(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run ``coroutine`` until it returns, on the calling thread's loop, and return its
     result (or raise what it raised). In a thread whose loop is already running, it runs in
     a helper thread on a loop of its own instead (see the module docstring)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        pass
-    else:
+    if asyncio.events._get_running_loop() is not None:
         return _in_helper_thread(coroutine)
     try:
         loop = _thread_loop().loop
-        task = loop.create_task(coroutine)
+        if isinstance(loop, _ConsumerLoop):  # its first step runs in there
+            task, turn = loop.start_eagerly(coroutine), False
+        else:
+            task, turn = loop.create_task(coroutine), True
     except BaseException:
-        coroutine.close()  # never started: closing it keeps "never awaited" warnings away
+        coroutine.close()  # if it never started, closing it keeps "never awaited" away
         raise
-    # A stop() before run_forever() makes it run exactly one iteration (documented), which
-    # is all a method that never waits needs: half the cost of run_until_complete, whose
-    # done-callback takes a second one. What the method left scheduled runs on the loop's
-    # next iteration: its thread's next async message, or close_thread_loop().
-    loop.stop()
-    loop.run_forever()
+    if turn:
+        # A stop() before run_forever() makes it run exactly one iteration (documented):
+        # all a method that never waits needs.
+        loop.stop()
+        loop.run_forever()
     if not task.done():  # it waits for something: run the loop, blocking, until it is done
         return loop.run_until_complete(task)
     return task.result()
@@ -176,9 +182,94 @@ def _thread_loop() -> _ThreadLoop:
     """The calling thread's loop, created on first use (or after it was closed)."""
     owned: _ThreadLoop | None = getattr(_threads, "owned", None)
     if owned is None or owned.loop.is_closed():
-        owned = _ThreadLoop(asyncio.new_event_loop())
+        owned = _ThreadLoop(_new_loop())
         _threads.owned = owned
     return owned
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A :class:`_ConsumerLoop` where the default event loop policy would make a selector
+    loop; otherwise the loop the installed policy makes (uvloop's, say), run the plain
+    way."""
+    if sys.platform != "win32" and type(
+            asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+        return _ConsumerLoop()
+    return asyncio.new_event_loop()
+
+
+#: A callback as ``call_soon`` takes it: the function, its arguments, its context.
+_Step = tuple[Callable[..., object], tuple[Any, ...], contextvars.Context | None]
+
+
+class _ConsumerLoop(asyncio.SelectorEventLoop):
+    """The event loop of a consumer thread, which starts a handler's task eagerly.
+
+    :meth:`start_eagerly` runs the task's first step at once, in the calling thread,
+    instead of running a loop iteration for it: a method that never waits is done when the
+    call returns, one that waits has started, and its caller runs the loop until it is done.
+    That is what ``asyncio.eager_task_factory`` does on a running loop (Python 3.12+), and
+    what is done here on Python 3.12+; before, the task is created as ``create_task`` does
+    and the first step it asks ``call_soon`` for is taken and run at once (an iteration
+    would run it next, after polling for I/O). Either way, during that step the loop is the
+    running loop and says it is running, the task is the current task, and the loop's async
+    generator hooks are installed, as in ``run_forever``.
+    """
+
+    def __init__(self) -> None:
+        #: While start_eagerly creates a task: the first step it asks call_soon for.
+        self._first_steps: list[_Step] | None = None
+        self._stepping = False
+        super().__init__()
+        hooks = sys.get_asyncgen_hooks()
+        #: What run_forever installs as the thread's async generator hooks.
+        self._asyncgen_hooks = (getattr(self, "_asyncgen_firstiter_hook", hooks.firstiter),
+                                getattr(self, "_asyncgen_finalizer_hook", hooks.finalizer))
+
+    def is_running(self) -> bool:
+        return self._stepping or super().is_running()
+
+    def call_soon(self, callback: Callable[..., object], *args: Any,  # type: ignore[override]
+                  context: contextvars.Context | None = None) -> asyncio.Handle:
+        steps = self._first_steps
+        if steps is None or steps:
+            return super().call_soon(callback, *args, context=context)
+        steps.append((callback, args, context))  # run by start_eagerly, not scheduled
+        return asyncio.Handle(callback, args, self, context)
+
+    def start_eagerly(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A task running ``coroutine``, whose first step has run (see the class)."""
+        if sys.version_info >= (3, 12) and self.get_task_factory() is None:
+            return self._as_running(asyncio.Task, coroutine, loop=self, eager_start=True)
+        steps: list[_Step] = []
+        self._first_steps = steps
+        try:
+            task = self.create_task(coroutine)
+        finally:
+            self._first_steps = None
+        if steps:
+            ((step, args, context),) = steps
+            if context is None:
+                self._as_running(step, *args)
+            else:
+                self._as_running(context.run, step, *args)
+        else:  # a task factory that did not ask for a step: one iteration runs what it did
+            self.stop()
+            self.run_forever()
+        return task
+
+    def _as_running(self, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)`` with this loop running, as far as the code it runs can
+        tell."""
+        hooks = sys.get_asyncgen_hooks()
+        self._stepping = True
+        asyncio.events._set_running_loop(self)
+        sys.set_asyncgen_hooks(*self._asyncgen_hooks)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            sys.set_asyncgen_hooks(*hooks)
+            asyncio.events._set_running_loop(None)
+            self._stepping = False
 
 
 def _in_helper_thread(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -96,6 +96,9 @@ class HandlerInvoker:
         self._signals = signals
         self._conflicts = conflicts
         self._pipeline = pipeline or Pipeline()
+        #: Whether a handling method's function is ``async def`` (behind any decorators),
+        #: by function: asked once, not at every message.
+        self._async_functions: dict[Any, bool] = {}
 
     def context_for(self, binding: HandlerBinding, headers: Mapping[str, str]) -> MessageContext:
         """What ``binding``'s handler knows of the message with ``headers``."""
@@ -250,7 +253,7 @@ class HandlerInvoker:
                                            loaded.state_version)
             else:  # new, or a new start on a tombstone
                 handler.state = handler.new_state(loaded.aggregate_id, message)
-            _call(handler, binding, message)
+            self._call(handler, binding, message)
             if handler._idembus_completed:
                 return None, outgoing, True
             if not isinstance(handler.state, handler.state_type):
@@ -259,7 +262,7 @@ class HandlerInvoker:
                     f", not {handler.state_type.__name__}"
                 )
             return handler.state.model_dump(mode="json"), outgoing, False
-        _call(handler, binding, message)
+        self._call(handler, binding, message)
         return None, outgoing, False
 
     def _copy(self, binding: HandlerBinding, context: MessageContext,
@@ -282,8 +285,43 @@ class HandlerInvoker:
                 "publish or reply; raise idembus.RejectMessage(reason) to put the message in "
                 "the error queue, or handle its type in a Handler of its own")
 
-        _call(self._copy(binding, context, refuse, loaded), binding, message,
-              method_name="saga_not_found")
+        self._call(self._copy(binding, context, refuse, loaded), binding, message,
+                   method_name="saga_not_found")
+
+    def _call(self, handler: Any, binding: HandlerBinding, message: Message,
+              method_name: str | None = None) -> None:
+        """Run the handling method (or ``method_name``); an ``async def`` one runs to
+        completion on the consumer thread's event loop (:mod:`idembus.aio`) before anything
+        is committed. A method that returns something has misunderstood the contract
+        (handlers record what they send through ``self.bus``), and whatever it meant by the
+        value would be lost: fail the message instead of committing."""
+        method_name = method_name or binding.method_name
+        method = getattr(handler, method_name)
+        returned = method(message)
+        if inspect.iscoroutine(returned) and self._is_async(method):
+            returned = run_to_completion(returned)
+        if returned is None:
+            return
+        if inspect.iscoroutine(returned):
+            returned.close()  # never started: closing it keeps "never awaited" away
+        raise HandlerContractError(
+            f"{binding.handler_name}.{method_name} returned {_shown(returned)}; handling "
+            "methods return None and send, publish or reply through self.bus"
+        )
+
+
+    def _is_async(self, method: Any) -> bool:
+        """As registration judges it: an ``async def`` behind any decorators (a plain
+        ``def`` that returns a coroutine is not run)."""
+        function = getattr(method, "__func__", method)
+        try:
+            known = self._async_functions.get(function)
+        except TypeError:  # an unhashable callable: judged every time
+            return inspect.iscoroutinefunction(inspect.unwrap(function))
+        if known is None:
+            known = inspect.iscoroutinefunction(inspect.unwrap(function))
+            self._async_functions[function] = known
+        return known
 
 
 #: :func:`_without_saga`'s answers, which are also the names of their signals.
@@ -316,31 +354,6 @@ def _versioned(binding: HandlerBinding) -> VersionKeyword:
     handler = binding.handler
     return (version_keyword(type(handler).state_type)
             if isinstance(handler, AggregateHandler) else VersionKeyword())
-
-
-def _call(handler: Any, binding: HandlerBinding, message: Message,
-          method_name: str | None = None) -> None:
-    """Run the handling method (or ``method_name``); an ``async def`` one runs to
-    completion on the consumer thread's event loop (:mod:`idembus.aio`) before anything is
-    committed. A method that returns something has misunderstood the contract (handlers
-    record what they send through ``self.bus``), and whatever it meant by the value would
-    be lost: fail the message instead of committing."""
-    method_name = method_name or binding.method_name
-    method = getattr(handler, method_name)
-    returned = method(message)
-    # As registration judges it: an async def behind any decorators. A plain def that
-    # returns a coroutine is not run.
-    if inspect.iscoroutine(returned) and inspect.iscoroutinefunction(
-            inspect.unwrap(getattr(method, "__func__", method))):
-        returned = run_to_completion(returned)
-    if returned is None:
-        return
-    if inspect.iscoroutine(returned):
-        returned.close()  # never started: closing it keeps "never awaited" warnings away
-    raise HandlerContractError(
-        f"{binding.handler_name}.{method_name} returned {_shown(returned)}; handling "
-        "methods return None and send, publish or reply through self.bus"
-    )
 
 
 def _shown(value: object) -> str:

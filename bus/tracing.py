@@ -38,7 +38,8 @@ creation context (a header set by the caller) keeps it.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from . import headers as h
 from .context import MessageContext
@@ -52,7 +53,17 @@ try:
     from opentelemetry import propagate, trace
     from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import TextMapPropagator
-    from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, TracerProvider
+    from opentelemetry.trace import (
+        Link,
+        Span,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TracerProvider,
+    )
+
+    from .trace_propagation import HeaderCodec
 except ImportError as missing:  # pragma: no cover - depends on the installation
     raise ImportError(
         f"idembus.tracing needs opentelemetry-api: pip install 'idembus[otel]' ({missing})"
@@ -94,8 +105,10 @@ class Tracing(Middleware):
     the OpenTelemetry API's proxy, so it may be set after this middleware is created).
     ``propagator``: how the trace context is written to and read from message headers
     (default: the global one, W3C ``traceparent``/``tracestate`` and ``baggage`` unless
-    configured otherwise). ``messaging_system``: the ``messaging.system`` attribute
-    (default: from the endpoint's transport: ``rabbitmq``, ``redis``, ``memory``).
+    configured otherwise; read again for every delivery and every message recorded or
+    sent, so a global propagator set later takes effect from the next message on).
+    ``messaging_system``: the ``messaging.system`` attribute (default: from the endpoint's
+    transport: ``rabbitmq``, ``redis``, ``memory``).
 
     One instance may serve several endpoints.
     """
@@ -112,6 +125,10 @@ class Tracing(Middleware):
         #: handler and commit stages share theirs).
         key = f"idembus.tracing.{id(self):x}"
         self._key, self._commit_key = key, f"{key}.commit"
+        #: The key, in the context of a delivery, of its :class:`_Recorded`.
+        self._recorded_key = otel_context.create_key(f"{key}.recorded")
+        #: The codec of the propagator last used (a new one when the propagator changes).
+        self._codec: HeaderCodec | None = None
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -122,19 +139,31 @@ class Tracing(Middleware):
     def _system_for(self, endpoint: str | None) -> str:
         return self._systems.get(endpoint or "") or self._system or "idembus"
 
-    def _textmap(self) -> TextMapPropagator:
-        return self._propagator or propagate.get_global_textmap()
+    def _headers(self) -> HeaderCodec:
+        """How trace contexts go in and out of headers: through the propagator given, or
+        the global one as it is now."""
+        propagator = self._propagator or propagate.get_global_textmap()
+        codec = self._codec
+        if codec is None or codec.propagator is not propagator:
+            codec = self._codec = HeaderCodec.of(propagator)
+        return codec
 
     # -- message --------------------------------------------------------------------------
 
     def before_message(self, incoming: IncomingMessage) -> None:
         headers = incoming.headers
-        parent = self._textmap().extract(headers)
-        if _sampled_out(parent):
+        parent, carrier = self._headers().read(headers)
+        sender = trace.get_current_span(parent).get_span_context()
+        # Shared by the handlers of this delivery and the dispatches that follow them: the
+        # context a message was last recorded in, and the headers that carry it.
+        recorded = _Recorded()
+        parent = otel_context.set_value(self._recorded_key, recorded, parent)
+        if carrier is not None:
+            recorded.remember(carrier, parent, sender.trace_flags.sampled)
+        if _sampled_out(sender):
             # The sender decided not to record this trace: make no span here either, only
             # carry its context on, so that what this message causes stays unrecorded too.
-            items = incoming.items
-            items[self._key] = (None, otel_context.attach(parent))
+            incoming.items[self._key] = (None, otel_context.attach(parent), recorded)
             return
         attributes: dict[str, Any] = {
             SYSTEM: self._system_for(incoming.endpoint),
@@ -148,10 +177,16 @@ class Tracing(Middleware):
         _put(attributes, MESSAGE_TYPE, headers.get(h.MESSAGE_TYPE))
         span = self._tracer.start_span(f"process {incoming.queue}", context=parent,
                                        kind=SpanKind.CONSUMER, attributes=attributes)
-        self._enter(incoming.items, span, parent)
+        incoming.items[self._key] = (
+            span, otel_context.attach(trace.set_span_in_context(span, parent)), recorded)
 
     def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
-        span = self._leave(incoming.items)
+        entered = incoming.items.pop(self._key, None)
+        if entered is None:
+            return
+        span, token, recorded = entered
+        otel_context.detach(token)
+        recorded.forget()  # it holds a context that holds it: let both go now
         if span is None:
             return
         if incoming.outcome is not None:
@@ -163,31 +198,34 @@ class Tracing(Middleware):
     # -- handler and commit ---------------------------------------------------------------
 
     def before_handler(self, call: HandlerCall) -> None:
-        if _unrecorded(trace.get_current_span()):
+        current = otel_context.get_current()
+        if _unrecorded(trace.get_current_span(current)):
             return  # a trace the sampler left out: nothing to record under
-        attributes = self._call_attributes(call)
-        span = self._tracer.start_span(f"handle {call.handler}", attributes=attributes)
-        self._enter(call.items, span)
+        context = call.context
+        self._start(call.items, self._key, f"handle {call.handler}", current, {
+            HANDLER: call.handler,
+            ATTEMPT: call.attempt,
+            MESSAGE_ID: context.message_id,
+            CONVERSATION_ID: context.conversation_id,
+        })
 
     def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
-        span = self._leave(call.items)
+        span = self._leave(call.items, self._key)
         if span is None:
             return
         span.set_attributes({DUPLICATE: call.duplicate, OUTGOING: len(call.outgoing)})
         _end(span, error)
 
     def before_commit(self, call: HandlerCall) -> None:
-        if _unrecorded(trace.get_current_span()):
+        current = otel_context.get_current()
+        if _unrecorded(trace.get_current_span(current)):
             return
-        # A child of the handler span: what that one says is not repeated here.
-        attributes: dict[str, Any] = {
-            HANDLER: call.handler, ATTEMPT: call.attempt,
-            MESSAGE_ID: call.context.message_id, OUTGOING: len(call.outgoing)}
-        span = self._tracer.start_span(f"commit {call.handler}", attributes=attributes)
-        self._enter(call.items, span, key=self._commit_key)
+        # A child of the handler span, which names the handler, the attempt, the message
+        # and what it recorded: nothing is repeated here.
+        self._start(call.items, self._commit_key, f"commit {call.handler}", current, None)
 
     def after_commit(self, call: HandlerCall, error: BaseException | None) -> None:
-        span = self._leave(call.items, key=self._commit_key)
+        span = self._leave(call.items, self._commit_key)
         if span is None:
             return
         if isinstance(error, AlreadyProcessed):  # committed by another delivery meanwhile
@@ -198,17 +236,6 @@ class Tracing(Middleware):
             error = None
         _end(span, error)
 
-    def _call_attributes(self, call: HandlerCall) -> dict[str, Any]:
-        """A handler span's own attributes (its parent, the ``process`` span, has the
-        endpoint's, the queue's and the message type)."""
-        context = call.context
-        return {
-            HANDLER: call.handler,
-            ATTEMPT: call.attempt,
-            MESSAGE_ID: context.message_id,
-            CONVERSATION_ID: context.conversation_id,
-        }
-
     # -- outgoing messages ----------------------------------------------------------------
 
     def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
@@ -217,15 +244,21 @@ class Tracing(Middleware):
         no span is current (``endpoint.bus`` called outside any trace) is a ``create`` span
         started for it, so that the message still starts a trace. A message that carries
         a trace context already keeps it."""
-        textmap = self._textmap()
+        codec = self._headers()
         headers = envelope.headers
-        if any(field in headers for field in textmap.fields) and _has_span(
-                textmap.extract(headers)):
+        if codec.carries_context(headers):
             return envelope
         current = otel_context.get_current()
-        if trace.get_current_span(current).get_span_context().is_valid:
-            carrier: dict[str, str] = {}
-            textmap.inject(carrier, context=current)
+        recorded = cast("_Recorded | None", current.get(self._recorded_key))
+        if recorded is not None and recorded.context is current:
+            carrier = recorded.carrier  # recorded in the same context as the last one
+            return envelope.with_headers(carrier) if carrier else envelope
+        creator = trace.get_current_span(current)
+        span_context = creator.get_span_context()
+        if span_context.is_valid:
+            carrier = codec.inject(creator, current)
+            if recorded is not None:
+                recorded.remember(carrier, current, span_context.trace_flags.sampled)
             return envelope.with_headers(carrier) if carrier else envelope
         destination = _destination(envelope)
         attributes: dict[str, Any] = {
@@ -243,8 +276,7 @@ class Tracing(Middleware):
         span = self._tracer.start_span(f"create {destination}", context=current,
                                        kind=SpanKind.PRODUCER, attributes=attributes)
         span.end()
-        carrier = {}
-        textmap.inject(carrier, context=trace.set_span_in_context(span, current))
+        carrier = codec.inject(span, trace.set_span_in_context(span, current))
         return envelope.with_headers(carrier) if carrier else envelope
 
     # -- dispatch -------------------------------------------------------------------------
@@ -253,17 +285,26 @@ class Tracing(Middleware):
         envelope = dispatch.envelope
         headers = envelope.headers
         current = otel_context.get_current()
-        if dispatch.source in _RECORDED_HERE and _unrecorded(trace.get_current_span(current)):
-            return  # recorded in this very trace, which the sampler left out
-        parent = self._textmap().extract(headers)
-        if not _has_span(parent):  # stored before tracing was on: the caller's context
-            parent = current
-        if _sampled_out(parent):
-            return  # the message's trace is not recorded
-        links: list[Link] = []
-        cause = trace.get_current_span(current).get_span_context()
-        if dispatch.source == "redispatch" and cause.is_valid:
-            links.append(Link(cause))  # the duplicate delivery that sends it again
+        recorded = cast("_Recorded | None", current.get(self._recorded_key))
+        parent = None
+        if recorded is not None:  # in a delivery: recorded there? then no need to read
+            parent = recorded.context_of(headers)
+            if parent is not None and not recorded.sampled:
+                return  # recorded in a trace the sampler left out
+        if parent is None:  # recorded elsewhere, or earlier: its headers say where
+            if dispatch.source in _RECORDED_HERE and _unrecorded(
+                    trace.get_current_span(current)):
+                return  # recorded in this very trace, which the sampler left out
+            parent = self._headers().extract(headers)
+            if not _has_span(parent):  # stored before tracing was on: the caller's context
+                parent = current
+            if _sampled_out(trace.get_current_span(parent).get_span_context()):
+                return  # the message's trace is not recorded
+        links: tuple[Link, ...] = ()
+        if dispatch.source == "redispatch":
+            cause = trace.get_current_span(current).get_span_context()
+            if cause.is_valid:
+                links = (Link(cause),)  # the duplicate delivery that sends it again
         destination = _destination(envelope)
         operation = headers.get(h.INTENT) or "send"
         attributes: dict[str, Any] = {
@@ -276,31 +317,64 @@ class Tracing(Middleware):
         }
         _put(attributes, MESSAGE_ID, headers.get(h.MESSAGE_ID))
         _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
-        span = self._tracer.start_span(f"{operation} {destination}", context=parent,
-                                       kind=SpanKind.PRODUCER, attributes=attributes,
-                                       links=links)
-        self._enter(dispatch.items, span, parent)
+        self._start(dispatch.items, self._key, f"{operation} {destination}", parent,
+                    attributes, SpanKind.PRODUCER, links)
 
     def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None:
-        span = self._leave(dispatch.items)
+        span = self._leave(dispatch.items, self._key)
         if span is not None:
             _end(span, error)
 
     # -- keeping spans between hooks ------------------------------------------------------
 
-    def _enter(self, items: dict[str, Any], span: Span, parent: Context | None = None, *,
-               key: str | None = None) -> None:
-        """Make ``span`` current (in ``parent``, or the current context) until ``_leave``."""
-        token = otel_context.attach(trace.set_span_in_context(span, parent))
-        items[key or self._key] = (span, token)
+    def _start(self, items: dict[str, Any], key: str, name: str, parent: Context,
+               attributes: dict[str, Any] | None, kind: SpanKind = SpanKind.INTERNAL,
+               links: tuple[Link, ...] = ()) -> None:
+        """Start a span under ``parent`` and make it current until :meth:`_leave`."""
+        span = self._tracer.start_span(name, context=parent, kind=kind, attributes=attributes,
+                                       links=links)
+        items[key] = (span, otel_context.attach(trace.set_span_in_context(span, parent)))
 
-    def _leave(self, items: dict[str, Any], *, key: str | None = None) -> Span | None:
-        entered = items.pop(key or self._key, None)
+    @staticmethod
+    def _leave(items: dict[str, Any], key: str) -> Span | None:
+        entered = items.pop(key, None)
         if entered is None:
             return None
         span, token = entered
         otel_context.detach(token)
         return span  # type: ignore[no-any-return]
+
+
+class _Recorded:
+    """The context the handlers of one delivery last recorded a message in, and the
+    headers that carry it: a message recorded in the same context gets the same headers
+    without writing them again, and the dispatch of a message with those headers continues
+    that context without reading them back. It lives in the delivery's context, which it
+    also holds: :meth:`forget` when the delivery is settled."""
+
+    __slots__ = ("carrier", "context", "sampled")
+
+    def __init__(self) -> None:
+        self.carrier: dict[str, str] = {}
+        self.context: Context | None = None
+        #: The remembered context's trace is recorded (its sampled flag is on).
+        self.sampled = False
+
+    def remember(self, carrier: dict[str, str], context: Context, sampled: bool) -> None:
+        self.carrier, self.context, self.sampled = carrier, context, sampled
+
+    def forget(self) -> None:
+        self.carrier, self.context = {}, None
+
+    def context_of(self, headers: Mapping[str, str]) -> Context | None:
+        """The remembered context, if ``headers`` carry exactly it; else ``None``."""
+        carrier = self.carrier
+        if not carrier:
+            return None
+        for name, value in carrier.items():
+            if headers.get(name) != value:
+                return None
+        return self.context
 
 
 def _end(span: Span, error: BaseException | None) -> None:
@@ -324,12 +398,11 @@ def _end(span: Span, error: BaseException | None) -> None:
 
 def _unrecorded(span: Span) -> bool:
     """A span of a trace the sampler left out (not merely no span at all)."""
-    return span.get_span_context().is_valid and not span.is_recording()
+    return not span.is_recording() and span.get_span_context().is_valid
 
 
-def _sampled_out(context: Context) -> bool:
+def _sampled_out(span_context: SpanContext) -> bool:
     """A trace context whose trace is not to be recorded (its sampled flag is off)."""
-    span_context = trace.get_current_span(context).get_span_context()
     return span_context.is_valid and not span_context.trace_flags.sampled
 
 

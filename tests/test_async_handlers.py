@@ -10,10 +10,11 @@ Async code in the tests themselves is driven with ``asyncio.run``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -640,6 +641,183 @@ def test_what_an_async_method_raises_comes_through_even_from_the_helper_thread()
         in_a_thread(lambda: run_to_completion(crashes()))
     with pytest.raises(SimulatedCrash):
         asyncio.run(from_a_running_loop())
+
+
+def on_a_thread_loop(*coroutines: Callable[[], Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Run each coroutine to completion in turn on one new thread's loop, then close it;
+    what each returned, or ``("raised", error)``."""
+
+    def work() -> list[Any]:
+        results: list[Any] = []
+        try:
+            for make in coroutines:
+                try:
+                    results.append(run_to_completion(make()))
+                except BaseException as error:
+                    results.append(("raised", error))
+        finally:
+            close_thread_loop()
+        return results
+
+    results: list[Any] = in_a_thread(work)
+    return results
+
+
+def test_a_method_that_does_not_wait_runs_in_its_own_task_on_the_running_loop() -> None:
+    async def looks_around() -> tuple[Any, ...]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        return loop, loop.is_running(), task, task.done(), task.get_coro()
+
+    def work() -> tuple[Any, ...]:
+        coroutine = looks_around()
+        try:
+            loop, running, task, done, coro = run_to_completion(coroutine)
+            after = (asyncio.events._get_running_loop(), loop.is_running(), task.done())
+        finally:
+            close_thread_loop()
+        return running, done, coro is coroutine, after
+
+    running, done, own_coroutine, after = in_a_thread(work)
+
+    # Inside: the loop runs, and the current task is the method's, not yet done
+    assert running and not done and own_coroutine
+    # After: no loop runs in the thread any more, and the task is done
+    assert after == (None, False, True)
+
+
+def test_context_variables_reach_a_method_and_what_it_sets_stays_inside() -> None:
+    tenant: contextvars.ContextVar[str] = contextvars.ContextVar("tenant")
+
+    async def swaps() -> str:
+        seen = tenant.get()
+        tenant.set("inside")
+        return seen
+
+    def work() -> tuple[str, str, str]:
+        tenant.set("outside")
+        try:
+            seen = run_to_completion(swaps())
+            seen_waiting = run_to_completion(waits_then(swaps))
+        finally:
+            close_thread_loop()
+        return seen, seen_waiting, tenant.get()
+
+    assert in_a_thread(work) == ("outside", "outside", "outside")
+
+
+async def waits_then(then: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    await asyncio.sleep(0)
+    return await then()
+
+
+def test_what_a_method_raises_or_is_cancelled_by_comes_through_and_the_loop_goes_on() -> None:
+    async def fails() -> None:
+        raise CardDeclined("at once")
+
+    async def crashes() -> None:
+        raise SimulatedCrash("at once")
+
+    async def cancels_itself() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+    async def raises_cancelled() -> None:
+        raise asyncio.CancelledError()
+
+    results = on_a_thread_loop(fails, crashes, cancels_itself, raises_cancelled, running_loop,
+                               lambda: waits_then(running_loop))
+
+    kinds = [type(result[1]) for result in results[:4]]
+    assert kinds == [CardDeclined, SimulatedCrash, asyncio.CancelledError,
+                     asyncio.CancelledError]
+    # And the thread's loop still runs the next methods, waiting or not
+    assert isinstance(results[4], asyncio.AbstractEventLoop) and results[5] is results[4]
+
+
+def test_a_method_that_does_not_wait_takes_no_loop_iteration() -> None:
+    # Given a method that leaves a callback on its loop
+    ran: list[str] = []
+
+    async def leaves_a_callback() -> None:
+        asyncio.get_running_loop().call_soon(ran.append, "callback")
+
+    async def counts() -> int:
+        return len(ran)
+
+    # When later methods run on the same loop, first one that does not wait, then one that
+    # does
+    results = on_a_thread_loop(leaves_a_callback, counts, lambda: waits_then(counts))
+
+    # Then the callback ran only when a method waited on the loop: nothing else turned it
+    assert results == [None, 0, 1]
+
+
+def test_an_async_generator_a_method_leaves_unfinished_is_closed_with_the_loop() -> None:
+    closed: list[str] = []
+    kept: list[Any] = []
+
+    async def numbers() -> Any:
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.append("closed")
+
+    async def takes_one() -> int:
+        generator = numbers()
+        kept.append(generator)  # alive: only the loop's shutdown may close it
+        first: int = await generator.__anext__()
+        return first
+
+    async def looks() -> list[str]:
+        return list(closed)
+
+    assert on_a_thread_loop(takes_one, looks) == [1, []]
+    assert closed == ["closed"]  # by close_thread_loop, on the loop
+
+
+def test_a_task_factory_set_on_the_loop_makes_the_methods_tasks() -> None:
+    made: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coroutine: Any, **options: Any) -> Any:
+        made.append(coroutine.__qualname__)
+        return asyncio.Task(coroutine, loop=loop, **options)
+
+    async def installs() -> None:
+        asyncio.get_running_loop().set_task_factory(factory)
+
+    async def current() -> bool:
+        return asyncio.current_task() is not None
+
+    results = on_a_thread_loop(installs, current, lambda: waits_then(current))
+
+    assert results == [None, True, True]
+    # the methods' tasks (the loop's shutdown made more, with the factory too)
+    assert [name.rsplit(".", 1)[-1] for name in made[:2]] == ["current", "waits_then"]
+
+
+class MarkedLoop(asyncio.SelectorEventLoop):
+    """The loop of an event loop policy the application installed."""
+
+
+class MarkedPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return MarkedLoop()
+
+
+def test_under_another_event_loop_policy_methods_run_on_its_loops() -> None:
+    before = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(MarkedPolicy())
+    try:
+        results = on_a_thread_loop(running_loop, lambda: waits_then(running_loop))
+    finally:
+        asyncio.set_event_loop_policy(before)
+
+    assert isinstance(results[0], MarkedLoop) and results[1] is results[0]
 
 
 # -- async with endpoint.unit_of_work ------------------------------------------------------

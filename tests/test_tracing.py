@@ -6,6 +6,7 @@ Every test has its own TracerProvider with an in-memory exporter: no global stat
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import threading
@@ -13,14 +14,22 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.propagate import inject
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
+from opentelemetry.propagate import get_global_textmap, inject, set_global_textmap
+from opentelemetry.propagators.composite import CompositePropagator
+from opentelemetry.propagators.textmap import TextMapPropagator, default_getter, default_setter
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, StatusCode, TraceState
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from bench.instructions import VARIANTS, run_pipeline
+from bench.throughput import main as throughput_main
 from idembus import headers as h
 from idembus.context import MessageContext
 from idembus.envelope import Envelope
@@ -38,6 +47,7 @@ from idembus.policies import OutboxPolicy
 from idembus.storage.errors import AlreadyProcessed
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from idembus.trace_propagation import HeaderCodec
 from idembus.tracing import Tracing
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
@@ -90,9 +100,10 @@ def handler_call(incoming: IncomingMessage, handler: str = "AccountHandler",
 
 def traced_delivery(pipeline: Pipeline, headers: dict[str, str],
                     handler: Callable[[HandlerCall], Any] | None = None,
-                    outcome: str = "handled") -> tuple[IncomingMessage, list[Envelope]]:
+                    outcome: str = "handled",
+                    outgoing: int = 1) -> tuple[IncomingMessage, list[Envelope]]:
     """One delivery through the message, handler and commit stages; the handler records
-    one outgoing message (through the outgoing hooks) unless ``handler`` says otherwise;
+    ``outgoing`` messages (through the outgoing hooks) unless ``handler`` says otherwise;
     then the recorded messages are dispatched, as the endpoint does after the commit."""
     incoming = IncomingMessage("accounts", "accounts", headers)
     recorded: list[Envelope] = []
@@ -104,7 +115,8 @@ def traced_delivery(pipeline: Pipeline, headers: dict[str, str],
             if handler is not None:
                 handler(call)
             else:
-                recorded.append(pipeline.prepare(outgoing_envelope(), call.context))
+                recorded.extend(pipeline.prepare(outgoing_envelope(f"out-{index + 1}"),
+                                                 call.context) for index in range(outgoing))
             call.outgoing = tuple(recorded)
             pipeline.commit(call, lambda: None)
 
@@ -615,3 +627,270 @@ def test_an_outbox_repair_after_a_crash_continues_the_trace_of_the_creating_hand
     assert {parent_of(first), parent_of(second)} == {span.context.span_id
                                                      for span in deliveries}
     assert [entry[1:] for entry in ledger.entries] == [("a", 5)]
+
+
+# -- what tracing costs: reading and writing the trace context once ------------------------
+
+
+class CountingPropagator(CompositePropagator):
+    """W3C trace context through a propagator idembus does not take for the default one
+    (a subclass), counting what it is asked to read and write."""
+
+    def __init__(self) -> None:
+        super().__init__([TraceContextTextMapPropagator()])
+        self.extracted = 0
+        self.injected = 0
+
+    def extract(self, carrier: Any, context: Any = None, getter: Any = default_getter) -> Any:
+        self.extracted += 1
+        return super().extract(carrier, context, getter)
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = default_setter) -> None:
+        self.injected += 1
+        super().inject(carrier, context, setter)
+
+
+def test_a_delivery_reads_its_trace_context_once_and_writes_it_once_per_span(spans):
+    # Given tracing through a propagator that counts
+    provider, exporter = spans
+    propagator = CountingPropagator()
+    pipeline = Pipeline([Tracing(provider, propagator=propagator)])
+    sender = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    # When a handler records two messages, which are dispatched after its commit
+    _, recorded = traced_delivery(pipeline, incoming_headers(traceparent=sender), outgoing=2)
+
+    # Then the headers were read once (the delivery's) and written once (the handler span's)
+    assert (propagator.extracted, propagator.injected) == (1, 1)
+    handle = one(exporter, "handle AccountHandler")
+    sends = named(exporter, "send ledger")
+    assert len(sends) == 2
+    assert {parent_of(send) for send in sends} == {handle.context.span_id}
+    assert recorded[0].headers["traceparent"] == recorded[1].headers["traceparent"]
+
+
+def test_an_unsampled_delivery_passes_its_traceparent_on_unchanged(spans):
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    _, recorded = traced_delivery(pipeline, incoming_headers(traceparent=unsampled),
+                                  outgoing=2)
+    assert [envelope.headers["traceparent"] for envelope in recorded] == [unsampled] * 2
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_commit_span_says_only_what_its_parent_does_not(spans):
+    provider, exporter = spans
+    traced_delivery(Pipeline([Tracing(provider)]), incoming_headers())
+    commit = one(exporter, "commit AccountHandler")
+    # the handler, the attempt, the message and what it recorded are the handle span's
+    assert commit.attributes is not None and dict(commit.attributes) == {}
+    handle = one(exporter, "handle AccountHandler")
+    assert parent_of(commit) == handle.context.span_id
+
+
+def test_traced_deliveries_leave_no_reference_cycles_behind(spans):
+    # Given tracing, warmed up, and the garbage collector off
+    provider, _ = spans
+    pipeline = Pipeline([Tracing(provider)])
+    unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
+    traced_delivery(pipeline, incoming_headers())
+    gc.collect()
+    gc.disable()
+    try:
+        # When deliveries are traced, recorded and unrecorded ones
+        for index in range(20):
+            traced_delivery(pipeline, incoming_headers(f"m-{index}"))
+            traced_delivery(pipeline, incoming_headers(f"u-{index}", traceparent=unsampled))
+        # Then reference counting freed everything: nothing is left for the collector
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+class KeyValuePropagator(TextMapPropagator):
+    """Not W3C: the trace context in one header, ``x-trace: <trace id>/<span id>/<flags>``."""
+
+    def extract(self, carrier: Any, context: Any = None, getter: Any = default_getter) -> Any:
+        found = getter.get(carrier, "x-trace")
+        if not found:
+            return context if context is not None else otel_context.Context()
+        trace_id, span_id, flags = (int(part, 16) for part in found[0].split("/"))
+        remote = trace.SpanContext(trace_id, span_id, is_remote=True,
+                                   trace_flags=trace.TraceFlags(flags))
+        return trace.set_span_in_context(trace.NonRecordingSpan(remote), context)
+
+    def inject(self, carrier: Any, context: Any = None, setter: Any = default_setter) -> None:
+        span_context = trace.get_current_span(context).get_span_context()
+        if span_context.is_valid:
+            setter.set(carrier, "x-trace", f"{span_context.trace_id:x}/"
+                                           f"{span_context.span_id:x}/{span_context.trace_flags:x}")
+
+    @property
+    def fields(self) -> set[str]:
+        return {"x-trace"}
+
+
+@pytest.fixture
+def global_propagator() -> Iterator[None]:
+    """Puts back the global propagator a test replaces."""
+    before = get_global_textmap()
+    yield
+    set_global_textmap(before)
+
+
+def test_a_global_propagator_set_later_is_used_from_the_next_message_on(
+    spans, global_propagator,
+):
+    # Given tracing made while the global propagator is the default W3C one
+    provider, exporter = spans
+    pipeline = Pipeline([Tracing(provider)])
+    _, first = traced_delivery(pipeline, incoming_headers("m-1"))
+    assert "traceparent" in first[0].headers
+
+    # When the application installs another propagator
+    set_global_textmap(KeyValuePropagator())
+    _, second = traced_delivery(pipeline, incoming_headers("m-2"))
+
+    # Then the next message carries its header, and the message it carries continues there
+    assert "traceparent" not in second[0].headers
+    handle = named(exporter, "handle AccountHandler")[-1]
+    trace_id, span_id, _ = second[0].headers["x-trace"].split("/")
+    assert (int(trace_id, 16), int(span_id, 16)) == (handle.context.trace_id,
+                                                     handle.context.span_id)
+    exporter.clear()
+    traced_delivery(pipeline, incoming_headers("m-3", **{"x-trace": second[0].headers[
+        "x-trace"]}))
+    assert parent_of(one(exporter, "process accounts")) == handle.context.span_id
+
+
+# -- the W3C fast path: the default propagator's own result -------------------------------
+
+_HEX = "0123456789abcdef"
+hex_digits = st.text(alphabet=_HEX, min_size=0, max_size=34)
+traceparents = st.one_of(
+    # well formed, the ids now and then all zeros
+    st.builds(lambda version, trace_id, span_id, flags: f"{version}-{trace_id}-{span_id}-{flags}",
+              st.sampled_from(["00", "00", "00", "01", "ff", "0g"]),
+              st.one_of(st.text(alphabet=_HEX, min_size=32, max_size=32), st.just("0" * 32)),
+              st.one_of(st.text(alphabet=_HEX, min_size=16, max_size=16), st.just("0" * 16)),
+              st.text(alphabet=_HEX, min_size=2, max_size=2)),
+    # and bent: other lengths, upper case, white space, a suffix, anything at all
+    st.builds(lambda version, trace_id, span_id, flags: f"{version}-{trace_id}-{span_id}-{flags}",
+              st.sampled_from(["00", "01"]), hex_digits, hex_digits, hex_digits),
+    st.builds(lambda text, bend: bend(text),
+              st.text(alphabet=_HEX, min_size=32, max_size=32).map(
+                  lambda ids: f"00-{ids}-{ids[:16]}-01"),
+              st.sampled_from([str.upper, lambda t: f" {t}", lambda t: f"{t}\t",
+                               lambda t: f"{t}-extra", lambda t: f"{t}\n"])),
+    st.text(max_size=60),
+)
+tracestates = st.one_of(st.none(), st.sampled_from(["vendor=value", "a=1,b=2", "bad state"]))
+baggages = st.one_of(st.none(), st.sampled_from(["tenant=acme", "a=1,b=2"]))
+
+
+def span_contexts_of(context: otel_context.Context) -> tuple[Any, dict[str, object]]:
+    return trace.get_current_span(context).get_span_context(), dict(baggage.get_all(context))
+
+
+@settings(max_examples=300, deadline=None)
+@given(traceparent=st.one_of(st.none(), traceparents), tracestate=tracestates,
+       baggage_header=baggages)
+def test_the_w3c_fast_path_reads_what_the_default_propagator_reads(
+    traceparent: str | None, tracestate: str | None, baggage_header: str | None,
+) -> None:
+    propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+    codec = HeaderCodec.of(propagator)
+    assert codec.w3c
+    headers = {name: value for name, value in (("traceparent", traceparent),
+                                               ("tracestate", tracestate),
+                                               ("baggage", baggage_header))
+               if value is not None}
+
+    context, carrier = codec.read(headers)
+
+    assert span_contexts_of(context) == span_contexts_of(propagator.extract(headers))
+    if carrier is not None:  # what the headers carry is exactly what would be written
+        written: dict[str, str] = {}
+        propagator.inject(written, context=context)
+        assert carrier == written
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace_id=st.integers(1, 2**128 - 1), span_id=st.integers(1, 2**64 - 1),
+       flags=st.integers(0, 255))
+def test_the_w3c_fast_path_reads_a_plain_traceparent_itself_and_knows_its_headers(
+    trace_id: int, span_id: int, flags: int,
+) -> None:
+    propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+    traceparent = f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"
+
+    context, carrier = HeaderCodec.of(propagator).read({"traceparent": traceparent})
+
+    assert carrier == {"traceparent": traceparent}  # the fast path read it
+    assert span_contexts_of(context) == span_contexts_of(
+        propagator.extract({"traceparent": traceparent}))
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace_id=st.integers(1, 2**128 - 1), span_id=st.integers(1, 2**64 - 1),
+       flags=st.integers(0, 255), tracestate=tracestates, baggage_header=baggages)
+def test_the_w3c_fast_path_writes_what_the_default_propagator_writes(
+    trace_id: int, span_id: int, flags: int, tracestate: str | None,
+    baggage_header: str | None,
+) -> None:
+    propagator = CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+    codec = HeaderCodec.of(propagator)
+    state = TraceState.from_header([tracestate]) if tracestate else None
+    span = trace.NonRecordingSpan(trace.SpanContext(
+        trace_id, span_id, is_remote=False, trace_flags=trace.TraceFlags(flags),
+        trace_state=state))
+    context = trace.set_span_in_context(span)
+    if baggage_header:
+        for item in baggage_header.split(","):
+            name, value = item.split("=")
+            context = baggage.set_baggage(name, value, context)
+
+    written: dict[str, str] = {}
+    propagator.inject(written, context=context)
+
+    assert codec.inject(span, context) == written
+
+
+@pytest.mark.parametrize("propagator, fast", [
+    (CompositePropagator([TraceContextTextMapPropagator(), W3CBaggagePropagator()]), True),
+    (TraceContextTextMapPropagator(), True),
+    (CompositePropagator([W3CBaggagePropagator(), TraceContextTextMapPropagator()]), False),
+    (CompositePropagator([TraceContextTextMapPropagator(), KeyValuePropagator()]), False),
+    (CountingPropagator(), False),
+    (KeyValuePropagator(), False),
+])
+def test_the_fast_path_is_taken_for_w3c_propagators_only(propagator, fast):
+    assert HeaderCodec.of(propagator).w3c is fast
+
+
+# -- the benchmarks of what tracing costs --------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_the_throughput_benchmark_measures_middleware_on_postgres_at_a_reduced_size(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_service(POSTGRES_URL, "PostgreSQL")
+    assert throughput_main(["--transports", "memory", "--storages", "postgres",
+                            "--messages", "10", "--rounds", "1",
+                            "--json", str(tmp_path / "throughput.json")]) == 0
+
+    (line,) = [text for text in capsys.readouterr().out.splitlines()
+               if text.startswith("bench: ")]
+    fields = dict(field.split("=") for field in line.removeprefix("bench: ").split())
+    assert float(fields["memory_idembus_postgresstorage"]) > 0
+    for cost in ("5_noop_middleware", "tracing", "tracing_sampled"):
+        assert float(fields[f"memory_postgres_{cost}_vs_none"]) > 0
+        assert fields[f"memory_{cost}_vs_none"] == "n/a"  # MemoryStorage was not measured
+
+
+@pytest.mark.parametrize("variant", VARIANTS["pipeline"])
+def test_each_pipeline_variant_counted_for_instructions_runs_and_leaves_no_span_open(variant):
+    run_pipeline(variant, 3)  # what callgrind counts: it must run, and leave no span open
+    assert not trace.get_current_span().get_span_context().is_valid
