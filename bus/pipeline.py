@@ -211,31 +211,44 @@ class _Stage:
         self.pairs = [(getattr(m, f"before_{name}") if _overrides(m, f"before_{name}") else None,
                        after.get(id(m))) for m in middleware
                       if _overrides(m, f"before_{name}") or id(m) in after]
+        #: (position, after hook) of the pairs that have one, innermost first: what a stage
+        #: whose hooks all returned runs after its body.
+        self.afters = [(position, hook) for position, (_, hook) in reversed(
+            list(enumerate(self.pairs))) if hook is not None]
 
     def run(self, context: Any, body: Callable[[], T]) -> T:
-        if not self.pairs:
+        pairs = self.pairs
+        if not pairs:
             return body()
-        entered: list[Callable[[Any, BaseException | None], None]] = []
+        entered = 0  # the pairs whose before hook returned (or that have none)
         try:
-            for before, after in self.pairs:
+            for before, _ in pairs:
                 if before is not None:
                     before(context)
-                if after is not None:
-                    entered.append(after)
+                entered += 1
             result = body()
         except BaseException as error:
             self._unwind(entered, context, error)
             raise
-        self._unwind(entered, context, None)
+        for position, after in self.afters:
+            try:
+                after(context, None)
+            except Exception:
+                log.exception("after_%s hook %r raised; ignored", self.name, after)
+            except BaseException as escaping:
+                self._unwind(position, context, escaping, crash=escaping)
         return result
 
-    def _unwind(self, entered: list[Callable[[Any, BaseException | None], None]],
-                context: Any, error: BaseException | None) -> None:
-        """Run every entered after hook, innermost first. An :class:`Exception` one raises
-        is logged; a bare :class:`BaseException` (a simulated crash) is raised once the
-        outer hooks have run, with it as their error."""
-        crash: BaseException | None = None
-        for after in reversed(entered):
+    def _unwind(self, entered: int, context: Any, error: BaseException | None, *,
+                crash: BaseException | None = None) -> None:
+        """Run the after hooks of the first ``entered`` pairs, innermost first. An
+        :class:`Exception` one raises is logged; a bare :class:`BaseException` (a simulated
+        crash) is raised once the outer hooks have run, with it as their error (``crash``:
+        one that an inner hook already raised)."""
+        for index in range(entered - 1, -1, -1):
+            after = self.pairs[index][1]
+            if after is None:
+                continue
             try:
                 after(context, error)
             except Exception:

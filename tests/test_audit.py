@@ -6,6 +6,7 @@ from idembus import RetryPolicy
 from idembus.audit import Audit
 from idembus.recovery import Recoverability
 from idembus.storage.memory import MemoryStorage
+from idembus.testing import wait_until_idle
 from tests.support import AccountHandler, Deposit, SignalCounter
 
 
@@ -24,6 +25,9 @@ def test_an_audited_endpoint_records_handled_duplicate_and_dead_lettered_message
     first = service.bus.send(Deposit(account="a", amount=1))
     service.bus.send(Deposit(account="a", amount=1), message_id=first)
     assert handled.wait_for(1) and duplicate.wait_for(1)
+    # The signals come from inside the handler stage; the audit record is written when the
+    # delivery's stages end: wait until nothing is in flight.
+    wait_until_idle([service])
     assert service.audit is not None
     service.audit.flush()
 
