@@ -17,10 +17,9 @@ transaction's removal of the message are the real ones.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -37,9 +36,16 @@ from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
-from idembus.transports.base import Delivery, OnDelivery, Transport
+from idembus.transports.base import Transport
 from tests.conftest import POSTGRES_URL, require_service
-from tests.support import Account, AccountHandler, Deposit, Deposited
+from tests.support import (
+    Account,
+    AccountHandler,
+    Deposit,
+    Deposited,
+    DrivenTransport,
+    RecordedDelivery,
+)
 
 QUEUE = "accounts"
 ERROR_QUEUE = "accounts-error"
@@ -47,32 +53,20 @@ ERROR_QUEUE = "accounts-error"
 MAX_CRASHES = 12
 
 
-class RecordingDelivery(Delivery):
-    """A delivery whose settlement is only recorded."""
+class RecordingDelivery(RecordedDelivery):
+    """A delivery of one Deposit whose settlement is only recorded."""
 
     def __init__(self, message: DepositMessage, *, redelivered: bool) -> None:
-        super().__init__(queue=QUEUE, headers=message.headers, body=message.body,
-                         content_type=h.CONTENT_TYPE, redelivered=redelivered)
+        super().__init__(QUEUE, dict(message.headers), message.body, redelivered=redelivered)
         self.message = message
-        self.acked = False
-        self.requeued = False
-
-    def _ack(self) -> None:
-        self.acked = True
-
-    def _requeue(self) -> None:
-        self.requeued = True
 
 
-class RecordingTransport(Transport):
+class RecordingTransport(DrivenTransport):
     """Records what the endpoint dispatches; the test loop plays the broker's queue."""
 
     def __init__(self) -> None:
         self.dispatched: list[Envelope] = []
         self.dead_letters: list[Envelope] = []
-
-    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
-        raise NotImplementedError("the test drives the processor directly")
 
     def send(self, envelope: Envelope) -> None:
         if envelope.destination == ERROR_QUEUE:
@@ -83,15 +77,6 @@ class RecordingTransport(Transport):
     def publish(self, envelope: Envelope) -> None:
         self.dispatched.append(envelope)
 
-    def consume(self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event,
-                prefetch: int = 1) -> None:
-        raise NotImplementedError("the test drives the processor directly")
-
-    def get(self, queue: str) -> Delivery | None:
-        raise NotImplementedError("the test drives the processor directly")
-
-    def pending(self, queue: str) -> int:
-        return 0
 
 
 class ArmedCrash(FaultInjector):
