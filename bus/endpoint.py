@@ -564,8 +564,7 @@ class Endpoint:
                                    prefetch=self.prefetch)
             return
         size = self.batching.size_for(self.prefetch)
-        runner = BatchRunner(self._processor, size=size,
-                             name=f"{threading.current_thread().name}-batch")
+        runner = BatchRunner(self._processor, size=size)
 
         def on_batch(deliveries: Sequence[Delivery]) -> None:
             with self._activity:
@@ -577,12 +576,9 @@ class Endpoint:
                     self._in_flight -= len(deliveries)
                     self._activity.notify_all()
 
-        try:
-            self.transport.consume_batches(
-                self.name, on_batch, stop=self._stop, prefetch=max(self.prefetch, size),
-                size=size, linger=self.batching.linger)
-        finally:
-            runner.close()
+        self.transport.consume_batches(
+            self.name, on_batch, stop=self._stop, prefetch=max(self.prefetch, size),
+            size=size, linger=self.batching.linger)
 
     def _on_delivery(self, delivery: Delivery) -> None:
         with self._activity:

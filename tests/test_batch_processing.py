@@ -201,7 +201,6 @@ class Rig:
         return list((record.state or {}).get("amounts", []))
 
     def close(self) -> None:
-        self.runner.close()
         self.endpoint.close()
 
 
@@ -377,7 +376,6 @@ def test_retries_of_a_failing_handler_stay_with_its_message():
         assert all(d.acked for d in deliveries) and not transport.dead_letters
         assert len(journal.details("commit")) == 2
     finally:
-        runner.close()
         endpoint.close()
 
 
