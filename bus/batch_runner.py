@@ -30,6 +30,7 @@ others (as it would block other consumers); idembus holds none there.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -253,9 +254,21 @@ def _do_group(kind: str, group: list[_Member]) -> None:
             raise RuntimeError(f"{type(target).__name__}.{kind}_many answered "
                                f"{len(outcomes)} of {len(requests)} requests")
     except Exception as error:  # the whole call failed: each message meets the error
-        outcomes = [error] * len(requests)
+        outcomes = [error] + [_copied(error) for _ in requests[1:]]
     for work, outcome in zip(works, outcomes, strict=True):
         if isinstance(outcome, BaseException):
             work.error = outcome
         else:
             work.outcome = outcome
+
+
+def _copied(error: Exception) -> Exception:
+    """Another instance of ``error`` for another message to raise (an exception raised in
+    several places would collect all their tracebacks), with the same cause."""
+    try:
+        twin = copy.copy(error)
+    except Exception:  # an exception class that cannot be rebuilt from its arguments
+        return error
+    twin.__cause__, twin.__context__ = error.__cause__, error.__context__
+    twin.__traceback__ = None
+    return twin

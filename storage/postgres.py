@@ -386,14 +386,20 @@ class PostgresStorage(Storage):
     def load_many(
         self, requests: Sequence[tuple[str, str, str | None]]
     ) -> list[AggregateRecord | Exception]:
-        """Every load in one round trip (pipeline mode)."""
+        """Every load in one round trip (pipeline mode); if one fails (input PostgreSQL
+        refuses), each again on its own, with its own answer."""
         if len(requests) < 2:
             return super().load_many(requests)
-        with self._connection() as connection:
-            with connection.pipeline():
-                cursors = [connection.execute(*self._load_statement(*request))
-                           for request in requests]
-            rows = [cursor.fetchone() for cursor in cursors]
+        try:
+            with self._connection() as connection:
+                with connection.pipeline():
+                    cursors = [connection.execute(*self._load_statement(*request))
+                               for request in requests]
+                rows = [cursor.fetchone() for cursor in cursors]
+        except StorageUnavailable:
+            raise
+        except StorageError:
+            return super().load_many(requests)
         return [_record(aggregate_type, aggregate_id, row)
                 for (aggregate_type, aggregate_id, _), row in zip(requests, rows, strict=True)]
 

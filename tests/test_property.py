@@ -228,6 +228,23 @@ def bodies_by_id(envelopes: list[Envelope]) -> dict[str, set[str]]:
     return dict(found)
 
 
+def assert_sent_as_clean(sent: list[DepositMessage], clean: RunResult,
+                         other: RunResult) -> None:
+    """``other`` sent the messages of the ``clean`` run of ``sent``: every id of the clean
+    run at least once (crashes and duplicates may send one again, always with that id), no
+    other id, and under each id the one body of the clean run, one event a deposit."""
+    clean_bodies = bodies_by_id(clean.dispatched)
+    other_bodies = bodies_by_id(other.dispatched)
+    assert len(clean.dispatched) == len(sent) == len(clean_bodies)
+    assert set(other_bodies) == set(clean_bodies)
+    for message_id, bodies in other_bodies.items():
+        assert bodies == clean_bodies[message_id], message_id
+    assert all(envelope.intent is h.Intent.PUBLISH for envelope in other.dispatched)
+    events = {(e.account, e.amount) for e in map(Deposited.model_validate_json,
+                                                 (envelope.body for envelope in clean.dispatched))}
+    assert events == {(message.account, message.amount) for message in sent}
+
+
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "keep-bodies"])
 @pytest.mark.parametrize("make_storage", STORAGES)
 @settings(max_examples=60, deadline=None)
@@ -255,16 +272,7 @@ def test_any_interleaving_of_duplicates_and_crashes_ends_as_one_clean_run(
     # and the same messages were sent: every id of the clean run at least once (crashes
     # and duplicates may send one again, always with that id), no other id, and under
     # each id the one body of the clean run.
-    clean_bodies = bodies_by_id(clean.dispatched)
-    chaotic_bodies = bodies_by_id(chaotic.dispatched)
-    assert len(clean.dispatched) == len(sent) == len(clean_bodies)
-    assert set(chaotic_bodies) == set(clean_bodies)
-    for message_id, bodies in chaotic_bodies.items():
-        assert bodies == clean_bodies[message_id], message_id
-    assert all(envelope.intent is h.Intent.PUBLISH for envelope in chaotic.dispatched)
-    events = {(e.account, e.amount) for e in map(Deposited.model_validate_json,
-                                                 (envelope.body for envelope in clean.dispatched))}
-    assert events == {(message.account, message.amount) for message in sent}
+    assert_sent_as_clean(sent, clean, chaotic)
 
     # Every delivery of the schedule was processed to its ack, plus one per crash.
     assert chaotic.deliveries == len(order) + chaotic.crashes
