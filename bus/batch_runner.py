@@ -13,8 +13,9 @@ with its own answer: a result, or the very error it would have met alone — a c
 duplicate, a refusal, an outage. One message's failure never fails another.
 
 Several messages of one aggregate in one batch are applied in delivery order: a message
-does not load an aggregate that an earlier message of the batch loaded and has not
-committed yet; it loads it in a later round, after that commit, so the two never conflict.
+does not load an aggregate that an earlier message of the batch loaded until that one is
+done with it (committed, dispatched, marked); it loads it in a later round, so the two never
+conflict, and a duplicate in the same batch finds its copy's messages already sent.
 
 When every message is done, the deliveries they acknowledged — each only after its
 dispatches were confirmed, as ever — are acknowledged together
@@ -124,7 +125,8 @@ class _Member:
         self.index = index
         self.delivery = _HeldDelivery(delivery)
         self.parked: _Parked | None = None
-        #: The aggregate this message loaded and has not committed yet.
+        #: The aggregate this message loaded last, until it is done with it (committed,
+        #: dispatched and marked) or loads another: later messages of the batch wait.
         self.holds: tuple[str, str] | None = None
         #: What escaped the message's processing (an outage of its delivery's connection,
         #: an interrupt): raised by the runner once the batch is settled.
@@ -133,7 +135,7 @@ class _Member:
 
     def park(self, parked: _Parked) -> Any:
         """Wait (in the message's greenlet) until the runner did ``parked``."""
-        if parked.kind != COMMIT:
+        if parked.kind == LOAD:  # a new attempt, or the next handler
             self.holds = None
         self.parked = parked
         running = greenlet.getcurrent()
@@ -231,9 +233,7 @@ def _do_parked(parked: list[_Member]) -> list[_Member]:
         work = member.parked
         assert work is not None
         member.parked = None
-        if work.kind == COMMIT:
-            member.holds = None
-        elif work.kind == LOAD and work.error is None:
+        if work.kind == LOAD and work.error is None:
             member.holds = work.aggregate
     return done
 

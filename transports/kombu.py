@@ -636,7 +636,12 @@ class KombuTransport(Transport):
         size: int = 1, linger: float = 0.0,
     ) -> None:
         """See the contract: once a delivery is ready, the next ones are taken as they come,
-        up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`."""
+        up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`.
+
+        On Redis batches hold one delivery: a wait for more leaves a ``BRPOP`` pending while
+        the batch is processed, which takes the message a stopping consumer gives back."""
+        if self._is_redis:
+            size = 1
         ready: list[Delivery] = []
 
         def receiving(connection: kombu.Connection) -> Callable[[kombu.Message], None]:
