@@ -111,7 +111,7 @@ def run_grid(args: argparse.Namespace, logs: Path) -> dict[str, list[RunResult]]
         results[variant.name].append(result)
         figure = f"{result.rate:6.0f} msgs/s" if result.rate else "failed: " + "; ".join(
             result.problems)
-        print(f"  [{index:2}/{len(order)}] {variant.name:<9} {config.label:<26} {figure}",
+        print(f"  [{index:2}/{len(order)}] {variant.name:<9} {config.label:<36} {figure}",
               flush=True)
     for variant in chosen:
         print_table(variant, results[variant.name])
@@ -121,13 +121,13 @@ def run_grid(args: argparse.Namespace, logs: Path) -> dict[str, list[RunResult]]
 def print_table(variant: Variant, results: Sequence[RunResult]) -> None:
     top = best(results)
     print(f"\n{variant.title}")
-    print(f"  {'configuration':<26} {'msgs/s':>7}   CPU us/msg: {'workers':>7} "
+    print(f"  {'configuration':<36} {'msgs/s':>7}   CPU us/msg: {'workers':>7} "
           f"{'postgres':>8} {'rabbitmq':>8} {'other':>6}")
     for result in results:
         cpu = result.cpu_us_per_msg
         rate = f"{result.rate:7.0f}" if result.rate else f"{'failed':>7}"
         mark = " <- best" if result is top else ""
-        print(f"  {result.config.label:<26} {rate}   {'':11} {cpu.get('workers', 0):>7.0f} "
+        print(f"  {result.config.label:<36} {rate}   {'':11} {cpu.get('workers', 0):>7.0f} "
               f"{cpu.get('postgresql', 0):>8.0f} {cpu.get('rabbitmq', 0):>8.0f} "
               f"{cpu.get('other', 0):>6.0f}{mark}")
         for problem in result.problems:

@@ -558,8 +558,10 @@ class Endpoint:
                 self._stop.wait(delay)
 
     def _consume_once(self) -> None:
-        """Consume until stopped, one delivery or one batch at a time."""
-        if self.batching is None:
+        """Consume until stopped, one delivery or one batch at a time. Where the queues share
+        the storage's database, commit, send and acknowledgement are one transaction
+        already: deliveries go one at a time, batching or not."""
+        if self.batching is None or self.shared_transaction is not None:
             self.transport.consume(self.name, self._on_delivery, stop=self._stop,
                                    prefetch=self.prefetch)
             return

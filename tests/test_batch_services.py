@@ -23,7 +23,7 @@ from idembus.storage.postgres import PostgresStorage
 from idembus.transports import confirms
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
 from idembus.transports.kombu import KombuTransport
-from tests.conftest import AMQP_URL
+from tests.conftest import AMQP_URL, POSTGRES_URL
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
 
 ACCOUNT = AccountHandler.storage_name()
@@ -308,3 +308,30 @@ def test_an_endpoint_consumes_in_batches_on_memory(unique: str):
     finally:
         transport.close()
 
+
+
+@pytest.mark.postgres
+def test_batching_on_the_postgresql_transport_keeps_its_one_transaction_a_message(
+        postgres_storage: PostgresStorage):
+    from idembus.testing import wait_until_idle
+    from idembus.transports.postgres import PostgresTransport
+
+    unique = uuid.uuid4().hex[:10]
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=f"bq{unique}")
+    endpoint = Endpoint(f"accounts-{unique}", transport=transport, storage=postgres_storage,
+                        handlers=[AccountHandler], batching=Batching(size=8),
+                        status_interval=0)
+    handled = SignalCounter(endpoint, "handled")
+    try:
+        assert endpoint.shared_transaction is not None
+        endpoint.start()
+        for amount in range(1, 6):
+            endpoint.bus.send(Deposit(account="a", amount=amount))
+        assert handled.wait_for(5)
+        wait_until_idle([endpoint])
+        assert postgres_storage.load(ACCOUNT, "a").state == {"balance": 15, "deposits": 5}
+        assert transport.pending(endpoint.name) == 0
+    finally:
+        endpoint.close()
+        transport.drop_tables()
+        transport.close()
