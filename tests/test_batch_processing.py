@@ -10,6 +10,7 @@ confirm wait) and one for its acknowledgements.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from idembus import Backoff, Batching, Endpoint, RetryPolicy
+from idembus import Backoff, Batching, BreakerPolicy, Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.batch_runner import BatchRunner
 from idembus.envelope import Envelope
@@ -30,7 +31,7 @@ from idembus.storage.errors import ConcurrencyConflict
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.base import Delivery
 from idembus.transports.errors import TransportUnavailable
-from tests.support import DrivenTransport, RecordedDelivery
+from tests.support import DrivenTransport, RecordedDelivery, SignalCounter
 
 QUEUE = "ledger"
 ERROR_QUEUE = "ledger-error"
@@ -378,6 +379,44 @@ def test_retries_of_a_failing_handler_stay_with_its_message():
         assert attempts == [flaky_id, flaky_id]
         assert all(d.acked for d in deliveries) and not transport.dead_letters
         assert len(journal.details("commit")) == 2
+    finally:
+        endpoint.close()
+
+
+def test_an_open_circuit_breaker_holds_the_consumer_back_after_the_batch_it_opened_in():
+    # Given a handler that always fails, and a breaker that opens after two failures
+    calls: list[float] = []
+
+    class Failing(BookHandler):
+        @handles
+        def post(self, message: Post) -> None:
+            calls.append(time.monotonic())
+            raise RuntimeError("the service behind it is down")
+
+    journal = Journal()
+    storage, transport = SpyStorage(journal), SpyTransport(journal)
+    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Failing],
+                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+                        recoverability=Recoverability(
+                            retries=RetryPolicy(immediate_retries=0, delayed=()),
+                            breaker=BreakerPolicy(threshold=2, backoff=Backoff((0.3,)))))
+    paused = SignalCounter(endpoint, "paused")
+    runner = BatchRunner(endpoint._processor, size=8)
+    try:
+        # When five messages come in one batch
+        deliveries = [received(str(uuid.uuid4()), f"acc-{n}", 1) for n in range(5)]
+        started = time.monotonic()
+        runner.run(deliveries, transport)
+        took = time.monotonic() - started
+
+        # Then all go to the error queue; their handlers ran in one round, before the
+        # breaker opened, and the pauses of the four failures from the second on hold the
+        # consumer back before its next batch (one message at a time, they come before
+        # each next message instead)
+        assert len(transport.dead_letters) == 5 and all(d.acked for d in deliveries)
+        assert calls[-1] - calls[0] < 0.3
+        assert paused.count == 4 and all(d["seconds"] == 0.3 for d in paused.details)
+        assert took >= 4 * 0.3
     finally:
         endpoint.close()
 
