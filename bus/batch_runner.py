@@ -25,8 +25,8 @@ goes back at once.
 Why greenlets: a message parks three times (load, commit, dispatch); handing the one
 running place between threads costs 15-30 µs of CPU a switch on CPython (a lock or a
 semaphore, and the GIL), greenlets 0.5 µs; and the batch stays on the consumer's thread, as
-the connection of its deliveries must. Code that holds a lock across a park would block the
-others (as it would block other consumers); idembus holds none there.
+the connection of its deliveries must. Code that holds a lock across a park deadlocks the
+batch if another of its messages then waits for that lock; idembus holds none there.
 """
 
 from __future__ import annotations
