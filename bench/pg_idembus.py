@@ -53,7 +53,7 @@ def create_tables(names: RunNames, cleanup: Cleanup) -> None:
     """idembus' schema for the run, with every aggregate at version 1 and n = 0."""
     storage = PostgresStorage(names.postgres_url, table_prefix=names.table_prefix)
     try:
-        cleanup.tables += [f"{names.table_prefix}_aggregates", f"{names.table_prefix}_processed"]
+        cleanup.tables += list(storage.table_names)
         storage.migrate()
     finally:
         storage.close()

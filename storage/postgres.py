@@ -182,6 +182,11 @@ class PostgresStorage(Storage):
 
     # -- schema and life cycle ----------------------------------------------------------
 
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        """Every table of this storage's schema (what ``drop_tables`` drops)."""
+        return self._tables
+
     def migrate(self) -> None:
         """Create the tables and indexes if they do not exist, add the columns later
         versions added. Safe to run concurrently."""
