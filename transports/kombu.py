@@ -664,9 +664,9 @@ class KombuTransport(Transport):
                     connection.drain_events(timeout=remaining)
                 except TimeoutError:
                     break
-            batch = ready[:]
-            ready.clear()
-            if batch:
+            while ready:  # a drain may bring more than one: never more than size a batch
+                batch = ready[:size]
+                del ready[:size]
                 self.deliver_batch(batch, on_batch)
 
         self._consuming(queue, stop, prefetch, receiving, after_drain)
