@@ -24,12 +24,14 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from bench.pg_common import AGGREGATE_TYPE, COMMAND_NAME, EVENT_NAME, PREFETCH, RunNames
-from idembus import Command, Endpoint, Event
+from idembus import Batching, Command, Endpoint, Event
 from idembus.handlers import AggregateHandler, handles
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 
 PROBE = "IDEMBUS_BENCH_PG_PROBE"
+#: The batch size of a batched run (absent or 0: one message at a time).
+BATCH = "IDEMBUS_BENCH_PG_BATCH"
 PROBE_INTERVAL = 0.01
 
 
@@ -59,22 +61,27 @@ class CounterHandler(AggregateHandler[Counter]):
 
 
 def build_endpoint(names: RunNames, *, transport: KombuTransport | None = None,
-                   concurrency: int = 1) -> Endpoint:
-    """The benchmark's endpoint for the run ``names``."""
+                   concurrency: int = 1, batch: int = 0) -> Endpoint:
+    """The benchmark's endpoint for the run ``names``; ``batch``: batches of at most that
+    many messages (the broker's prefetch raised to it)."""
     return Endpoint(
         names.input_queue,
-        transport=transport or KombuTransport(names.amqp_url, exchange=names.exchange),
+        # The driver declares the input queue as the peers' are: classic.
+        transport=transport or KombuTransport(names.amqp_url, exchange=names.exchange,
+                                              queue_type="classic"),
         storage=PostgresStorage(names.postgres_url, table_prefix=names.table_prefix),
         handlers=[CounterHandler],
         error_queue=names.error_queue,
         concurrency=concurrency,
-        prefetch=PREFETCH,
+        prefetch=max(PREFETCH, batch),
+        batching=Batching(size=batch) if batch else None,
     )
 
 
 def factory() -> Endpoint:
     """``idembus run bench.pg_handlers:factory``: the endpoint of the run in the environment."""
-    endpoint = build_endpoint(RunNames.from_environment())
+    endpoint = build_endpoint(RunNames.from_environment(),
+                              batch=int(os.environ.get(BATCH) or 0))
     directory = os.environ.get(PROBE)
     if directory:
         start_probe(endpoint, Path(directory))

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import psycopg
 
 from bench.pg_common import AGGREGATE_TYPE, AGGREGATES, RunNames, aggregate_of, message_id_of
-from bench.pg_handlers import IncrementCounter
+from bench.pg_handlers import BATCH, IncrementCounter
 from bench.pg_runner import Config
 from bench.pg_topology import Broker, Cleanup
 from idembus.envelope import Envelope
@@ -27,6 +27,11 @@ from idembus.storage.postgres import PostgresStorage
 WORKERS = (1, 2)
 THREADS = (1, 2, 3, 4)
 QUICK = ((1, 1), (1, 4), (2, 2), (2, 4))
+#: Batched configurations (``Endpoint(batching=Batching(size=B))``): workers x threads x B.
+BATCHED = tuple((w, t, b) for w in WORKERS for t in (1, 2) for b in (16, 64))
+QUICK_BATCHED = ((1, 1, 32), (1, 2, 32), (2, 1, 32), (2, 2, 32))
+#: The batch size of the batched runs of the duplicate path and the memory run.
+DEFAULT_BATCH = 32
 
 
 def envelopes(names: RunNames, indexes: Iterable[int]) -> Iterator[Envelope]:
@@ -48,7 +53,7 @@ def create_tables(names: RunNames, cleanup: Cleanup) -> None:
     """idembus' schema for the run, with every aggregate at version 1 and n = 0."""
     storage = PostgresStorage(names.postgres_url, table_prefix=names.table_prefix)
     try:
-        cleanup.tables += [f"{names.table_prefix}_aggregates", f"{names.table_prefix}_processed"]
+        cleanup.tables += list(storage.table_names)
         storage.migrate()
     finally:
         storage.close()
@@ -75,26 +80,34 @@ def totals(names: RunNames) -> tuple[int, int, int]:
 
 
 def command(config: Config, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "idembus", "run", "bench.pg_handlers:factory",
+    """The worker command of ``config`` (a batched one passes its batch size in
+    :data:`bench.pg_handlers.BATCH`)."""
+    batch = config.settings.get("batch", 0)
+    prefix = ["env", f"{BATCH}={batch}"] if batch else []
+    return [*prefix, sys.executable, "-m", "idembus", "run", "bench.pg_handlers:factory",
             "--workers", str(config.settings["workers"]),
             "--concurrency", str(config.settings["threads"]), "--log-level", "WARNING",
             *extra]
 
 
-def configuration(workers: int, threads: int) -> Config:
-    return Config(f"{workers}w{threads}t",
+def configuration(workers: int, threads: int, batch: int = 0) -> Config:
+    """``batch``: batches of at most that many messages (0: one message at a time)."""
+    return Config(f"{workers}w{threads}t" + (f"b{batch}" if batch else ""),
                   f"{workers} process{'es' if workers > 1 else ''} x {threads} "
-                  f"thread{'s' if threads > 1 else ''}",
-                  {"workers": workers, "threads": threads})
+                  f"thread{'s' if threads > 1 else ''}" + (f", batch {batch}" if batch else ""),
+                  {"workers": workers, "threads": threads, "batch": batch})
 
 
 class IdembusVariant:
     name = "idembus"
-    title = "idembus + PostgresStorage (idembus run --workers W --concurrency T)"
+    title = ("idembus + PostgresStorage (idembus run --workers W --concurrency T), one message "
+             "at a time and in batches of B")
 
     def configurations(self, quick: bool) -> list[Config]:
         pairs = QUICK if quick else [(w, t) for w in WORKERS for t in THREADS]
-        return [configuration(w, t) for w, t in pairs]
+        batched = QUICK_BATCHED if quick else BATCHED
+        return ([configuration(w, t) for w, t in pairs]
+                + [configuration(w, t, b) for w, t, b in batched])
 
     def prepare(self, names: RunNames, broker: Broker, cleanup: Cleanup, total: int) -> None:
         cleanup.queues.append(names.error_queue)

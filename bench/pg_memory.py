@@ -38,6 +38,8 @@ SAMPLE_EVERY = 10_000
 class MemoryResult:
     threads: int
     checkpoints: tuple[int, ...]
+    #: Batch size (0: one message at a time).
+    batch: int = 0
     #: (messages handled, RSS KiB, seconds since the first message)
     samples: list[tuple[int, int, float]] = field(default_factory=list)
     at_checkpoints: dict[int, int] = field(default_factory=dict)
@@ -53,7 +55,8 @@ class MemoryResult:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "worker": f"1 process x {self.threads} threads",
+            "worker": f"1 process x {self.threads} threads"
+                      + (f", batch {self.batch}" if self.batch else ""),
             "rss_kib_at": {str(k): v for k, v in self.at_checkpoints.items()},
             "growth_pct": None if self.growth is None else round(self.growth * 100, 2),
             "samples": [{"handled": n, "rss_kib": rss, "seconds": round(s, 1)}
@@ -62,8 +65,10 @@ class MemoryResult:
         }
 
 
-def measure(checkpoints: tuple[int, ...], *, threads: int, logs: Path) -> MemoryResult:
-    result = MemoryResult(threads, checkpoints)
+def measure(checkpoints: tuple[int, ...], *, threads: int, logs: Path,
+            batch: int = 0) -> MemoryResult:
+    """One worker's resident memory over a long run; ``batch``: in batches of that size."""
+    result = MemoryResult(threads, checkpoints, batch=batch)
     names = RunNames.fresh()
     cleanup = Cleanup(names)
     broker = Broker(names.amqp_url)
@@ -74,7 +79,7 @@ def measure(checkpoints: tuple[int, ...], *, threads: int, logs: Path) -> Memory
         create_tables(names, cleanup)
         broker.declare_queue(names.input_queue)
         log_path = logs / f"idembus-memory-{threads}t.log"
-        with Workers(command(configuration(1, threads)),
+        with Workers(command(configuration(1, threads, batch)),
                      environment={**names.environment(), PROBE: str(probe.directory)},
                      log=log_path, cwd=ROOT, stop_timeout=30.0) as worker:
             try:

@@ -70,7 +70,7 @@ from bench.common import display_url, postgres_unreachable_reason, unreachable_r
 from bench.pg_celery import CeleryVariant
 from bench.pg_common import AMQP_URL, POSTGRES_URL
 from bench.pg_dramatiq import DramatiqVariant
-from bench.pg_idembus import IdembusVariant, configuration
+from bench.pg_idembus import DEFAULT_BATCH, IdembusVariant, configuration
 from bench.pg_raw import RawVariant
 from bench.pg_runner import (
     Config,
@@ -111,7 +111,7 @@ def run_grid(args: argparse.Namespace, logs: Path) -> dict[str, list[RunResult]]
         results[variant.name].append(result)
         figure = f"{result.rate:6.0f} msgs/s" if result.rate else "failed: " + "; ".join(
             result.problems)
-        print(f"  [{index:2}/{len(order)}] {variant.name:<9} {config.label:<26} {figure}",
+        print(f"  [{index:2}/{len(order)}] {variant.name:<9} {config.label:<36} {figure}",
               flush=True)
     for variant in chosen:
         print_table(variant, results[variant.name])
@@ -121,13 +121,13 @@ def run_grid(args: argparse.Namespace, logs: Path) -> dict[str, list[RunResult]]
 def print_table(variant: Variant, results: Sequence[RunResult]) -> None:
     top = best(results)
     print(f"\n{variant.title}")
-    print(f"  {'configuration':<26} {'msgs/s':>7}   CPU us/msg: {'workers':>7} "
+    print(f"  {'configuration':<36} {'msgs/s':>7}   CPU us/msg: {'workers':>7} "
           f"{'postgres':>8} {'rabbitmq':>8} {'other':>6}")
     for result in results:
         cpu = result.cpu_us_per_msg
         rate = f"{result.rate:7.0f}" if result.rate else f"{'failed':>7}"
         mark = " <- best" if result is top else ""
-        print(f"  {result.config.label:<26} {rate}   {'':11} {cpu.get('workers', 0):>7.0f} "
+        print(f"  {result.config.label:<36} {rate}   {'':11} {cpu.get('workers', 0):>7.0f} "
               f"{cpu.get('postgresql', 0):>8.0f} {cpu.get('rabbitmq', 0):>8.0f} "
               f"{cpu.get('other', 0):>6.0f}{mark}")
         for problem in result.problems:
@@ -136,10 +136,13 @@ def print_table(variant: Variant, results: Sequence[RunResult]) -> None:
             print(f"    (run again after {problem})")
 
 
-def best_idembus(results: dict[str, list[RunResult]], workers: int | None = None
-                 ) -> RunResult | None:
+def best_idembus(results: dict[str, list[RunResult]], workers: int | None = None,
+                 batched: bool | None = None) -> RunResult | None:
+    """idembus' best run (of ``workers`` processes; batched or not when said)."""
     return best([result for result in results.get("idembus", [])
-                 if workers is None or result.config.settings["workers"] == workers])
+                 if (workers is None or result.config.settings["workers"] == workers)
+                 and (batched is None
+                      or bool(result.config.settings.get("batch")) == batched)])
 
 
 def summary(results: dict[str, list[RunResult]]) -> tuple[str, dict[str, float | None]]:
@@ -150,6 +153,8 @@ def summary(results: dict[str, list[RunResult]]) -> tuple[str, dict[str, float |
     one, two, overall = (rate(best_idembus(results, w)) for w in (1, 2, None))
     figures: dict[str, float | None] = {
         "idembus_1w": one, "idembus_2w": two,
+        "idembus_per_message": rate(best_idembus(results, batched=False)),
+        "idembus_batched": rate(best_idembus(results, batched=True)),
         "raw_kombu": rate(best(results.get("raw_kombu", []))),
         "celery": rate(best(results.get("celery", []))),
         "dramatiq": rate(best(results.get("dramatiq", []))),
@@ -158,12 +163,18 @@ def summary(results: dict[str, list[RunResult]]) -> tuple[str, dict[str, float |
                       ("dramatiq", "ratio_dramatiq")):
         figures[key] = _ratio(overall, figures[peer])
     figures["scaling_2w"] = _ratio(two, one)
+    top = best_idembus(results)
+    for part, key in (("workers", "cpu_worker"), ("postgresql", "cpu_postgres"),
+                      ("rabbitmq", "cpu_rabbitmq")):
+        figures[key] = top.cpu_us_per_msg.get(part) if top else None
     fields = [f"{key}={_format(value, '.0f' if key in _RATES else '.2f')}"
               for key, value in figures.items()]
-    return "bench: " + " ".join(fields), figures
+    best_label = f" (idembus best: {top.config.label}; CPU in us a message)" if top else ""
+    return "bench: " + " ".join(fields) + best_label, figures
 
 
-_RATES = ("idembus_1w", "idembus_2w", "raw_kombu", "celery", "dramatiq")
+_RATES = ("idembus_1w", "idembus_2w", "idembus_per_message", "idembus_batched", "raw_kombu",
+          "celery", "dramatiq", "cpu_worker", "cpu_postgres", "cpu_rabbitmq")
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -185,8 +196,9 @@ def memory_line(result: pg_memory.MemoryResult) -> str:
     parts = [f"rss_{count}={_format(kib / 1024 if kib else None, '.1f')}MiB"
              for count, kib in ((c, result.at_checkpoints.get(c)) for c in result.checkpoints)]
     growth = None if result.growth is None else result.growth * 100
+    batch = f", batch {result.batch}" if result.batch else ""
     return (f"memory: {' '.join(parts)} growth={_format(growth, '+.1f')}% "
-            f"(1 process x {result.threads} threads)")
+            f"(1 process x {result.threads} threads{batch})")
 
 
 Measured = TypeVar("Measured", pg_duplicates.DuplicateResult, pg_memory.MemoryResult)
@@ -235,10 +247,11 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         lines += [f"  problem: {problem}" for problem in duplicates.problems]
     if "memory" in args.parts:
         checkpoints = (args.memory_first, args.memory_messages)
-        print(f"\nmemory: one worker, 1 process x {args.memory_threads} threads, "
+        print(f"\nmemory: one worker, 1 process x {args.memory_threads} threads, batch "
+              f"{args.memory_batch or 'none'}, "
               f"{args.memory_messages} messages", flush=True)
         memory = twice(lambda: pg_memory.measure(checkpoints, threads=args.memory_threads,
-                                                 logs=logs))
+                                                 logs=logs, batch=args.memory_batch))
         report["memory"] = memory.as_json()
         lines.append(memory_line(memory))
         lines += [f"  problem: {problem}" for problem in memory.problems]
@@ -277,6 +290,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="messages after which the reference RSS is read (20000)")
     parser.add_argument("--memory-threads", type=int, default=4,
                         help="consumer threads of the memory run's worker (4)")
+    parser.add_argument("--memory-batch", type=int, default=DEFAULT_BATCH,
+                        help=f"batch size of the memory run's worker, 0: one message at a "
+                             f"time ({DEFAULT_BATCH})")
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one idembus worker (wall clock with 1 thread, "
                              "then thread CPU with --profile-threads)")

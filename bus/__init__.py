@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from . import headers
+from .batching import Batching
 from .breaker import BreakerPolicy
 from .context import MessageContext
 from .envelope import Envelope
@@ -77,6 +78,7 @@ __all__ = [
     "AggregateHandler",
     "Audit",
     "Backoff",
+    "Batching",
     "BreakerPolicy",
     "Bus",
     "BusError",

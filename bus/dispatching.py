@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from . import batch_runner
 from .background import Periodic
 from .clock import Clock, SystemClock
 from .envelope import Envelope
@@ -77,7 +78,8 @@ class Dispatcher:
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > self._clock.now():
             self._storage.schedule(envelope, due, owner=self.endpoint)
-        elif self._transport.dispatch(envelope) is False and self._on_unrouted is not None:
+        elif (batch_runner.dispatch(self._transport, envelope) is False
+              and self._on_unrouted is not None):
             self._on_unrouted(envelope)
 
     def send_committed(self, aggregate_type: str, aggregate_id: str, key: str,

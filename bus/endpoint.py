@@ -29,6 +29,8 @@ from pydantic import BaseModel
 
 from .aio import close_thread_loop
 from .audit import Audit
+from .batch_runner import BatchRunner
+from .batching import Batching
 from .clock import Clock, SystemClock
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
@@ -130,6 +132,11 @@ class Endpoint:
         whether a message expired. Tests pass a fake one to run timeouts and schedules in
         virtual time (:class:`idembus.testing.Scenario`). Storage bookkeeping (commit
         times, leases, retention) stays on the wall clock.
+    batching:
+        Take deliveries in batches (:class:`~idembus.batching.Batching`): the ready ones up
+        to a size, their loads, commits and publisher confirms each in one round trip,
+        acknowledged together; each message keeps its own handlers, deduplication, retries
+        and failure path (:mod:`idembus.batch_runner`). ``None``: one message at a time.
     schedules:
         Recurring messages (:class:`~idembus.schedules.Schedule`), sent exactly once per
         occurrence by one scheduler among the endpoint's processes
@@ -158,6 +165,7 @@ class Endpoint:
         status_interval: float = 5.0,
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
+        batching: Batching | None = None,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
             raise ConfigurationError(
@@ -175,7 +183,13 @@ class Endpoint:
         if clock is not None and not isinstance(clock, Clock):
             raise ConfigurationError(
                 f"clock must have a now() method returning an aware UTC datetime, got {clock!r}")
+        if batching is not None and not isinstance(batching, Batching):
+            raise ConfigurationError(
+                f"batching must be idembus.Batching(size=..., linger=...) or None, "
+                f"got {batching!r}")
         self.name = name
+        #: How deliveries are taken in batches (``None``: one at a time).
+        self.batching = batching
         #: Where this endpoint reads the time.
         self.clock: Clock = clock or SystemClock()
         self.error_queue = error_queue
@@ -529,8 +543,7 @@ class Endpoint:
                 if failures:
                     self.transport.declare(self.name, subscriptions=self.subscriptions)
                     self.health.resolved("transport")
-                self.transport.consume(self.name, self._on_delivery, stop=self._stop,
-                                       prefetch=self.prefetch)
+                self._consume_once()
                 return
             except Exception as error:
                 delay = self.recoverability.outage_backoff.delay(failures)
@@ -543,6 +556,31 @@ class Endpoint:
                     log.exception("a consumer of endpoint %s failed; starting it again in "
                                   "%.1fs", self.name, delay)
                 self._stop.wait(delay)
+
+    def _consume_once(self) -> None:
+        """Consume until stopped, one delivery or one batch at a time. Where the queues share
+        the storage's database, commit, send and acknowledgement are one transaction
+        already: deliveries go one at a time, batching or not."""
+        if self.batching is None or self.shared_transaction is not None:
+            self.transport.consume(self.name, self._on_delivery, stop=self._stop,
+                                   prefetch=self.prefetch)
+            return
+        size = self.batching.size_for(self.prefetch)
+        runner = BatchRunner(self._processor, size=size)
+
+        def on_batch(deliveries: Sequence[Delivery]) -> None:
+            with self._activity:
+                self._in_flight += len(deliveries)
+            try:
+                runner.run(deliveries, self.transport)
+            finally:
+                with self._activity:
+                    self._in_flight -= len(deliveries)
+                    self._activity.notify_all()
+
+        self.transport.consume_batches(
+            self.name, on_batch, stop=self._stop, prefetch=max(self.prefetch, size),
+            size=size, linger=self.batching.linger)
 
     def _on_delivery(self, delivery: Delivery) -> None:
         with self._activity:

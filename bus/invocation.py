@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import batch_runner
 from . import headers as h
 from .aio import run_to_completion
 from .clock import Clock, SystemClock
@@ -138,7 +139,7 @@ class HandlerInvoker:
         details = {"message_id": context.message_id, "message_type": context.message_type,
                    "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
         for attempt in range(self._conflicts.attempts):
-            loaded = self._storage.load(aggregate_type, aggregate_id, key)
+            loaded = batch_runner.load(self._storage, aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
             committed_at: datetime.datetime | None  # of the entry a duplicate found
             if previous is None:
@@ -157,7 +158,8 @@ class HandlerInvoker:
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
                 commit: Callable[..., Any] = functools.partial(
-                    self._storage.commit, loaded, key=key, state=state, outgoing=outgoing)
+                    batch_runner.commit, self._storage, loaded, key=key, state=state,
+                    outgoing=outgoing)
                 if self._shared is not None:
                     commit = functools.partial(self._shared.commit, loaded, key=key,
                                                state=state, outgoing=outgoing, settle=settle)

@@ -316,6 +316,19 @@ class AggregateRecord:
         return next(iter(self.processed.values())).at
 
 
+@dataclass(frozen=True)
+class PendingCommit:
+    """One message's commit in a group (:meth:`AggregateStore.commit_many`): the arguments
+    of :meth:`AggregateStore.commit`; ``options`` holds ``completed`` and ``state_version``
+    when the caller gives them."""
+
+    loaded: AggregateRecord
+    key: str
+    state: Mapping[str, Any] | None
+    outgoing: tuple[Envelope, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
 class StorageRole:
     """What every storage role shares: where the data lives, and the backend's lifecycle.
 
@@ -416,6 +429,39 @@ class AggregateStore(StorageRole, ABC):
         record = self.load(aggregate_type, aggregate_id)
         kept = list(record.processed.items())[-entries:] if entries else []
         return replace(record, processed=dict(kept))
+
+    def load_many(
+        self, requests: Sequence[tuple[str, str, str | None]]
+    ) -> list[AggregateRecord | Exception]:
+        """:meth:`load` for each ``(aggregate_type, aggregate_id, key)``, in order: each
+        record, or the error its load raised. Backends that can, answer them all in one
+        round trip (PostgreSQL's pipeline mode); this default loads one after another."""
+        records: list[AggregateRecord | Exception] = []
+        for aggregate_type, aggregate_id, key in requests:
+            try:
+                records.append(self.load(aggregate_type, aggregate_id, key))
+            except Exception as error:
+                records.append(error)
+        return records
+
+    def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
+        """:meth:`commit` for each of ``commits`` (a batch's, on different aggregates), in
+        order: ``None`` for each written, or the error that commit raised
+        (``AlreadyProcessed``, ``ConcurrencyConflict``, an outage). Each is still its own
+        atomic conditional write, which succeeds or fails on its own; backends that can
+        send them in one round trip (PostgreSQL's pipeline mode, MongoDB's unordered
+        ``bulk_write``); this default, which third-party backends inherit, commits one
+        after another."""
+        results: list[Exception | None] = []
+        for pending in commits:
+            try:
+                self.commit(pending.loaded, key=pending.key, state=pending.state,
+                            outgoing=pending.outgoing, **pending.options)
+            except Exception as error:
+                results.append(error)
+            else:
+                results.append(None)
+        return results
 
     def flush(self) -> None:
         """Apply every ``mark_dispatched`` made so far (backends that batch them)."""

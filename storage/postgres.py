@@ -87,6 +87,7 @@ from .base import (
     Lease,
     Overdue,
     ParkedMessage,
+    PendingCommit,
     ProcessedMessage,
     StatusReport,
     Storage,
@@ -94,7 +95,7 @@ from .base import (
     scheduled_key,
 )
 from .batching import Batcher
-from .errors import StaleLease, StorageAccessDenied
+from .errors import StaleLease, StorageAccessDenied, StorageError, StorageUnavailable
 from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
 from .postgres_errors import (
@@ -163,7 +164,8 @@ class PostgresStorage(Storage):
         # (or insert) and the processed row succeed or fail together, in one round trip.
         record = (f"INSERT INTO {self._processed} "
                   "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids, dispatched) ")
-        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s)"
+        # (an inbox entry recorded already writes nothing, as a refused update does)
+        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING"
         self._update_and_record = (
             f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1,"
             " state_version = %s, updated_at = clock_timestamp(), completed = %s"
@@ -179,6 +181,11 @@ class PostgresStorage(Storage):
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
     # -- schema and life cycle ----------------------------------------------------------
+
+    @property
+    def table_names(self) -> tuple[str, ...]:
+        """Every table of this storage's schema (what ``drop_tables`` drops)."""
+        return self._tables
 
     def migrate(self) -> None:
         """Create the tables and indexes if they do not exist, add the columns later
@@ -377,33 +384,45 @@ class PostgresStorage(Storage):
         self, aggregate_type: str, aggregate_id: str, key: str | None = None
     ) -> AggregateRecord:
         with self._connection() as connection:
-            if aggregate_type == INBOX:
-                row = connection.execute(
-                    f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
+            row = connection.execute(*self._load_statement(aggregate_type, aggregate_id,
+                                                           key)).fetchone()
+        return _record(aggregate_type, aggregate_id, row)
+
+    def load_many(
+        self, requests: Sequence[tuple[str, str, str | None]]
+    ) -> list[AggregateRecord | Exception]:
+        """Every load in one round trip (pipeline mode); if one fails (input PostgreSQL
+        refuses), each again on its own, with its own answer."""
+        if len(requests) < 2:
+            return super().load_many(requests)
+        try:
+            with self._connection() as connection:
+                with connection.pipeline():
+                    cursors = [connection.execute(*self._load_statement(*request))
+                               for request in requests]
+                rows = [cursor.fetchone() for cursor in cursors]
+        except StorageUnavailable:
+            raise
+        except StorageError:
+            return super().load_many(requests)
+        return [_record(aggregate_type, aggregate_id, row)
+                for (aggregate_type, aggregate_id, _), row in zip(requests, rows, strict=True)]
+
+    def _load_statement(self, aggregate_type: str, aggregate_id: str,
+                        key: str | None) -> tuple[str, tuple[Any, ...]]:
+        if aggregate_type == INBOX:
+            return (f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
                     f"dispatched, processed_at, false FROM {self._processed} "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
-                    (INBOX, aggregate_id, key or aggregate_id),
-                ).fetchone()
-            else:
-                row = connection.execute(
-                    f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
-                               p.outgoing_ids, p.dispatched, p.processed_at, a.completed
-                        FROM (SELECT 1) AS one
-                        LEFT JOIN {self._aggregates} a
-                               ON a.aggregate_type = %s AND a.aggregate_id = %s
-                        LEFT JOIN {self._processed} p
-                               ON p.aggregate_type = %s AND p.aggregate_id = %s AND p.key = %s""",
-                    (aggregate_type, aggregate_id, aggregate_type, aggregate_id, key),
-                ).fetchone()
-        if row is None:
-            return AggregateRecord(aggregate_type, aggregate_id)
-        (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
-         completed) = row
-        processed = {}
-        if found_key is not None:
-            processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
-        return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
-                               completed=bool(completed), state_version=state_version)
+                    (INBOX, aggregate_id, key or aggregate_id))
+        return (f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
+                           p.outgoing_ids, p.dispatched, p.processed_at, a.completed
+                    FROM (SELECT 1) AS one
+                    LEFT JOIN {self._aggregates} a
+                           ON a.aggregate_type = %s AND a.aggregate_id = %s
+                    LEFT JOIN {self._processed} p
+                           ON p.aggregate_type = %s AND p.aggregate_id = %s AND p.key = %s""",
+                (aggregate_type, aggregate_id, aggregate_type, aggregate_id, key))
 
     def commit(
         self,
@@ -415,26 +434,70 @@ class PostgresStorage(Storage):
         completed: bool = False,
         state_version: int | None = None,
     ) -> None:
-        entry = (loaded.aggregate_type, loaded.aggregate_id, key,
-                 Jsonb([envelope.to_record() for envelope in outgoing]),
-                 Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
-        document = Jsonb(dict(state)) if state is not None and not completed else None
+        statement = self._commit_statement(PendingCommit(
+            loaded, key, state, tuple(outgoing),
+            {"completed": completed, "state_version": state_version}))
         with self._connection() as connection:
             try:
-                if loaded.aggregate_type == INBOX:
-                    written = connection.execute(self._insert_inbox, entry).rowcount
-                elif loaded.exists:
-                    written = connection.execute(self._update_and_record, (
-                        document, state_version, completed, loaded.aggregate_type,
-                        loaded.aggregate_id, loaded.version, *entry)).rowcount
-                else:
-                    written = connection.execute(self._create_and_record, (
-                        loaded.aggregate_type, loaded.aggregate_id, document, state_version,
-                        completed, *entry)).rowcount
+                written = connection.execute(*statement).rowcount
             except psycopg.errors.UniqueViolation:
                 written = 0  # the processed row exists: the message was handled
         if written != 1:
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
+        """The commits' statements in one round trip (pipeline mode, one implicit
+        transaction, in the order of their aggregates so that two workers' groups never
+        deadlock). Each statement is the same conditional write as :meth:`commit`'s, which
+        writes nothing when refused; the refused ones are then explained one by one. A
+        statement that raises (bad data) rolls the group back: the group is then committed
+        one by one, each with its own answer."""
+        if len(commits) < 2:
+            return super().commit_many(commits)
+        order = sorted(range(len(commits)), key=lambda index: (
+            commits[index].loaded.aggregate_type, commits[index].loaded.aggregate_id,
+            commits[index].key))
+        try:
+            with self._connection() as connection:
+                with connection.pipeline():
+                    cursors = {index: connection.execute(*self._commit_statement(commits[index]))
+                               for index in order}
+                written = {index: cursor.rowcount for index, cursor in cursors.items()}
+        except StorageUnavailable:
+            raise
+        except StorageError:  # nothing of the group was written
+            return super().commit_many(commits)
+        results: list[Exception | None] = []
+        for index, pending in enumerate(commits):
+            if written[index] == 1:
+                results.append(None)
+                continue
+            try:
+                results.append(self._refusal(pending.loaded.aggregate_type,
+                                             pending.loaded.aggregate_id, pending.key))
+            except Exception as error:
+                results.append(error)
+        return results
+
+    def _commit_statement(self, pending: PendingCommit) -> tuple[str, tuple[Any, ...]]:
+        """The one statement of a commit: it writes one processed row (and the aggregate's
+        row), or nothing when its condition fails."""
+        loaded, outgoing = pending.loaded, pending.outgoing
+        completed = bool(pending.options.get("completed", False))
+        state_version = pending.options.get("state_version")
+        entry = (loaded.aggregate_type, loaded.aggregate_id, pending.key,
+                 Jsonb([envelope.to_record() for envelope in outgoing]),
+                 Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
+        document = (Jsonb(dict(pending.state)) if pending.state is not None and not completed
+                    else None)
+        if loaded.aggregate_type == INBOX:
+            return self._insert_inbox, entry
+        if loaded.exists:
+            return self._update_and_record, (document, state_version, completed,
+                                             loaded.aggregate_type, loaded.aggregate_id,
+                                             loaded.version, *entry)
+        return self._create_and_record, (loaded.aggregate_type, loaded.aggregate_id, document,
+                                         state_version, completed, *entry)
 
     def commit_with(
         self,
@@ -916,6 +979,19 @@ class PostgresStorage(Storage):
             raise (refusal or classified(exc, redact(self.conninfo))) from exc
         except psycopg.Error as exc:
             raise classified(exc, redact(self.conninfo)) from exc
+
+
+def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord:
+    """The record a load's row describes (none: the aggregate does not exist)."""
+    if row is None:
+        return AggregateRecord(aggregate_type, aggregate_id)
+    (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
+     completed) = row
+    processed = {}
+    if found_key is not None:
+        processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
+    return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
+                           completed=bool(completed), state_version=state_version)
 
 
 class _Refused(Exception):

@@ -270,3 +270,38 @@ def spark() -> Iterator[Any]:
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.fixture
+def postgres_storage() -> Iterator[PostgresStorage]:
+    """A PostgresStorage with tables of its own, dropped afterwards."""
+    require_service(POSTGRES_URL, "PostgreSQL")
+    prefix = f"pf{uuid.uuid4().hex[:10]}"
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
+    storage.verify()
+    yield storage
+    storage.close()  # an endpoint may have closed it already
+    cleaner = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
+    cleaner.drop_tables()
+    cleaner.close()
+
+
+@pytest.fixture
+def rabbitmq(unique: str) -> Iterator[tuple[KombuTransport, Callable[[str], str]]]:
+    """A RabbitMQ transport with its own events exchange, and ``name(prefix)`` giving queue
+    names unique to the test; the queues and the exchange are deleted afterwards."""
+    require_service(AMQP_URL, "RabbitMQ")
+    transport = KombuTransport(AMQP_URL, exchange=f"test-events-{unique}")
+    names: list[str] = []
+
+    def name(prefix: str) -> str:
+        names.append(f"{prefix}-{unique}")
+        return names[-1]
+
+    yield transport, name
+    transport.close()  # an endpoint may have closed it already
+    cleaner = KombuTransport(AMQP_URL, exchange=f"test-events-{unique}")
+    for queue in names:
+        cleaner.delete_queue(queue)
+    cleaner.delete_exchange()
+    cleaner.close()

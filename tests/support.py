@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import BaseModel
 
 from idembus import Command, Endpoint, Event
 from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.transports.base import Delivery, OnDelivery, Transport
 
 
 class Deposit(Command, message_name="test.Deposit"):
@@ -71,3 +73,39 @@ class SignalCounter:
         """True once the signal was sent ``count`` times; False after ``timeout``."""
         with self._condition:
             return self._condition.wait_for(lambda: self.count >= count, timeout)
+
+
+class RecordedDelivery(Delivery):
+    """A delivery (JSON body) whose settlement is only recorded."""
+
+    def __init__(self, queue: str, headers: dict[str, str], body: bytes, *,
+                 redelivered: bool = False) -> None:
+        super().__init__(queue=queue, headers=headers, body=body,
+                         content_type="application/json", redelivered=redelivered)
+        self.acked = False
+        self.requeued = False
+
+    def _ack(self) -> None:
+        self.acked = True
+
+    def _requeue(self) -> None:
+        self.requeued = True
+
+
+class DrivenTransport(Transport):
+    """A transport for tests that drive an endpoint's processor themselves (they play the
+    broker's queue): it neither declares, consumes nor gets; subclasses say what sending
+    and publishing do."""
+
+    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def consume(self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event,
+                prefetch: int = 1) -> None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def get(self, queue: str) -> Delivery | None:
+        raise NotImplementedError("the test drives the processor directly")
+
+    def pending(self, queue: str) -> int:
+        return 0

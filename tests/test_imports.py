@@ -79,7 +79,7 @@ def test_every_exported_name_exists_and_the_list_is_sorted(package) -> None:
 def test_idembus_exports_the_whole_public_api() -> None:
     assert set(idembus.__all__) >= {
         "Command", "Event", "Message", "Endpoint", "Handler", "AggregateHandler", "handles",
-        "RetryPolicy", "BreakerPolicy", "Backoff", "ConflictPolicy", "MemoryStorage",
+        "RetryPolicy", "BreakerPolicy", "Backoff", "Batching", "ConflictPolicy", "MemoryStorage",
         "MongoStorage", "PostgresStorage", "KombuTransport", "ConfigurationError"}
     assert idembus.handles is idembus.handlers.handles
     assert idembus.MemoryStorage is idembus.storage.MemoryStorage

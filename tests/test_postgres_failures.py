@@ -37,16 +37,8 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-def storage() -> Iterator[PostgresStorage]:
-    require_service(POSTGRES_URL, "PostgreSQL")
-    prefix = f"pf{uuid.uuid4().hex[:10]}"
-    storage = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
-    storage.verify()
-    yield storage
-    storage.close()  # an endpoint may have closed it already
-    cleaner = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
-    cleaner.drop_tables()
-    cleaner.close()
+def storage(postgres_storage: PostgresStorage) -> PostgresStorage:
+    return postgres_storage
 
 
 @contextlib.contextmanager

@@ -17,10 +17,9 @@ transaction's removal of the message are the real ones.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -37,9 +36,16 @@ from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
-from idembus.transports.base import Delivery, OnDelivery, Transport
+from idembus.transports.base import Transport
 from tests.conftest import POSTGRES_URL, require_service
-from tests.support import Account, AccountHandler, Deposit, Deposited
+from tests.support import (
+    Account,
+    AccountHandler,
+    Deposit,
+    Deposited,
+    DrivenTransport,
+    RecordedDelivery,
+)
 
 QUEUE = "accounts"
 ERROR_QUEUE = "accounts-error"
@@ -47,32 +53,20 @@ ERROR_QUEUE = "accounts-error"
 MAX_CRASHES = 12
 
 
-class RecordingDelivery(Delivery):
-    """A delivery whose settlement is only recorded."""
+class RecordingDelivery(RecordedDelivery):
+    """A delivery of one Deposit whose settlement is only recorded."""
 
     def __init__(self, message: DepositMessage, *, redelivered: bool) -> None:
-        super().__init__(queue=QUEUE, headers=message.headers, body=message.body,
-                         content_type=h.CONTENT_TYPE, redelivered=redelivered)
+        super().__init__(QUEUE, dict(message.headers), message.body, redelivered=redelivered)
         self.message = message
-        self.acked = False
-        self.requeued = False
-
-    def _ack(self) -> None:
-        self.acked = True
-
-    def _requeue(self) -> None:
-        self.requeued = True
 
 
-class RecordingTransport(Transport):
+class RecordingTransport(DrivenTransport):
     """Records what the endpoint dispatches; the test loop plays the broker's queue."""
 
     def __init__(self) -> None:
         self.dispatched: list[Envelope] = []
         self.dead_letters: list[Envelope] = []
-
-    def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
-        raise NotImplementedError("the test drives the processor directly")
 
     def send(self, envelope: Envelope) -> None:
         if envelope.destination == ERROR_QUEUE:
@@ -83,15 +77,6 @@ class RecordingTransport(Transport):
     def publish(self, envelope: Envelope) -> None:
         self.dispatched.append(envelope)
 
-    def consume(self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event,
-                prefetch: int = 1) -> None:
-        raise NotImplementedError("the test drives the processor directly")
-
-    def get(self, queue: str) -> Delivery | None:
-        raise NotImplementedError("the test drives the processor directly")
-
-    def pending(self, queue: str) -> int:
-        return 0
 
 
 class ArmedCrash(FaultInjector):
@@ -243,6 +228,23 @@ def bodies_by_id(envelopes: list[Envelope]) -> dict[str, set[str]]:
     return dict(found)
 
 
+def assert_sent_as_clean(sent: list[DepositMessage], clean: RunResult,
+                         other: RunResult) -> None:
+    """``other`` sent the messages of the ``clean`` run of ``sent``: every id of the clean
+    run at least once (crashes and duplicates may send one again, always with that id), no
+    other id, and under each id the one body of the clean run, one event a deposit."""
+    clean_bodies = bodies_by_id(clean.dispatched)
+    other_bodies = bodies_by_id(other.dispatched)
+    assert len(clean.dispatched) == len(sent) == len(clean_bodies)
+    assert set(other_bodies) == set(clean_bodies)
+    for message_id, bodies in other_bodies.items():
+        assert bodies == clean_bodies[message_id], message_id
+    assert all(envelope.intent is h.Intent.PUBLISH for envelope in other.dispatched)
+    events = {(e.account, e.amount) for e in map(Deposited.model_validate_json,
+                                                 (envelope.body for envelope in clean.dispatched))}
+    assert events == {(message.account, message.amount) for message in sent}
+
+
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "keep-bodies"])
 @pytest.mark.parametrize("make_storage", STORAGES)
 @settings(max_examples=60, deadline=None)
@@ -270,16 +272,7 @@ def test_any_interleaving_of_duplicates_and_crashes_ends_as_one_clean_run(
     # and the same messages were sent: every id of the clean run at least once (crashes
     # and duplicates may send one again, always with that id), no other id, and under
     # each id the one body of the clean run.
-    clean_bodies = bodies_by_id(clean.dispatched)
-    chaotic_bodies = bodies_by_id(chaotic.dispatched)
-    assert len(clean.dispatched) == len(sent) == len(clean_bodies)
-    assert set(chaotic_bodies) == set(clean_bodies)
-    for message_id, bodies in chaotic_bodies.items():
-        assert bodies == clean_bodies[message_id], message_id
-    assert all(envelope.intent is h.Intent.PUBLISH for envelope in chaotic.dispatched)
-    events = {(e.account, e.amount) for e in map(Deposited.model_validate_json,
-                                                 (envelope.body for envelope in clean.dispatched))}
-    assert events == {(message.account, message.amount) for message in sent}
+    assert_sent_as_clean(sent, clean, chaotic)
 
     # Every delivery of the schedule was processed to its ack, plus one per crash.
     assert chaotic.deliveries == len(order) + chaotic.crashes

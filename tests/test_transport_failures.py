@@ -52,23 +52,6 @@ def test_a_send_to_a_queue_nobody_declared_is_refused_and_creates_nothing(
     assert transport.get(declared) is not None
 
 
-@pytest.fixture
-def rabbitmq(unique: str) -> Iterator[tuple[KombuTransport, Callable[[str], str]]]:
-    require_service(AMQP_URL, "RabbitMQ")
-    transport = KombuTransport(AMQP_URL, exchange=f"test-events-{unique}")
-    names: list[str] = []
-
-    def name(prefix: str) -> str:
-        names.append(f"{prefix}-{unique}")
-        return names[-1]
-
-    yield transport, name
-    for queue in names:
-        transport.delete_queue(queue)
-    transport.delete_exchange()
-    transport.close()
-
-
 @pytest.mark.amqp
 @pytest.mark.parametrize("destination", ["amq.gen-not-yours", "r" * 300])
 def test_a_reply_to_a_queue_the_broker_refuses_fails_this_message_only(

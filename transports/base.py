@@ -16,6 +16,11 @@ A transport moves envelopes between endpoint queues. It must:
   message, until ``stop`` is set. The callback settles each delivery with ``ack()`` or
   ``requeue()``. If the callback raises instead, the transport requeues the delivery —
   what the broker does when a consumer dies — and keeps consuming.
+* ``consume_batches(queue, on_batch, stop=..., size=..., linger=...)`` — the same, calling
+  ``on_batch`` with the deliveries that are ready, up to ``size``, waiting at most
+  ``linger`` seconds for more (batched consumption, :mod:`idembus.batching`);
+  ``dispatch_many(envelopes)`` — dispatch several, with one wait for their confirms;
+  ``ack_many(deliveries)`` — acknowledge several. The defaults do one at a time.
 * ``get(queue)`` — take one message, if any (tools and tests); ``pending(queue)`` — how
   many messages wait; ``close()``.
 * ``inspect(queue, limit=...)`` — for tools that look at a queue without losing anything
@@ -35,7 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 from ..envelope import Envelope
@@ -98,6 +103,7 @@ class Delivery(ABC):
 
 
 OnDelivery = Callable[[Delivery], None]
+OnBatch = Callable[[Sequence[Delivery]], None]
 
 
 class Transport(ABC):
@@ -177,25 +183,68 @@ class Transport(ABC):
         self.send(envelope)
         return None
 
+    def consume_batches(
+        self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,
+        size: int = 1, linger: float = 0.0,
+    ) -> None:
+        """Call ``on_batch`` with the deliveries of ``queue`` that are ready, up to
+        ``size`` at a time, waiting at most ``linger`` seconds for more once one is ready,
+        until ``stop`` is set; ``on_batch`` settles them all. If it raises, the transport
+        requeues those left unsettled. This default hands over one delivery at a time."""
+        def one(delivery: Delivery) -> None:
+            on_batch([delivery])
+
+        self.consume(queue, one, stop=stop, prefetch=prefetch)
+
+    def dispatch_many(self, envelopes: Sequence[Envelope]) -> list[bool | None | Exception]:
+        """:meth:`dispatch` for each envelope, in order: what it returned, or the error it
+        raised. Transports with publisher confirms publish them all and wait for their
+        confirms once; this default dispatches one after another."""
+        results: list[bool | None | Exception] = []
+        for envelope in envelopes:
+            try:
+                results.append(self.dispatch(envelope))
+            except Exception as error:
+                results.append(error)
+        return results
+
+    def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """Acknowledge ``deliveries`` (received by one consumer, in order); this default
+        acknowledges one after another."""
+        for delivery in deliveries:
+            delivery.ack()
+
     @staticmethod
     def deliver(delivery: Delivery, on_delivery: OnDelivery) -> None:
         """Run the callback; requeue the delivery if it escaped unsettled by raising."""
-        try:
-            on_delivery(delivery)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except TransportUnavailable as exc:
-            # The delivery's own connection is gone: nothing to settle, the broker redelivers.
-            log.warning("%s", exc)
-            raise
-        except BaseException as exc:
-            # An Exception here is a bug worth a traceback; anything else (a simulated
-            # crash in tests) is expected and only noted.
-            log.log(
-                logging.ERROR if isinstance(exc, Exception) else logging.DEBUG,
-                "processing a message from %r stopped abruptly; requeued",
-                delivery.queue,
-                exc_info=isinstance(exc, Exception),
-            )
+        _requeued_on_failure([delivery], lambda: on_delivery(delivery),
+                             "processing a message from %r stopped abruptly; requeued")
+
+    @staticmethod
+    def deliver_batch(deliveries: Sequence[Delivery], on_batch: OnBatch) -> None:
+        """Run the batch callback; requeue the deliveries it left unsettled by raising."""
+        _requeued_on_failure(deliveries, lambda: on_batch(deliveries),
+                             "processing a batch from %r stopped abruptly; the unsettled "
+                             "messages are requeued")
+
+
+def _requeued_on_failure(deliveries: Sequence[Delivery], run: Callable[[], None],
+                         failure: str) -> None:
+    """``run()``; if it raises, requeue what it left of ``deliveries`` unsettled (what the
+    broker does when a consumer dies), except after an outage of their connection, where
+    nothing can be settled and the broker redelivers them: that is raised."""
+    try:
+        run()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except TransportUnavailable as exc:
+        log.warning("%s", exc)
+        raise
+    except BaseException as exc:
+        # An Exception here is a bug worth a traceback; anything else (a simulated crash
+        # in tests) is expected and only noted.
+        log.log(logging.ERROR if isinstance(exc, Exception) else logging.DEBUG, failure,
+                deliveries[0].queue if deliveries else "?", exc_info=isinstance(exc, Exception))
+        for delivery in deliveries:
             if not delivery.settled:
                 delivery.requeue()

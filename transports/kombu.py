@@ -103,7 +103,8 @@ import logging
 import re
 import struct
 import threading
-from collections.abc import Callable, Collection, Generator, Iterator, Mapping
+import time
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import amqp.exceptions
@@ -121,8 +122,8 @@ from ..policies import Backoff
 from ..redaction import redact
 from ..wire import encoding_problem as _encoding_problem
 from ..wire import joined as _joined
-from . import delays
-from .base import Delivery, OnDelivery, Transport
+from . import confirms, delays
+from .base import Delivery, OnBatch, OnDelivery, Transport
 from .errors import (
     BrokerAccessDenied,
     DestinationRefused,
@@ -482,6 +483,105 @@ class KombuTransport(Transport):
             raise DestinationRefused(f"{what} on {self.safe_url}: {returns[0]}")
         return bool(returns)
 
+    def dispatch_many(self, envelopes: Sequence[Envelope]) -> list[bool | None | Exception]:
+        """On RabbitMQ with publisher confirms: publish every envelope, then wait for their
+        confirms once (:mod:`idembus.transports.confirms`). A message the broker refuses
+        (``basic.nack``) raises ``TransportUnavailable`` for its sender, which sends it
+        again with the same id; a send nobody takes is refused as :meth:`send` refuses it.
+        Delayed sends, a first publish (which declares the exchange) and anything after a
+        failure of the connection go one by one, each with the answer it gets alone."""
+        if not (self._is_amqp and self.publisher_confirms):
+            return super().dispatch_many(envelopes)
+        results: list[bool | None | Exception | _Unanswered] = [_UNANSWERED] * len(envelopes)
+        handles: dict[int, int] = {}
+        try:
+            confirming = self._confirming()
+            for index, envelope in enumerate(envelopes):
+                route = self._pipelined_route(envelope)
+                if route is None:
+                    results[index] = self._alone(envelope)
+                    continue
+                exchange, key = route
+                try:
+                    self._check_fits(confirming.connection, envelope, key, _what(envelope, key))
+                except DestinationRefused as refused:
+                    results[index] = refused
+                    continue
+                handles[confirming.publish(
+                    envelope.body.encode("utf-8", "surrogateescape"), headers=envelope.headers,
+                    exchange=exchange, routing_key=key,
+                    content_type=_as_sent(envelope.content_type),
+                    content_encoding=_as_sent(envelope.content_encoding),
+                    delivery_mode=2, mandatory=True)] = index
+            ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
+        except Exception as exc:
+            log.info("publishing %d messages with one confirm wait failed (%s); each goes "
+                     "alone", len(envelopes), redact(str(exc)))
+            self._drop_confirming()
+            handles, ends = {}, {}
+            for index, envelope in enumerate(envelopes):
+                if isinstance(results[index], _Unanswered):
+                    results[index] = self._alone(envelope)
+        for tag, index in handles.items():
+            end, reason = ends[tag]
+            envelope = envelopes[index]
+            if end == confirms.NACKED:
+                results[index] = TransportUnavailable(
+                    f"{self.safe_url} refused {_what(envelope, '')} (basic.nack); it is sent "
+                    "again with the same id")
+            elif envelope.destination is not None:
+                results[index] = (DestinationRefused(
+                    f"{_what(envelope, envelope.destination)} on {self.safe_url}: {reason}")
+                    if end == confirms.RETURNED else None)
+            else:
+                results[index] = end != confirms.RETURNED
+        answered: list[bool | None | Exception] = []
+        for result in results:
+            if isinstance(result, _Unanswered):  # every place is filled above
+                raise RuntimeError("a message of the batch was not answered")
+            answered.append(result)
+        return answered
+
+    def _pipelined_route(self, envelope: Envelope) -> tuple[str, str] | None:
+        """Exchange and routing key of an envelope that can be published in a pipeline;
+        ``None`` for one that goes alone (delayed, no destination, the first publish)."""
+        if envelope.destination is None:
+            if not self._exchange_declared:
+                return None
+            return self._events.name, event_routing_key(envelope)
+        if not envelope.destination or self._delay_of(envelope):
+            return None
+        return "", envelope.destination
+
+    def _alone(self, envelope: Envelope) -> bool | None | Exception:
+        try:
+            return self.dispatch(envelope)
+        except Exception as error:
+            return error
+
+    def _confirming(self) -> confirms.ConfirmingChannel:
+        """This thread's channel for pipelined confirms; new after a failure."""
+        confirming: confirms.ConfirmingChannel | None = getattr(self._local, "confirming",
+                                                                None)
+        if confirming is None:
+            options = {name: value for name, value in self._transport_options.items()
+                       if name != "confirm_publish"}
+            connection = self._connect(options)
+            try:
+                confirming = confirms.ConfirmingChannel(connection)
+            except Exception:
+                self._release(connection)
+                raise
+            self._local.confirming = confirming
+        return confirming
+
+    def _drop_confirming(self) -> None:
+        confirming: confirms.ConfirmingChannel | None = getattr(self._local, "confirming",
+                                                                None)
+        if confirming is not None:
+            del self._local.confirming
+            self._release(confirming.connection)
+
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
                     what: str) -> None:
         """Refuse, before the broker does it by closing the connection, what AMQP cannot
@@ -527,6 +627,57 @@ class KombuTransport(Transport):
     ) -> None:
         """See the contract; outages are waited out here, and a refusal that only an
         operator can end (``BrokerAccessDenied``) is raised."""
+        self._consuming(queue, stop, prefetch,
+                        lambda connection: self._delivering(queue, on_delivery, connection),
+                        lambda connection: None)
+
+    def consume_batches(
+        self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,
+        size: int = 1, linger: float = 0.0,
+    ) -> None:
+        """See the contract: once a delivery is ready, the next ones are taken as they come,
+        up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`.
+
+        On Redis batches hold one delivery: a wait for more leaves a ``BRPOP`` pending while
+        the batch is processed, which takes the message a stopping consumer gives back."""
+        if self._is_redis:
+            size = 1
+        ready: list[Delivery] = []
+
+        def receiving(connection: kombu.Connection) -> Callable[[kombu.Message], None]:
+            ready.clear()  # what a lost connection had delivered, the broker delivers again
+            outage = _broker_errors(connection)
+
+            def on_message(message: kombu.Message) -> None:
+                ready.append(_KombuDelivery(queue, message, outage=outage,
+                                            native_requeue=self._is_amqp))
+
+            return on_message
+
+        def after_drain(connection: kombu.Connection) -> None:
+            deadline = time.monotonic() + linger
+            while ready and len(ready) < size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    connection.drain_events(timeout=remaining)
+                except TimeoutError:
+                    break
+            while ready:  # a drain may bring more than one: never more than size a batch
+                batch = ready[:size]
+                del ready[:size]
+                self.deliver_batch(batch, on_batch)
+
+        self._consuming(queue, stop, prefetch, receiving, after_drain)
+
+    def _consuming(
+        self, queue: str, stop: threading.Event, prefetch: int,
+        receiving: Callable[[kombu.Connection], Callable[[kombu.Message], None]],
+        after_drain: Callable[[kombu.Connection], None],
+    ) -> None:
+        """Consume ``queue`` with the callback ``receiving(connection)`` makes, calling
+        ``after_drain`` after each delivery, until ``stop`` is set; reconnect after outages."""
         failures = 0
         while not stop.is_set():
             try:
@@ -540,8 +691,7 @@ class KombuTransport(Transport):
                 channel = self._raw_channel(connection)
                 with kombu.Consumer(
                     channel, [Queue(queue, durable=True, no_declare=True)],
-                    on_message=self._delivering(queue, on_delivery, connection),
-                    prefetch_count=prefetch,
+                    on_message=receiving(connection), prefetch_count=prefetch,
                 ):
                     failures = 0
                     while not stop.is_set():
@@ -549,6 +699,7 @@ class KombuTransport(Transport):
                             connection.drain_events(timeout=_DRAIN_TIMEOUT)
                         except TimeoutError:
                             continue
+                        after_drain(connection)
             except TransportUnavailable as exc:  # a delivery's connection went away
                 failures = self._pause_after_failure(queue, exc, failures, stop)
             except Exception as exc:
@@ -561,6 +712,25 @@ class KombuTransport(Transport):
                 failures = self._pause_after_failure(queue, classified, failures, stop)
             finally:
                 self._release(connection)
+
+    def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """On RabbitMQ, deliveries with consecutive tags on one channel (a batch, every
+        earlier delivery settled) are acknowledged with one ``basic.ack`` (``multiple``);
+        others one by one."""
+        held = [delivery for delivery in deliveries if isinstance(delivery, _KombuDelivery)]
+        if not self._is_amqp or len(held) < 2 or len(held) != len(deliveries):
+            super().ack_many(deliveries)
+            return
+        tags = sorted(delivery.delivery_tag for delivery in held)
+        channels = {id(delivery.channel) for delivery in held}
+        if (len(channels) != 1 or any(delivery.settled for delivery in held)
+                or tags != list(range(tags[0], tags[0] + len(tags)))):
+            super().ack_many(deliveries)
+            return
+        last = max(held, key=lambda delivery: delivery.delivery_tag)
+        last.ack_up_to_here()
+        for delivery in held:
+            delivery.settled = True
 
     def _delivering(self, queue: str, on_delivery: OnDelivery,
                     connection: kombu.Connection) -> Callable[[kombu.Message], None]:
@@ -760,8 +930,9 @@ class KombuTransport(Transport):
 
     # -- connections ------------------------------------------------------------------
 
-    def _connect(self) -> kombu.Connection:
-        connection = kombu.Connection(self.url, transport_options=self._transport_options)
+    def _connect(self, options: Mapping[str, Any] | None = None) -> kombu.Connection:
+        connection = kombu.Connection(self.url, transport_options=dict(
+            self._transport_options if options is None else options))
         try:
             connection.ensure_connection(max_retries=3, interval_start=0.1, interval_step=0.5)
         except Exception as exc:
@@ -839,6 +1010,24 @@ class _KombuDelivery(Delivery):
         with self._outage_translated("acknowledge"):
             self._message.ack()
 
+    @property
+    def delivery_tag(self) -> int:
+        tag: int = self._message.delivery_tag
+        return tag
+
+    @property
+    def channel(self) -> Any:
+        return self._message.channel
+
+    def ack_up_to_here(self) -> None:
+        """Acknowledge this delivery and every earlier one of its channel not settled
+        yet (``basic.ack`` with ``multiple``)."""
+        if self.settled:
+            raise RuntimeError(f"delivery from {self.queue!r} was already settled")
+        with self._outage_translated("acknowledge"):
+            self._message.ack(multiple=True)
+        self.settled = True
+
     def _requeue(self) -> None:
         with self._outage_translated("requeue"):
             self._requeue_on_its_queue()
@@ -871,6 +1060,21 @@ class _KombuDelivery(Delivery):
             delivery_mode=2,
         )
         message.ack()
+
+
+class _Unanswered:
+    """A place in :meth:`KombuTransport.dispatch_many`'s answers not filled yet."""
+
+
+_UNANSWERED = _Unanswered()
+#: Seconds a batch's publishes wait for their confirms before each goes alone.
+_CONFIRM_TIMEOUT = 30.0
+
+
+def _what(envelope: Envelope, routing_key: str) -> str:
+    """How an error names a publish."""
+    return (f"publishing {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} to "
+            f"{'queue' if envelope.destination else 'exchange'} {routing_key!r}")
 
 
 def event_routing_key(envelope: Envelope) -> str:

@@ -1,0 +1,429 @@
+"""Batched processing (issue 15, points 1-4) at the processing level: the endpoint's real
+processor run by a :class:`~idembus.batch_runner.BatchRunner` over deliveries whose
+settlement is recorded, on a MemoryStorage and a transport that record every call.
+
+Each message of a batch keeps its own handlers, deduplication, retries and failure path;
+the batch shares one call for its loads, one for its commits, one for its dispatches (one
+confirm wait) and one for its acknowledgements.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from idembus import Backoff, Batching, BreakerPolicy, Endpoint, RetryPolicy
+from idembus import headers as h
+from idembus.batch_runner import BatchRunner
+from idembus.envelope import Envelope
+from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.handlers import AggregateHandler, handles
+from idembus.messages import Command, Event, message_name
+from idembus.recovery import Recoverability
+from idembus.storage.base import AggregateRecord, PendingCommit
+from idembus.storage.errors import ConcurrencyConflict
+from idembus.storage.memory import MemoryStorage
+from idembus.transports.base import Delivery
+from idembus.transports.errors import TransportUnavailable
+from tests.support import DrivenTransport, RecordedDelivery, SignalCounter
+
+QUEUE = "ledger"
+ERROR_QUEUE = "ledger-error"
+#: No retries of failing handlers (straight to the error queue), short outage waits.
+QUICK = Recoverability(retries=RetryPolicy(immediate_retries=0, delayed=()),
+                       outage_backoff=Backoff((0.0,)))
+
+
+class Post(Command, message_name="batch.Post"):
+    account: str
+    amount: int
+
+
+class Posted(Event, message_name="batch.Posted"):
+    account: str
+    amount: int
+
+
+class Book(BaseModel):
+    amounts: list[int] = []
+
+
+class BookHandler(AggregateHandler[Book]):
+    """Appends each amount (so the order of application shows) and publishes Posted; a
+    negative amount is refused."""
+
+    def aggregate_id(self, message: Post) -> str:
+        return message.account
+
+    @handles
+    def post(self, message: Post) -> None:
+        if message.amount < 0:
+            raise ValueError(f"negative amount {message.amount}")
+        self.state.amounts.append(message.amount)
+        self.bus.publish(Posted(account=message.account, amount=message.amount))
+
+
+def received(message_id: str, account: str, amount: int) -> RecordedDelivery:
+    """A Post delivered, its settlement recorded."""
+    return RecordedDelivery(
+        QUEUE, {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: message_name(Post),
+                h.INTENT: h.Intent.SEND.value},
+        Post(account=account, amount=amount).model_dump_json().encode())
+
+
+class Journal:
+    """The order in which the storage and the transport were called."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+
+    def note(self, what: str, detail: Any = None) -> None:
+        with self.lock:
+            self.calls.append((what, detail))
+
+    def count(self, what: str) -> int:
+        return sum(1 for name, _ in self.calls if name == what)
+
+    def details(self, what: str) -> list[Any]:
+        return [detail for name, detail in self.calls if name == what]
+
+
+class SpyStorage(MemoryStorage):
+    """MemoryStorage noting its group calls and marks; ``conflict_once`` makes the named
+    keys' first commit lose a race with a competing writer."""
+
+    def __init__(self, journal: Journal) -> None:
+        super().__init__()
+        self.journal = journal
+        self.conflict_once: set[str] = set()
+
+    def load_many(self, requests: Sequence[tuple[str, str, str | None]]
+                  ) -> list[AggregateRecord | Exception]:
+        self.journal.note("load_many", [request[1] for request in requests])
+        return super().load_many(requests)
+
+    def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
+        self.journal.note("commit_many", [pending.key for pending in commits])
+        return super().commit_many(commits)
+
+    def commit(self, loaded: AggregateRecord, **fields: Any) -> None:
+        key = fields["key"]
+        if key in self.conflict_once:
+            self.conflict_once.discard(key)
+            raise ConcurrencyConflict(f"a competing writer moved {loaded.aggregate_id}")
+        self.journal.note("commit", key)
+        super().commit(loaded, **fields)
+
+    def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str,
+                        **options: Any) -> None:
+        self.journal.note("mark", key)
+        super().mark_dispatched(aggregate_type, aggregate_id, key, **options)
+
+
+class SpyTransport(DrivenTransport):
+    """Records dispatches and acknowledgements; ``nack_once`` refuses the named message
+    ids' first publish as a broker's ``basic.nack`` does."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.published: list[Envelope] = []
+        self.dead_letters: list[Envelope] = []
+        self.nack_once: set[str] = set()
+
+    def send(self, envelope: Envelope) -> None:
+        assert envelope.destination == ERROR_QUEUE, envelope.destination
+        self.dead_letters.append(envelope)
+
+    def publish(self, envelope: Envelope) -> bool | None:
+        if envelope.message_id in self.nack_once:
+            self.nack_once.discard(envelope.message_id)
+            raise TransportUnavailable(f"the broker refused {envelope.message_id} (nack)")
+        self.published.append(envelope)
+        return True
+
+    def dispatch_many(self, envelopes: Sequence[Envelope]) -> list[bool | None | Exception]:
+        self.journal.note("dispatch_many", [envelope.message_id for envelope in envelopes])
+        return super().dispatch_many(envelopes)
+
+    def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        self.journal.note("ack_many", [delivery.headers[h.MESSAGE_ID]
+                                       for delivery in deliveries])
+        super().ack_many(deliveries)
+
+
+
+class CrashAfterCommit(FaultInjector):
+    """The process dies right after the first commit of one message id."""
+
+    def __init__(self, message_id: str) -> None:
+        self.message_id = message_id
+        self.fired = False
+
+    def reached(self, point: CrashPoint, message_id: str) -> None:
+        if (point is CrashPoint.AFTER_COMMIT and message_id == self.message_id
+                and not self.fired):
+            self.fired = True
+            raise SimulatedCrash(f"crash after the commit of {message_id}")
+
+
+class Rig:
+    """An endpoint (not started) with the spies, and a batch runner on its processor."""
+
+    def __init__(self, **options: Any) -> None:
+        self.journal = Journal()
+        self.storage = SpyStorage(self.journal)
+        self.transport = SpyTransport(self.journal)
+        self.endpoint = Endpoint(
+            QUEUE, transport=self.transport, storage=self.storage, handlers=[BookHandler],
+            error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+            batching=Batching(size=16), recoverability=QUICK, **options)
+        self.signals: dict[str, int] = {}
+        for name in ("handled", "duplicate", "redispatched", "conflict", "dead_lettered"):
+            getattr(self.endpoint.signals, name).connect(self._count(name), weak=False)
+        self.runner = BatchRunner(self.endpoint._processor, size=16)
+
+    def _count(self, name: str) -> Any:
+        def count(sender: object, **details: Any) -> None:
+            self.signals[name] = self.signals.get(name, 0) + 1
+        return count
+
+    def run(self, deliveries: Sequence[RecordedDelivery]) -> None:
+        self.runner.run(deliveries, self.transport)
+
+    def amounts(self, account: str) -> list[int]:
+        record = self.storage.load(BookHandler.storage_name(), account)
+        return list((record.state or {}).get("amounts", []))
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    made = Rig()
+    yield made
+    made.close()
+
+
+def ids(count: int) -> list[str]:
+    return [str(uuid.uuid4()) for _ in range(count)]
+
+
+def test_a_batch_loads_commits_dispatches_and_acknowledges_with_one_call_each(rig: Rig):
+    deliveries = [received(message_id, f"account-{n}", n + 1)
+                  for n, message_id in enumerate(ids(5))]
+
+    rig.run(deliveries)
+
+    assert rig.journal.count("load_many") == 1
+    assert rig.journal.details("commit_many") == [
+        [f"BookHandler/{d.headers[h.MESSAGE_ID]}" for d in deliveries]]
+    assert rig.journal.count("dispatch_many") == 1
+    assert len(rig.journal.details("dispatch_many")[0]) == 5
+    assert rig.journal.details("ack_many") == [[d.headers[h.MESSAGE_ID] for d in deliveries]]
+    assert all(d.acked and not d.requeued for d in deliveries)
+    assert [rig.amounts(f"account-{n}") for n in range(5)] == [[1], [2], [3], [4], [5]]
+    assert rig.signals["handled"] == 5
+
+
+def test_marks_come_after_the_confirmed_dispatch_and_acknowledgements_after_the_marks(rig: Rig):
+    deliveries = [received(message_id, f"account-{n}", 1) for n, message_id in enumerate(ids(3))]
+
+    rig.run(deliveries)
+
+    order = [name for name, _ in rig.journal.calls]
+    dispatched = order.index("dispatch_many")
+    assert order.index("commit_many") < dispatched
+    assert [index for index, name in enumerate(order) if name == "mark"] != []
+    assert all(index > dispatched for index, name in enumerate(order) if name == "mark")
+    assert order[-1] == "ack_many"
+
+
+def test_one_failing_message_goes_to_the_error_queue_and_the_others_are_handled(rig: Rig):
+    first, bad, last = ids(3)
+    deliveries = [received(first, "a", 1), received(bad, "b", -5), received(last, "c", 3)]
+
+    rig.run(deliveries)
+
+    assert [envelope.message_id for envelope in rig.transport.dead_letters] == [bad]
+    assert rig.amounts("a") == [1] and rig.amounts("b") == [] and rig.amounts("c") == [3]
+    assert all(d.acked and not d.requeued for d in deliveries)
+    assert rig.signals["handled"] == 2 and rig.signals["dead_lettered"] == 1
+
+
+def test_a_crash_in_one_message_requeues_it_alone():
+    crashing = str(uuid.uuid4())
+    rig = Rig(middleware=[CrashAfterCommit(crashing)])
+    try:
+        others = ids(2)
+        deliveries = [received(others[0], "a", 1), received(crashing, "b", 2),
+                      received(others[1], "c", 3)]
+
+        rig.run(deliveries)
+
+        assert deliveries[1].requeued and not deliveries[1].acked
+        assert deliveries[0].acked and deliveries[2].acked
+        assert rig.journal.details("ack_many") == [others]
+        # Redelivered, the crashed message is a duplicate that sends what it stored.
+        again = received(crashing, "b", 2)
+        rig.run([again])
+        assert again.acked and rig.amounts("b") == [2]
+        assert rig.signals["duplicate"] == 1
+        posted_b = [e for e in rig.transport.published if '"account":"b"' in e.body]
+        assert len(posted_b) == 1  # the crash came before its dispatch
+    finally:
+        rig.close()
+
+
+def test_duplicates_of_each_other_in_one_batch_apply_once_and_resend_the_same_ids(rig: Rig):
+    one, two = ids(2)
+    deliveries = [received(one, "a", 5), received(one, "a", 5), received(two, "b", 7),
+                  received(one, "a", 5)]
+
+    rig.run(deliveries)
+
+    assert rig.amounts("a") == [5] and rig.amounts("b") == [7]
+    assert all(d.acked for d in deliveries)
+    assert rig.signals["handled"] == 2 and rig.signals["duplicate"] == 2
+    assert rig.signals.get("conflict", 0) == 0
+    # A copy waits until the first is done with its aggregate (committed, sent, marked):
+    # it finds the event sent and sends nothing again.
+    assert [e.body for e in rig.transport.published].count(
+        Posted(account="a", amount=5).model_dump_json()) == 1
+    assert rig.signals.get("redispatched", 0) == 0
+
+
+def test_messages_of_one_aggregate_in_one_batch_apply_in_delivery_order_without_conflict(
+        rig: Rig):
+    amounts = [3, 1, 4, 1, 5, 9, 2, 6]
+    deliveries = [received(message_id, "same", amount)
+                  for message_id, amount in zip(ids(len(amounts)), amounts, strict=True)]
+    deliveries.insert(2, received(str(uuid.uuid4()), "other", 100))
+
+    rig.run(deliveries)
+
+    assert rig.amounts("same") == amounts
+    assert rig.amounts("other") == [100]
+    assert rig.signals.get("conflict", 0) == 0
+    assert rig.signals["handled"] == len(deliveries)
+    # One aggregate's messages go one per round: the first round has "same" and "other".
+    assert rig.journal.details("commit_many")[0].__len__() == 2
+    assert all(d.acked for d in deliveries)
+
+
+def test_a_conflict_with_a_competing_writer_retries_that_message_only(rig: Rig):
+    first, racing, last = ids(3)
+    rig.storage.conflict_once.add(f"BookHandler/{racing}")
+    deliveries = [received(first, "a", 1), received(racing, "b", 2), received(last, "c", 3)]
+
+    rig.run(deliveries)
+
+    assert rig.signals["conflict"] == 1
+    assert rig.journal.details("commit") == [
+        f"BookHandler/{key}" for key in (first, last, racing)]  # the loser came back
+    assert rig.amounts("b") == [2]
+    assert all(d.acked for d in deliveries)
+
+
+def test_a_nacked_outgoing_message_is_published_again_with_the_same_id_before_the_ack(
+        rig: Rig):
+    first, second = ids(2)
+    deliveries = [received(first, "a", 1), received(second, "b", 2)]
+    # The outgoing id is derived from the incoming one: learn it from a dry run elsewhere.
+    probe = Rig()
+    try:
+        probe.run([received(second, "b", 2)])
+        refused = probe.transport.published[0].message_id
+    finally:
+        probe.close()
+    rig.transport.nack_once.add(refused)
+
+    rig.run(deliveries)
+
+    assert [e.message_id for e in rig.transport.published].count(refused) == 1
+    dispatch_calls = rig.journal.details("dispatch_many")
+    assert sum(call.count(refused) for call in dispatch_calls) == 2  # refused, then again
+    assert rig.journal.details("mark").count(f"BookHandler/{second}") == 1
+    order = [name for name, detail in rig.journal.calls]
+    assert order[-1] == "ack_many" and all(d.acked for d in deliveries)
+
+
+def test_retries_of_a_failing_handler_stay_with_its_message():
+    flaky_id = str(uuid.uuid4())
+    attempts: list[str] = []
+
+    class Flaky(BookHandler):
+        @handles
+        def post(self, message: Post) -> None:
+            if self.context.message_id == flaky_id and len(attempts) < 2:
+                attempts.append(self.context.message_id)
+                raise RuntimeError("not yet")
+            super().post(message)
+
+    Flaky.retry_policy = RetryPolicy(immediate_retries=3, delayed=())
+    journal = Journal()
+    storage, transport = SpyStorage(journal), SpyTransport(journal)
+    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Flaky],
+                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0)
+    runner = BatchRunner(endpoint._processor, size=4)
+    try:
+        deliveries = [received(str(uuid.uuid4()), "a", 1), received(flaky_id, "b", 2)]
+        runner.run(deliveries, transport)
+        assert attempts == [flaky_id, flaky_id]
+        assert all(d.acked for d in deliveries) and not transport.dead_letters
+        assert len(journal.details("commit")) == 2
+    finally:
+        endpoint.close()
+
+
+def test_an_open_circuit_breaker_holds_the_consumer_back_after_the_batch_it_opened_in():
+    # Given a handler that always fails, and a breaker that opens after two failures
+    calls: list[float] = []
+
+    class Failing(BookHandler):
+        @handles
+        def post(self, message: Post) -> None:
+            calls.append(time.monotonic())
+            raise RuntimeError("the service behind it is down")
+
+    journal = Journal()
+    storage, transport = SpyStorage(journal), SpyTransport(journal)
+    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Failing],
+                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+                        recoverability=Recoverability(
+                            retries=RetryPolicy(immediate_retries=0, delayed=()),
+                            breaker=BreakerPolicy(threshold=2, backoff=Backoff((0.3,)))))
+    paused = SignalCounter(endpoint, "paused")
+    runner = BatchRunner(endpoint._processor, size=8)
+    try:
+        # When five messages come in one batch
+        deliveries = [received(str(uuid.uuid4()), f"acc-{n}", 1) for n in range(5)]
+        started = time.monotonic()
+        runner.run(deliveries, transport)
+        took = time.monotonic() - started
+
+        # Then all go to the error queue; their handlers ran in one round, before the
+        # breaker opened, and the pauses of the four failures from the second on hold the
+        # consumer back before its next batch (one message at a time, they come before
+        # each next message instead)
+        assert len(transport.dead_letters) == 5 and all(d.acked for d in deliveries)
+        assert calls[-1] - calls[0] < 0.3
+        assert paused.count == 4 and all(d["seconds"] == 0.3 for d in paused.details)
+        assert took >= 4 * 0.3
+    finally:
+        endpoint.close()
+
+
+def test_batching_rejects_a_size_below_one():
+    with pytest.raises(ValueError, match="batch size must be at least 1"):
+        Batching(size=0)
+    with pytest.raises(ValueError, match="linger"):
+        Batching(linger=-1)
+    assert Batching().size_for(16) == 16 and Batching(size=4).size_for(16) == 4

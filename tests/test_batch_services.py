@@ -1,0 +1,337 @@
+"""Batched processing on the real services (issue 15, points 1-4): PostgreSQL's group
+commit and load in one pipeline, RabbitMQ's pipelined publisher confirms and multiple
+acknowledgements, and whole endpoints consuming in batches on memory:// and on RabbitMQ
+with PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from idembus import Batching, Endpoint
+from idembus import headers as h
+from idembus.envelope import Envelope
+from idembus.messages import message_name
+from idembus.storage.base import AggregateRecord, PendingCommit
+from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports import confirms
+from idembus.transports.errors import DestinationRefused, TransportUnavailable
+from idembus.transports.kombu import KombuTransport
+from tests.conftest import AMQP_URL, POSTGRES_URL
+from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
+
+ACCOUNT = AccountHandler.storage_name()
+
+
+class PipelineCount:
+    """How many pipelines psycopg entered, how many explicit syncs (round trips inside a
+    pipeline) and how many statements were executed meanwhile."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pipelines = 0
+        self.syncs = 0
+        self.statements = 0
+        self.inside = 0
+        enter, execute = psycopg.Connection.pipeline, psycopg.Connection.execute
+        sync = psycopg.Pipeline.sync
+        count = self
+
+        def pipeline(connection: Any) -> Any:
+            count.pipelines += 1
+            return _Counted(enter(connection), count)
+
+        def counted_execute(connection: Any, *args: Any, **kwargs: Any) -> Any:
+            if count.inside:
+                count.statements += 1
+            return execute(connection, *args, **kwargs)
+
+        def counted_sync(pipe: Any) -> None:
+            count.syncs += 1
+            sync(pipe)
+
+        monkeypatch.setattr(psycopg.Connection, "pipeline", pipeline)
+        monkeypatch.setattr(psycopg.Connection, "execute", counted_execute)
+        monkeypatch.setattr(psycopg.Pipeline, "sync", counted_sync)
+
+
+class _Counted:
+    def __init__(self, context: Any, count: PipelineCount) -> None:
+        self._context, self._count = context, count
+
+    def __enter__(self) -> Any:
+        self._count.inside += 1
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._count.inside -= 1
+        return self._context.__exit__(*exc)
+
+
+def pending(storage: PostgresStorage, account: str, key: str, balance: int) -> PendingCommit:
+    return PendingCommit(storage.load(ACCOUNT, account, key), key, {"balance": balance}, ())
+
+
+@pytest.mark.postgres
+def test_postgres_commits_a_group_in_one_pipeline_each_write_on_its_own(
+        postgres_storage: PostgresStorage, monkeypatch: pytest.MonkeyPatch):
+    postgres_storage.commit(AggregateRecord(ACCOUNT, "moved"), key="k0", state={"balance": 1},
+                    outgoing=())
+    postgres_storage.commit(AggregateRecord(ACCOUNT, "seen"), key="k-seen", state={"balance": 1},
+                    outgoing=())
+    group = [pending(postgres_storage, f"fresh-{n}", f"k{n}", n) for n in range(4)]
+    stale = PendingCommit(AggregateRecord(ACCOUNT, "moved", version=0), "k-late",
+                          {"balance": 9}, ())
+    duplicate = PendingCommit(AggregateRecord(ACCOUNT, "seen", version=0), "k-seen",
+                              {"balance": 9}, ())
+    count = PipelineCount(monkeypatch)
+
+    results = postgres_storage.commit_many(
+        [group[0], stale, group[1], duplicate, group[2], group[3]])
+
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 6
+    assert [type(result) for result in results] == [
+        type(None), ConcurrencyConflict, type(None), AlreadyProcessed, type(None), type(None)]
+    monkeypatch.undo()
+    assert [postgres_storage.load(ACCOUNT, f"fresh-{n}").state for n in range(4)] == [
+        {"balance": n} for n in range(4)]
+    assert postgres_storage.load(ACCOUNT, "moved").state == {"balance": 1}
+
+
+@pytest.mark.postgres
+def test_a_postgres_statement_that_fails_lets_the_rest_of_its_group_commit(
+        postgres_storage: PostgresStorage):
+    good = pending(postgres_storage, "good", "k-good", 1)
+    # PostgreSQL's jsonb cannot hold \u0000: this one statement fails.
+    bad = PendingCommit(postgres_storage.load(ACCOUNT, "bad", "k-bad"), "k-bad",
+                        {"balance": 2, "note": "nul \u0000 here"}, ())
+    last = pending(postgres_storage, "last", "k-last", 3)
+
+    results = postgres_storage.commit_many([good, bad, last])
+
+    assert results[0] is None and results[2] is None and isinstance(results[1], Exception)
+    assert postgres_storage.load(ACCOUNT, "good").state == {"balance": 1}
+    assert postgres_storage.load(ACCOUNT, "last").state == {"balance": 3}
+    assert not postgres_storage.load(ACCOUNT, "bad").exists
+
+
+@pytest.mark.postgres
+def test_postgres_loads_a_group_in_one_pipeline(postgres_storage: PostgresStorage,
+                                                 monkeypatch: pytest.MonkeyPatch):
+    postgres_storage.commit(AggregateRecord(ACCOUNT, "a"), key="k1", state={"balance": 5},
+                            outgoing=())
+    count = PipelineCount(monkeypatch)
+
+    records = postgres_storage.load_many([(ACCOUNT, "a", "k1"), (ACCOUNT, "b", "k2"),
+                                  (ACCOUNT, "a", "k3")])
+
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    assert [type(record) for record in records] == [AggregateRecord] * 3
+    first, missing, again = records
+    assert isinstance(first, AggregateRecord) and "k1" in first.processed
+    assert isinstance(missing, AggregateRecord) and not missing.exists
+    assert isinstance(again, AggregateRecord) and again.version == 1 and not again.processed
+
+
+def event(type_name: str = "test.Deposited") -> Envelope:
+    return Envelope(headers={h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: type_name},
+                    body="{}", destination=None)
+
+
+def command(queue: str) -> Envelope:
+    return Envelope(headers={h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: "test.Deposit"},
+                    body="{}", destination=queue)
+
+
+class WaitCount:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.waits = 0
+        wait = confirms.ConfirmingChannel.wait
+        count = self
+
+        def counted(channel: Any, timeout: float) -> Any:
+            count.waits += 1
+            return wait(channel, timeout)
+
+        monkeypatch.setattr(confirms.ConfirmingChannel, "wait", counted)
+
+
+@pytest.mark.amqp
+def test_rabbitmq_publishes_a_group_with_one_confirm_wait(rabbitmq, monkeypatch):
+    transport, name = rabbitmq
+    queue, idle = name("sink"), name("nobody")
+    transport.declare(queue, subscriptions=["test.Deposited"])
+    transport.publish(event())  # the first publish declares the exchange, alone
+    assert transport.get(queue) is not None
+    waits = WaitCount(monkeypatch)
+    envelopes = [event(), command(queue), event("test.Nobody"), command(idle), event()]
+
+    results = transport.dispatch_many(envelopes)
+
+    assert waits.waits == 1
+    assert results[0] is True and results[1] is None and results[2] is False
+    assert isinstance(results[3], DestinationRefused) and results[4] is True
+    received = []
+    while (delivery := transport.get(queue)) is not None:
+        received.append(delivery.headers[h.MESSAGE_ID])
+    assert received == [envelopes[0].message_id, envelopes[1].message_id,
+                        envelopes[4].message_id]
+
+
+@pytest.mark.amqp
+def test_a_message_the_broker_nacks_is_an_outage_for_its_sender_only(rabbitmq):
+    transport, name = rabbitmq
+    full = name("full")
+    # A queue that refuses publishes once it holds one message: RabbitMQ nacks them.
+    limited = KombuTransport(AMQP_URL, exchange=transport.exchange_name, queue_type="classic",
+                             queue_arguments={"x-max-length": 1,
+                                              "x-overflow": "reject-publish"})
+    try:
+        limited.declare(full)
+        first, second = command(full), command(full)
+
+        results = transport.dispatch_many([first, second])
+
+        assert results[0] is None
+        assert isinstance(results[1], TransportUnavailable) and "nack" in str(results[1])
+    finally:
+        limited.close()
+
+
+@pytest.mark.amqp
+def test_rabbitmq_acknowledges_consecutive_deliveries_with_one_multiple_ack(rabbitmq):
+    transport, name = rabbitmq
+    queue = name("acks")
+    transport.declare(queue)
+    for _ in range(4):
+        transport.send(command(queue))
+    batches: list[list[bool]] = []
+    stop = threading.Event()
+
+    def on_batch(deliveries: Any) -> None:
+        transport.ack_many(deliveries)
+        assert all(delivery.settled for delivery in deliveries)
+        # What kombu marked acknowledged: with one basic.ack (multiple), only the last.
+        batches.append([delivery._message.acknowledged for delivery in deliveries])
+        if sum(map(len, batches)) >= 4:
+            stop.set()
+
+    transport.consume_batches(queue, on_batch, stop=stop, prefetch=8, size=8, linger=0.5)
+
+    assert sum(map(len, batches)) == 4 and max(map(len, batches)) > 1
+    assert all(marks == [False] * (len(marks) - 1) + [True] for marks in batches)
+    assert transport.pending(queue) == 0
+
+
+def deposits(queue: str, plan: list[tuple[str, str, int]]) -> list[Envelope]:
+    return [Envelope(headers={h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: message_name(Deposit),
+                              h.INTENT: h.Intent.SEND.value},
+                     body=Deposit(account=account, amount=amount).model_dump_json(),
+                     destination=queue)
+            for message_id, account, amount in plan]
+
+
+def batch_plan() -> list[tuple[str, str, int]]:
+    """60 deposits on 6 accounts, then 15 of them again (duplicates in later batches)."""
+    fresh = [(str(uuid.uuid4()), f"acc-{n % 6}", n + 1) for n in range(60)]
+    return fresh + fresh[::4]
+
+
+def run_batched(transport: Any, name: Callable[[str], str], storage: Any) -> None:
+    plan = batch_plan()
+    sales = Endpoint(name("sales"), transport=transport, storage=storage,
+                     handlers=[AccountHandler], error_queue=name("error"),
+                     batching=Batching(size=16, linger=0.05), status_interval=0)
+    ledger = Ledger()
+    billing = Endpoint(name("billing"), transport=transport, storage=storage,
+                       handlers=[ledger], error_queue=name("error"), status_interval=0,
+                       batching=Batching(size=8))
+    handled = SignalCounter(sales, "handled")
+    duplicates = SignalCounter(sales, "duplicate")
+    conflicts = SignalCounter(sales, "conflict")
+    recorded = SignalCounter(billing, "handled")
+    try:
+        sales.transport.declare(sales.name, subscriptions=sales.subscriptions)
+        for envelope in deposits(sales.name, plan):
+            transport.send(envelope)
+        billing.start()
+        sales.start()
+        assert handled.wait_for(60, timeout=60) and duplicates.wait_for(15, timeout=60)
+        assert recorded.wait_for(60, timeout=60)
+        for n in range(6):
+            state = storage.load(ACCOUNT, f"acc-{n}").state
+            amounts = [amount for _, account, amount in plan[:60] if account == f"acc-{n}"]
+            assert state == {"balance": sum(amounts), "deposits": len(amounts)}
+        assert conflicts.count == 0
+        assert len({entry[0] for entry in ledger.entries}) == len(ledger.entries) == 60
+    finally:
+        sales.close()
+        billing.close()
+
+
+@pytest.mark.amqp
+@pytest.mark.postgres
+def test_an_endpoint_consumes_in_batches_on_rabbitmq_with_postgresql(rabbitmq, postgres_storage,
+                                                                    monkeypatch):
+    transport, name = rabbitmq
+    waits = WaitCount(monkeypatch)
+    commits: list[int] = []
+    commit_many = PostgresStorage.commit_many
+
+    def counted(storage: PostgresStorage, group: Any) -> Any:
+        commits.append(len(group))
+        return commit_many(storage, group)
+
+    monkeypatch.setattr(PostgresStorage, "commit_many", counted)
+
+    run_batched(transport, name, postgres_storage)
+
+    assert max(commits) > 1 and len(commits) < 60  # groups, not one commit a message
+    assert waits.waits < 60 + 15 + 60
+
+
+def test_an_endpoint_consumes_in_batches_on_memory(unique: str):
+    from idembus.storage.memory import MemoryStorage
+
+    transport = KombuTransport("memory://", exchange=f"test-events-{unique}")
+
+    def name(prefix: str) -> str:
+        return f"{prefix}-{unique}"
+
+    try:
+        run_batched(transport, name, MemoryStorage())
+    finally:
+        transport.close()
+
+
+
+@pytest.mark.postgres
+def test_batching_on_the_postgresql_transport_keeps_its_one_transaction_a_message(
+        postgres_storage: PostgresStorage):
+    from idembus.testing import wait_until_idle
+    from idembus.transports.postgres import PostgresTransport
+
+    unique = uuid.uuid4().hex[:10]
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=f"bq{unique}")
+    endpoint = Endpoint(f"accounts-{unique}", transport=transport, storage=postgres_storage,
+                        handlers=[AccountHandler], batching=Batching(size=8),
+                        status_interval=0)
+    handled = SignalCounter(endpoint, "handled")
+    try:
+        assert endpoint.shared_transaction is not None
+        endpoint.start()
+        for amount in range(1, 6):
+            endpoint.bus.send(Deposit(account="a", amount=amount))
+        assert handled.wait_for(5)
+        wait_until_idle([endpoint])
+        assert postgres_storage.load(ACCOUNT, "a").state == {"balance": 15, "deposits": 5}
+        assert transport.pending(endpoint.name) == 0
+    finally:
+        endpoint.close()
+        transport.drop_tables()
+        transport.close()
