@@ -22,6 +22,13 @@ dispatches were confirmed, as ever — are acknowledged together
 (:meth:`~idembus.transports.base.Transport.ack_many`); a delivery requeued by its message
 goes back at once.
 
+While the endpoint's circuit breaker is open, a batch is processed one message at a time
+(``one_at_a_time``): each message is handled, acknowledged and followed by the breaker's
+pause before the next one starts, exactly as without batching, so once the breaker has
+opened no message of a later batch meets the failing dependency without a pause. (The
+batch during which it opens behaves like that many concurrent consumers: its handlers ran
+before their failures were counted.)
+
 Why greenlets: a message parks three times (load, commit, dispatch); handing the one
 running place between threads costs 15-30 µs of CPU a switch on CPython (a lock or a
 semaphore, and the GIL), greenlets 0.5 µs; and the batch stays on the consumer's thread, as
@@ -102,17 +109,24 @@ class _HeldDelivery(Delivery):
     """A delivery of a batch as its message sees it: acknowledging it only notes that it
     may be acknowledged with the batch; requeueing it gives it back at once."""
 
-    def __init__(self, original: Delivery) -> None:
+    def __init__(self, original: Delivery, *, ack_at_once: bool = False) -> None:
         super().__init__(queue=original.queue, headers=original.headers, body=original.body,
                          content_type=original.content_type,
                          redelivered=original.redelivered, wire_error=original.wire_error,
                          content_encoding=original.content_encoding)
         self.original = original
         self.settled = original.settled
+        #: Acknowledge the original when the message does (one message at a time), not
+        #: with the batch.
+        self.ack_at_once = ack_at_once
+        #: Left for the batch to acknowledge.
         self.acked = False
 
     def _ack(self) -> None:
-        self.acked = True
+        if self.ack_at_once:
+            self.original.ack()
+        else:
+            self.acked = True
 
     def _requeue(self) -> None:
         self.original.requeue()
@@ -121,9 +135,9 @@ class _HeldDelivery(Delivery):
 class _Member:
     """One message of the batch."""
 
-    def __init__(self, index: int, delivery: Delivery) -> None:
+    def __init__(self, index: int, delivery: Delivery, *, ack_at_once: bool = False) -> None:
         self.index = index
-        self.delivery = _HeldDelivery(delivery)
+        self.delivery = _HeldDelivery(delivery, ack_at_once=ack_at_once)
         self.parked: _Parked | None = None
         #: The aggregate this message loaded last, until it is done with it (committed,
         #: dispatched and marked) or loads another: later messages of the batch wait.
@@ -164,12 +178,27 @@ class BatchRunner:
         self.size = size
         self._process = process
 
-    def run(self, deliveries: Sequence[Delivery], transport: Transport) -> None:
+    def run(self, deliveries: Sequence[Delivery], transport: Transport, *,
+            one_at_a_time: bool = False) -> None:
         """Process ``deliveries`` (at most ``size``), then acknowledge together those their
-        messages acknowledged; raise what escaped a message (see :class:`_Member`)."""
+        messages acknowledged; raise what escaped a message (see :class:`_Member`).
+        ``one_at_a_time`` (the circuit breaker is open): each message is processed and
+        acknowledged before the next one starts."""
         if len(deliveries) > self.size:
             raise ValueError(f"a batch of {len(deliveries)} deliveries, more than {self.size}")
-        members = [_Member(index, delivery) for index, delivery in enumerate(deliveries)]
+        members = [_Member(index, delivery, ack_at_once=one_at_a_time)
+                   for index, delivery in enumerate(deliveries)]
+        for wave in ([member] for member in members) if one_at_a_time else [members]:
+            self._settle(wave)
+        acked = [member.delivery.original for member in members if member.delivery.acked]
+        if acked:
+            transport.ack_many(acked)
+        for member in members:
+            if member.escaped is not None:
+                raise member.escaped
+
+    def _settle(self, members: list[_Member]) -> None:
+        """Run ``members`` to their end, doing their parked work together."""
         for member in members:
             member.greenlet = _MemberGreenlet(self._runner_of(member), member)
             member.greenlet.switch()  # until it parks or is done
@@ -180,12 +209,6 @@ class BatchRunner:
             for member in _do_parked(parked):
                 assert member.greenlet is not None
                 member.greenlet.switch()
-        acked = [member.delivery.original for member in members if member.delivery.acked]
-        if acked:
-            transport.ack_many(acked)
-        for member in members:
-            if member.escaped is not None:
-                raise member.escaped
 
     def _runner_of(self, member: _Member) -> Callable[[], None]:
         def run() -> None:

@@ -33,3 +33,8 @@ class Batching:
     def size_for(self, prefetch: int) -> int:
         """The batch size an endpoint with ``prefetch`` uses."""
         return self.size if self.size is not None else prefetch
+
+
+#: What an endpoint batches with unless told otherwise (``Endpoint(batching=None)``: one
+#: message at a time).
+DEFAULT_BATCHING = Batching()

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from .aio import close_thread_loop
 from .audit import Audit
 from .batch_runner import BatchRunner
-from .batching import Batching
+from .batching import DEFAULT_BATCHING, Batching
 from .clock import Clock, SystemClock
 from .counters import Counters
 from .dispatching import DelayedDeliveries, Dispatcher
@@ -136,7 +136,9 @@ class Endpoint:
         Take deliveries in batches (:class:`~idembus.batching.Batching`): the ready ones up
         to a size, their loads, commits and publisher confirms each in one round trip,
         acknowledged together; each message keeps its own handlers, deduplication, retries
-        and failure path (:mod:`idembus.batch_runner`). ``None``: one message at a time.
+        and failure path (:mod:`idembus.batch_runner`). On by default
+        (``Batching()``: up to ``prefetch`` deliveries, 2 ms of linger); ``None``: one
+        message at a time.
     schedules:
         Recurring messages (:class:`~idembus.schedules.Schedule`), sent exactly once per
         occurrence by one scheduler among the endpoint's processes
@@ -165,7 +167,7 @@ class Endpoint:
         status_interval: float = 5.0,
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
-        batching: Batching | None = None,
+        batching: Batching | None = DEFAULT_BATCHING,
     ) -> None:
         if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
             raise ConfigurationError(
@@ -254,11 +256,12 @@ class Endpoint:
             defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
             clock=self.clock, shared=self.shared_transaction,
         )
+        self._recovery = Recovery(name, self.recoverability, stopping=self._stop,
+                                  health=self.health)
         self._processor = MessageProcessor(
             endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
             invoker=invoker, dispatcher=self.dispatcher, signals=self.signals,
-            recovery=Recovery(name, self.recoverability, stopping=self._stop,
-                              health=self.health),
+            recovery=self._recovery,
             storage=self.storage, max_message_bytes=max_message_bytes,
             left_to_outbox=lambda: self.outbox.wake_in(self.outbox_policy.grace),
             clock=self.clock,
@@ -572,7 +575,8 @@ class Endpoint:
             with self._activity:
                 self._in_flight += len(deliveries)
             try:
-                runner.run(deliveries, self.transport)
+                runner.run(deliveries, self.transport,
+                           one_at_a_time=self._recovery.breaker.open)
             finally:
                 with self._activity:
                     self._in_flight -= len(deliveries)

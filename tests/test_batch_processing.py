@@ -421,6 +421,49 @@ def test_an_open_circuit_breaker_holds_the_consumer_back_after_the_batch_it_open
         endpoint.close()
 
 
+def test_while_the_circuit_breaker_is_open_a_batch_goes_one_message_at_a_time():
+    # Given an endpoint whose breaker opened at its first failure, on a handler that fails
+    calls: list[tuple[float, list[bool]]] = []
+    deliveries: list[RecordedDelivery] = []
+
+    class Failing(BookHandler):
+        @handles
+        def post(self, message: Post) -> None:
+            calls.append((time.monotonic(), [d.acked for d in deliveries]))
+            raise RuntimeError("the service behind it is down")
+
+    journal = Journal()
+    storage, transport = SpyStorage(journal), SpyTransport(journal)
+    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Failing],
+                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+                        recoverability=Recoverability(
+                            retries=RetryPolicy(immediate_retries=0, delayed=()),
+                            breaker=BreakerPolicy(threshold=1, backoff=Backoff((0.2,)))))
+    runner = BatchRunner(endpoint._processor, size=8)
+    try:
+        runner.run([received(str(uuid.uuid4()), "first", 1)], transport)
+        breaker = endpoint._recovery.breaker
+        assert breaker.open
+
+        # When the next batch of three comes while it is open
+        deliveries.extend(received(str(uuid.uuid4()), f"acc-{n}", 1) for n in range(3))
+        runner.run(deliveries, transport, one_at_a_time=breaker.open)
+
+        # Then each message was handled and acknowledged, and the pause waited out, before
+        # the next one's handler ran — as one message at a time — and none was left to a
+        # batch acknowledgement
+        assert [acked for _, acked in calls[1:]] == [
+            [False, False, False], [True, False, False], [True, True, False]]
+        starts = [at for at, _ in calls[1:]]
+        gaps = [later - earlier for earlier, later in zip(starts, starts[1:], strict=False)]
+        assert all(gap >= 0.2 for gap in gaps), gaps
+        assert all(d.acked for d in deliveries) and len(transport.dead_letters) == 4
+        batch_acked = {message_id for ids in journal.details("ack_many") for message_id in ids}
+        assert not batch_acked & {d.headers[h.MESSAGE_ID] for d in deliveries}
+    finally:
+        endpoint.close()
+
+
 def test_batching_rejects_a_size_below_one():
     with pytest.raises(ValueError, match="batch size must be at least 1"):
         Batching(size=0)

@@ -250,10 +250,13 @@ class RefusedLoginForAWhile(KombuTransport):
         super().__init__(*args, **kwargs)
         self.allow = threading.Event()
         self.refusals = 0
+        self.refused_three_times = threading.Event()
 
     def consume(self, *args: Any, **kwargs: Any) -> None:
         if not self.allow.is_set():
             self.refusals += 1
+            if self.refusals >= 3:
+                self.refused_three_times.set()
             raise BrokerAccessDenied("amqp://app:hunter2@broker//: ACCESS_REFUSED - Login was "
                                      "refused (simulated)")
         super().consume(*args, **kwargs)
@@ -273,9 +276,7 @@ def test_a_refused_broker_login_keeps_the_consumer_trying_and_shows_the_problem(
     accounts.bus.send(Deposit(account="a", amount=5))
 
     # Then the consumer thread stays alive, logs each refusal at ERROR and shows it
-    deadline = threading.Event()
-    while transport.refusals < 3 and not deadline.wait(0.01):
-        pass
+    assert transport.refused_three_times.wait(30)
     assert accounts.running
     assert "Login was refused" in accounts.health.problems()["transport"]
     assert sum("Login was refused" in r.getMessage() for r in caplog.records) >= 3

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from idembus import Backoff, Command, ConfigurationError, Endpoint, RetryPolicy
+from idembus import Backoff, Batching, Command, ConfigurationError, Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.breaker import BreakerPolicy, CircuitBreaker
 from idembus.envelope import Envelope, parse_utc, utc_now
@@ -228,10 +228,12 @@ def test_a_saga_timeout_is_handled_once_even_when_its_request_was_recorded_twice
 
 
 def test_the_circuit_breaker_pauses_consumers_after_failures_in_a_row(make_endpoint):
-    # Given a handler that always fails, no retries, and a breaker opening after 3
+    # Given a handler that always fails, no retries, and a breaker opening after 3, on an
+    # endpoint taking one message at a time (batched, five messages sent at once may be
+    # handled together before their failures open it: see the next test)
     flaky = Flaky(failures=10**6)
     service = make_endpoint(
-        "breaker", handlers=[flaky],
+        "breaker", handlers=[flaky], batching=None,
         recoverability=Recoverability(
             retries=RetryPolicy(immediate_retries=0, delayed=()),
             breaker=BreakerPolicy(threshold=3, backoff=Backoff((0.4,)))),
@@ -254,6 +256,38 @@ def test_the_circuit_breaker_pauses_consumers_after_failures_in_a_row(make_endpo
     gaps = [later - earlier for earlier, later in zip(starts, starts[1:], strict=False)]
     assert all(gap < 0.4 for gap in gaps[:2]), gaps  # closed: no waiting
     assert all(gap >= 0.4 for gap in gaps[2:]), gaps  # open: a pause before each
+
+
+def test_once_the_circuit_breaker_is_open_a_batched_endpoint_pauses_between_messages(
+    make_endpoint,
+):
+    # Given a batching endpoint whose breaker opens at the first failure of a handler that
+    # always fails, and has opened
+    flaky = Flaky(failures=10**6)
+    service = make_endpoint(
+        "breaker-batched", handlers=[flaky], batching=Batching(size=8, linger=0.05),
+        recoverability=Recoverability(
+            retries=RetryPolicy(immediate_retries=0, delayed=()),
+            breaker=BreakerPolicy(threshold=1, backoff=Backoff((0.3,)))),
+    )
+    dead = SignalCounter(service, "dead_lettered")
+    starts: list[float] = []
+    service.signals.received.connect(lambda sender, **_: starts.append(time.monotonic()),
+                                     weak=False)
+    service.start()
+    service.bus.send(Deposit(account="a", amount=0))
+    assert dead.wait_for(1, timeout=30)
+
+    # When four deposits arrive at once (a batch, or several)
+    for amount in range(1, 5):
+        service.bus.send(Deposit(account="a", amount=amount))
+
+    # Then each one's handler runs only after the previous one's pause, as without batching
+    assert dead.wait_for(5, timeout=30)
+    handled_at = starts[1:]
+    assert len(flaky.attempts) == 5
+    gaps = [later - earlier for earlier, later in zip(handled_at, handled_at[1:], strict=False)]
+    assert all(gap >= 0.3 for gap in gaps), gaps
 
 
 def test_bad_input_does_not_open_the_circuit_breaker(make_endpoint, transport_url):

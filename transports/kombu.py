@@ -483,14 +483,22 @@ class KombuTransport(Transport):
             raise DestinationRefused(f"{what} on {self.safe_url}: {returns[0]}")
         return bool(returns)
 
+    def _overrides(self, *methods: str) -> bool:
+        """Whether a subclass overrides one of ``methods``: the batched paths then go
+        through them (a test's fault injection, a user's instrumentation) one at a time."""
+        return any(getattr(type(self), name) is not getattr(KombuTransport, name)
+                   for name in methods)
+
     def dispatch_many(self, envelopes: Sequence[Envelope]) -> list[bool | None | Exception]:
         """On RabbitMQ with publisher confirms: publish every envelope, then wait for their
-        confirms once (:mod:`idembus.transports.confirms`). A message the broker refuses
-        (``basic.nack``) raises ``TransportUnavailable`` for its sender, which sends it
+        confirms once (:mod:`idembus.transports.confirms`); through :meth:`dispatch` one at
+        a time where a subclass overrides it, :meth:`send` or :meth:`publish`. A message the
+        broker refuses (``basic.nack``) raises ``TransportUnavailable`` for its sender, which sends it
         again with the same id; a send nobody takes is refused as :meth:`send` refuses it.
         Delayed sends, a first publish (which declares the exchange) and anything after a
         failure of the connection go one by one, each with the answer it gets alone."""
-        if not (self._is_amqp and self.publisher_confirms):
+        if not (self._is_amqp and self.publisher_confirms) or self._overrides(
+                "dispatch", "send", "publish"):
             return super().dispatch_many(envelopes)
         results: list[bool | None | Exception | _Unanswered] = [_UNANSWERED] * len(envelopes)
         handles: dict[int, int] = {}
@@ -639,7 +647,12 @@ class KombuTransport(Transport):
         up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`.
 
         On Redis batches hold one delivery: a wait for more leaves a ``BRPOP`` pending while
-        the batch is processed, which takes the message a stopping consumer gives back."""
+        the batch is processed, which takes the message a stopping consumer gives back.
+        A subclass that overrides :meth:`consume` gets its batches through it, one delivery
+        each."""
+        if self._overrides("consume"):
+            super().consume_batches(queue, on_batch, stop=stop, prefetch=prefetch)
+            return
         if self._is_redis:
             size = 1
         ready: list[Delivery] = []
