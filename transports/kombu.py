@@ -493,8 +493,8 @@ class KombuTransport(Transport):
         """On RabbitMQ with publisher confirms: publish every envelope, then wait for their
         confirms once (:mod:`idembus.transports.confirms`); through :meth:`dispatch` one at
         a time where a subclass overrides it, :meth:`send` or :meth:`publish`. A message the
-        broker refuses (``basic.nack``) raises ``TransportUnavailable`` for its sender, which sends it
-        again with the same id; a send nobody takes is refused as :meth:`send` refuses it.
+        broker refuses (``basic.nack``) raises ``TransportUnavailable`` for its sender, which
+        sends it again with the same id; a send nobody takes is refused as :meth:`send` refuses it.
         Delayed sends, a first publish (which declares the exchange) and anything after a
         failure of the connection go one by one, each with the answer it gets alone."""
         if not (self._is_amqp and self.publisher_confirms) or self._overrides(
