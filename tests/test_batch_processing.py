@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -383,23 +383,32 @@ def test_retries_of_a_failing_handler_stay_with_its_message():
         endpoint.close()
 
 
-def test_an_open_circuit_breaker_holds_the_consumer_back_after_the_batch_it_opened_in():
-    # Given a handler that always fails, and a breaker that opens after two failures
-    calls: list[float] = []
+def always_failing(journal: Journal, on_call: Callable[[], None], *, threshold: int,
+                   pause: float) -> tuple[Endpoint, SpyTransport]:
+    """An endpoint whose handler calls ``on_call`` and fails, without retries, its breaker
+    opening after ``threshold`` failures and pausing ``pause`` seconds."""
 
     class Failing(BookHandler):
         @handles
         def post(self, message: Post) -> None:
-            calls.append(time.monotonic())
+            on_call()
             raise RuntimeError("the service behind it is down")
 
-    journal = Journal()
-    storage, transport = SpyStorage(journal), SpyTransport(journal)
-    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Failing],
-                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
-                        recoverability=Recoverability(
+    transport = SpyTransport(journal)
+    endpoint = Endpoint(QUEUE, transport=transport, storage=SpyStorage(journal),
+                        handlers=[Failing], error_queue=ERROR_QUEUE, outbox=False,
+                        status_interval=0, recoverability=Recoverability(
                             retries=RetryPolicy(immediate_retries=0, delayed=()),
-                            breaker=BreakerPolicy(threshold=2, backoff=Backoff((0.3,)))))
+                            breaker=BreakerPolicy(threshold=threshold,
+                                                  backoff=Backoff((pause,)))))
+    return endpoint, transport
+
+
+def test_an_open_circuit_breaker_holds_the_consumer_back_after_the_batch_it_opened_in():
+    # Given a handler that always fails, and a breaker that opens after two failures
+    calls: list[float] = []
+    endpoint, transport = always_failing(Journal(), lambda: calls.append(time.monotonic()),
+                                         threshold=2, pause=0.3)
     paused = SignalCounter(endpoint, "paused")
     runner = BatchRunner(endpoint._processor, size=8)
     try:
@@ -425,20 +434,10 @@ def test_while_the_circuit_breaker_is_open_a_batch_goes_one_message_at_a_time():
     # Given an endpoint whose breaker opened at its first failure, on a handler that fails
     calls: list[tuple[float, list[bool]]] = []
     deliveries: list[RecordedDelivery] = []
-
-    class Failing(BookHandler):
-        @handles
-        def post(self, message: Post) -> None:
-            calls.append((time.monotonic(), [d.acked for d in deliveries]))
-            raise RuntimeError("the service behind it is down")
-
     journal = Journal()
-    storage, transport = SpyStorage(journal), SpyTransport(journal)
-    endpoint = Endpoint(QUEUE, transport=transport, storage=storage, handlers=[Failing],
-                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
-                        recoverability=Recoverability(
-                            retries=RetryPolicy(immediate_retries=0, delayed=()),
-                            breaker=BreakerPolicy(threshold=1, backoff=Backoff((0.2,)))))
+    endpoint, transport = always_failing(
+        journal, lambda: calls.append((time.monotonic(), [d.acked for d in deliveries])),
+        threshold=1, pause=0.2)
     runner = BatchRunner(endpoint._processor, size=8)
     try:
         runner.run([received(str(uuid.uuid4()), "first", 1)], transport)
