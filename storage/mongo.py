@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -88,6 +90,7 @@ from .base import (
     Lease,
     Overdue,
     ParkedMessage,
+    PendingCommit,
     ProcessedMessage,
     StatusReport,
     Storage,
@@ -130,6 +133,21 @@ _INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PA
 _APPEND_TRIES = 1000
 
 
+#: MongoDB's error code for a duplicate key (a lost creation race).
+_DUPLICATE_KEY = 11000
+
+
+def bulk_updates_work(client: Any) -> bool:
+    """Whether ``client`` runs a ``bulk_write`` of ``UpdateOne``: a server does; mongomock
+    only if its bulk builder takes the ``sort`` keyword pymongo 4.11 and later pass."""
+    if not is_mongomock(client):
+        return True
+    from mongomock.collection import BulkOperationBuilder
+    return "sort" in inspect.signature(BulkOperationBuilder.add_update).parameters or any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD
+        for parameter in inspect.signature(BulkOperationBuilder.add_update).parameters.values())
+
+
 def is_mongomock(client: Any) -> bool:
     """True when ``client`` is a mongomock client (not safe for concurrent use)."""
     return type(client).__module__.split(".")[0] == "mongomock"
@@ -169,6 +187,8 @@ class MongoStorage(Storage):
         self._guard: AbstractContextManager[Any] = (
             threading.RLock() if self.process_local else contextlib.nullcontext()
         )
+        #: Whether ``bulk_write`` takes updates here (group commits in one round trip).
+        self._bulk_updates = bulk_updates_work(client)
         # Appends rely on the journal's unique index: made once, even without migrate().
         self._journal_indexed = False
 
@@ -203,42 +223,120 @@ class MongoStorage(Storage):
         completed: bool = False,
         state_version: int | None = None,
     ) -> None:
-        entry = {
-            "key": key,
+        where, document = self._write_of(PendingCommit(
+            loaded, key, state, tuple(outgoing),
+            {"completed": completed, "state_version": state_version}))
+        collection = self.database[loaded.aggregate_type]
+        with self._guard, _translated():
+            self._own(loaded.aggregate_type)  # before the write: the outbox must find it
+            if where is None:
+                try:
+                    collection.insert_one(document)
+                    return
+                except pymongo.errors.DuplicateKeyError:
+                    pass
+            else:
+                if collection.update_one(where, document).matched_count == 1:
+                    return
+            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+
+    def _write_of(self, pending: PendingCommit, token: str | None = None
+                  ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """The conditional write of one commit: ``(None, document)`` creating the aggregate,
+        or ``(filter, update)`` updating it at the loaded version if the key is not among
+        its processed messages. ``token`` marks its entry (``commit``), by which a group
+        commit recognises the writes that applied."""
+        loaded, outgoing = pending.loaded, pending.outgoing
+        completed = bool(pending.options.get("completed", False))
+        entry: dict[str, Any] = {
+            "key": pending.key,
             "outgoing": [envelope.to_record() for envelope in outgoing],
             "ids": [envelope.message_id for envelope in outgoing],
             "dispatched": not outgoing,
             "at": utc_now(),
             "endpoint": committed_by(outgoing),
         }
-        collection = self.database[loaded.aggregate_type]
-        new_state = dict(state) if state is not None and not completed else None
+        if token is not None:
+            entry["commit"] = token
+        fields = {"state": dict(pending.state) if pending.state is not None and not completed
+                  else None,
+                  "state_version": pending.options.get("state_version"),
+                  "updated_at": entry["at"], "completed": completed}
+        if not loaded.exists:
+            return None, {"_id": loaded.aggregate_id, "version": 1, **fields,
+                          "processed": [entry]}
+        return ({"_id": loaded.aggregate_id, "version": loaded.version,
+                 "processed.key": {"$ne": pending.key}},
+                {"$set": {**fields, "version": loaded.version + 1},
+                 "$push": {"processed": {"$each": [entry],
+                                         "$slice": -self._kept_after(loaded)}}})
+
+    def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
+        """On a MongoDB server, one unordered ``bulk_write`` per aggregate collection: each
+        write keeps its own condition and succeeds or fails on its own. When not every
+        update matched, which did is read back by their entries' tokens (a second round
+        trip), and each refused commit is explained as :meth:`commit` explains it. On a
+        mongomock whose ``bulk_write`` of updates fails (with pymongo 4.11 and later it
+        does not take pymongo's ``sort``), and for a group naming one aggregate twice, one
+        commit after another.
+
+        The storage contract's group tests run it on a real server with
+        ``IDEMBUS_MONGODB_URL``, and on mongomock given the missing keyword."""
+        aggregates = {(p.loaded.aggregate_type, p.loaded.aggregate_id) for p in commits}
+        if not self._bulk_updates or len(commits) < 2 or len(aggregates) < len(commits):
+            return super().commit_many(commits)
+        results: list[Exception | None] = [None] * len(commits)
+        by_collection: dict[str, list[int]] = {}
+        for index, pending in enumerate(commits):
+            by_collection.setdefault(pending.loaded.aggregate_type, []).append(index)
+        for aggregate_type, indexes in by_collection.items():
+            try:
+                refusals = self._bulk_commit(aggregate_type, [commits[i] for i in indexes])
+            except Exception as error:  # the whole call failed: each of its commits meets it
+                refusals = dict.fromkeys(range(len(indexes)), error)
+            for position, refusal in refusals.items():
+                results[indexes[position]] = refusal
+        return results
+
+    def _bulk_commit(self, aggregate_type: str,
+                     group: Sequence[PendingCommit]) -> dict[int, Exception]:
+        """One unordered ``bulk_write`` of ``group``'s writes; the refusals by position."""
+        tokens = [uuid.uuid4().hex for _ in group]
+        writes = [self._write_of(pending, token) for pending, token in zip(group, tokens,
+                                                                          strict=True)]
+        operations: list[Any] = [pymongo.InsertOne(document) if where is None
+                                 else pymongo.UpdateOne(where, document)
+                                 for where, document in writes]
+        updates = [index for index, (where, _) in enumerate(writes) if where is not None]
+        collection = self.database[aggregate_type]
+        failed: set[int] = set()
         with self._guard, _translated():
-            self._own(loaded.aggregate_type)  # before the write: the outbox must find it
-            if not loaded.exists:
-                try:
-                    collection.insert_one(
-                        {"_id": loaded.aggregate_id, "version": 1, "state": new_state,
-                         "state_version": state_version, "updated_at": entry["at"],
-                         "completed": completed,
-                         "processed": [entry]}
-                    )
-                    return
-                except pymongo.errors.DuplicateKeyError:
-                    pass
-            else:
-                result = collection.update_one(
-                    {"_id": loaded.aggregate_id, "version": loaded.version,
-                     "processed.key": {"$ne": key}},
-                    {"$set": {"state": new_state, "version": loaded.version + 1,
-                              "state_version": state_version, "updated_at": entry["at"],
-                              "completed": completed},
-                     "$push": {"processed": {"$each": [entry],
-                                             "$slice": -self._kept_after(loaded)}}},
-                )
-                if result.matched_count == 1:
-                    return
-            raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
+            self._own(aggregate_type)  # before the writes: the outbox must find them
+            try:
+                matched = collection.bulk_write(operations, ordered=False).matched_count
+            except pymongo.errors.BulkWriteError as partial:
+                errors = partial.details.get("writeErrors", [])
+                if partial.details.get("writeConcernErrors") or any(
+                        error.get("code") != _DUPLICATE_KEY for error in errors):
+                    raise  # not only lost creation races: the group's error
+                failed = {error["index"] for error in errors}
+                matched = partial.details.get("nMatched", 0)
+            if matched < len(updates):
+                ids = [group[index].loaded.aggregate_id for index in updates]
+                applied = {entry.get("commit")
+                           for document in collection.find({"_id": {"$in": ids}},
+                                                           {"processed.commit": 1})
+                           for entry in document.get("processed", ())}
+                failed |= {index for index in updates if tokens[index] not in applied}
+        refusals: dict[int, Exception] = {}
+        for index in sorted(failed):
+            try:
+                with self._guard, _translated():
+                    refusals[index] = self._refusal(
+                        aggregate_type, group[index].loaded.aggregate_id, group[index].key)
+            except Exception as error:
+                refusals[index] = error
+        return refusals
 
     def _kept_after(self, loaded: AggregateRecord) -> int:
         """How many entries the commit after ``loaded`` keeps: the newest

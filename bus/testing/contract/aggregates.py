@@ -22,6 +22,7 @@ from ...storage.base import AggregateRecord, AggregateStore, OutboxStore, Storag
 from ...storage.errors import AlreadyProcessed, ConcurrencyConflict
 from .base import StorageFactory
 from .completion import CompletionContract
+from .group_commit import GroupCommitContract
 
 ACCOUNT = "Account"
 UTC = datetime.timezone.utc
@@ -123,11 +124,12 @@ def race(storage: AggregateStore, loaded: AggregateRecord, keys: Sequence[str]) 
     return result
 
 
-class AggregateStoreContract(CompletionContract):
+class AggregateStoreContract(CompletionContract, GroupCommitContract):
     """Loads and conditional commits, duplicates refused with their stored messages,
     dispatch marks, the processed window and retention, racing committers, the state's
     schema version (``commit(state_version=...)``, read back by ``load`` and ``records``)
-    and completion (:class:`~idembus.testing.contract.completion.CompletionContract`)."""
+    and completion (:class:`~idembus.testing.contract.completion.CompletionContract`), group
+    commits and loads (:class:`~idembus.testing.contract.group_commit.GroupCommitContract`)."""
 
     roles: ClassVar[tuple[type[StorageRole], ...]] = (AggregateStore,)
 
