@@ -485,6 +485,15 @@ class AggregateStore(StorageRole, ABC):
             f"{aggregate_type} {aggregate_id!r} moved past the loaded version while {key} ran"
         )
 
+    def _refusal_in_group(self, pending: PendingCommit) -> Exception:
+        """:meth:`_refusal` of one refused commit of a group, or the error met reading the
+        record again: that commit's answer either way."""
+        try:
+            return self._refusal(pending.loaded.aggregate_type, pending.loaded.aggregate_id,
+                                 pending.key)
+        except Exception as error:
+            return error
+
 
 class OutboxStore(StorageRole, ABC):
     """The outbox dispatcher's part: entries never marked dispatched, leases with fencing

@@ -143,9 +143,9 @@ def bulk_updates_work(client: Any) -> bool:
     if not is_mongomock(client):
         return True
     from mongomock.collection import BulkOperationBuilder
-    return "sort" in inspect.signature(BulkOperationBuilder.add_update).parameters or any(
-        parameter.kind is inspect.Parameter.VAR_KEYWORD
-        for parameter in inspect.signature(BulkOperationBuilder.add_update).parameters.values())
+    parameters = inspect.signature(BulkOperationBuilder.add_update).parameters.values()
+    return any(parameter.name == "sort" or parameter.kind is inspect.Parameter.VAR_KEYWORD
+               for parameter in parameters)
 
 
 def is_mongomock(client: Any) -> bool:
@@ -328,15 +328,7 @@ class MongoStorage(Storage):
                                                            {"processed.commit": 1})
                            for entry in document.get("processed", ())}
                 failed |= {index for index in updates if tokens[index] not in applied}
-        refusals: dict[int, Exception] = {}
-        for index in sorted(failed):
-            try:
-                with self._guard, _translated():
-                    refusals[index] = self._refusal(
-                        aggregate_type, group[index].loaded.aggregate_id, group[index].key)
-            except Exception as error:
-                refusals[index] = error
-        return refusals
+        return {index: self._refusal_in_group(group[index]) for index in sorted(failed)}
 
     def _kept_after(self, loaded: AggregateRecord) -> int:
         """How many entries the commit after ``loaded`` keeps: the newest

@@ -467,17 +467,8 @@ class PostgresStorage(Storage):
             raise
         except StorageError:  # nothing of the group was written
             return super().commit_many(commits)
-        results: list[Exception | None] = []
-        for index, pending in enumerate(commits):
-            if written[index] == 1:
-                results.append(None)
-                continue
-            try:
-                results.append(self._refusal(pending.loaded.aggregate_type,
-                                             pending.loaded.aggregate_id, pending.key))
-            except Exception as error:
-                results.append(error)
-        return results
+        return [None if written[index] == 1 else self._refusal_in_group(pending)
+                for index, pending in enumerate(commits)]
 
     def _commit_statement(self, pending: PendingCommit) -> tuple[str, tuple[Any, ...]]:
         """The one statement of a commit: it writes one processed row (and the aggregate's

@@ -200,13 +200,14 @@ class Transport(ABC):
         """:meth:`dispatch` for each envelope, in order: what it returned, or the error it
         raised. Transports with publisher confirms publish them all and wait for their
         confirms once; this default dispatches one after another."""
-        results: list[bool | None | Exception] = []
-        for envelope in envelopes:
-            try:
-                results.append(self.dispatch(envelope))
-            except Exception as error:
-                results.append(error)
-        return results
+        return [self._dispatch_or_error(envelope) for envelope in envelopes]
+
+    def _dispatch_or_error(self, envelope: Envelope) -> bool | None | Exception:
+        """:meth:`dispatch`'s answer for ``envelope``, or the error it raised."""
+        try:
+            return self.dispatch(envelope)
+        except Exception as error:
+            return error
 
     def ack_many(self, deliveries: Sequence[Delivery]) -> None:
         """Acknowledge ``deliveries`` (received by one consumer, in order); this default

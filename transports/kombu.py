@@ -507,7 +507,7 @@ class KombuTransport(Transport):
             for index, envelope in enumerate(envelopes):
                 route = self._pipelined_route(envelope)
                 if route is None:
-                    results[index] = self._alone(envelope)
+                    results[index] = self._dispatch_or_error(envelope)
                     continue
                 exchange, key = route
                 try:
@@ -529,7 +529,7 @@ class KombuTransport(Transport):
             handles, ends = {}, {}
             for index, envelope in enumerate(envelopes):
                 if isinstance(results[index], _Unanswered):
-                    results[index] = self._alone(envelope)
+                    results[index] = self._dispatch_or_error(envelope)
         for tag, index in handles.items():
             end, reason = ends[tag]
             envelope = envelopes[index]
@@ -560,12 +560,6 @@ class KombuTransport(Transport):
         if not envelope.destination or self._delay_of(envelope):
             return None
         return "", envelope.destination
-
-    def _alone(self, envelope: Envelope) -> bool | None | Exception:
-        try:
-            return self.dispatch(envelope)
-        except Exception as error:
-            return error
 
     def _confirming(self) -> confirms.ConfirmingChannel:
         """This thread's channel for pipelined confirms; new after a failure."""
