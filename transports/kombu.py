@@ -122,7 +122,7 @@ from ..policies import Backoff
 from ..redaction import redact
 from ..wire import encoding_problem as _encoding_problem
 from ..wire import joined as _joined
-from . import confirms, delays
+from . import amqp_reads, confirms, delays
 from .base import Delivery, OnBatch, OnDelivery, Transport
 from .errors import (
     BrokerAccessDenied,
@@ -596,9 +596,13 @@ class KombuTransport(Transport):
         frame_max = getattr(getattr(connection, "connection", None), "frame_max", None)
         if not isinstance(frame_max, int) or frame_max <= 0:
             return
+        headers = envelope.headers
+        characters = len("".join(headers)) + len("".join(headers.values()))
+        if 4 * characters + 6 * len(headers) + _FRAME_MARGIN <= frame_max:
+            return  # fits even at UTF-8's four bytes a character
         weight = sum(len(name.encode("utf-8", "surrogateescape"))
                      + len(value.encode("utf-8", "surrogateescape")) + 6
-                     for name, value in envelope.headers.items())
+                     for name, value in headers.items())
         if weight + _FRAME_MARGIN > frame_max:
             raise DestinationRefused(
                 f"{what}: its headers take {weight} bytes and the broker's frames hold "
@@ -945,6 +949,8 @@ class KombuTransport(Transport):
         except Exception as exc:
             _close_quietly(connection)
             raise _connection_failure(exc, connection, self.safe_url) from exc
+        if self._is_amqp:
+            amqp_reads.read_in_chunks(connection.connection.transport)
         with self._connections_lock:
             self._connections.append(connection)
         return connection

@@ -1,0 +1,130 @@
+"""RabbitMQ's frames read from the socket in chunks (idembus.transports.amqp_reads): the
+same frames, fewer system calls, nothing lost across a timeout or a frame larger than a
+chunk; and deliveries of every size intact through a real broker."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import amqp.transport
+import kombu
+import pytest
+
+from idembus.transports import amqp_reads
+from tests.conftest import AMQP_URL
+
+FRAME_END = b"\xce"
+
+
+class CountingSocket(socket.socket):
+    """A socket that counts its ``recv`` calls."""
+
+    recv_calls = 0
+
+    def recv(self, size: int, *args: Any) -> bytes:
+        self.recv_calls += 1
+        return super().recv(size, *args)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Any, socket.socket]]:
+    """py-amqp's TCP transport reading one end of a socket pair; the other end."""
+    left, right = socket.socketpair()
+    reader = CountingSocket(fileno=left.detach())
+    transport = amqp.transport.TCPTransport.__new__(amqp.transport.TCPTransport)
+    transport.sock = reader
+    transport._setup_transport()
+    yield transport, right
+    reader.close()
+    right.close()
+
+
+def frame(payload: bytes, *, kind: int = 1, channel: int = 1) -> bytes:
+    return struct.pack(">BHI", kind, channel, len(payload)) + payload + FRAME_END
+
+
+def read_all(transport: Any, count: int) -> list[tuple[int, int, bytes]]:
+    return [(kind, channel, bytes(payload))
+            for kind, channel, payload in (transport.read_frame() for _ in range(count))]
+
+
+def test_frames_already_received_are_read_with_one_system_call(pair):
+    transport, peer = pair
+    payloads = [os.urandom(size) for size in (3, 40, 700, 12)]
+    peer.sendall(b"".join(frame(payload, channel=n) for n, payload in enumerate(payloads)))
+
+    assert amqp_reads.read_in_chunks(transport)
+    assert read_all(transport, 4) == [(1, n, payload) for n, payload in enumerate(payloads)]
+    assert transport.sock.recv_calls == 1
+
+
+def test_without_chunks_py_amqp_makes_a_call_per_piece(pair):
+    """What the chunks save, and what the first test would find if they stopped working."""
+    transport, peer = pair
+    peer.sendall(frame(b"a") + frame(b"b"))
+
+    assert read_all(transport, 2) == [(1, 1, b"a"), (1, 1, b"b")]
+    assert transport.sock.recv_calls >= 4
+
+
+def test_a_frame_larger_than_a_chunk_arrives_whole(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    big = os.urandom(3 * amqp_reads.CHUNK + 17)
+    sender = threading.Thread(target=peer.sendall, args=(frame(big) + frame(b"next"),))
+    sender.start()
+    try:
+        assert read_all(transport, 2) == [(1, 1, big), (1, 1, b"next")]
+    finally:
+        sender.join()
+
+
+def test_a_read_that_times_out_mid_frame_keeps_what_it_had(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    whole = frame(b"split across two sends")
+    peer.sendall(whole[:10])
+    with transport.having_timeout(0.05), pytest.raises(socket.timeout):
+        transport.read_frame()
+    peer.sendall(whole[10:] + frame(b"after"))
+
+    assert read_all(transport, 2) == [(1, 1, b"split across two sends"), (1, 1, b"after")]
+
+
+def test_a_transport_it_does_not_know_is_left_as_it_is():
+    class Unknown:
+        sock = None
+
+    assert not amqp_reads.read_in_chunks(Unknown())
+
+
+@pytest.mark.amqp
+def test_deliveries_of_every_size_reach_a_consumer_intact(rabbitmq):
+    transport, name = rabbitmq
+    queue = name("sizes")
+    transport.declare(queue)
+    bodies = [os.urandom(size).hex().encode() for size in
+              (1, 5, 300, amqp_reads.CHUNK // 2 - 40, amqp_reads.CHUNK, 2 * amqp_reads.CHUNK + 3,
+               *range(10, 30))]
+    with kombu.Connection(AMQP_URL) as connection:
+        producer = connection.Producer()
+        for index, body in enumerate(bodies):
+            producer.publish(body, exchange="", routing_key=queue, headers={"n": index},
+                             content_type="text/plain", content_encoding="utf-8")
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def on_batch(deliveries: Any) -> None:
+        received.extend(delivery.body for delivery in deliveries)
+        transport.ack_many(deliveries)
+        if len(received) >= len(bodies):
+            stop.set()
+
+    transport.consume_batches(queue, on_batch, stop=stop, prefetch=64, size=64, linger=0.05)
+
+    assert received == bodies
