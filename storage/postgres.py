@@ -177,6 +177,17 @@ class PostgresStorage(Storage):
             " completed) VALUES (%s, %s, 1, %s, %s, clock_timestamp(), %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
+        # A group of loads in one statement: a row for each (type, id, key) of the arrays,
+        # numbered from 1 in their order.
+        self._load_group = (
+            "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
+            " p.outgoing_ids, p.dispatched, p.processed_at, a.completed"
+            " FROM unnest(%s::text[], %s::text[], %s::text[]) WITH ORDINALITY"
+            " AS r(aggregate_type, aggregate_id, key, position)"
+            f" LEFT JOIN {self._aggregates} a"
+            " ON a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id"
+            f" LEFT JOIN {self._processed} p ON p.aggregate_type = r.aggregate_type"
+            " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
@@ -391,16 +402,27 @@ class PostgresStorage(Storage):
     def load_many(
         self, requests: Sequence[tuple[str, str, str | None]]
     ) -> list[AggregateRecord | Exception]:
-        """Every load in one round trip (pipeline mode); if one fails (input PostgreSQL
-        refuses), each again on its own, with its own answer."""
+        """Every load in one round trip: the aggregates' in one statement (one row a
+        request, by its position), inbox entries' each in its own, in one pipeline; if
+        that fails (input PostgreSQL refuses), each again on its own, with its own
+        answer."""
         if len(requests) < 2:
             return super().load_many(requests)
+        grouped = [index for index, request in enumerate(requests) if request[0] != INBOX]
+        rows: list[Any] = [None] * len(requests)
         try:
             with self._connection() as connection:
                 with connection.pipeline():
-                    cursors = [connection.execute(*self._load_statement(*request))
-                               for request in requests]
-                rows = [cursor.fetchone() for cursor in cursors]
+                    alone = {index: connection.execute(*self._load_statement(*request))
+                             for index, request in enumerate(requests)
+                             if request[0] == INBOX}
+                    group = connection.execute(self._load_group, tuple(
+                        [requests[index][part] for index in grouped] for part in range(3)
+                    )) if grouped else None
+                for index, cursor in alone.items():
+                    rows[index] = cursor.fetchone()
+                for position, *row in group.fetchall() if group is not None else ():
+                    rows[grouped[position - 1]] = row
         except StorageUnavailable:
             raise
         except StorageError:

@@ -17,7 +17,7 @@ from idembus import Batching, Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.messages import message_name
-from idembus.storage.base import AggregateRecord, PendingCommit
+from idembus.storage.base import INBOX, AggregateRecord, PendingCommit
 from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports import confirms
@@ -121,21 +121,32 @@ def test_a_postgres_statement_that_fails_lets_the_rest_of_its_group_commit(
 
 
 @pytest.mark.postgres
-def test_postgres_loads_a_group_in_one_pipeline(postgres_storage: PostgresStorage,
-                                                 monkeypatch: pytest.MonkeyPatch):
+def test_postgres_loads_a_group_in_one_round_trip_and_one_statement(
+        postgres_storage: PostgresStorage, monkeypatch: pytest.MonkeyPatch):
     postgres_storage.commit(AggregateRecord(ACCOUNT, "a"), key="k1", state={"balance": 5},
                             outgoing=())
+    postgres_storage.commit(AggregateRecord(INBOX, "m1"), key="m1", state=None, outgoing=())
     count = PipelineCount(monkeypatch)
 
-    records = postgres_storage.load_many([(ACCOUNT, "a", "k1"), (ACCOUNT, "b", "k2"),
-                                  (ACCOUNT, "a", "k3")])
+    records = postgres_storage.load_many([
+        (ACCOUNT, "a", "k1"), (INBOX, "m1", "m1"), (ACCOUNT, "b", "k2"), (INBOX, "m2", "m2"),
+        (ACCOUNT, "a", "k3"), (ACCOUNT, "a", None)])
 
+    # The aggregates' four loads are one statement; each inbox load is its own.
     assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
-    assert [type(record) for record in records] == [AggregateRecord] * 3
-    first, missing, again = records
+    assert [type(record) for record in records] == [AggregateRecord] * 6
+    assert records == [postgres_storage.load(*request) for request in [
+        (ACCOUNT, "a", "k1"), (INBOX, "m1", "m1"), (ACCOUNT, "b", "k2"), (INBOX, "m2", "m2"),
+        (ACCOUNT, "a", "k3"), (ACCOUNT, "a", None)]]
+    first, inbox, missing, new_inbox, again, keyless = records
     assert isinstance(first, AggregateRecord) and "k1" in first.processed
+    assert first.state == {"balance": 5} and first.version == 1
+    assert isinstance(inbox, AggregateRecord) and "m1" in inbox.processed
     assert isinstance(missing, AggregateRecord) and not missing.exists
+    assert isinstance(new_inbox, AggregateRecord) and not new_inbox.processed
     assert isinstance(again, AggregateRecord) and again.version == 1 and not again.processed
+    assert isinstance(keyless, AggregateRecord) and keyless.version == 1
+    assert not keyless.processed
 
 
 def event(type_name: str = "test.Deposited") -> Envelope:
