@@ -60,7 +60,7 @@ import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 try:
     import psycopg
@@ -188,6 +188,28 @@ class PostgresStorage(Storage):
             " ON a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id"
             f" LEFT JOIN {self._processed} p ON p.aggregate_type = r.aggregate_type"
             " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
+        # The updates of a group of commits in one statement: each row's update applies
+        # only at its loaded version, and only the rows updated get their processed row
+        # (returned); the others write nothing, as a refused single commit. A processed row
+        # that exists already raises, and the group is committed again one by one. The
+        # input comes sorted by aggregate, the order in which a group of a few dozen rows
+        # is joined to the aggregates (by their primary key), so two workers' groups lock
+        # rows in one order; a deadlock PostgreSQL would still find is an outage, retried.
+        self._update_group = (
+            "WITH input AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[],"
+            " %s::jsonb[], %s::integer[], %s::boolean[], %s::text[], %s::jsonb[], %s::jsonb[],"
+            " %s::boolean[]) AS i(aggregate_type, aggregate_id, version, state, state_version,"
+            " completed, key, outgoing, outgoing_ids, dispatched)),"
+            f" changed AS (UPDATE {self._aggregates} a SET state = i.state,"
+            " version = a.version + 1, state_version = i.state_version,"
+            " updated_at = clock_timestamp(), completed = i.completed FROM input i"
+            " WHERE a.aggregate_type = i.aggregate_type AND a.aggregate_id = i.aggregate_id"
+            " AND a.version = i.version RETURNING i.aggregate_type, i.aggregate_id, i.key) "
+            f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
+            " i.outgoing_ids, i.dispatched FROM input i JOIN changed c"
+            " ON (c.aggregate_type, c.aggregate_id, c.key)"
+            " = (i.aggregate_type, i.aggregate_id, i.key)"
+            " RETURNING aggregate_type, aggregate_id, key")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
@@ -479,38 +501,61 @@ class PostgresStorage(Storage):
         order = sorted(range(len(commits)), key=lambda index: (
             commits[index].loaded.aggregate_type, commits[index].loaded.aggregate_id,
             commits[index].key))
+        updates = [index for index in order if _is_update(commits[index])]
+        written: dict[int, int] = {}
         try:
             with self._connection() as connection:
                 with connection.pipeline():
-                    cursors = {index: connection.execute(*self._commit_statement(commits[index]))
-                               for index in order}
-                written = {index: cursor.rowcount for index, cursor in cursors.items()}
+                    alone = {index: connection.execute(*self._commit_statement(commits[index]))
+                             for index in order if index not in updates}
+                    group = connection.execute(
+                        self._update_group, self._update_group_arguments(
+                            [commits[index] for index in updates])
+                    ) if len(updates) > 1 else None
+                    if len(updates) == 1:
+                        alone[updates[0]] = connection.execute(
+                            *self._commit_statement(commits[updates[0]]))
+                written = {index: cursor.rowcount for index, cursor in alone.items()}
+                if group is not None:
+                    position = {(commits[index].loaded.aggregate_type,
+                                 commits[index].loaded.aggregate_id, commits[index].key): index
+                                for index in updates}
+                    for row in group.fetchall():
+                        written[position[tuple(row)]] = 1
         except StorageUnavailable:
             raise
         except StorageError:  # nothing of the group was written
             return super().commit_many(commits)
-        return [None if written[index] == 1 else self._refusal_in_group(pending)
+        return [None if written.get(index) == 1 else self._refusal_in_group(pending)
                 for index, pending in enumerate(commits)]
+
+    @staticmethod
+    def _update_group_arguments(commits: Sequence[PendingCommit]) -> tuple[list[Any], ...]:
+        """The arrays of :attr:`_update_group`: a column each, a commit a position."""
+        rows = []
+        for pending in commits:
+            values = _CommitValues.of(pending)
+            loaded = pending.loaded
+            rows.append((loaded.aggregate_type, loaded.aggregate_id, loaded.version,
+                         values.document, values.state_version, values.completed,
+                         *values.entry[2:]))
+        return tuple(list(column) for column in zip(*rows, strict=True))
 
     def _commit_statement(self, pending: PendingCommit) -> tuple[str, tuple[Any, ...]]:
         """The one statement of a commit: it writes one processed row (and the aggregate's
         row), or nothing when its condition fails."""
-        loaded, outgoing = pending.loaded, pending.outgoing
-        completed = bool(pending.options.get("completed", False))
-        state_version = pending.options.get("state_version")
-        entry = (loaded.aggregate_type, loaded.aggregate_id, pending.key,
-                 Jsonb([envelope.to_record() for envelope in outgoing]),
-                 Jsonb([envelope.message_id for envelope in outgoing]), not outgoing)
-        document = (Jsonb(dict(pending.state)) if pending.state is not None and not completed
-                    else None)
+        loaded = pending.loaded
+        values = _CommitValues.of(pending)
         if loaded.aggregate_type == INBOX:
-            return self._insert_inbox, entry
+            return self._insert_inbox, values.entry
         if loaded.exists:
-            return self._update_and_record, (document, state_version, completed,
-                                             loaded.aggregate_type, loaded.aggregate_id,
-                                             loaded.version, *entry)
-        return self._create_and_record, (loaded.aggregate_type, loaded.aggregate_id, document,
-                                         state_version, completed, *entry)
+            return self._update_and_record, (values.document, values.state_version,
+                                             values.completed, loaded.aggregate_type,
+                                             loaded.aggregate_id, loaded.version,
+                                             *values.entry)
+        return self._create_and_record, (loaded.aggregate_type, loaded.aggregate_id,
+                                         values.document, values.state_version,
+                                         values.completed, *values.entry)
 
     def commit_with(
         self,
@@ -1005,6 +1050,37 @@ def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord
         processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
     return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
                            completed=bool(completed), state_version=state_version)
+
+
+class _CommitValues(NamedTuple):
+    """What a commit writes, as statement parameters."""
+
+    #: The processed row: type, id, key, outgoing records, their ids, dispatched.
+    entry: tuple[Any, ...]
+    #: The aggregate's new state (``None``: none, or completed).
+    document: Jsonb | None
+    completed: bool
+    state_version: int | None
+
+    @classmethod
+    def of(cls, pending: PendingCommit) -> _CommitValues:
+        loaded, outgoing = pending.loaded, pending.outgoing
+        completed = bool(pending.options.get("completed", False))
+        return cls(
+            entry=(loaded.aggregate_type, loaded.aggregate_id, pending.key,
+                   Jsonb([envelope.to_record() for envelope in outgoing]),
+                   Jsonb([envelope.message_id for envelope in outgoing]), not outgoing),
+            document=(Jsonb(dict(pending.state)) if pending.state is not None and not completed
+                      else None),
+            completed=completed,
+            state_version=pending.options.get("state_version"),
+        )
+
+
+def _is_update(pending: PendingCommit) -> bool:
+    """Whether ``pending`` updates an existing aggregate (not an inbox entry, not a new
+    aggregate)."""
+    return pending.loaded.aggregate_type != INBOX and pending.loaded.exists
 
 
 class _Refused(Exception):

@@ -104,6 +104,47 @@ def test_postgres_commits_a_group_in_one_pipeline_each_write_on_its_own(
 
 
 @pytest.mark.postgres
+def test_postgres_updates_a_group_of_aggregates_in_one_statement_each_on_its_own(
+        postgres_storage: PostgresStorage, monkeypatch: pytest.MonkeyPatch):
+    for name in ("a", "b", "c", "moved", "seen"):
+        postgres_storage.commit(AggregateRecord(ACCOUNT, name), key=f"first-{name}",
+                                state={"balance": 1}, outgoing=())
+    postgres_storage.commit(postgres_storage.load(ACCOUNT, "moved"), key="moved-on",
+                            state={"balance": 2}, outgoing=())
+    sent = event()
+    updates = [PendingCommit(postgres_storage.load(ACCOUNT, name), f"k-{name}",
+                             {"balance": 10 + n}, (sent,) if name == "b" else ())
+               for n, name in enumerate(("a", "b", "c"))]
+    stale = PendingCommit(AggregateRecord(ACCOUNT, "moved", version=1), "k-late",
+                          {"balance": 9}, ())
+    # Loaded before its own first commit: refused, and found processed.
+    seen = PendingCommit(AggregateRecord(ACCOUNT, "seen", version=0, state=None),
+                         "first-seen", {"balance": 9}, ())
+    created = pending(postgres_storage, "new", "k-new", 7)
+    count = PipelineCount(monkeypatch)
+
+    results = postgres_storage.commit_many([updates[2], stale, created, updates[0], seen,
+                                            updates[1]])
+
+    # The four updates (three that apply, one stale) are one statement; the creation and
+    # the commit of an aggregate loaded as absent are their own.
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    assert [type(result) for result in results] == [
+        type(None), ConcurrencyConflict, type(None), type(None), AlreadyProcessed, type(None)]
+    monkeypatch.undo()
+    for n, name in enumerate(("a", "b", "c")):
+        record = postgres_storage.load(ACCOUNT, name, f"k-{name}")
+        assert record.state == {"balance": 10 + n} and record.version == 2
+        entry = record.processed[f"k-{name}"]
+        assert entry.outgoing == ((sent,) if name == "b" else ())
+        assert entry.outgoing_ids == ((sent.message_id,) if name == "b" else ())
+        assert entry.dispatched is (name != "b")
+    moved = postgres_storage.load(ACCOUNT, "moved", "k-late")
+    assert moved.state == {"balance": 2} and moved.version == 2 and not moved.processed
+    assert postgres_storage.load(ACCOUNT, "new").state == {"balance": 7}
+
+
+@pytest.mark.postgres
 def test_a_postgres_statement_that_fails_lets_the_rest_of_its_group_commit(
         postgres_storage: PostgresStorage):
     good = pending(postgres_storage, "good", "k-good", 1)
