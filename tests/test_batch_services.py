@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import amqp
 import psycopg
 import pytest
 
@@ -233,6 +234,46 @@ def test_rabbitmq_publishes_a_group_with_one_confirm_wait(rabbitmq, monkeypatch)
         received.append(delivery.headers[h.MESSAGE_ID])
     assert received == [envelopes[0].message_id, envelopes[1].message_id,
                         envelopes[4].message_id]
+
+
+@pytest.mark.amqp
+def test_a_group_is_published_without_reading_the_socket_between_messages(rabbitmq,
+                                                                            monkeypatch):
+    transport, name = rabbitmq
+    queue = name("sink")
+    transport.declare(queue, subscriptions=["test.Deposited"])
+    transport.publish(event())  # declares the exchange
+    assert transport.dispatch_many([event()]) == [True]  # opens the confirming channel
+    reads: list[str] = []
+    drain = amqp.Connection.drain_events
+
+    def counted(connection: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append("during wait" if waiting else "between publishes")
+        return drain(connection, *args, **kwargs)
+
+    waiting = False
+    wait = confirms.ConfirmingChannel.wait
+
+    def waited(channel: Any, timeout: float) -> Any:
+        nonlocal waiting
+        waiting = True
+        try:
+            return wait(channel, timeout)
+        finally:
+            waiting = False
+
+    monkeypatch.setattr(amqp.Connection, "drain_events", counted)
+    monkeypatch.setattr(confirms.ConfirmingChannel, "wait", waited)
+
+    results = transport.dispatch_many([event() for _ in range(20)])
+
+    assert "between publishes" not in reads and "during wait" in reads
+    assert results == [True] * 20 and transport.pending(queue) == 22
+    # Only that connection's properties changed: a new connection still announces it.
+    assert amqp.Connection.negotiate_capabilities["connection.blocked"] is True
+    with transport._channel() as channel:
+        capabilities = channel.connection.client_properties["capabilities"]
+        assert capabilities["connection.blocked"] is True
 
 
 @pytest.mark.amqp

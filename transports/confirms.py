@@ -36,12 +36,31 @@ class _Published:
     returned: str = ""
 
 
+def _no_read_before_each_publish(connection: kombu.Connection) -> None:
+    """Spare each publish on ``connection`` (this channel's own) py-amqp's look at the
+    socket for a ``connection.blocked`` notice (a non-blocking read before every
+    ``basic.publish`` of a connection that announced the capability). The broker still
+    sends the notice; it is read with the confirms, at the batch's wait, and changed
+    nothing here anyway (nobody listens for it: a blocked broker shows as confirms that do
+    not come, an outage)."""
+    amqp_connection = getattr(connection, "connection", None)
+    properties = getattr(amqp_connection, "client_properties", None)
+    if not isinstance(properties, dict):
+        return
+    capabilities = properties.get("capabilities")
+    if isinstance(capabilities, dict) and capabilities.get("connection.blocked"):
+        # Copies: whatever else holds these dicts keeps them as they are.
+        amqp_connection.client_properties = {
+            **properties, "capabilities": {**capabilities, "connection.blocked": False}}
+
+
 class ConfirmingChannel:
     """A channel in confirm mode on ``connection`` (a kombu connection to RabbitMQ opened
     without ``confirm_publish``); one thread at a time."""
 
     def __init__(self, connection: kombu.Connection) -> None:
         self.connection = connection
+        _no_read_before_each_publish(connection)
         self._channel: Any = connection.channel()
         self._channel.confirm_select()
         self._channel.events["basic_ack"].add(self._on_ack)
