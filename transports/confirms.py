@@ -43,7 +43,7 @@ def _no_read_before_each_publish(connection: kombu.Connection) -> None:
     sends the notice; it is read with the confirms, at the batch's wait, and changed
     nothing here anyway (nobody listens for it: a blocked broker shows as confirms that do
     not come, an outage)."""
-    amqp_connection = getattr(connection, "connection", None)
+    amqp_connection: Any = getattr(connection, "connection", None)
     properties = getattr(amqp_connection, "client_properties", None)
     if not isinstance(properties, dict):
         return
