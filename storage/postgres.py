@@ -182,7 +182,7 @@ class PostgresStorage(Storage):
         self._load_group = (
             "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
             " p.outgoing_ids, p.dispatched, p.processed_at, a.completed"
-            " FROM unnest(%s::text[], %s::text[], %s::text[]) WITH ORDINALITY"
+            " FROM unnest(%b::text[], %b::text[], %b::text[]) WITH ORDINALITY"
             " AS r(aggregate_type, aggregate_id, key, position)"
             f" LEFT JOIN {self._aggregates} a"
             " ON a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id"
@@ -196,9 +196,9 @@ class PostgresStorage(Storage):
         # is joined to the aggregates (by their primary key), so two workers' groups lock
         # rows in one order; a deadlock PostgreSQL would still find is an outage, retried.
         self._update_group = (
-            "WITH input AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::bigint[],"
-            " %s::jsonb[], %s::integer[], %s::boolean[], %s::text[], %s::jsonb[], %s::jsonb[],"
-            " %s::boolean[]) AS i(aggregate_type, aggregate_id, version, state, state_version,"
+            "WITH input AS (SELECT * FROM unnest(%b::text[], %b::text[], %b::bigint[],"
+            " %b::jsonb[], %b::integer[], %b::boolean[], %b::text[], %b::jsonb[], %b::jsonb[],"
+            " %b::boolean[]) AS i(aggregate_type, aggregate_id, version, state, state_version,"
             " completed, key, outgoing, outgoing_ids, dispatched)),"
             f" changed AS (UPDATE {self._aggregates} a SET state = i.state,"
             " version = a.version + 1, state_version = i.state_version,"
