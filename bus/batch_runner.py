@@ -172,11 +172,16 @@ class BatchRunner:
     """Processes batches of deliveries with ``process`` (one delivery's whole processing,
     acknowledgement included), at most ``size`` a batch, on the calling thread."""
 
-    def __init__(self, process: Callable[[Delivery], None], *, size: int) -> None:
+    def __init__(self, process: Callable[[Delivery], None], *, size: int,
+                 requeue_escaped: bool = True) -> None:
         if size < 1:
             raise ValueError(f"batch size must be at least 1, got {size}")
         self.size = size
         self._process = process
+        #: A delivery whose processing raised is requeued, as a broker would give it back
+        #: (:meth:`Transport.deliver`); otherwise (deliveries nobody would give back, such
+        #: as a replay's rows) what it raised is raised once the batch is settled.
+        self._requeue_escaped = requeue_escaped
 
     def run(self, deliveries: Sequence[Delivery], transport: Transport, *,
             one_at_a_time: bool = False) -> None:
@@ -213,7 +218,10 @@ class BatchRunner:
     def _runner_of(self, member: _Member) -> Callable[[], None]:
         def run() -> None:
             try:
-                Transport.deliver(member.delivery, self._process)
+                if self._requeue_escaped:
+                    Transport.deliver(member.delivery, self._process)
+                else:
+                    self._process(member.delivery)
             except BaseException as escaped:  # reported by the runner, after the batch
                 member.escaped = escaped
             finally:

@@ -18,6 +18,7 @@ the rest (the broker, the database) when it starts. Either way the error says wh
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import re
 import threading
@@ -564,27 +565,34 @@ class Endpoint:
         """Consume until stopped, one delivery or one batch at a time. Where the queues share
         the storage's database, commit, send and acknowledgement are one transaction
         already: deliveries go one at a time, batching or not."""
-        if self.batching is None or self.shared_transaction is not None:
+        size = self.batch_size
+        if size is None:
             self.transport.consume(self.name, self._on_delivery, stop=self._stop,
                                    prefetch=self.prefetch)
             return
-        size = self.batching.size_for(self.prefetch)
+        assert self.batching is not None
         runner = BatchRunner(self._processor, size=size)
-
-        def on_batch(deliveries: Sequence[Delivery]) -> None:
-            with self._activity:
-                self._in_flight += len(deliveries)
-            try:
-                runner.run(deliveries, self.transport,
-                           one_at_a_time=self._recovery.breaker.open)
-            finally:
-                with self._activity:
-                    self._in_flight -= len(deliveries)
-                    self._activity.notify_all()
-
         self.transport.consume_batches(
-            self.name, on_batch, stop=self._stop, prefetch=max(self.prefetch, size),
-            size=size, linger=self.batching.linger)
+            self.name, functools.partial(self._on_batch, runner), stop=self._stop,
+            prefetch=max(self.prefetch, size), size=size, linger=self.batching.linger)
+
+    @property
+    def batch_size(self) -> int | None:
+        """The most deliveries a batch holds; ``None`` when they go one at a time (no
+        batching, or a shared transaction)."""
+        if self.batching is None or self.shared_transaction is not None:
+            return None
+        return self.batching.size_for(self.prefetch)
+
+    def _on_batch(self, runner: BatchRunner, deliveries: Sequence[Delivery]) -> None:
+        with self._activity:
+            self._in_flight += len(deliveries)
+        try:
+            runner.run(deliveries, self.transport, one_at_a_time=self._recovery.breaker.open)
+        finally:
+            with self._activity:
+                self._in_flight -= len(deliveries)
+                self._activity.notify_all()
 
     def _on_delivery(self, delivery: Delivery) -> None:
         with self._activity:
@@ -601,6 +609,23 @@ class Endpoint:
         same deduplication, dispatch, retries and error queue. For tools that bring their
         own messages (``idembus spark replay``); the endpoint need not be started."""
         self._on_delivery(delivery)
+
+    def process_batch(self, deliveries: Sequence[Delivery]) -> None:
+        """Process ``deliveries`` in the calling thread as a consumer's batches would be
+        (at most :attr:`batch_size` a batch, in order; one at a time without batching): the
+        same deduplication, dispatch, retries and error queue, their loads, commits and
+        dispatches shared by each batch. What escapes a message's processing (a crash) is
+        raised once its batch is settled, as :meth:`process` raises it: nothing gives such
+        a delivery back, so the caller runs it again (Spark: the task). For tools that
+        bring their own messages (``idembus spark replay``)."""
+        size = self.batch_size
+        if size is None:
+            for delivery in deliveries:
+                self._on_delivery(delivery)
+            return
+        runner = BatchRunner(self._processor, size=size, requeue_escaped=False)
+        for start in range(0, len(deliveries), size):
+            self._on_batch(runner, deliveries[start:start + size])
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Send a delivery that is not a readable message to the error queue with

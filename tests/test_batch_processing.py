@@ -258,26 +258,78 @@ def test_one_failing_message_goes_to_the_error_queue_and_the_others_are_handled(
     assert rig.signals["handled"] == 2 and rig.signals["dead_lettered"] == 1
 
 
-def test_a_crash_in_one_message_requeues_it_alone():
-    crashing = str(uuid.uuid4())
-    rig = Rig(middleware=[CrashAfterCommit(crashing)])
+@pytest.fixture
+def crashing() -> Iterator[tuple[Rig, list[tuple[str, str, int]]]]:
+    """A rig whose process dies right after committing the second of three Posts (a, b,
+    c), and those three."""
+    plan = [(message_id, account, amount) for message_id, account, amount
+            in zip(ids(3), "abc", (1, 2, 3), strict=True)]
+    made = Rig(middleware=[CrashAfterCommit(plan[1][0])])
+    yield made, plan
+    made.close()
+
+
+def test_a_crash_in_one_message_requeues_it_alone(crashing):
+    rig, plan = crashing
+    deliveries = [received(*entry) for entry in plan]
+
+    rig.run(deliveries)
+
+    assert deliveries[1].requeued and not deliveries[1].acked
+    assert deliveries[0].acked and deliveries[2].acked
+    assert rig.journal.details("ack_many") == [[plan[0][0], plan[2][0]]]
+    # Redelivered, the crashed message is a duplicate that sends what it stored.
+    again = received(*plan[1])
+    rig.run([again])
+    assert again.acked and rig.amounts("b") == [2]
+    assert rig.signals["duplicate"] == 1
+    posted_b = [e for e in rig.transport.published if '"account":"b"' in e.body]
+    assert len(posted_b) == 1  # the crash came before its dispatch
+
+
+def test_process_batch_shares_the_round_trips_of_up_to_a_batch_of_deliveries(rig: Rig):
+    deliveries = [received(message_id, f"account-{n % 20}", n + 1)
+                  for n, message_id in enumerate(ids(20))]
+
+    rig.endpoint.process_batch(deliveries)
+
+    # Batches of 16 (the endpoint's size): the first sixteen, then the last four.
+    assert [len(group) for group in rig.journal.details("ack_many")] == [16, 4]
+    assert rig.journal.count("load_many") == 2
+    assert all(d.acked and not d.requeued for d in deliveries)
+    assert [rig.amounts(f"account-{n}") for n in range(20)] == [[n + 1] for n in range(20)]
+
+
+def test_process_batch_raises_a_crash_once_the_others_of_its_batch_are_done(crashing):
+    """Nothing gives a replay's row back: a crash is raised, as ``process`` raises it, for
+    the caller to run the rows again (Spark: the task); the others are acknowledged."""
+    rig, plan = crashing
+    deliveries = [received(*entry) for entry in plan]
+
+    with pytest.raises(SimulatedCrash):
+        rig.endpoint.process_batch(deliveries)
+
+    assert not deliveries[1].acked and not deliveries[1].requeued
+    assert deliveries[0].acked and deliveries[2].acked
+    again = [received(*entry) for entry in plan]
+    rig.endpoint.process_batch(again)
+    assert all(d.acked for d in again)
+    assert [rig.amounts(account) for account in "abc"] == [[1], [2], [3]]
+    assert rig.signals["duplicate"] == 3 and rig.signals["redispatched"] == 1
+
+
+def test_process_batch_without_batching_processes_one_at_a_time():
+    rig = Rig()
+    rig.endpoint.batching = None
     try:
-        others = ids(2)
-        deliveries = [received(others[0], "a", 1), received(crashing, "b", 2),
-                      received(others[1], "c", 3)]
+        deliveries = [received(message_id, f"account-{n}", n) for n, message_id in
+                      enumerate(ids(3))]
 
-        rig.run(deliveries)
+        rig.endpoint.process_batch(deliveries)
 
-        assert deliveries[1].requeued and not deliveries[1].acked
-        assert deliveries[0].acked and deliveries[2].acked
-        assert rig.journal.details("ack_many") == [others]
-        # Redelivered, the crashed message is a duplicate that sends what it stored.
-        again = received(crashing, "b", 2)
-        rig.run([again])
-        assert again.acked and rig.amounts("b") == [2]
-        assert rig.signals["duplicate"] == 1
-        posted_b = [e for e in rig.transport.published if '"account":"b"' in e.body]
-        assert len(posted_b) == 1  # the crash came before its dispatch
+        assert rig.journal.count("load_many") == 0 and rig.journal.count("ack_many") == 0
+        assert all(d.acked for d in deliveries)
+        assert [rig.amounts(f"account-{n}") for n in range(3)] == [[0], [1], [2]]
     finally:
         rig.close()
 

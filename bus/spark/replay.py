@@ -10,8 +10,9 @@ messages stay in one partition) and sorted within each partition by ``order_by``
 number or a time), so each aggregate sees its messages in order. Every partition builds the
 endpoint from its reference (``package.module:attribute``, an Endpoint or a function returning
 one, imported in the worker: nothing is pickled but the reference and the column names),
-does **not** start its consumers, and hands each row to the endpoint's
-:class:`~idembus.processing.MessageProcessor` exactly like a message taken from its queue: the
+does **not** start its consumers, and hands the rows to the endpoint's
+:class:`~idembus.processing.MessageProcessor` exactly like messages taken from its queue, in
+batches as its consumers take them (:meth:`~idembus.endpoint.Endpoint.process_batch`): the
 handlers' effects commit through the endpoint's storage, deduplicated per handler and message
 id; outgoing messages leave through its transport with their deterministic ids; bad input
 goes to its error queue; a handler that keeps failing is retried as the endpoint's retry
@@ -332,8 +333,19 @@ def _replay_partition(endpoint_factory: str, rows: Iterable[Any]) -> Iterator[di
     try:
         refuse_process_local(endpoint, endpoint_factory)
         redelivered = _task_attempt() > 0
+        batch: list[RowDelivery] = []
+        size = endpoint.batch_size or 1
         for row in itertools.chain([first], remaining):
-            tally.settled(_process(endpoint, row.asDict(), redelivered=redelivered))
+            delivery = row_delivery(row.asDict(), queue=endpoint.name, redelivered=redelivered)
+            if delivery.problem is not None:
+                # Unreadable as a message before decoding even starts: bad input, error queue.
+                endpoint.reject(delivery, delivery.problem)
+                tally.settled(delivery)
+                continue
+            batch.append(delivery)
+            if len(batch) == size:
+                _process(endpoint, batch, tally)
+        _process(endpoint, batch, tally)
         _flush(endpoint)
     finally:
         tally.close()
@@ -342,15 +354,14 @@ def _replay_partition(endpoint_factory: str, rows: Iterable[Any]) -> Iterator[di
     yield tally.counts()
 
 
-def _process(endpoint: Endpoint, row: Mapping[str, Any], *, redelivered: bool) -> RowDelivery:
-    """One row through the endpoint's processor, as a delivery from the endpoint's queue."""
-    delivery = row_delivery(row, queue=endpoint.name, redelivered=redelivered)
-    if delivery.problem is not None:
-        # Unreadable as a message before decoding even starts: bad input, error queue.
-        endpoint.reject(delivery, delivery.problem)
-    else:
-        endpoint.process(delivery)
-    return delivery
+def _process(endpoint: Endpoint, batch: list[RowDelivery], tally: _Tally) -> None:
+    """The rows of ``batch`` through the endpoint's processor, as a batch of deliveries from
+    the endpoint's queue (in order; one at a time where the endpoint does not batch); then
+    ``batch`` is emptied."""
+    endpoint.process_batch(batch)
+    for delivery in batch:
+        tally.settled(delivery)
+    batch.clear()
 
 
 def _flush(endpoint: Endpoint) -> None:
