@@ -10,11 +10,12 @@ available before the clock starts:
 
 * ``spark replay 1p`` / ``2p`` — :func:`idembus.spark.replay.replay` of a cached DataFrame of the
   messages with 1 and 2 partitions on ``local[2]``: each partition builds the endpoint once
-  and feeds its rows to the endpoint's processor. The clock covers the whole call: the
-  driver's check of the endpoint, the shuffle by aggregate id, the sort, the tasks;
-* ``consume loop`` — the endpoint itself (``Endpoint.start``, one consumer thread, prefetch
-  16) taking the same kind of messages from its RabbitMQ queue, where they wait beforehand;
-  the clock runs from ``start()`` to the last ``handled`` signal;
+  and feeds its rows to the endpoint's processor in batches (``--batch``, 32; 0: one at a
+  time). The clock covers the whole call: the driver's check of the endpoint, the shuffle
+  by aggregate id, the sort, the tasks;
+* ``consume loop`` — the endpoint itself (``Endpoint.start``, one consumer thread, batches
+  of the same size) taking the same kind of messages from its RabbitMQ queue, where they
+  wait beforehand; the clock runs from ``start()`` to the last ``handled`` signal;
 * ``cluster 1w`` / ``2w`` — the same ``replay`` on a Spark standalone cluster on this
   machine (:class:`bench.spark_cluster.StandaloneCluster`, workers of 1 core each) with one
   worker and one partition, and with two workers and two partitions. Both clusters run
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.pg_common import ENVIRONMENT, RunNames, aggregate_of
-from bench.pg_handlers import build_endpoint
+from bench.pg_handlers import BATCH, build_endpoint
 from bench.pg_idembus import create_tables, envelopes, totals
 from bench.pg_procs import machine_busy_seconds, wait_for_quiet
 from bench.pg_topology import Broker, Cleanup
@@ -147,7 +148,7 @@ def spark_run(spark: Any, names: RunNames, indexes: range, partitions: int,
 def loop_run(names: RunNames, broker: Broker, indexes: range) -> Result:
     for envelope in envelopes(names, indexes):
         broker.publish_raw(names.input_queue, envelope.body.encode(), dict(envelope.headers))
-    endpoint = build_endpoint(names)
+    endpoint = run_endpoint(names)
     done = HandledCount(endpoint)
     watch = Stopwatch()
     endpoint.start()
@@ -182,17 +183,29 @@ class HandledCount:
 def declare_input(names: RunNames) -> None:
     """The endpoint's queue as the endpoint declares it (a quorum queue by default), before
     the consume loop's messages are put there."""
-    endpoint = build_endpoint(names)
+    endpoint = run_endpoint(names)
     try:
         endpoint.transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
     finally:
         endpoint.close()
 
 
-def verify(names: RunNames, broker: Broker, applied: int) -> None:
-    """Every message applied once, every event marked dispatched and waiting in the sink."""
+def run_endpoint(names: RunNames) -> Endpoint:
+    """The run's endpoint as its Spark workers build it (``bench.pg_handlers.factory``:
+    batches of the size in the environment)."""
+    return build_endpoint(names, batch=int(os.environ.get(BATCH) or 0))
+
+
+def verify(names: RunNames, applied: int) -> None:
+    """Every message applied once, every event marked dispatched and waiting in the sink
+    (read on a connection of its own: the run's may have idled past the broker's
+    heartbeat limit meanwhile)."""
     counted, processed, undispatched = totals(names)
-    events = broker.depth(names.sink_queue)
+    broker = Broker(names.amqp_url)
+    try:
+        events = broker.depth(names.sink_queue)
+    finally:
+        broker.close()
     if (counted, processed, undispatched, events) != (applied, applied, 0, applied):
         raise SystemExit(
             f"after {applied} messages: counters sum to {counted}, {processed} processed "
@@ -219,6 +232,7 @@ def cluster_conf(names: RunNames) -> dict[str, str]:
     """What a cluster's executors need to build the run's endpoint (their workers start
     them: they inherit nothing from this process), and the driver's address on loopback."""
     return {f"spark.executorEnv.{ENVIRONMENT}": names.environment()[ENVIRONMENT],
+            f"spark.executorEnv.{BATCH}": os.environ.get(BATCH) or "0",
             "spark.executorEnv.PYTHONPATH": str(REPOSITORY),
             "spark.driver.host": LOOPBACK["SPARK_LOCAL_IP"]}
 
@@ -306,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="of each variant (2)")
     parser.add_argument("--master", default="local[2]",
                         help="Spark master of the local part (local[2])")
+    parser.add_argument("--batch", type=int, default=32, metavar="B",
+                        help="the endpoint's batches, for replay and the consume loop alike "
+                             "(32, as bench.postgres' batched runs); 0: one message at a "
+                             "time")
     parser.add_argument("--parts", type=_parts, default=["local", "cluster"],
                         help="local (local[2] and the consume loop), cluster (standalone "
                              "clusters of one and two workers) (local,cluster)")
@@ -315,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # build the endpoint of this run from it (bench.pg_handlers.factory); the JVM, and the
     # drivers of the cluster part, stay on loopback.
     os.environ[ENVIRONMENT] = names.environment()[ENVIRONMENT]
+    os.environ[BATCH] = str(max(args.batch, 0))
     os.environ.update(LOOPBACK)
     cleanup = Cleanup(names)
     broker = Broker(names.amqp_url)
@@ -332,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="idembus-bench-spark-") as directory:
                 results += measure_clusters(names, batches, Path(directory),
                                             messages=args.messages, rounds=args.rounds)
-        verify(names, broker, batches.total)
+        verify(names, batches.total)
     finally:
         broker.close()
         cleanup.tables += [f"{names.table_prefix}_{table}" for table in
