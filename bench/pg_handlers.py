@@ -80,12 +80,16 @@ def build_endpoint(names: RunNames, *, transport: KombuTransport | None = None,
 
 def factory() -> Endpoint:
     """``idembus run bench.pg_handlers:factory``: the endpoint of the run in the environment."""
-    endpoint = build_endpoint(RunNames.from_environment(),
-                              batch=int(os.environ.get(BATCH) or 0))
+    endpoint = build_endpoint(RunNames.from_environment(), batch=batch_from_environment())
     directory = os.environ.get(PROBE)
     if directory:
         start_probe(endpoint, Path(directory))
     return endpoint
+
+
+def batch_from_environment() -> int:
+    """The batch size the driver put in :data:`BATCH` (0: one message at a time)."""
+    return int(os.environ.get(BATCH) or 0)
 
 
 def start_probe(endpoint: Endpoint, directory: Path) -> threading.Thread:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.pg_common import ENVIRONMENT, RunNames, aggregate_of
-from bench.pg_handlers import BATCH, build_endpoint
+from bench.pg_handlers import BATCH, batch_from_environment, build_endpoint
 from bench.pg_idembus import create_tables, envelopes, totals
 from bench.pg_procs import machine_busy_seconds, wait_for_quiet
 from bench.pg_topology import Broker, Cleanup
@@ -193,7 +193,7 @@ def declare_input(names: RunNames) -> None:
 def run_endpoint(names: RunNames) -> Endpoint:
     """The run's endpoint as its Spark workers build it (``bench.pg_handlers.factory``:
     batches of the size in the environment)."""
-    return build_endpoint(names, batch=int(os.environ.get(BATCH) or 0))
+    return build_endpoint(names, batch=batch_from_environment())
 
 
 def verify(names: RunNames, applied: int) -> None:

@@ -502,19 +502,16 @@ class PostgresStorage(Storage):
             commits[index].loaded.aggregate_type, commits[index].loaded.aggregate_id,
             commits[index].key))
         updates = [index for index in order if _is_update(commits[index])]
-        written: dict[int, int] = {}
+        if len(updates) < 2:  # a group statement for one update would gain nothing
+            updates = []
+        grouped = set(updates)
         try:
             with self._connection() as connection:
                 with connection.pipeline():
                     alone = {index: connection.execute(*self._commit_statement(commits[index]))
-                             for index in order if index not in updates}
-                    group = connection.execute(
-                        self._update_group, self._update_group_arguments(
-                            [commits[index] for index in updates])
-                    ) if len(updates) > 1 else None
-                    if len(updates) == 1:
-                        alone[updates[0]] = connection.execute(
-                            *self._commit_statement(commits[updates[0]]))
+                             for index in order if index not in grouped}
+                    group = connection.execute(self._update_group, self._update_group_arguments(
+                        [commits[index] for index in updates])) if updates else None
                 written = {index: cursor.rowcount for index, cursor in alone.items()}
                 if group is not None:
                     position = {(commits[index].loaded.aggregate_type,
