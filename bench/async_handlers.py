@@ -11,7 +11,7 @@ The variants differ only in how the handling method is written; the body is one 
 
 * ``sync``: ``def place(...)``.
 * ``async``: ``async def place(...)`` with the same body: it runs to completion on the
-  consumer thread's event loop (:mod:`idembus.aio`). ``ratio_async`` = async / sync is the
+  consumer thread's event loop (:mod:`idembus.runtime.aio`). ``ratio_async`` = async / sync is the
   price of the loop; the goal is at least 0.9.
 * ``async_await``: the same, awaiting ``asyncio.sleep(0)`` first: one real suspension and
   resumption through the loop per message, as a handler awaiting I/O has (informative).
@@ -57,8 +57,8 @@ from bench.common import (
     unreachable_reason,
 )
 from bench.throughput import write_json
-from idembus.endpoint import Endpoint
 from idembus.handlers import AggregateHandler, handles
+from idembus.runtime.endpoint import Endpoint
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.messages import OrderPlaced, PlaceOrder
 from samples.ordering.sales import Order
@@ -280,7 +280,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Every run says that MemoryStorage is process-local; the table says it once.
-    logging.getLogger("idembus.endpoint").setLevel(logging.ERROR)
+    logging.getLogger("idembus.runtime.endpoint").setLevel(logging.ERROR)
     report, lines = bench(args)
     print()
     for line in lines:

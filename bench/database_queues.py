@@ -10,7 +10,7 @@ What is measured
 
   - ``rabbitmq``: in RabbitMQ (quorum queues, publisher confirms, the outbox's marks);
   - ``postgresql``: in the storage's PostgreSQL database (the PostgreSQL transport):
-    commit, send and acknowledgement in one transaction (``idembus.shared_transaction``);
+    commit, send and acknowledgement in one transaction (``idembus.runtime.shared_transaction``);
   - ``postgresql-outbox``: the same tables, ``shared_transactions=False``: commit, then
     insert, mark and delete, as with a broker.
 

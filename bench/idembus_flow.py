@@ -26,8 +26,8 @@ from bench.common import (
     unique_suffix,
 )
 from bench.pg_common import POSTGRES_URL
-from idembus.endpoint import Endpoint
 from idembus.pipeline import Middleware
+from idembus.runtime.endpoint import Endpoint
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage

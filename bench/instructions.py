@@ -196,7 +196,7 @@ def run_async(variant: str, count: int, url: str, storage: str, *,
     :func:`run_flow`)."""
     from bench import async_handlers
 
-    logging.getLogger("idembus.endpoint").setLevel(logging.ERROR)
+    logging.getLogger("idembus.runtime.endpoint").setLevel(logging.ERROR)
     handler = async_handlers.VARIANTS[variant][1]
     if not queue_only:
         async_handlers.run(url, storage, handler, count)

@@ -81,7 +81,7 @@ def _tracing(sampler: Any) -> list[Middleware]:
         SpanExportResult,
     )
 
-    from idembus.tracing import Tracing
+    from idembus.observability.tracing import Tracing
 
     class Nowhere(SpanExporter):
         def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:

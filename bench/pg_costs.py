@@ -27,9 +27,9 @@ from bench.pg_handlers import CounterHandler, CounterIncremented
 from bench.pg_idembus import create_tables, envelopes
 from bench.pg_procs import CpuSnapshot
 from bench.pg_topology import Broker, Cleanup, create_peer_tables
-from idembus.endpoint import Endpoint
 from idembus.envelope import Envelope
 from idembus.routing import Router
+from idembus.runtime.endpoint import Endpoint
 from idembus.sending import Bus
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage

@@ -64,7 +64,7 @@ from bench.pg_idembus import create_tables, envelopes, totals
 from bench.pg_procs import machine_busy_seconds, wait_for_quiet
 from bench.pg_topology import Broker, Cleanup
 from bench.spark_cluster import LOOPBACK, StandaloneCluster
-from idembus.endpoint import Endpoint
+from idembus.runtime.endpoint import Endpoint
 from idembus.spark.replay import replay
 
 FACTORY = "bench.pg_handlers:factory"

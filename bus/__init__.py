@@ -16,8 +16,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 from . import headers
-from .batching import Batching
-from .breaker import BreakerPolicy
 from .context import MessageContext
 from .envelope import Envelope
 from .errors import (
@@ -33,39 +31,42 @@ from .errors import (
 from .evolution import upcaster
 from .messages import Command, Event, Message, message_name
 from .pipeline import Middleware, RejectMessage, RetryLater, SkipMessage
-from .policies import Backoff, ConflictPolicy, OutboxPolicy, RetryPolicy
+from .policies import Backoff, Batching, ConflictPolicy, OutboxPolicy, RetryPolicy
+from .runtime.recoverability.breaker import BreakerPolicy
 from .sending import Bus
 
 if TYPE_CHECKING:
-    from .audit import Audit
-    from .endpoint import Endpoint
     from .handlers import AggregateHandler, Handler, handles
-    from .journal import JournalPolicy
-    from .metrics import Metrics
-    from .recovery import Recoverability
+    from .observability.audit import Audit
+    from .observability.metrics import Metrics
+    from .observability.tracing import Tracing
+    from .runtime.aio import LoopLocal
+    from .runtime.endpoint import Endpoint
+    from .runtime.journal import JournalPolicy
+    from .runtime.recoverability.policy import Recoverability
     from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
     from .storage.postgres import PostgresStorage
-    from .tracing import Tracing
     from .transports.kombu import KombuTransport
 
 #: Names imported on first use, with the module (relative to this package) that has them.
 _LAZY = {
     "AggregateHandler": ".handlers",
-    "Audit": ".audit",
-    "JournalPolicy": ".journal",
-    "Recoverability": ".recovery",
+    "Audit": ".observability.audit",
+    "JournalPolicy": ".runtime.journal",
+    "LoopLocal": ".runtime.aio",
+    "Recoverability": ".runtime.recoverability.policy",
     "Schedule": ".schedules",
     "SchedulerPolicy": ".schedules",
-    "Endpoint": ".endpoint",
+    "Endpoint": ".runtime.endpoint",
     "Handler": ".handlers",
     "KombuTransport": ".transports.kombu",
-    "Metrics": ".metrics",
+    "Metrics": ".observability.metrics",
     "MemoryStorage": ".storage.memory",
     "MongoStorage": ".storage.mongo",
     "PostgresStorage": ".storage.postgres",
-    "Tracing": ".tracing",
+    "Tracing": ".observability.tracing",
     "handles": ".handlers",
 }
 
@@ -93,6 +94,7 @@ __all__ = [
     "InvalidMessage",
     "JournalPolicy",
     "KombuTransport",
+    "LoopLocal",
     "MalformedMessage",
     "MemoryStorage",
     "Message",

@@ -1,4 +1,4 @@
-"""``python -m idembus``: the command line (:mod:`idembus.cli`).
+"""``python -m idembus``: the command line (:mod:`idembus.cli.commands`).
 
 Python puts the working directory first on ``sys.path`` for ``-m``; it is taken off before
 the command line and the libraries it uses are imported, so that a file of the user's named
@@ -11,7 +11,7 @@ command, whose script directory comes first instead, has no such gap.
 
 import sys
 
-from .loading import working_directory_last
+from .cli.loading import working_directory_last
 
 
 def _main() -> int:

@@ -42,7 +42,7 @@ The failure taxonomy (README, "When the infrastructure fails") is read off this 
   in an outage, and the endpoint keeps trying. Met while starting, it is a configuration
   error (exit status 2).
 
-``SimulatedCrash`` (in :mod:`idembus.faults`) is deliberately *not* in this tree: it stands
+``SimulatedCrash`` (in :mod:`idembus.testing.faults`) is deliberately *not* in this tree: it stands
 for a process dying and derives from ``BaseException`` so that no handler can swallow it.
 """
 

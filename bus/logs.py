@@ -7,8 +7,9 @@
   otherwise).
 * :class:`Throttle`: one line per cause per interval, with how many were held back, for
   messages that repeat while something stays broken (an outage): a message that waits
-  (:mod:`idembus.processing`), an endpoint's helper threads (:mod:`idembus.background`),
-  its status reports (:mod:`idembus.status`) and a consumer reconnecting
+  (:mod:`idembus.runtime.processing`), an endpoint's helper threads
+  (:mod:`idembus.runtime.background`),
+  its status reports (:mod:`idembus.runtime.status`) and a consumer reconnecting
   (:mod:`idembus.transports.kombu`).
 * :class:`JsonFormatter`: one JSON object per line (``idembus run --log-format json``),
   redacted like every other line.

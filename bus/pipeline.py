@@ -278,7 +278,7 @@ class Pipeline:
 
     def append(self, middleware: Middleware) -> None:
         """Add ``middleware`` last (innermost). Not while messages are processed: the
-        endpoint's :meth:`~idembus.endpoint.Endpoint.add_middleware` checks that."""
+        endpoint's :meth:`~idembus.runtime.endpoint.Endpoint.add_middleware` checks that."""
         if not isinstance(middleware, Middleware):
             raise ConfigurationError(
                 f"middleware must be idembus.Middleware instances, got {middleware!r}")

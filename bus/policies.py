@@ -107,7 +107,7 @@ class OutboxPolicy:
     """What an endpoint does with the outgoing messages it committed
     (``Endpoint(outbox=OutboxPolicy(...))``; ``outbox=False`` is ``OutboxPolicy(run=False)``).
 
-    ``run``: run the outbox dispatcher (:mod:`idembus.outbox`) in this endpoint's processes
+    ``run``: run the outbox dispatcher (:mod:`idembus.runtime.outbox`) in this endpoint's processes
     (its processes elect one); off when ``idembus dispatcher`` runs it apart.
     ``grace``: seconds committed messages may stay undispatched before the outbox sends them.
     ``defer_fresh_redispatch``: seconds (default 0: never). A duplicate that finds its entry
@@ -131,3 +131,29 @@ class OutboxPolicy:
             raise ConfigurationError(
                 f"defer_fresh_redispatch={self.defer_fresh_redispatch!r}: give 0 or more "
                 "seconds, and keep run=True: the outbox sends what a crashed committer left")
+
+@dataclass(frozen=True)
+class Batching:
+    """Batched consumption: ``size`` deliveries at most a batch (``None``: the endpoint's
+    ``prefetch``), ``linger`` seconds at most waited for more once one is ready.
+
+    ``Batching(size=1)`` is processing one message at a time, through the same path."""
+
+    size: int | None = None
+    linger: float = 0.002
+
+    def __post_init__(self) -> None:
+        if self.size is not None and (isinstance(self.size, bool) or self.size < 1):
+            raise ValueError(f"batch size must be at least 1, got {self.size!r}")
+        if not self.linger >= 0:
+            raise ValueError(f"batch linger must be a non-negative number of seconds, "
+                             f"got {self.linger!r}")
+
+    def size_for(self, prefetch: int) -> int:
+        """The batch size an endpoint with ``prefetch`` uses."""
+        return self.size if self.size is not None else prefetch
+
+
+#: What an endpoint batches with unless told otherwise (``Endpoint(batching=None)``: one
+#: message at a time).
+DEFAULT_BATCHING = Batching()

@@ -10,7 +10,7 @@
 A :class:`Schedule` names a cron expression, the time zone it is read in and the message to
 send (a Command, routed like any other) or publish (an Event) at each occurrence, or a
 function building that message from the occurrence's time. The
-:class:`~idembus.scheduler.Scheduler` of the endpoint sends it; this module only computes.
+:class:`~idembus.runtime.scheduler.Scheduler` of the endpoint sends it; this module only computes.
 
 Cron expressions are evaluated by cronsim, which follows Debian's cron, daylight saving time
 included: a job at a fixed time of day that falls in the hour skipped in spring runs right
@@ -75,7 +75,7 @@ class Schedule:
     catch_up:
         Occurrences missed while no scheduler ran are skipped (logged and counted) and only
         the newest is sent, late, by default; ``True`` sends every one of them, in order,
-        up to :data:`~idembus.scheduler.CATCH_UP_BATCH` per round.
+        up to :data:`~idembus.runtime.scheduler.CATCH_UP_BATCH` per round.
     """
 
     name: str

@@ -212,7 +212,7 @@ def _annotated_types(cls: type, attribute: str, function: Any) -> tuple[Any, ...
 
 def _refuse_async(cls: type, attribute: str, function: Any, *, hook: bool = False) -> None:
     """Handling methods may be ``async def`` (run to completion on the consumer thread's
-    loop, :mod:`idembus.aio`), but not async generators: the body would never run. The
+    loop, :mod:`idembus.runtime.aio`), but not async generators: the body would never run. The
     ``hook`` methods (``aggregate_id``, ``new_state``) are called synchronously, to name or
     build the aggregate the handling method works on: an ``async def`` there would hand
     back a coroutine instead."""

@@ -629,7 +629,8 @@ class JournalStore(StorageRole, ABC):
 
 
 class AuditStore(StorageRole, ABC):
-    """The audit trail of endpoints with the :class:`~idembus.audit.Audit` middleware, read
+    """The audit trail of endpoints with the :class:`~idembus.observability.audit.Audit`
+    middleware, read
     by ``idembus spark report``."""
 
     @abstractmethod

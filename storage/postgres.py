@@ -94,7 +94,6 @@ from .base import (
     Undispatched,
     scheduled_key,
 )
-from .batching import Batcher
 from .errors import StaleLease, StorageAccessDenied, StorageError, StorageUnavailable
 from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
@@ -106,6 +105,7 @@ from .postgres_errors import (
 )
 from .postgres_shared import StatementPart
 from .postgres_shared import statement as shared_statement
+from .write_behind import Batcher
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -570,7 +570,7 @@ class PostgresStorage(Storage):
         """:meth:`commit`, in one statement with another's ``part``
         (:mod:`idembus.storage.postgres_shared`; the PostgreSQL transport inserting the
         outgoing messages into their queues and deleting the incoming one, for
-        :mod:`idembus.shared_transaction`), and with the ``journal`` entries in the same
+        :mod:`idembus.runtime.shared_transaction`), and with the ``journal`` entries in the same
         transaction; then the part's ``after`` statement, in the same round trip where
         there is no journal. The outgoing messages are recorded as dispatched already (their
         bodies kept only with ``keep_bodies``): no outbox sends them, no mark follows.

@@ -1,6 +1,6 @@
 """The commit of :meth:`PostgresStorage.commit_with` as one statement with another's part
 (the PostgreSQL transport's inserts of the outgoing messages and deletion of the incoming
-one: :mod:`idembus.shared_transaction`).
+one: :mod:`idembus.runtime.shared_transaction`).
 
 One statement, in one round trip, atomic on its own::
 

@@ -12,7 +12,7 @@ role                        needed by
                             ``schedules=...`` (the scheduler's lease)
 ``DelayedStore``            a transport without native delay (memory://, Redis)
 ``JournalStore``            ``journal=...``
-``AuditStore``              the :class:`~idembus.audit.Audit` middleware
+``AuditStore``              the :class:`~idembus.observability.audit.Audit` middleware
 ``StatusStore``             status reports (``idembus status``)
 ==========================  =====================================================
 

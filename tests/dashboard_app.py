@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from idembus import Command, Endpoint, Event, RetryPolicy
 from idembus.handlers import AggregateHandler, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 

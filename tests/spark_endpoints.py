@@ -19,9 +19,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from idembus import Command, Endpoint, Event, upcaster
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, handles
 from idembus.storage.postgres import PostgresStorage
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.kombu import KombuTransport
 
 

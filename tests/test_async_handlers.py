@@ -1,5 +1,5 @@
 """asyncio handlers: ``async def`` handling methods run to completion on an event loop per
-consumer thread (``idembus.aio``) with exactly the commit and deduplication of a plain
+consumer thread (``idembus.runtime.aio``) with exactly the commit and deduplication of a plain
 ``def``; ``idembus.testing.handle`` and ``handle_async`` run them; ``async with
 endpoint.unit_of_work(...)`` does its storage and broker work off the event loop.
 
@@ -22,16 +22,16 @@ import pytest
 
 from bench.async_handlers import main as bench_main
 from idembus import Endpoint, MessageContext
-from idembus.aio import LoopLocal, close_thread_loop, run_to_completion
 from idembus.errors import HandlerContractError
-from idembus.faults import SimulatedCrash
 from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
 from idembus.policies import OutboxPolicy
+from idembus.runtime.aio import LoopLocal, close_thread_loop, run_to_completion
 from idembus.storage.base import Storage
 from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import handle, handle_async, wait_until_idle
+from idembus.testing.faults import SimulatedCrash
 from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
@@ -529,7 +529,7 @@ def test_an_async_generator_is_refused_and_async_hooks_still_are() -> None:
     assert "plain 'def'" in str(refused.value)
 
 
-# -- idembus.aio ---------------------------------------------------------------------------
+# -- idembus.runtime.aio ---------------------------------------------------------------------------
 
 
 def in_a_thread(work: Callable[[], Any]) -> Any:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from idembus import RetryPolicy
-from idembus.audit import Audit
-from idembus.recovery import Recoverability
+from idembus.observability.audit import Audit
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
 from tests.support import AccountHandler, Deposit, SignalCounter

@@ -1,5 +1,5 @@
 """Batched processing (issue 15, points 1-4) at the processing level: the endpoint's real
-processor run by a :class:`~idembus.batch_runner.BatchRunner` over deliveries whose
+processor run by a :class:`~idembus.runtime.batch_runner.BatchRunner` over deliveries whose
 settlement is recorded, on a MemoryStorage and a transport that record every call.
 
 Each message of a batch keeps its own handlers, deduplication, retries and failure path;
@@ -20,15 +20,15 @@ from pydantic import BaseModel
 
 from idembus import Backoff, Batching, BreakerPolicy, Endpoint, RetryPolicy
 from idembus import headers as h
-from idembus.batch_runner import BatchRunner
 from idembus.envelope import Envelope
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, handles
 from idembus.messages import Command, Event, message_name
-from idembus.recovery import Recoverability
+from idembus.runtime.batch_runner import BatchRunner
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord, PendingCommit
 from idembus.storage.errors import ConcurrencyConflict
 from idembus.storage.memory import MemoryStorage
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.base import Delivery
 from idembus.transports.errors import TransportUnavailable
 from tests.support import DrivenTransport, RecordedDelivery, SignalCounter

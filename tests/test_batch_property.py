@@ -17,11 +17,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from idembus import Batching, Endpoint
-from idembus.batch_runner import BatchRunner
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.policies import OutboxPolicy
+from idembus.runtime.batch_runner import BatchRunner
 from idembus.storage.base import Storage
 from idembus.storage.postgres import PostgresStorage
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.base import Delivery, Transport
 from tests.support import AccountHandler, SignalCounter
 from tests.test_property import (

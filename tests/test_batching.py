@@ -1,4 +1,4 @@
-"""idembus.storage.batching.Batcher: deferred writes, applied in batches from one thread."""
+"""idembus.storage.write_behind.Batcher: deferred writes, applied in batches from one thread."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from idembus.storage.batching import Batcher
+from idembus.storage.write_behind import Batcher
 
 
 class Sink:

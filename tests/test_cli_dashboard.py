@@ -12,8 +12,8 @@ import pytest
 
 from idembus import Endpoint
 from idembus.cli import main
+from idembus.cli.supervisor import EXIT_CONFIGURATION
 from idembus.storage.memory import MemoryStorage
-from idembus.supervisor import EXIT_CONFIGURATION
 from tests.test_cli_errors import SharedMemoryStorage
 
 PASSWORD = "Never;Shown-42"

@@ -6,7 +6,8 @@ show one; retry one id, all, or a filter (type, exception), returning each messa
 original queue with its counters reset, where it is processed once; purge.
 
 Each test runs an endpoint whose handlers fail on chosen accounts, with no retries, so the
-messages go straight to the error queue. The CLI runs in-process (``idembus.cli.main``) on an
+messages go straight to the error queue. The CLI runs in-process (``idembus.cli.commands.main``) on
+an
 endpoint reference of its own: a module in ``sys.modules`` whose ``endpoint`` function
 builds a second, never started endpoint with the same name, error queue and broker, as
 ``idembus errors`` in another process would. It is closed by the CLI, the running one is
@@ -32,15 +33,16 @@ from typing import Any
 import pytest
 
 import idembus.transports.kombu as kombu_transport
-from idembus import Endpoint, RetryPolicy, cli_errors
+from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
+from idembus.cli import errors as cli_errors
 from idembus.cli import main
+from idembus.cli.supervisor import EXIT_CONFIGURATION
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, Handler, handles
-from idembus.recoverability import FAILURE_HEADERS
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.failure_headers import FAILURE_HEADERS
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
-from idembus.supervisor import EXIT_CONFIGURATION
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import ALL_TRANSPORT_URLS, is_kombu_url, required_transport

@@ -7,7 +7,7 @@ from typing import Any
 
 from idembus import ConflictPolicy, RetryPolicy
 from idembus import headers as h
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.errors import ConcurrencyConflict
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter

@@ -26,8 +26,8 @@ from idembus import headers as h
 from idembus.dashboard import Dashboard
 from idembus.dashboard.security import CSRF_COOKIE
 from idembus.envelope import Envelope, format_utc, utc_now
-from idembus.parking import park
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.parking import park
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage

@@ -11,9 +11,9 @@ import pytest
 from idembus import Endpoint
 from idembus.dashboard.history import MINUTES, History, Sampler
 from idembus.pipeline import IncomingMessage
+from idembus.runtime.timings import BOUNDS_MS, KEYS, SLOWER, HandlingTimes, bucket_key, percentile
 from idembus.storage.base import StatusReport
 from idembus.storage.memory import MemoryStorage
-from idembus.timings import BOUNDS_MS, KEYS, SLOWER, HandlingTimes, bucket_key, percentile
 from tests.support import AccountHandler, Deposit, SignalCounter
 
 T0 = datetime.datetime(2026, 11, 23, 10, 0, 20, tzinfo=datetime.timezone.utc)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from idembus.faults import RandomCrashes
+from idembus.testing.faults import RandomCrashes
 from samples.ordering.__main__ import main
 from samples.ordering.system import build, report, run
 from tests.conftest import ALL_TRANSPORT_URLS, POSTGRES_URL, require_service, required_transport

@@ -17,23 +17,23 @@ from pydantic import BaseModel
 
 from idembus import Command, ConfigurationError, Endpoint, Event, MalformedMessage, RetryPolicy
 from idembus import headers as h
-from idembus.cli_errors import retried_envelope
-from idembus.cli_status import summarise
+from idembus.cli.errors import retried_envelope
+from idembus.cli.status import summarise
 from idembus.context import MessageContext
-from idembus.dispatching import Dispatcher
 from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.expiry import expiry_of
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, Handler, handles
-from idembus.metrics import Metrics
-from idembus.outbox import OutboxDispatcher
-from idembus.recoverability import failure_headers
+from idembus.observability.metrics import Metrics
 from idembus.routing import Router
+from idembus.runtime.dispatching import Dispatcher
+from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.recoverability.failure_headers import failure_headers
+from idembus.runtime.status import StatusReporter
 from idembus.sending import Bus
-from idembus.status import StatusReporter
 from idembus.storage.base import AggregateRecord
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import FakeClock, Scenario, wait_until_idle
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter
@@ -249,7 +249,7 @@ def test_a_message_received_after_its_time_is_acknowledged_unhandled_and_counted
     clock.advance(seconds=61)
 
     # When the endpoint takes it
-    with caplog.at_level(logging.INFO, logger="idembus.processing"):
+    with caplog.at_level(logging.INFO, logger="idembus.runtime.processing"):
         pricing.start()
         assert discarded.wait_for(1)
         wait_until_idle([pricing])

@@ -25,12 +25,12 @@ import pytest
 from idembus import Bus, Endpoint, MessageContext, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, handles
 from idembus.policies import OutboxPolicy
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.mongo import MongoTransport
 from tests.conftest import ALL_TRANSPORT_URLS, required_transport
 from tests.support import (

@@ -15,10 +15,10 @@ import pytest
 
 from idembus import Backoff, Endpoint, RetryPolicy
 from idembus import headers as h
-from idembus.breaker import BreakerPolicy
 from idembus.envelope import utc_now
 from idembus.handlers import Handler, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.breaker import BreakerPolicy
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
@@ -120,7 +120,7 @@ def test_a_refused_login_is_logged_at_error_and_shown_until_it_works_and_the_mes
                                  outage_backoff=Backoff((0.01,)),
                                  retries=RetryPolicy(immediate_retries=0)))
     handled = SignalCounter(accounts, "handled")
-    caplog.set_level(logging.ERROR, logger="idembus.processing")
+    caplog.set_level(logging.ERROR, logger="idembus.runtime.processing")
     accounts.start()
 
     # When a deposit arrives while the login is refused
@@ -271,7 +271,7 @@ def test_a_refused_broker_login_keeps_the_consumer_trying_and_shows_the_problem(
     accounts = make_endpoint("accounts", handlers=[AccountHandler], transport=transport,
                              recoverability=Recoverability(outage_backoff=Backoff((0.01,))))
     handled = SignalCounter(accounts, "handled")
-    caplog.set_level(logging.ERROR, logger="idembus.endpoint")
+    caplog.set_level(logging.ERROR, logger="idembus.runtime.endpoint")
     accounts.start()
     accounts.bus.send(Deposit(account="a", amount=5))
 

@@ -10,9 +10,9 @@ import pytest
 
 from idembus import Endpoint
 from idembus.errors import ConfigurationError
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.policies import OutboxPolicy
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
 
 

@@ -14,7 +14,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.errors import HandlerContractError
 from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import handle, wait_until_idle
 from tests.support import Account, Deposit, SignalCounter

@@ -28,7 +28,7 @@ def run(code: str, **options: object) -> subprocess.CompletedProcess[str]:
 def test_each_package_imports_first_in_a_fresh_interpreter(first: str) -> None:
     done = run(f"import {first}; import {', '.join(PACKAGES)}; print(idembus.Endpoint)")
     assert done.returncode == 0, done.stderr
-    assert "idembus.endpoint.Endpoint" in done.stdout
+    assert "idembus.runtime.endpoint.Endpoint" in done.stdout
 
 
 def test_importing_idembus_does_not_import_brokers_or_databases() -> None:
@@ -38,7 +38,8 @@ def test_importing_idembus_does_not_import_brokers_or_databases() -> None:
 
 
 def test_spark_stays_off_the_core_and_command_import_path() -> None:
-    done = run(f"import sys, idembus.cli, idembus.endpoint, {', '.join(PACKAGES)}; "
+    done = run("import sys, idembus.cli.commands, idembus.runtime.endpoint, "
+               f"{', '.join(PACKAGES)}; "
                "heavy = [m for m in ('pyspark', 'pandas', 'matplotlib') if m in sys.modules]; "
                "print(heavy)")
     assert done.stdout.strip() == "[]", done.stderr

@@ -15,8 +15,8 @@ from idembus import Endpoint, Event
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError
-from idembus.journal import JournalPolicy
 from idembus.policies import OutboxPolicy
+from idembus.runtime.journal import JournalPolicy
 from idembus.sending import Bus
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage

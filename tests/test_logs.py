@@ -22,18 +22,18 @@ from typing import Any
 import pytest
 
 from idembus import Backoff, RetryPolicy
-from idembus.background import Periodic
-from idembus.endpoint import _described
-from idembus.faults import CrashPoint
 from idembus.handlers import handles
 from idembus.logs import JsonFormatter, Throttle
-from idembus.recovery import Recoverability
-from idembus.status import StatusReporter
+from idembus.runtime.background import Periodic
+from idembus.runtime.endpoint import _described
+from idembus.runtime.recoverability.policy import Recoverability
+from idembus.runtime.status import StatusReporter
 from idembus.storage.base import StatusReport
 from idembus.storage.errors import StorageAccessDenied, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint
 from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.support import AccountHandler, Deposit, SignalCounter
@@ -49,7 +49,7 @@ def messages(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogR
 def test_start_and_stop_say_what_the_endpoint_is_and_what_it_did(
     make_endpoint, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="idembus.endpoint")
+    caplog.set_level(logging.INFO, logger="idembus.runtime.endpoint")
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=MemoryStorage())
     handled = SignalCounter(accounts, "handled")
 
@@ -58,7 +58,7 @@ def test_start_and_stop_say_what_the_endpoint_is_and_what_it_did(
     assert handled.wait_for(1)
     accounts.stop()
 
-    lines = [record.getMessage() for record in messages(caplog, "idembus.endpoint")]
+    lines = [record.getMessage() for record in messages(caplog, "idembus.runtime.endpoint")]
     started = next(line for line in lines if "started" in line)
     for part in (accounts.name, "AccountHandler", "1 consumer(s)", "KombuTransport",
                  "MemoryStorage"):
@@ -66,7 +66,7 @@ def test_start_and_stop_say_what_the_endpoint_is_and_what_it_did(
     stopped = next(line for line in lines if "stopped" in line)
     assert "handled 1" in stopped and "received 1" in stopped
     # And a process-local storage is called what it is
-    warnings = [r.getMessage() for r in messages(caplog, "idembus.endpoint")
+    warnings = [r.getMessage() for r in messages(caplog, "idembus.runtime.endpoint")
                 if r.levelno == logging.WARNING]
     assert any("process-local and not durable" in line for line in warnings)
 
@@ -153,7 +153,7 @@ class Refuses(AccountHandler):
 def test_a_dead_lettered_message_logs_its_traceback(
     make_endpoint, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="idembus.processing")
+    caplog.set_level(logging.WARNING, logger="idembus.runtime.processing")
     accounts = make_endpoint("accounts", handlers=[Refuses],
                              recoverability=Recoverability(
                                  retries=RetryPolicy(immediate_retries=0, delayed=())))
@@ -163,7 +163,8 @@ def test_a_dead_lettered_message_logs_its_traceback(
         assert dead.wait_for(1)
         wait_until_idle([accounts])
 
-    [moved] = [r for r in messages(caplog, "idembus.processing") if "moved" in r.getMessage()]
+    [moved] = [r for r in messages(caplog, "idembus.runtime.processing")
+               if "moved" in r.getMessage()]
     assert moved.levelno == logging.WARNING and moved.message_id == message_id
     assert moved.exc_info is not None and moved.exc_info[0] is ValueError
     assert "account a is frozen" in caplog.text and "Traceback" in caplog.text
@@ -246,13 +247,13 @@ class Outage:
 
 def helper_thread(failures: Failures) -> Outage:
     thread = DatabaseDown(failures, StorageUnavailable)
-    return Outage(failures, thread.outage_lines, "idembus.background", thread.start,
+    return Outage(failures, thread.outage_lines, "idembus.runtime.background", thread.start,
                   thread.stop)
 
 
 def status_reports(failures: Failures) -> Outage:
     reporter = StatusReporter(ReportsRefused(failures), "sales", dict, interval=0.001)
-    return Outage(failures, reporter.outage_lines, "idembus.status", reporter.start,
+    return Outage(failures, reporter.outage_lines, "idembus.runtime.status", reporter.start,
                   reporter.stop)
 
 
@@ -307,7 +308,7 @@ def test_a_refusal_is_said_at_error_while_the_warnings_of_an_outage_are_held_bac
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Given a helper thread whose database is down, and refuses its login in between
-    caplog.set_level(logging.WARNING, logger="idembus.background")
+    caplog.set_level(logging.WARNING, logger="idembus.runtime.background")
     failures = Failures()
     thread = DatabaseDown(failures, StorageUnavailable, StorageAccessDenied)
     thread.outage_lines.interval = 3600
@@ -319,13 +320,13 @@ def test_a_refusal_is_said_at_error_while_the_warnings_of_an_outage_are_held_bac
         thread.stop()
 
     # Then each was said once: the ERROR of the refusal is not held back by the warnings
-    levels = [r.levelno for r in messages(caplog, "idembus.background")]
+    levels = [r.levelno for r in messages(caplog, "idembus.runtime.background")]
     assert sorted(levels) == [logging.WARNING, logging.ERROR], levels
     assert "the database is down" in thread.health.problems().get(thread.name, "")
 
 
 def test_json_lines_carry_the_message_fields_and_no_password() -> None:
-    record = logging.LogRecord("idembus.processing", logging.WARNING, __file__, 1,
+    record = logging.LogRecord("idembus.runtime.processing", logging.WARNING, __file__, 1,
                                "moved %s: %s", ("m-1", "postgresql://app:Pw-Json@db/x down"),
                                None)
     record.endpoint, record.message_id, record.message_type = "sales", "m-1", "test.Deposit"
@@ -333,7 +334,7 @@ def test_json_lines_carry_the_message_fields_and_no_password() -> None:
 
     entry = json.loads(JsonFormatter().format(record))
 
-    assert entry["level"] == "WARNING" and entry["logger"] == "idembus.processing"
+    assert entry["level"] == "WARNING" and entry["logger"] == "idembus.runtime.processing"
     assert (entry["endpoint"], entry["message_id"], entry["message_type"], entry["handler"]) == (
         "sales", "m-1", "test.Deposit", "AccountHandler")
     assert "Pw-Json" not in json.dumps(entry)

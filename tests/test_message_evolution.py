@@ -17,14 +17,14 @@ import pytest
 from idembus import Command, Endpoint, Event, RetryPolicy, upcaster
 from idembus import headers as h
 from idembus.cli import main
-from idembus.decoding import decode
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError, InvalidMessage, MalformedMessage
 from idembus.gateway.encoded import EventCache
 from idembus.handlers import Handler, handles
-from idembus.journal import current_entry
-from idembus.recovery import Recoverability
 from idembus.registry import MessageRegistry
+from idembus.runtime.decoding import decode
+from idembus.runtime.journal import current_entry
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import JournalEntry
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.kombu import KombuTransport

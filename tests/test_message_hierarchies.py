@@ -21,7 +21,6 @@ from pydantic import BaseModel
 
 from idembus import Command, Endpoint, Event, RetryPolicy
 from idembus import headers as h
-from idembus.decoding import decode
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError, UnknownMessageType
 from idembus.handlers import AggregateHandler, Handler, handles
@@ -34,8 +33,9 @@ from idembus.hierarchy import (
     routing_key,
     routing_key_of,
 )
-from idembus.recovery import Recoverability
 from idembus.registry import MessageRegistry
+from idembus.runtime.decoding import decode
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport, event_routing_key
@@ -384,7 +384,7 @@ def test_an_event_nobody_subscribes_to_is_counted_as_unrouted_and_warned_about(
     publisher.start()
     unrouted = SignalCounter(publisher, "unrouted")
 
-    with caplog.at_level(logging.WARNING, logger="idembus.endpoint"):
+    with caplog.at_level(logging.WARNING, logger="idembus.runtime.endpoint"):
         publisher.bus.publish(Unrelated(note="nobody listens"))
         publisher.bus.publish(Unrelated(note="still nobody"))
         publisher.bus.publish(OrderPlaced(order_id="o", amount=1))  # the publisher hears it

@@ -1,4 +1,5 @@
-"""idembus.metrics: counters from the endpoint's signals, durations and in-flight from the
+"""idembus.observability.metrics: counters from the endpoint's signals, durations and in-flight
+from the
 message stage, read with the OpenTelemetry SDK's in-memory reader (no global state)."""
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from idembus import headers as h
 from idembus.envelope import format_utc, utc_now
 from idembus.handlers import Handler, handles
-from idembus.metrics import Metrics
+from idembus.observability.metrics import Metrics
 from idembus.pipeline import IncomingMessage, Pipeline
 from idembus.policies import RetryPolicy
-from idembus.recovery import Recoverability
 from idembus.registry import MessageRegistry
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.signals import EndpointSignals
 from idembus.testing import wait_until_idle
 from tests.support import AccountHandler, Deposit, Deposited, SignalCounter

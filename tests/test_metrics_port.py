@@ -20,9 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from idembus.metrics import Metrics
+from idembus.observability.metrics import Metrics
+from idembus.observability.prometheus import MetricsServer
 from idembus.pipeline import IncomingMessage, Middleware
-from idembus.prometheus import MetricsServer
 from idembus.testing import wait_until_idle
 from tests.support import AccountHandler, Deposit, SignalCounter
 
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 APP = textwrap.dedent('''
     from idembus import Endpoint
-    from idembus.metrics import Metrics
+    from idembus.observability.metrics import Metrics
     from idembus.pipeline import Middleware
     from idembus.storage.memory import MemoryStorage
     from tests.support import AccountHandler, Deposit

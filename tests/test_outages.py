@@ -13,7 +13,7 @@ import pytest
 from kombu.utils.url import parse_url
 
 from idembus import Backoff, RetryPolicy
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage

@@ -7,10 +7,10 @@ import time
 import uuid
 
 from idembus import Endpoint
-from idembus.dispatching import Dispatcher
 from idembus.envelope import utc_now
-from idembus.outbox import OutboxDispatcher
 from idembus.policies import OutboxPolicy
+from idembus.runtime.dispatching import Dispatcher
+from idembus.runtime.outbox import OutboxDispatcher
 from idembus.storage.base import OUTBOX_LEASE
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import TransportUnavailable

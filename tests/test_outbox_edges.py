@@ -15,10 +15,10 @@ import pytest
 
 from idembus import Backoff
 from idembus import headers as h
-from idembus.dispatching import DelayedDeliveries, Dispatcher
 from idembus.envelope import Envelope, utc_now
-from idembus.health import Health
-from idembus.outbox import OutboxDispatcher
+from idembus.runtime.dispatching import DelayedDeliveries, Dispatcher
+from idembus.runtime.health import Health
+from idembus.runtime.outbox import OutboxDispatcher
 from idembus.storage.base import PARKED_OUTGOING, AggregateRecord
 from idembus.storage.errors import StorageAccessDenied
 from idembus.storage.memory import MemoryStorage

@@ -19,8 +19,8 @@ from idembus import headers as h
 from idembus.cli import main
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, handles
-from idembus.parking import BODY_NOT_KEPT, park_outgoing
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.parking import BODY_NOT_KEPT, park_outgoing
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.errors import StorageRefused, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused

@@ -22,7 +22,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.messages import message_name
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.testing import wait_until_idle

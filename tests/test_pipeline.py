@@ -22,12 +22,12 @@ from idembus import headers as h
 from idembus.context import MessageContext
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import Handler, handles
 from idembus.pipeline import Dispatch, HandlerCall, IncomingMessage
 from idembus.policies import OutboxPolicy
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.kombu import KombuTransport
 from tests.support import Account, AccountHandler, Deposit, Deposited, Ledger, SignalCounter
 

@@ -24,7 +24,7 @@ from idembus import headers as h
 from idembus.cli import main
 from idembus.envelope import Envelope, utc_now
 from idembus.policies import OutboxPolicy
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord
 from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
 from idembus.storage.postgres import PostgresStorage

@@ -29,13 +29,13 @@ from hypothesis import strategies as st
 from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.messages import message_name
 from idembus.policies import OutboxPolicy
 from idembus.storage.base import Storage
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.storage.postgres import PostgresStorage
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.base import Transport
 from tests.conftest import POSTGRES_URL, require_service
 from tests.support import (

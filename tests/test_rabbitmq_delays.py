@@ -18,10 +18,10 @@ import kombu
 import pytest
 
 from idembus import headers as h
-from idembus.decoding import decode
 from idembus.envelope import Envelope
 from idembus.messages import message_name
 from idembus.registry import MessageRegistry
+from idembus.runtime.decoding import decode
 from idembus.transports import delays
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport

@@ -13,12 +13,12 @@ from pydantic import BaseModel
 
 from idembus import Backoff, Batching, Command, ConfigurationError, Endpoint, RetryPolicy
 from idembus import headers as h
-from idembus.breaker import BreakerPolicy, CircuitBreaker
 from idembus.envelope import Envelope, parse_utc, utc_now
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import AggregateHandler, Handler, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.breaker import BreakerPolicy, CircuitBreaker
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
 FAST = RetryPolicy(immediate_retries=2, delayed=(0.3, 0.3))

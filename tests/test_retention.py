@@ -9,9 +9,9 @@ import mongomock
 import pytest
 
 from idembus import headers as h
-from idembus.dispatching import Dispatcher
 from idembus.envelope import Envelope, utc_now
-from idembus.outbox import OutboxDispatcher
+from idembus.runtime.dispatching import Dispatcher
+from idembus.runtime.outbox import OutboxDispatcher
 from idembus.storage.base import INBOX
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import RETENTION_INDEX, MongoStorage

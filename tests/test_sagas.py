@@ -21,7 +21,7 @@ from idembus.envelope import Envelope
 from idembus.errors import HandlerContractError
 from idembus.handlers import AggregateHandler, handles
 from idembus.handlers.errors import HandlerDefinitionError
-from idembus.metrics import Metrics
+from idembus.observability.metrics import Metrics
 from idembus.storage.errors import AlreadyProcessed
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import handle, wait_until_idle

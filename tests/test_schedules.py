@@ -20,7 +20,7 @@ from idembus import Command, ConfigurationError, Endpoint, Event, OutboxPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope, format_utc
 from idembus.handlers import Handler, handles
-from idembus.scheduler import CATCH_UP_BATCH, SKIP_SCAN, Scheduler, read_state
+from idembus.runtime.scheduler import CATCH_UP_BATCH, SKIP_SCAN, Scheduler, read_state
 from idembus.schedules import (
     SCHEDULE_NAMESPACE,
     Schedule,
@@ -283,7 +283,7 @@ def test_occurrences_missed_while_nothing_ran_are_skipped_counted_and_the_newest
     clock.advance(minutes=10)
 
     # When the scheduler looks again
-    with caplog.at_level(logging.WARNING, logger="idembus.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="idembus.runtime.scheduler"):
         assert scheduler_of(reports).run_once() == 1
 
     # Then nine were skipped (counted, logged) and the newest was sent
@@ -406,7 +406,7 @@ def test_an_occurrence_whose_message_cannot_be_built_fails_alone_and_is_not_retr
 
     # When the first night comes
     clock.advance(hours=1)
-    with caplog.at_level(logging.ERROR, logger="idembus.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="idembus.runtime.scheduler"):
         assert scheduler.run_once() == 0
         assert scheduler.run_once() == 0  # not tried again
 

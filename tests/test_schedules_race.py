@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from idembus.scheduler import SCHEDULER_LEASE
+from idembus.runtime.scheduler import SCHEDULER_LEASE
 from idembus.schedules import occurrence_id
 from tests.conftest import POSTGRES_URL
 from tests.schedules_race_app import SCHEDULE

@@ -1,6 +1,6 @@
 """The PostgreSQL transport beside a PostgreSQL storage in the same database: a handler's
 commit, its outgoing messages and the removal of the incoming message are one transaction
-(README, "The guarantee, and its limits"; ``idembus.shared_transaction``).
+(README, "The guarantee, and its limits"; ``idembus.runtime.shared_transaction``).
 
 The failure matrix's rows on this path: a crash before the commit leaves the message to its
 redelivery; after the commit nothing is delivered again and nothing is sent twice; a
@@ -21,11 +21,11 @@ import pytest
 from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
-from idembus.faults import CrashPoint
 from idembus.handlers import Handler, handles
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint
 from idembus.transports.base import Delivery
 from idembus.transports.postgres import PostgresTransport
 from tests.conftest import POSTGRES_URL, require_service

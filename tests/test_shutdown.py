@@ -5,7 +5,7 @@ flight is finished first.
 
 "Together" is two ``kill()`` calls back to back, in either order, so that the second signal
 usually arrives while the first one's handler runs. Before signal handlers only set a flag
-(``idembus.shutdown``), handlers that called ``Event.set()`` re-entered its lock when that
+(``idembus.runtime.shutdown``), handlers that called ``Event.set()`` re-entered its lock when that
 happened: 6 runs in 20 of ``idembus run`` hung here, 4 in 25 of ``idembus gateway``.
 """
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from idembus import Endpoint
-from idembus.audit import Audit
+from idembus.observability.audit import Audit
 from idembus.storage.base import AuditRecord
-from idembus.storage.batching import CLOSE_TIMEOUT, Batcher
 from idembus.storage.memory import MemoryStorage
+from idembus.storage.write_behind import CLOSE_TIMEOUT, Batcher
 from tests.support import AccountHandler, Deposit, SignalCounter
 
 #: Slack for a loaded machine on top of the timeout under test.

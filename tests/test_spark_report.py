@@ -28,9 +28,9 @@ import pytest
 
 import idembus.cli
 from idembus import Command, ConfigurationError, Endpoint, RetryPolicy
-from idembus.audit import Audit
 from idembus.handlers import Handler, handles
-from idembus.recovery import Recoverability
+from idembus.observability.audit import Audit
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.spark import source
 from idembus.spark.report import report
 from idembus.storage.base import AUDIT_BUCKETS, AuditRecord

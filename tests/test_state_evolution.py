@@ -19,7 +19,7 @@ from idembus import Command, Endpoint, IncompatibleState, RetryPolicy, upcaster
 from idembus import headers as h
 from idembus.errors import ConfigurationError
 from idembus.handlers import AggregateHandler, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage

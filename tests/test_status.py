@@ -17,7 +17,7 @@ import pytest
 
 from idembus import Endpoint
 from idembus.cli import main
-from idembus.cli_status import render, summarise
+from idembus.cli.status import render, summarise
 from idembus.storage.base import StatusReport
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter

@@ -1,4 +1,5 @@
-"""idembus.tracing: spans by the OpenTelemetry messaging conventions, and one trace across
+"""idembus.observability.tracing: spans by the OpenTelemetry messaging conventions, and one trace
+across
 endpoints, duplicates and outbox repairs.
 
 Every test has its own TracerProvider with an in-memory exporter: no global state.
@@ -33,7 +34,8 @@ from bench.throughput import main as throughput_main
 from idembus import headers as h
 from idembus.context import MessageContext
 from idembus.envelope import Envelope
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
+from idembus.observability.trace_propagation import HeaderCodec
+from idembus.observability.tracing import Tracing
 from idembus.pipeline import (
     Dispatch,
     HandlerCall,
@@ -47,8 +49,7 @@ from idembus.policies import OutboxPolicy
 from idembus.storage.errors import AlreadyProcessed
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
-from idembus.trace_propagation import HeaderCodec
-from idembus.tracing import Tracing
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
 
@@ -403,7 +404,7 @@ def test_spans_a_crash_leaves_open_end_with_the_delivery(spans):
     for span in (handle, process):
         assert span.status.status_code is StatusCode.ERROR
         assert span.attributes is not None
-        assert span.attributes["error.type"] == "idembus.faults.SimulatedCrash"
+        assert span.attributes["error.type"] == "idembus.testing.faults.SimulatedCrash"
     assert otel_context.get_current() == before
 
 

@@ -23,9 +23,9 @@ import pytest
 
 from idembus import Command, Endpoint, Event, MessageContext
 from idembus import headers as h
-from idembus.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.handlers import Handler, handles
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, require_service
 from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter

@@ -18,7 +18,7 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.handlers import Handler, handles
-from idembus.recovery import Recoverability
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.testing import wait_until_idle
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport, _encoding_problem

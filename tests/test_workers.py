@@ -20,10 +20,10 @@ from typing import IO
 import psycopg
 import pytest
 
+from idembus.cli.supervisor import Supervisor
 from idembus.routing import Router
 from idembus.sending import Bus
 from idembus.storage.postgres import PostgresStorage
-from idembus.supervisor import Supervisor
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.support import Deposit

@@ -18,7 +18,7 @@ A transport moves envelopes between endpoint queues. It must:
   what the broker does when a consumer dies — and keeps consuming.
 * ``consume_batches(queue, on_batch, stop=..., size=..., linger=...)`` — the same, calling
   ``on_batch`` with the deliveries that are ready, up to ``size``, waiting at most
-  ``linger`` seconds for more (batched consumption, :mod:`idembus.batching`);
+  ``linger`` seconds for more (batched consumption, :mod:`idembus.policies`);
   ``dispatch_many(envelopes)`` — dispatch several, with one wait for their confirms;
   ``ack_many(deliveries)`` — acknowledge several. The defaults do one at a time.
 * ``get(queue)`` — take one message, if any (tools and tests); ``pending(queue)`` — how

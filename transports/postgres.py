@@ -39,7 +39,7 @@ Features
   rows, nothing taken) serve ``idembus errors``.
 * When the endpoint's :class:`~idembus.storage.postgres.PostgresStorage` is in the same
   database, the commit, the outgoing messages and the removal of the incoming one are one
-  statement (:mod:`idembus.shared_transaction`, with :meth:`PostgresTransport.part`).
+  statement (:mod:`idembus.runtime.shared_transaction`, with :meth:`PostgresTransport.part`).
 
 Failures
 ========
@@ -447,7 +447,7 @@ class PostgresTransport(Transport):
         """Whether ``storage`` is a :class:`~idembus.storage.postgres.PostgresStorage` in
         this transport's database (same host, port, database and role), so that a handler's
         commit, its outgoing messages and the removal of the incoming one can be one
-        transaction (:mod:`idembus.shared_transaction`); never with
+        transaction (:mod:`idembus.runtime.shared_transaction`); never with
         ``shared_transactions=False``."""
         from ..storage.postgres import PostgresStorage
 

@@ -13,7 +13,7 @@ from .lookup import look_up
 from .pages import Page, Refused
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
     from .failed import Params
 
 #: Longest type or id accepted (a lookup, not a scan).

@@ -36,7 +36,7 @@ from .pages import Page, Refused
 from .security import set_cookie
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
     from .service import Dashboard
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The failed messages of an endpoint (after ServicePulse's failed-message views): the
 list with its groups and filters, one message whole, and retry or purge of one, a
 selection or a filter, each after a confirmation page. Every operation goes through
-:mod:`idembus.error_queue`, as ``idembus errors`` does.
+:mod:`idembus.runtime.recoverability.error_queue`, as ``idembus errors`` does.
 
 Reading the error queue takes its messages out of everyone else's reach for the time of
 the request (``idembus errors list`` does the same) and gives them all back; only the
@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING
 
 from starlette.datastructures import ImmutableMultiDict
 
-from .. import error_queue
 from .. import headers as h
-from ..error_queue import FailedMessage, Selection
 from ..errors import ConfigurationError
+from ..runtime.recoverability import error_queue
+from ..runtime.recoverability.error_queue import FailedMessage, Selection
 from ..transports.base import Delivery
 from .html import Child, Markup, render, tag, url
 from .layout import hidden, moment, notice, pairs, pretty, table
 from .pages import Page, Refused
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
 
 Params = ImmutableMultiDict[str, str]
 

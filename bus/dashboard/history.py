@@ -1,7 +1,7 @@
 """An hour of per-minute figures, built by sampling the endpoints' status reports.
 
 Status reports hold each process's counters since it started (and its handling-time
-buckets, :mod:`idembus.timings`). The dashboard reads them every few seconds
+buckets, :mod:`idembus.runtime.timings`). The dashboard reads them every few seconds
 (:class:`Sampler`): what an instance's counters grew by since the previous read is added to
 the minute of this read (:class:`History`). Sixty minutes are kept per endpoint, the oldest
 dropped as a new one begins, so memory stays the same however long the dashboard runs, and
@@ -21,8 +21,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..runtime.timings import KEYS, percentile
 from ..storage.base import StatusReport
-from ..timings import KEYS, percentile
 
 #: Minutes of history kept per endpoint.
 MINUTES = 60

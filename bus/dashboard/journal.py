@@ -22,7 +22,7 @@ from .layout import hidden, moment, notice, table
 from .pages import Page, Refused
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
     from .failed import Params
 
 #: Entries of the journal read for the page at most (the newest), before filtering.

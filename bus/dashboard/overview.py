@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..cli_status import HIDDEN_AFTER, summarise
+from ..cli.status import HIDDEN_AFTER, summarise
 from ..redaction import redact
 from . import charts
 from .history import CHARTED, PERCENTILES
@@ -14,7 +14,7 @@ from .html import Markup, render, tag, url
 from .layout import moment, notice, table
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
     from .service import Dashboard
 
 #: A running process that has not reported for this many status intervals is stale.

@@ -10,7 +10,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..background import Periodic
 from ..envelope import utc_now
 from ..errors import ConfigurationError
 from ..gateway.auth import Credentials
@@ -18,14 +17,15 @@ from ..gateway.service import Gateway, aggregates_of
 from ..gateway.serving import ServedApp
 from ..logs import Throttle
 from ..redaction import redact
-from ..shutdown import Deadline
+from ..runtime.background import Periodic
+from ..runtime.shutdown import Deadline
 from .app import build_app
 from .history import Sampler
 from .pages import Refused
 from .security import LOOPBACK_NAMES, Csrf, Guard
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ class EventCache:
     so that an entry is encoded once however many clients receive it. Thread-safe.
 
     ``current``: what an entry is read as before it is encoded and filtered (the gateway
-    upcasts entries of older versions, :func:`idembus.journal.current_entry`)."""
+    upcasts entries of older versions, :func:`idembus.runtime.journal.current_entry`)."""
 
     def __init__(self, budget: int = CACHE_BYTES,
                  current: Callable[[JournalEntry], JournalEntry] | None = None) -> None:

@@ -24,8 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..background import Periodic
 from ..policies import Backoff
+from ..runtime.background import Periodic
 from ..storage.base import JournalStore
 from .encoded import Batch, EventCache
 

@@ -23,9 +23,9 @@ from pydantic import BaseModel
 
 from ..errors import ConfigurationError
 from ..handlers.base import AggregateHandler
-from ..journal import current_entry
 from ..registry import MessageRegistry
-from ..shutdown import Deadline
+from ..runtime.journal import current_entry
+from ..runtime.shutdown import Deadline
 from ..storage.base import JournalEntry
 from .auth import Credentials
 from .encoded import EventCache
@@ -35,7 +35,7 @@ from .serving import ServedApp
 from .stream import StreamCounters, StreamSettings
 
 if TYPE_CHECKING:
-    from ..endpoint import Endpoint
+    from ..runtime.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from ..errors import ConfigurationError
-from ..shutdown import Deadline
+from ..runtime.shutdown import Deadline
 from .protocol import GatewayProtocol
 
 #: Connections the listening socket queues before uvicorn accepts them.

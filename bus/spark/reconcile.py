@@ -78,13 +78,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from ..endpoint import Endpoint
+from ..cli.loading import built_by_loading, load_endpoint
 from ..envelope import Envelope, format_utc
 from ..errors import ConfigurationError
 from ..handlers import AggregateHandler
-from ..journal import entry_of
-from ..loading import built_by_loading, load_endpoint
 from ..messages import Event
+from ..runtime.endpoint import Endpoint
+from ..runtime.journal import entry_of
 from ..sending import Bus
 from ..storage.base import JournalEntry
 

@@ -11,8 +11,8 @@ number or a time), so each aggregate sees its messages in order. Every partition
 endpoint from its reference (``package.module:attribute``, an Endpoint or a function returning
 one, imported in the worker: nothing is pickled but the reference and the column names),
 does **not** start its consumers, and hands the rows to the endpoint's
-:class:`~idembus.processing.MessageProcessor` exactly like messages taken from its queue, in
-batches as its consumers take them (:meth:`~idembus.endpoint.Endpoint.process_batch`): the
+:class:`~idembus.runtime.processing.MessageProcessor` exactly like messages taken from its queue, in
+batches as its consumers take them (:meth:`~idembus.runtime.endpoint.Endpoint.process_batch`): the
 handlers' effects commit through the endpoint's storage, deduplicated per handler and message
 id; outgoing messages leave through its transport with their deterministic ids; bad input
 goes to its error queue; a handler that keeps failing is retried as the endpoint's retry
@@ -43,9 +43,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ..endpoint import Endpoint
+from ..cli.loading import built_by_loading, load_endpoint
 from ..errors import ConfigurationError
-from ..loading import built_by_loading, load_endpoint
+from ..runtime.endpoint import Endpoint
 from .rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
 
 if TYPE_CHECKING:

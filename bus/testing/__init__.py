@@ -13,7 +13,7 @@ tells whether the handler completed it (``state`` is then ``None``), ``not_found
 the message went to ``saga_not_found``.
 
 An ``async def`` handling method runs to completion as a consumer thread runs it, on an
-event loop of its own (:mod:`idembus.aio`), closed when ``handle`` returns. ``handle`` is
+event loop of its own (:mod:`idembus.runtime.aio`), closed when ``handle`` returns. ``handle`` is
 synchronous: called inside a running loop it runs the method in a helper thread and holds
 that loop up meanwhile; an async test awaits ``handle_async`` instead, which holds up
 nothing.
@@ -41,17 +41,17 @@ from typing import Any
 from pydantic import BaseModel
 
 from .. import headers as h
-from ..aio import closing_thread_loop
-from ..endpoint import Endpoint
 from ..envelope import Envelope
 from ..evolution import version_keyword
 from ..handlers.base import AggregateHandler, Handler
 from ..handlers.registration import HandlerTable
-from ..invocation import HandlerInvoker
 from ..messages import Command, Message, message_name
 from ..pipeline import HandlerCall, IncomingMessage
 from ..policies import ConflictPolicy
 from ..routing import Router
+from ..runtime.aio import closing_thread_loop
+from ..runtime.endpoint import Endpoint
+from ..runtime.invocation import HandlerInvoker
 from ..signals import EndpointSignals
 from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage

@@ -7,12 +7,12 @@
     scenario.advance(hours=25)                      # the 24-hour timeout comes due
     assert scenario.state(Order, "42").status == "cancelled"
 
-Every endpoint of a scenario is a real :class:`~idembus.endpoint.Endpoint` on a
+Every endpoint of a scenario is a real :class:`~idembus.runtime.endpoint.Endpoint` on a
 :class:`~idembus.storage.memory.MemoryStorage` of its own, one
 :class:`~idembus.testing.transport.ScenarioTransport` they share and the scenario's
 :class:`~idembus.testing.FakeClock`. Their consumer threads never start: the scenario takes
 the messages from their queues one at a time, in the order they arrived, and hands each to
-:meth:`Endpoint.process <idembus.endpoint.Endpoint.process>`, the very processor a consumer
+:meth:`Endpoint.process <idembus.runtime.endpoint.Endpoint.process>`, the very processor a consumer
 thread runs — middleware, deduplication, the conditional commit, dispatch, immediate and
 delayed retries, expiry, the error queue. A test proves what production does.
 
@@ -38,16 +38,16 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from .. import headers as h
-from ..breaker import BreakerPolicy
-from ..endpoint import Endpoint
 from ..envelope import Envelope
 from ..errors import BusError, ConfigurationError, RoutingError
 from ..expiry import TimeToLive
 from ..handlers.base import AggregateHandler, Handler
 from ..messages import Command, Event, Message, message_name
 from ..pipeline import Dispatch, Middleware
-from ..recovery import Recoverability
 from ..routing import Router
+from ..runtime.endpoint import Endpoint
+from ..runtime.recoverability.breaker import BreakerPolicy
+from ..runtime.recoverability.policy import Recoverability
 from ..sending import Bus
 from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage

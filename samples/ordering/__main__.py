@@ -15,9 +15,9 @@ import sys
 import uuid
 from collections.abc import Callable
 
-from idembus.faults import RandomCrashes
 from idembus.storage.base import Storage
 from idembus.storage.mongo import MongoStorage
+from idembus.testing.faults import RandomCrashes
 from samples.ordering.brokers import Broker
 from samples.ordering.system import build, run
 

@@ -27,9 +27,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from idembus.faults import RandomCrashes
 from idembus.gateway import Gateway
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import RandomCrashes
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.system import build, order_commands
 from samples.stream.client import StreamEvent, stream

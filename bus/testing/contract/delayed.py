@@ -4,7 +4,8 @@
 due ones to one poller at a time under a lease, ``forget_scheduled`` removes what was
 dispatched, ``note_scheduled_failure`` counts failed sends with the message. Time is driven
 through the ``now`` argument from a fixed clock, never by sleeping, so a lease of 30
-seconds runs out in no time. The pollers' part (:class:`idembus.dispatching.DelayedDeliveries`
+seconds runs out in no time. The pollers' part
+(:class:`idembus.runtime.dispatching.DelayedDeliveries`
 giving up after a bounded number of failures, whoever made them, and parking the message)
 runs on the real clock. Tests of what a second storage object on the same data sees need
 :meth:`~idembus.testing.contract.base.RoleContract.another_instance`.
@@ -22,8 +23,8 @@ from typing import Any, ClassVar
 import pytest
 
 from ... import headers as h
-from ...dispatching import DelayedDeliveries
 from ...envelope import Envelope, utc_now
+from ...runtime.dispatching import DelayedDeliveries
 from ...storage.base import DelayedStore, ParkingStore, StorageRole
 from ...transports.errors import TransportUnavailable
 from ...transports.kombu import KombuTransport

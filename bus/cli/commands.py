@@ -1,0 +1,173 @@
+"""The ``idembus`` command.
+
+    idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
+                [--metrics-port N [--metrics-host HOST]]
+    idembus migrate package.module:endpoint
+
+``endpoint`` names an :class:`~idembus.Endpoint`, or a function returning one, in an
+importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
+progress and exits; with ``--workers N`` it supervises N processes of the endpoint
+(:mod:`idembus.cli.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
+be abandoned (they are redelivered) or the broker or database cannot be reached (try again);
+2 for a configuration error, including a broker or database refusing this endpoint's login
+or privileges (trying again would not help).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import logs
+from ..errors import BusError, ConfigurationError, EndpointBlocked
+from ..redaction import redact
+from ..storage.errors import StorageUnavailable
+from ..transports.errors import TransportUnavailable
+from . import dashboard, errors, gateway, outbox, schedules, spark, status
+from .loading import load_endpoint
+from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
+
+#: Exit status when the broker or database cannot be reached: worth trying again later.
+EXIT_UNAVAILABLE = 1
+
+
+#: Modules adding subcommands: each has ``register(commands, common_options)``.
+_TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
+    status.register, errors.register, outbox.register, gateway.register,
+    spark.register, schedules.register, dashboard.register,
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="idembus", description="Run idembus endpoints.")
+    parser.add_argument("--version", action="version",
+                        version=f"idembus {importlib.metadata.version('idembus')}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    common.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="text lines, or one JSON object per line (text)")
+    common.add_argument("--app-dir", default=None, metavar="DIR",
+                        help="look for the endpoint's module in DIR first (by default: the "
+                             "current directory, after the installed packages)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", parents=[common],
+                              help="run one endpoint until SIGINT/SIGTERM")
+    run.add_argument("endpoint", help="package.module:endpoint")
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes consuming the endpoint's queue (1)")
+    run.add_argument("--concurrency", type=int,
+                     help="consumer threads per process (the endpoint's own setting)")
+    run.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds to finish messages in progress after SIGTERM (30)")
+    _add_metrics_options(run)
+    run.set_defaults(handler=_run)
+    migrate = commands.add_parser(
+        "migrate", parents=[common],
+        help="create the endpoint's storage schema (tables, indexes), and its transport's "
+             "when the queues are in a database, and exit")
+    migrate.add_argument("endpoint", help="package.module:endpoint")
+    migrate.set_defaults(handler=lambda args: _migrate(args.endpoint))
+    for register in _TOOLS:
+        register(commands, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logs.configure(args.log_level, args.log_format)
+    logs.log_uncaught()
+    if getattr(args, "app_dir", None):
+        sys.path.insert(0, os.path.abspath(args.app_dir))
+    try:
+        status: int = args.handler(args)
+        return status
+    except EndpointBlocked as exc:  # a refused login or privilege: no retry cures it
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIGURATION
+    except (StorageUnavailable, TransportUnavailable) as exc:
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except BusError as exc:
+        print(f"idembus: {redact(str(exc))}", file=sys.stderr)
+        return EXIT_CONFIGURATION
+
+
+def _add_metrics_options(run: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-host`` of ``run``
+    (:mod:`idembus.observability.prometheus`)."""
+    run.add_argument("--metrics-port", type=int, metavar="N",
+                     help="serve the endpoint's metrics to Prometheus at "
+                          "http://HOST:N/metrics (needs idembus[prometheus]; 0: a free port, "
+                          "logged)")
+    run.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                     help="the address --metrics-port listens on (0.0.0.0)")
+
+
+def _migrate(reference: str) -> int:
+    endpoint = load_endpoint(reference)
+    try:
+        endpoint.storage.migrate()
+        print(f"{endpoint.name}: {type(endpoint.storage).__name__} schema is in place")
+        if endpoint.transport.migrate():
+            print(f"{endpoint.name}: {type(endpoint.transport).__name__} schema is in place")
+    finally:
+        endpoint.close()
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise ConfigurationError("--workers must be at least 1")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigurationError("--concurrency must be at least 1")
+    if args.metrics_port is not None and args.workers > 1:
+        raise ConfigurationError(
+            "--metrics-port serves the metrics of one process: with --workers, run one "
+            "`idembus run` per process, each with a port of its own, or use --concurrency")
+    endpoint = load_endpoint(args.endpoint)
+    if args.workers == 1:
+        if args.concurrency is not None:
+            endpoint.concurrency = args.concurrency
+        metrics_server = None
+        try:
+            if args.metrics_port is not None:
+                from ..observability.prometheus import serve_endpoint_metrics
+
+                metrics_server = serve_endpoint_metrics(endpoint, args.metrics_port,
+                                                        args.metrics_host)
+            stop_when_orphaned(endpoint.request_stop)
+            return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
+        finally:
+            endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
+            if metrics_server is not None:
+                metrics_server.stop()
+    try:
+        if endpoint.process_local:
+            raise ConfigurationError(
+                f"--workers {args.workers} needs a broker and a database that several "
+                f"processes can share; {endpoint.name!r} uses "
+                f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
+                "and memory://, MemoryStorage and mongomock live inside one process. Use "
+                "RabbitMQ, Redis or a postgresql:// transport and PostgreSQL or MongoDB, or "
+                "--concurrency for threads."
+            )
+    finally:
+        endpoint.close()
+    worker_arguments = ["--log-level", args.log_level, "--log-format", args.log_format,
+                        "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.concurrency is not None:
+        worker_arguments += ["--concurrency", str(args.concurrency)]
+    if args.app_dir:
+        worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
+    supervisor = Supervisor(args.endpoint, workers=args.workers,
+                            worker_arguments=worker_arguments,
+                            shutdown_timeout=args.shutdown_timeout + 5.0)
+    return supervisor.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

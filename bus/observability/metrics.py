@@ -1,0 +1,227 @@
+"""OpenTelemetry metrics of an endpoint, as middleware (:mod:`idembus.pipeline`)::
+
+    from idembus.observability.metrics import Metrics
+
+    Endpoint("sales", middleware=[Metrics()], ...)  # the global meter provider
+
+Needs ``opentelemetry-api`` only (``pip install 'idembus[otel]'``); the application chooses
+an SDK and an exporter (``idembus run --metrics-port N`` serves them to Prometheus).
+
+Instruments (Prometheus names, as the OpenTelemetry Prometheus exporter renders them, in
+brackets):
+
+counters of messages, with attributes ``endpoint``, ``message_type`` and, where a handler
+is concerned, ``handler``; they count the endpoint's signals (:mod:`idembus.signals`), the
+figures ``idembus status`` shows:
+
+* ``idembus.messages.received`` [``idembus_messages_received_total``]: deliveries;
+* ``idembus.messages.handled`` [``..._handled_total``]: a handler committed its effects;
+* ``idembus.messages.duplicates`` [``..._duplicates_total``]: a handler found the message
+  already processed;
+* ``idembus.messages.redispatched`` [``..._redispatched_total``]: a duplicate sent the
+  stored outgoing messages again;
+* ``idembus.messages.failed`` [``..._failed_total``]: a handler attempt raised (with
+  ``error_type``);
+* ``idembus.messages.retried`` [``..._retried_total``]: a failed message is tried again
+  (``kind``: ``immediate`` or ``delayed``);
+* ``idembus.messages.dead_lettered`` [``..._dead_lettered_total``]: moved to the error
+  queue (with ``error_type``);
+* ``idembus.messages.discarded`` [``..._discarded_total``]: a handler did not run on a
+  message received after its ``idembus.discard_after`` (:mod:`idembus.expiry`);
+* ``idembus.messages.not_found`` [``..._not_found_total``]: a saga's message found no
+  saga and does not start one (acknowledged);
+* ``idembus.messages.timeouts_dropped`` [``..._timeouts_dropped_total``]: a saga's timeout
+  arrived once the saga was completed (acknowledged);
+
+histograms, in seconds, with ``endpoint`` and ``message_type``:
+
+* ``idembus.message.handling.duration`` [``idembus_message_handling_duration_seconds``]:
+  from the arrival of a delivery until it is settled, with ``outcome`` (``handled``,
+  ``skipped``, ``retry_later``, ``retrying``, ``dead_lettered``, ``discarded``, or
+  ``interrupted``);
+* ``idembus.message.critical_time`` [``idembus_message_critical_time_seconds``]: from
+  ``idembus.time_sent`` until the message was handled (what a user waits for);
+
+and an up-down counter ``idembus.messages.in_flight`` [``idembus_messages_in_flight``] by
+``endpoint``: deliveries being processed now.
+
+``message_type`` is the wire name of a type the endpoint knows, or ``unknown``: a
+producer sending arbitrary type names cannot create arbitrarily many series.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .. import headers as h
+from ..envelope import parse_utc, utc_now
+from ..messages import message_aliases, message_name
+from ..pipeline import IncomingMessage, Middleware
+
+try:
+    from opentelemetry import metrics
+    from opentelemetry.metrics import Counter, MeterProvider
+except ImportError as missing:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"idembus.observability.metrics needs opentelemetry-api: "
+        f"pip install 'idembus[otel]' ({missing})"
+    ) from missing
+
+#: Signal -> (instrument name, description).
+COUNTERS = {
+    "received": ("idembus.messages.received", "Deliveries received"),
+    "handled": ("idembus.messages.handled", "Messages a handler committed its effects for"),
+    "duplicate": ("idembus.messages.duplicates",
+                  "Messages a handler found already processed"),
+    "redispatched": ("idembus.messages.redispatched",
+                     "Duplicates that sent the stored outgoing messages again"),
+    "failed": ("idembus.messages.failed", "Handler attempts that raised"),
+    "retried": ("idembus.messages.retried", "Failed messages tried again"),
+    "dead_lettered": ("idembus.messages.dead_lettered", "Messages moved to the error queue"),
+    "discarded": ("idembus.messages.discarded",
+                  "Messages a handler did not run on: received after their discard_after"),
+    "not_found": ("idembus.messages.not_found",
+                  "Saga messages that found no saga and do not start one"),
+    "timeout_dropped": ("idembus.messages.timeouts_dropped",
+                        "Saga timeouts that arrived once their saga was completed"),
+}
+HANDLING_DURATION = "idembus.message.handling.duration"
+CRITICAL_TIME = "idembus.message.critical_time"
+IN_FLIGHT = "idembus.messages.in_flight"
+
+#: Bucket boundaries (seconds) of both histograms: from 5 ms to an hour.
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+           300.0, 900.0, 3600.0)
+#: Message type label of a type the endpoint does not know.
+UNKNOWN = "unknown"
+#: Attribute sets kept for reuse, at most.
+_CACHED = 4096
+
+Attributes = Mapping[str, str]
+
+
+class Metrics(Middleware):
+    """Counters, histograms and in-flight of the endpoints it is given to (see the module
+    docstring). ``meter_provider``: where the instruments live (default: the global one,
+    looked up through the OpenTelemetry API's proxy, so it may be set after this middleware
+    is created). One instance may serve several endpoints."""
+
+    def __init__(self, meter_provider: MeterProvider | None = None) -> None:
+        #: The provider given, or ``None`` for the global one.
+        self.meter_provider = meter_provider
+        meter = metrics.get_meter("idembus", _version(), meter_provider=meter_provider)
+        self._counters: dict[str, Counter] = {
+            signal: meter.create_counter(name, unit="{message}", description=description)
+            for signal, (name, description) in COUNTERS.items()}
+        self._duration = _histogram(meter, HANDLING_DURATION,
+                                    "Time from the arrival of a delivery until it is settled")
+        self._critical = _histogram(meter, CRITICAL_TIME,
+                                    "Time from idembus.time_sent until the message was "
+                                    "handled")
+        self._in_flight = meter.create_up_down_counter(
+            IN_FLIGHT, unit="{message}", description="Deliveries being processed")
+        #: Wire names of the message types each endpoint set up with this one knows.
+        self._known: dict[str, frozenset[str]] = {}
+        #: Attribute dicts by their values: built once, passed to every measurement.
+        self._attributes: dict[tuple[str, ...], Attributes] = {}
+        #: (signal, receiver) pairs to disconnect on close.
+        self._connected: list[tuple[Any, Callable[..., None]]] = []
+        self._key = f"idembus.observability.metrics.{id(self):x}"
+
+    def setup(self, endpoint: Any) -> None:
+        """Count the endpoint's signals; learn the message types it knows."""
+        self._known[endpoint.name] = frozenset(
+            name for t in endpoint.registry for name in (message_name(t), *message_aliases(t)))
+        for signal_name in COUNTERS:
+            signal = getattr(endpoint.signals, signal_name)
+            receiver = self._receiver(signal_name)
+            signal.connect(receiver, weak=False)
+            self._connected.append((signal, receiver))
+
+    def close(self) -> None:
+        """Stop counting the signals of the endpoints set up."""
+        for signal, receiver in self._connected:
+            signal.disconnect(receiver)
+        self._connected.clear()
+
+    # -- counters -------------------------------------------------------------------------
+
+    def _receiver(self, signal_name: str) -> Callable[..., None]:
+        counter = self._counters[signal_name]
+
+        def count(endpoint: str, **details: Any) -> None:
+            extra: list[str] = []
+            error = details.get("error")
+            if error is not None:
+                extra += ["error_type", type(error).__name__]
+            kind = details.get("kind")
+            if isinstance(kind, str):
+                extra += ["kind", kind]
+            counter.add(1, self._labels(endpoint, details.get("message_type"),
+                                        details.get("handler"), *extra))
+
+        return count
+
+    # -- message stage --------------------------------------------------------------------
+
+    def before_message(self, incoming: IncomingMessage) -> None:
+        self._in_flight.add(1, self._labels(incoming.endpoint))
+        incoming.items[self._key] = time.perf_counter()
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        elapsed = time.perf_counter() - incoming.items.pop(self._key)
+        endpoint = incoming.endpoint
+        self._in_flight.add(-1, self._labels(endpoint))
+        message_type = incoming.headers.get(h.MESSAGE_TYPE)
+        outcome = incoming.outcome or "interrupted"
+        self._duration.record(elapsed, self._labels(endpoint, message_type, None,
+                                                    "outcome", outcome))
+        if outcome != "handled":
+            return
+        sent = parse_utc(incoming.headers.get(h.TIME_SENT))
+        if sent is not None:
+            critical = max(0.0, (utc_now() - sent).total_seconds())  # clocks may disagree
+            self._critical.record(critical, self._labels(endpoint, message_type))
+
+    # -- attributes -----------------------------------------------------------------------
+
+    def _labels(self, endpoint: str, message_type: str | None = None,
+                handler: str | None = None, *extra: str) -> Attributes:
+        """The attribute dict of these values, built once; ``extra`` are name, value
+        pairs."""
+        if message_type is not None:
+            known = self._known.get(endpoint)
+            if known is not None and message_type not in known:
+                message_type = UNKNOWN
+        key = (endpoint, "\0" if message_type is None else message_type, handler or "",
+               *extra)
+        attributes = self._attributes.get(key)
+        if attributes is not None:
+            return attributes
+        built = {"endpoint": endpoint}
+        if message_type is not None:
+            built["message_type"] = message_type or UNKNOWN
+        if handler:
+            built["handler"] = handler
+        built.update(zip(extra[::2], extra[1::2], strict=True))
+        if len(self._attributes) < _CACHED:
+            self._attributes[key] = built
+        return built
+
+
+def _histogram(meter: metrics.Meter, name: str, description: str) -> metrics.Histogram:
+    try:
+        return meter.create_histogram(name, unit="s", description=description,
+                                      explicit_bucket_boundaries_advisory=BUCKETS)
+    except TypeError:  # pragma: no cover - an opentelemetry-api before the advisory
+        return meter.create_histogram(name, unit="s", description=description)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("idembus")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        return ""

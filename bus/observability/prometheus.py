@@ -1,0 +1,100 @@
+"""Serving the metrics of this process to Prometheus (``idembus run --metrics-port N``).
+
+An OpenTelemetry SDK meter provider whose reader is the OpenTelemetry Prometheus exporter,
+served in the Prometheus text format by ``prometheus_client``'s HTTP server at
+``http://HOST:PORT/metrics`` (any path answers), with the process's own
+``process_*``/``python_*`` series. Needs ``pip install 'idembus[prometheus]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any
+
+from ..errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+
+class MetricsServer:
+    """A meter provider and the HTTP server that shows it, until :meth:`stop`.
+
+    ``port`` 0 takes a free port (:attr:`port` tells which). ``service_name`` becomes the
+    ``service.name`` of the provider's resource (the ``target_info`` series), unless
+    ``OTEL_SERVICE_NAME`` says otherwise.
+    """
+
+    def __init__(self, port: int, host: str = "0.0.0.0", *,
+                 service_name: str | None = None) -> None:
+        try:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from opentelemetry.sdk.metrics import MeterProvider
+            from opentelemetry.sdk.resources import Resource
+            from prometheus_client import start_http_server
+        except ImportError as missing:
+            raise ConfigurationError(
+                f"serving metrics to Prometheus needs the prometheus extra: pip install "
+                f"'idembus[prometheus]' ({missing})") from missing
+        if not 0 <= port <= 65535:
+            raise ConfigurationError(f"--metrics-port must be within 0..65535, got {port}")
+        attributes = {"service.name": service_name} if service_name else {}
+        reader = PrometheusMetricReader()
+        #: The provider whose instruments the server shows.
+        self.meter_provider = MeterProvider(metric_readers=[reader],
+                                            resource=Resource.create(attributes))
+        try:
+            self._server, self._thread = start_http_server(port, addr=host)
+        except OSError as error:
+            self.meter_provider.shutdown()
+            raise ConfigurationError(
+                f"cannot serve metrics on {host}:{port}: {error}") from error
+        self.host = host
+        self._stopped = False
+        log.info("serving metrics for Prometheus at http://%s:%d/metrics", host, self.port)
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on."""
+        port: int = self._server.server_port
+        return port
+
+    def stop(self) -> None:
+        """Stop serving, and shut the meter provider down (once; later calls do nothing)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+        self.meter_provider.shutdown()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+
+def serve_endpoint_metrics(endpoint: Any, port: int, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``endpoint``'s metrics: the server's provider becomes the process's global
+    meter provider, which a :class:`~idembus.observability.metrics.Metrics` middleware created
+    without
+    a provider uses. An endpoint without one is given one (:meth:`Endpoint.add_middleware`)."""
+    server = MetricsServer(port, host, service_name=endpoint.name)  # checks the extra
+    from opentelemetry import metrics as otel_metrics
+
+    from .metrics import Metrics
+
+    otel_metrics.set_meter_provider(server.meter_provider)
+    if otel_metrics.get_meter_provider() is not server.meter_provider:
+        log.warning("the process has a global meter provider already: the endpoint's "
+                    "metrics go there, and --metrics-port shows only the process's own")
+    present = [item for item in endpoint.pipeline.middleware if isinstance(item, Metrics)]
+    if not present:
+        endpoint.add_middleware(Metrics(meter_provider=server.meter_provider))
+    elif any(item.meter_provider is not None for item in present):
+        log.warning("the Metrics middleware of endpoint %s has a meter provider of its own: "
+                    "--metrics-port does not show it", endpoint.name)
+    return server

@@ -1,0 +1,89 @@
+"""Turning a delivery into a message, or into the reason it cannot be one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import pydantic
+
+from .. import headers as h
+from ..errors import InvalidMessage, MalformedMessage
+from ..evolution import upcast_body
+from ..hierarchy import parse_enclosed
+from ..messages import Message, message_version
+from ..registry import MessageRegistry
+
+_JSON_MEDIA_TYPES = ("", h.CONTENT_TYPE)
+
+
+def decode(
+    headers: Mapping[str, str], body: bytes, content_type: str | None, registry: MessageRegistry
+) -> Message:
+    """Validate the headers and body of an incoming message and build the message.
+
+    The type is ``idembus.message_type`` (a name or an alias the endpoint knows); if the
+    endpoint does not know it, the first type of ``idembus.enclosed_types`` it knows (a
+    base type it handles). A body of an older version is upcast first
+    (:mod:`idembus.evolution`). Raises ``MalformedMessage``, ``UnknownMessageType`` or
+    ``InvalidMessage`` with a reason a person can act on.
+    """
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type not in _JSON_MEDIA_TYPES:  # parameters such as charset do not matter
+        raise MalformedMessage(f"content type {content_type!r} is not {h.CONTENT_TYPE}")
+    for required in (h.MESSAGE_ID, h.MESSAGE_TYPE):
+        if not headers.get(required):
+            raise MalformedMessage(f"the {required} header is missing")
+    message_type, version, name = resolve(headers, registry)
+    try:
+        if version == message_version(message_type):
+            return message_type.model_validate_json(body)
+        return message_type.model_validate(upcast_body(message_type, _parsed(body), version))
+    except pydantic.ValidationError as exc:
+        if any(error["type"] == "json_invalid" for error in exc.errors()):
+            raise MalformedMessage(f"the body is not valid JSON: {_first_error(exc)}") from exc
+        raise InvalidMessage(f"the body does not match {name}: {_summary(exc)}") from exc
+
+
+def resolve(headers: Mapping[str, str],
+            registry: MessageRegistry) -> tuple[type[Message], int, str]:
+    """The class a message is decoded as, the version its body is in, and the wire name
+    it was found by: ``idembus.message_type`` with ``idembus.message_version`` (absent:
+    1), else the first known entry of ``idembus.enclosed_types``."""
+    name = headers[h.MESSAGE_TYPE]
+    if name in registry:
+        return registry.resolve(name), wire_version(headers), name
+    for enclosed, version in parse_enclosed(headers.get(h.ENCLOSED_TYPES)):
+        if enclosed != name and enclosed in registry:
+            return registry.resolve(enclosed), version, enclosed
+    return registry.resolve(name), 1, name  # raises UnknownMessageType
+
+
+def wire_version(headers: Mapping[str, str]) -> int:
+    """The ``idembus.message_version`` of a message: 1 when absent (written before versions
+    existed, or by a publisher that does not set it)."""
+    text = headers.get(h.MESSAGE_VERSION)
+    if text is None or text == "":
+        return 1
+    if not text.strip().isdigit() or int(text) < 1:
+        raise MalformedMessage(
+            f"the {h.MESSAGE_VERSION} header {text[:40]!r} is not a whole number from 1")
+    return int(text)
+
+
+def _parsed(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise MalformedMessage(f"the body is not valid JSON: {exc}") from exc
+
+
+def _first_error(exc: pydantic.ValidationError) -> str:
+    return str(exc.errors()[0].get("msg", exc))
+
+
+def _summary(exc: pydantic.ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
+        for error in exc.errors()
+    )

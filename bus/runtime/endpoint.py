@@ -1,0 +1,710 @@
+"""The endpoint: explicit wiring of a queue, a transport, a storage and handlers.
+
+::
+
+    sales = Endpoint(
+        "sales",
+        transport="amqp://guest:guest@127.0.0.1:5672//",
+        storage=MongoStorage("mongodb://127.0.0.1:27017", database="sales"),
+        handlers=[OrderHandler],
+        routes={ChargeCard: "billing"},
+    )
+    sales.run()          # blocks until SIGINT/SIGTERM or stop()
+
+Everything that can be checked without a broker is checked when the endpoint is created;
+the rest (the broker, the database) when it starts. Either way the error says what to fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import TypeVar, cast
+
+from pydantic import BaseModel
+
+from ..clock import Clock, SystemClock
+from ..envelope import Envelope
+from ..errors import BusError, ConfigurationError
+from ..evolution import check_upcasters, version_of
+from ..handlers.base import AggregateHandler, Handler
+from ..handlers.registration import HandlerTable
+from ..hierarchy import check_routing_keys
+from ..logs import MessageLog, Throttle
+from ..messages import Command, Event, Message, is_message_type, message_name
+from ..observability.audit import Audit
+from ..pipeline import Middleware, Pipeline, PropagateHeaders
+from ..policies import DEFAULT_BATCHING, Batching, OutboxPolicy
+from ..redaction import redact
+from ..registry import MessageRegistry
+from ..routing import Router
+from ..schedules import Schedule, SchedulerPolicy, scheduler_policy
+from ..sending import Bus
+from ..signals import EndpointSignals
+from ..storage.base import Storage, StorageRole
+from ..storage.roles import check_storage_roles
+from ..transports.base import Delivery, Transport
+from ..wire import DEFAULT_MAX_MESSAGE_BYTES
+from .aio import close_thread_loop
+from .batch_runner import BatchRunner
+from .counters import Counters
+from .dispatching import DelayedDeliveries, Dispatcher
+from .health import Health
+from .invocation import HandlerInvoker
+from .journal import JournalPolicy, journal_for
+from .outbox import OutboxDispatcher
+from .processing import MessageProcessor
+from .recoverability.policy import Recoverability, Recovery
+from .scheduler import Scheduler
+from .shared_transaction import shared_transaction
+from .shutdown import Deadline, StopSignals
+from .status import StatusReporter
+from .timings import HandlingTimes
+from .unit_of_work import UnitOfWork
+
+log = logging.getLogger(__name__)
+
+StateT = TypeVar("StateT", bound=BaseModel)
+_ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+class Endpoint:
+    """A named endpoint: consumes its queue, runs its handlers, sends through its bus.
+
+    Parameters
+    ----------
+    name:
+        The endpoint's name, also its queue and the reply address of what it sends.
+    transport:
+        A :class:`~idembus.transports.base.Transport`, or a URL (default ``memory://``):
+        ``postgresql://`` and ``mongodb://`` keep the queues in that database, any other
+        is a kombu URL (:func:`idembus.transports.urls.transport_for`).
+    storage:
+        A storage backend (:mod:`idembus.storage.base`; it needs the roles the options below
+        use); default: a :class:`~idembus.storage.memory.MemoryStorage` of its own, in this
+        process (for trials and tests: nothing survives the process).
+    handlers:
+        Handler classes (created once, without arguments) or handler instances.
+    routes:
+        Command type -> endpoint name. Commands this endpoint handles route to itself.
+    concurrency:
+        Consumer threads.
+    prefetch:
+        Messages the broker may push to each consumer ahead of processing.
+    error_queue:
+        Where bad messages and exhausted retries go.
+    recoverability:
+        Retries of failing handlers, optimistic retries of lost races, the circuit breaker
+        and the backoff while the database or broker is unreachable
+        (:class:`~idembus.Recoverability`; a handler class may set its own
+        ``retry_policy``).
+    outbox:
+        What happens to committed outgoing messages (:class:`~idembus.policies.OutboxPolicy`:
+        run the outbox dispatcher here, its grace, deferred redispatch, compaction);
+        ``False`` runs no outbox dispatcher in this endpoint.
+    journal:
+        Append the events this endpoint publishes to the storage's event journal
+        (:mod:`idembus.runtime.journal`, served by ``idembus gateway``): ``True`` for every event, a
+        list of Event types, or a :class:`~idembus.runtime.journal.JournalPolicy` with a retention.
+    middleware:
+        :class:`~idembus.pipeline.Middleware` around every message, handler, commit and
+        dispatch, in this order (tracing, metrics, audit, fault injection, your own).
+    propagate_headers:
+        Names of incoming headers copied to every message the handlers send (stored with
+        them, so a redispatch carries them too).
+    max_message_bytes:
+        Larger bodies go to the error queue unread, with the reason (default 1 MiB,
+        :data:`idembus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
+    delayed_poll_interval:
+        Seconds between looks for due deferred messages in the storage (transports
+        without native delay).
+    status_interval:
+        Seconds between reports of the counters to the storage (``idembus status``); 0: no
+        reports (a storage without the status role).
+    clock:
+        Where the endpoint reads the time (:class:`~idembus.clock.Clock`; default the wall
+        clock in UTC): the time sent, when deferred messages and delayed retries are due,
+        whether a message expired. Tests pass a fake one to run timeouts and schedules in
+        virtual time (:class:`idembus.testing.Scenario`). Storage bookkeeping (commit
+        times, leases, retention) stays on the wall clock.
+    batching:
+        Take deliveries in batches (:class:`~idembus.policies.Batching`): the ready ones up
+        to a size, their loads, commits and publisher confirms each in one round trip,
+        acknowledged together; each message keeps its own handlers, deduplication, retries
+        and failure path (:mod:`idembus.runtime.batch_runner`). On by default
+        (``Batching()``: up to ``prefetch`` deliveries, 2 ms of linger); ``None``: one
+        message at a time.
+    schedules:
+        Recurring messages (:class:`~idembus.schedules.Schedule`), sent exactly once per
+        occurrence by one scheduler among the endpoint's processes
+        (:mod:`idembus.runtime.scheduler`); or a :class:`~idembus.schedules.SchedulerPolicy` with
+        them and the scheduler's lease. They need the storage's outbox role (leases).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        transport: Transport | str = "memory://",
+        storage: StorageRole | None = None,
+        handlers: Sequence[Handler | type[Handler]] = (),
+        routes: Mapping[type[Message], str] | None = None,
+        concurrency: int = 1,
+        prefetch: int = 16,
+        error_queue: str = "error",
+        recoverability: Recoverability | None = None,
+        outbox: OutboxPolicy | bool = True,
+        journal: bool | Sequence[type[Event]] | JournalPolicy = False,
+        middleware: Sequence[Middleware] = (),
+        propagate_headers: Sequence[str] = (),
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        delayed_poll_interval: float = 0.5,
+        status_interval: float = 5.0,
+        clock: Clock | None = None,
+        schedules: Sequence[Schedule] | SchedulerPolicy = (),
+        batching: Batching | None = DEFAULT_BATCHING,
+    ) -> None:
+        if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
+            raise ConfigurationError(
+                f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'"
+            )
+        if concurrency < 1:
+            raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
+        if prefetch < 1:
+            raise ConfigurationError(f"prefetch must be at least 1, got {prefetch}")
+        if max_message_bytes < 1:
+            raise ConfigurationError(
+                f"max_message_bytes must be at least 1, got {max_message_bytes}")
+        if error_queue == name:
+            raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(
+                f"clock must have a now() method returning an aware UTC datetime, got {clock!r}")
+        if batching is not None and not isinstance(batching, Batching):
+            raise ConfigurationError(
+                f"batching must be idembus.Batching(size=..., linger=...) or None, "
+                f"got {batching!r}")
+        self.name = name
+        #: How deliveries are taken in batches (``None``: one at a time).
+        self.batching = batching
+        #: Where this endpoint reads the time.
+        self.clock: Clock = clock or SystemClock()
+        self.error_queue = error_queue
+        self.concurrency = concurrency
+        self.prefetch = prefetch
+        self.table = HandlerTable(handlers)
+        self.registry = MessageRegistry(self.table.message_types)
+        self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
+        self._check_routes(routes or {})
+        scheduling = scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route)
+        #: The recurring messages this endpoint sends (``schedules=...``).
+        self.schedules: tuple[Schedule, ...] = tuple(scheduling.schedules)
+        if storage is not None and not isinstance(storage, StorageRole):
+            raise ConfigurationError(
+                f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
+        self.transport = _transport_from(transport)
+        #: How this endpoint recovers from failures.
+        self.recoverability = recoverability or Recoverability()
+        self.outbox_policy = _outbox_policy(outbox)
+        journal_policy = _journal_policy(journal)
+        if storage is not None:
+            check_storage_roles(
+                storage, outbox=self.outbox_policy.run, delayed=not self.transport.native_delay,
+                journal=bool(journal_policy.events),
+                audit=any(isinstance(item, Audit) for item in middleware),
+                status=bool(status_interval), schedules=bool(scheduling.schedules))
+        # Typed as the whole contract: only the roles checked above are ever called.
+        self.storage = cast(Storage, storage) if storage is not None else _embedded_storage()
+        self._check_retention()
+        self.signals = EndpointSignals(name)
+        self.counters = Counters(self.signals)
+        self._message_log = MessageLog(self.signals)
+        self._message_log_connected = False
+        self._stop = threading.Event()
+        #: What keeps this process from working now (``idembus status`` shows it).
+        self.health = Health()
+        #: Appends published events to the event journal (``journal=...``), else ``None``.
+        self.journal = journal_for(self.storage, journal_policy.events)
+        self._check_evolution(journal_policy)
+        #: How long handled deliveries took, by bucket (reported with the counters).
+        self.handling_times = HandlingTimes()
+        #: The middleware around messages, handlers, commits and dispatches.
+        self.pipeline = Pipeline(
+            [self.handling_times]
+            + ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
+            + list(middleware))
+        #: Sends what handlers, units of work and ``bus`` send, and marks it.
+        self.dispatcher = Dispatcher(
+            self.transport, self.storage, self.journal, endpoint=name, pipeline=self.pipeline,
+            keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock,
+            on_unrouted=self.unrouted)
+        self._unrouted_lines = Throttle(10.0)
+        #: Commits, sends and acknowledgements in one transaction when the queues are in
+        #: the storage's database (:mod:`idembus.runtime.shared_transaction`), else ``None``.
+        self.shared_transaction = shared_transaction(
+            self.storage, self.transport, endpoint=name, signals=self.signals,
+            pipeline=self.pipeline, journal=self.journal, on_unrouted=self.unrouted,
+            keep_bodies=not self.outbox_policy.compact_after_dispatch)
+        invoker = HandlerInvoker(
+            endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
+            conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
+            defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
+            clock=self.clock, shared=self.shared_transaction,
+        )
+        self._recovery = Recovery(name, self.recoverability, stopping=self._stop,
+                                  health=self.health)
+        self._processor = MessageProcessor(
+            endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
+            invoker=invoker, dispatcher=self.dispatcher, signals=self.signals,
+            recovery=self._recovery,
+            storage=self.storage, max_message_bytes=max_message_bytes,
+            left_to_outbox=lambda: self.outbox.wake_in(self.outbox_policy.grace),
+            clock=self.clock,
+        )
+        #: Sends and publishes from outside handlers, at once (or when deferred, later).
+        self.bus = Bus(name, self.router, self.pipeline.recorder(self.dispatcher.dispatch_now,
+                                                                 None), clock=self.clock)
+        # Without native delay on the broker, deferred messages wait in the storage.
+        self._delayed = None if self.transport.native_delay else DelayedDeliveries(
+            self.transport, self.storage, name=f"idembus-{name}-delayed",
+            interval=delayed_poll_interval, owner=name, health=self.health, clock=self.clock)
+        self.status_interval = status_interval
+        #: Repairs crashes between commit and dispatch (one active per storage).
+        self.outbox = OutboxDispatcher(
+            self.storage, self.dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
+            grace=self.outbox_policy.grace,
+            journal_retention=journal_policy.retention if self.journal else None,
+            backoff=self.recoverability.outage_backoff, health=self.health)
+        #: Sends the schedules' occurrences (one active per endpoint and storage), or
+        #: ``None`` without schedules.
+        self.scheduler = Scheduler(
+            scheduling, endpoint=name, storage=self.storage, dispatcher=self.dispatcher,
+            router=self.router, clock=self.clock, signals=self.signals, health=self.health,
+            backoff=self.recoverability.outage_backoff) if scheduling.schedules else None
+        self._status = StatusReporter(self.storage, name, self._reported_counters,
+                                      interval=status_interval, problems=self.health.problems)
+        self._threads: list[threading.Thread] = []
+        self._activity = threading.Condition()
+        self._in_flight = 0
+        self.pipeline.setup(self)
+
+    def _reported_counters(self) -> dict[str, int]:
+        """What the status reports carry: the signal counters and the handling-time
+        buckets (:mod:`idembus.runtime.timings`)."""
+        return {**self.counters.snapshot(), **self.handling_times.snapshot()}
+
+    def add_middleware(self, middleware: Middleware) -> None:
+        """Add ``middleware`` after those given at construction (innermost), and set it up;
+        for tools that wrap an endpoint they loaded (``idembus run --metrics-port``). Not
+        while the endpoint runs."""
+        if self._threads:
+            raise RuntimeError(f"endpoint {self.name!r} is running: add middleware before "
+                               "starting it")
+        self.pipeline.append(middleware)
+        middleware.setup(self)
+
+    @property
+    def audit(self) -> Audit | None:
+        """The :class:`~idembus.Audit` middleware of this endpoint, if it has one."""
+        for item in self.pipeline.middleware:
+            if isinstance(item, Audit):
+                return item
+        return None
+
+    # -- configuration checks ----------------------------------------------------------
+
+    def _check_routes(self, routes: Mapping[type[Message], str]) -> None:
+        for command_type, destination in routes.items():
+            if destination == self.name and not self.table.bindings_for(command_type):
+                raise ConfigurationError(
+                    f"routes send {message_name(command_type)} to {self.name!r} itself, but "
+                    f"no handler of {self.name!r} handles it; add a handler or fix the route"
+                )
+        for handler in self.table.handlers:
+            for sent in type(handler).sends:
+                if not is_message_type(sent) or not issubclass(sent, Command):
+                    raise ConfigurationError(
+                        f"{type(handler).__qualname__}.sends lists {sent!r}; list the "
+                        "Command types the handler sends (events need no route)"
+                    )
+                if not self.router.has_route(sent):
+                    raise ConfigurationError(
+                        f"{type(handler).__qualname__} sends {message_name(sent)} but "
+                        f"{self.name!r} has no route for it: add "
+                        f"routes={{{sent.__name__}: '<endpoint name>'}}"
+                    )
+
+    def _check_evolution(self, journal: JournalPolicy) -> None:
+        """Upcaster chains without gaps, state versions that are whole numbers, routing keys
+        within the AMQP limit: for every type this endpoint knows."""
+        journaled = [] if isinstance(journal.events, bool) else list(journal.events)
+        known = [*self.registry, *(t for t in journaled if t not in self.registry)]
+        for message_type in known:
+            check_upcasters(message_type)
+        check_routing_keys(known)
+        for handler in self.table.handlers:
+            if isinstance(handler, AggregateHandler):
+                version_of(type(handler).state_type)
+                check_upcasters(type(handler).state_type)
+
+    def unrouted(self, envelope: Envelope) -> None:
+        """Note an event the broker reported no queue took: the ``unrouted`` signal (and
+        counter), and a WARNING per type every 10 s at most. It is not kept: an event
+        nobody subscribes to is not a failure of the message (README, "Message
+        hierarchies")."""
+        self.signals.emit("unrouted", message_id=envelope.message_id,
+                          message_type=envelope.message_type, envelope=envelope)
+        held = self._unrouted_lines.allow(envelope.message_type)
+        if held is not None:
+            log.warning("event %s %s reached no queue: no endpoint subscribes to it or to a "
+                        "type it derives from%s", envelope.message_type, envelope.message_id,
+                        self._unrouted_lines.said(held),
+                        extra={"endpoint": self.name, "message_id": envelope.message_id,
+                               "message_type": envelope.message_type})
+
+    def unit_of_work(
+        self,
+        state_type: type[StateT],
+        aggregate_id: str,
+        *,
+        operation_id: str | None = None,
+        new_state: Callable[[], StateT] | None = None,
+    ) -> UnitOfWork[StateT]:
+        """Change one aggregate from outside handlers in one write (see
+        :mod:`.unit_of_work`): ``with endpoint.unit_of_work(Order, order_id) as work:``.
+
+        ``operation_id`` makes a retried operation (an HTTP request with an idempotency
+        key) take effect once; ``new_state`` builds the state of an aggregate that does not
+        exist yet (default: ``state_type()``).
+        """
+        return UnitOfWork(
+            endpoint=self.name, router=self.router, storage=self.storage,
+            dispatcher=self.dispatcher, aggregate_type=self._aggregate_type_of(state_type),
+            aggregate_id=aggregate_id, state_type=state_type, operation_id=operation_id,
+            new_state=new_state, clock=self.clock,
+        )
+
+    def _aggregate_type_of(self, state_type: type[BaseModel]) -> str:
+        """The storage name a handler of this endpoint gives ``state_type``, or its name."""
+        for handler in self.table.handlers:
+            if isinstance(handler, AggregateHandler) and type(handler).state_type is state_type:
+                return type(handler).storage_name()
+        return state_type.__name__
+
+    def _check_retention(self) -> None:
+        """Deduplication must remember a message for longer than it can keep coming back."""
+        retention = self.storage.retention
+        if retention is None:
+            return
+        policies = [self.recoverability.retries] + [
+            type(h).retry_policy for h in self.table.handlers if type(h).retry_policy]
+        longest = max(policy.longest_path for policy in policies if policy is not None)
+        if retention.total_seconds() <= longest:
+            raise ConfigurationError(
+                f"{type(self.storage).__name__} remembers processed messages for "
+                f"{retention.total_seconds():.0f}s, but a failing message can come back "
+                f"{longest:.0f}s after its first attempt (delayed retries): its duplicates "
+                "would then be processed again. Keep them longer (retention=...) or shorten "
+                "the delayed retries (RetryPolicy(delayed=...))."
+            )
+
+    @property
+    def subscriptions(self) -> list[str]:
+        """Wire names of the event types this endpoint's handlers subscribe to."""
+        return sorted(message_name(t) for t in self.table.message_types if issubclass(t, Event))
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the storage, declare the topology and start the consumer threads."""
+        if self._threads:
+            raise RuntimeError(f"endpoint {self.name!r} is already running")
+        self.storage.verify()
+        self.transport.declare(self.name, subscriptions=self.subscriptions)
+        self.transport.declare(self.error_queue)
+        if self._delayed is not None:
+            self._delayed.start()
+        if self.status_interval:
+            self._status.start()
+        if self.outbox_policy.run:
+            self.outbox.start()
+        if self.scheduler is not None:
+            self.scheduler.start()
+            log.info("endpoint %s schedules: %s", self.name, "; ".join(
+                f"{s.name} ({s.cron}, {s.timezone}: {s.describe_message()})"
+                for s in self.schedules), extra={"endpoint": self.name})
+        # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
+        for index in range(self.concurrency):
+            thread = threading.Thread(
+                target=self._consume, name=f"idembus-{self.name}-{index}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        if not self._message_log_connected:
+            self._message_log_connected = self._message_log.connect()
+        local = [part for part in (self.storage, self.transport) if part.process_local]
+        if local:
+            log.warning("endpoint %s runs on %s: process-local and not durable (messages and "
+                        "state are lost when this process ends, and other processes cannot "
+                        "see them); pass a broker URL and a database for anything but trials",
+                        self.name, " and ".join(_described(part) for part in local),
+                        extra={"endpoint": self.name})
+        log.info("endpoint %s started: queue %s, %d consumer(s), handlers %s, subscribed to "
+                 "%s; transport %s, storage %s", self.name, self.name, self.concurrency,
+                 ", ".join(type(h).name() for h in self.table.handlers) or "none",
+                 ", ".join(self.subscriptions) or "nothing", _described(self.transport),
+                 _described(self.storage), extra={"endpoint": self.name})
+        if self.shared_transaction is not None:
+            log.info("endpoint %s commits, sends and acknowledges in one transaction: its "
+                     "queues are in its storage's database", self.name,
+                     extra={"endpoint": self.name})
+
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Stop taking messages, let the ones in progress finish; True if all threads ended
+        within ``timeout`` seconds (one budget for every thread, not one each)."""
+        self._stop.set()
+        deadline = Deadline(timeout)
+        for thread in self._threads:
+            thread.join(deadline.left())
+        if self._delayed is not None:
+            self._delayed.stop(deadline.left())
+        self._status.stop(deadline.left())
+        self.outbox.stop(deadline.left())
+        if self.scheduler is not None:
+            self.scheduler.stop(deadline.left())
+        stopped = not any(thread.is_alive() for thread in self._threads)
+        if stopped and self._threads:
+            counts = self.counters.snapshot()
+            log.info("endpoint %s stopped: %s", self.name, ", ".join(
+                f"{name} {counts[name]}" for name in sorted(counts) if counts[name]) or
+                "no messages", extra={"endpoint": self.name})
+        if stopped:
+            self._threads = []
+            self._stop.clear()  # ready to start again
+        return stopped
+
+    def run(self, *, shutdown_timeout: float = 30.0) -> bool:
+        """Start and block until ``stop()``, SIGINT or SIGTERM; then stop gracefully:
+        take no new message, finish the ones in progress. Returns False if they did not
+        finish within ``shutdown_timeout`` seconds (the broker will redeliver them)."""
+        with StopSignals() as signals:  # kept through stop(): a second signal only notes
+            self.start()
+            try:
+                signals.wait(self._stop)
+            finally:
+                stopped = self.stop(timeout=shutdown_timeout)
+        return stopped
+
+    def request_stop(self) -> None:
+        """Ask a running endpoint to stop gracefully, as SIGTERM does; returns at once."""
+        self._stop.set()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop (see :meth:`stop`), then release the transport's and the storage's
+        connections."""
+        deadline = Deadline(timeout)
+        self.stop(deadline.left())
+        self.pipeline.close()
+        self.transport.close()
+        self.storage.close()
+
+    def __enter__(self) -> Endpoint:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- consuming ----------------------------------------------------------------------
+
+    def _consume(self) -> None:
+        """One consumer thread: consume until stopped, whatever the transport raises.
+
+        The transport waits out outages itself. What it cannot wait out — the broker
+        refusing this endpoint (:class:`~idembus.errors.EndpointBlocked`) or a bug — is logged
+        (at ERROR) and shown by ``idembus status``, and consuming starts again after a
+        growing wait, once declaring the queue works again: never a live process that
+        consumes nothing.
+        """
+        try:
+            self._consume_until_stopped()
+        finally:
+            close_thread_loop()  # this thread's event loop, if async handlers made one
+
+    def _consume_until_stopped(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if failures:
+                    self.transport.declare(self.name, subscriptions=self.subscriptions)
+                    self.health.resolved("transport")
+                self._consume_once()
+                return
+            except Exception as error:
+                delay = self.recoverability.outage_backoff.delay(failures)
+                failures += 1
+                self.health.problem("transport", error)
+                if isinstance(error, BusError):
+                    log.error("endpoint %s cannot consume its queue: %s; trying again in %.1fs",
+                              self.name, redact(str(error)), delay)
+                else:
+                    log.exception("a consumer of endpoint %s failed; starting it again in "
+                                  "%.1fs", self.name, delay)
+                self._stop.wait(delay)
+
+    def _consume_once(self) -> None:
+        """Consume until stopped, one delivery or one batch at a time. Where the queues share
+        the storage's database, commit, send and acknowledgement are one transaction
+        already: deliveries go one at a time, batching or not."""
+        size = self.batch_size
+        if size is None:
+            self.transport.consume(self.name, self._on_delivery, stop=self._stop,
+                                   prefetch=self.prefetch)
+            return
+        assert self.batching is not None
+        runner = BatchRunner(self._processor, size=size)
+        self.transport.consume_batches(
+            self.name, functools.partial(self._on_batch, runner), stop=self._stop,
+            prefetch=max(self.prefetch, size), size=size, linger=self.batching.linger)
+
+    @property
+    def batch_size(self) -> int | None:
+        """The most deliveries a batch holds; ``None`` when they go one at a time (no
+        batching, or a shared transaction)."""
+        if self.batching is None or self.shared_transaction is not None:
+            return None
+        return self.batching.size_for(self.prefetch)
+
+    def _on_batch(self, runner: BatchRunner, deliveries: Sequence[Delivery]) -> None:
+        with self._activity:
+            self._in_flight += len(deliveries)
+        try:
+            runner.run(deliveries, self.transport, one_at_a_time=self._recovery.breaker.open)
+        finally:
+            with self._activity:
+                self._in_flight -= len(deliveries)
+                self._activity.notify_all()
+
+    def _on_delivery(self, delivery: Delivery) -> None:
+        with self._activity:
+            self._in_flight += 1
+        try:
+            self._processor(delivery)
+        finally:
+            with self._activity:
+                self._in_flight -= 1
+                self._activity.notify_all()
+
+    def process(self, delivery: Delivery) -> None:
+        """Process one delivery in the calling thread, exactly as a consumer would: the
+        same deduplication, dispatch, retries and error queue. For tools that bring their
+        own messages (``idembus spark replay``); the endpoint need not be started."""
+        self._on_delivery(delivery)
+
+    def process_batch(self, deliveries: Sequence[Delivery]) -> None:
+        """Process ``deliveries`` in the calling thread as a consumer's batches would be
+        (at most :attr:`batch_size` a batch, in order; one at a time without batching): the
+        same deduplication, dispatch, retries and error queue, their loads, commits and
+        dispatches shared by each batch. What escapes a message's processing (a crash) is
+        raised once its batch is settled, as :meth:`process` raises it: nothing gives such
+        a delivery back, so the caller runs it again (Spark: the task). For tools that
+        bring their own messages (``idembus spark replay``)."""
+        size = self.batch_size
+        if size is None:
+            for delivery in deliveries:
+                self._on_delivery(delivery)
+            return
+        runner = BatchRunner(self._processor, size=size, requeue_escaped=False)
+        for start in range(0, len(deliveries), size):
+            self._on_batch(runner, deliveries[start:start + size])
+
+    def reject(self, delivery: Delivery, reason: str) -> None:
+        """Send a delivery that is not a readable message to the error queue with
+        ``reason``, as bad input; then acknowledge it."""
+        self._processor.reject(delivery, reason)
+
+    def is_idle(self) -> bool:
+        """True when no message is being processed and none waits in the queue."""
+        with self._activity:
+            busy = self._in_flight > 0
+        return not busy and self.transport.pending(self.name) == 0
+
+    def wait_for_activity(self, timeout: float) -> None:
+        """Block until a message finishes processing here, or ``timeout`` passes."""
+        with self._activity:
+            self._activity.wait(timeout)
+
+    @property
+    def process_local(self) -> bool:
+        """True if the transport or the storage lives inside this process, so that other
+        processes cannot share the endpoint's queue or data (memory://, mongomock)."""
+        return self.transport.process_local or self.storage.process_local
+
+    @property
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
+
+def _with_own_commands(
+    name: str, routes: Mapping[type[Message], str], handled: Sequence[type[Message]]
+) -> dict[type[Message], str]:
+    merged: dict[type[Message], str] = {t: name for t in handled if issubclass(t, Command)}
+    merged.update(routes)
+    return merged
+
+
+def _transport_from(transport: Transport | str) -> Transport:
+    if isinstance(transport, Transport):
+        return transport
+    if isinstance(transport, str):
+        from ..transports.urls import transport_for
+
+        return transport_for(transport)
+    raise ConfigurationError(
+        f"transport must be a Transport or a kombu URL such as 'memory://' (or a database "
+        f"URL: 'postgresql://...', 'mongodb://...'), got {transport!r}"
+    )
+
+
+def _embedded_storage() -> Storage:
+    """The storage of an endpoint given none: in-process dicts, whose time per message does
+    not grow with what they hold (mongomock, the earlier default, scans whole collections
+    and slowed down as data grew; it stays MongoStorage's test double)."""
+    from ..storage.memory import MemoryStorage
+
+    return MemoryStorage()
+
+
+def _described(part: object) -> str:
+    """A transport or storage as the start-up line names it: its class and where it
+    connects, password hidden."""
+    where = getattr(part, "safe_url", None) or getattr(part, "conninfo", None)
+    if where is None and getattr(part, "database", None) is not None:
+        where = getattr(part.database, "name", None)  # type: ignore[attr-defined]
+    name = type(part).__name__
+    return f"{name} ({redact(str(where))})" if where else name
+
+
+def _outbox_policy(option: OutboxPolicy | bool) -> OutboxPolicy:
+    if isinstance(option, OutboxPolicy):
+        return option
+    if isinstance(option, bool):
+        return OutboxPolicy(run=option)
+    raise ConfigurationError(f"outbox must be True, False or an OutboxPolicy, got {option!r}")
+
+
+def _journal_policy(option: bool | Sequence[type[Event]] | JournalPolicy) -> JournalPolicy:
+    if isinstance(option, JournalPolicy):
+        if option.retention <= datetime.timedelta(0):
+            raise ConfigurationError(
+                f"the journal's retention must be positive, got {option.retention!r}")
+        return option
+    return JournalPolicy(events=option)

@@ -1,0 +1,365 @@
+"""Running one handler for one message, exactly once per (handler, message id).
+
+Load the aggregate; if the message is already recorded, return the stored outgoing
+messages instead of running the handler. Otherwise run the handler on a copy, recording
+what it sends, and commit state and outgoing messages in one conditional write. A lost
+race reloads and runs the handler again on the fresh state (bounded, with jitter).
+
+Sagas (aggregate handlers with ``starts``): a message that finds no live saga and does not
+start one goes to the handler's ``saga_not_found`` instead, and nothing is committed; a
+timeout (``idembus.saga_timeout``) for a completed one is dropped. A handler that called
+``complete()`` commits a tombstone instead of its state.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .. import headers as h
+from ..clock import Clock, SystemClock
+from ..context import MessageContext
+from ..envelope import Envelope, parse_utc, utc_now
+from ..errors import EndpointBlocked, HandlerContractError
+from ..evolution import VersionKeyword, load_state, version_keyword
+from ..handlers.base import AggregateHandler
+from ..handlers.registration import HandlerBinding
+from ..messages import Message
+from ..pipeline import HandlerCall, Pipeline
+from ..policies import ConflictPolicy
+from ..routing import Router
+from ..sending import Bus
+from ..signals import EndpointSignals
+from ..storage.base import INBOX, AggregateRecord, Storage
+from ..storage.errors import (
+    AlreadyProcessed,
+    CommitOutcomeUnknown,
+    ConcurrencyConflict,
+    ConflictRetriesExhausted,
+    StorageUnavailable,
+)
+from ..transports.base import Delivery
+from . import batch_runner
+from .aio import run_to_completion
+from .shared_transaction import SharedTransaction
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one handler's processing of one message left to dispatch."""
+
+    aggregate_type: str
+    aggregate_id: str
+    key: str
+    outgoing: tuple[Envelope, ...]
+    duplicate: bool
+    handler: str = ""
+    #: A duplicate whose entry was committed moments ago and is not yet marked dispatched:
+    #: its sending is left to the committer, or to the outbox once its grace has passed
+    #: (``Endpoint(defer_fresh_redispatch=...)``).
+    left_to_outbox: bool = False
+    #: The message had expired (``idembus.discard_after``) and this handler had not
+    #: processed it: nothing ran, nothing was stored (:mod:`idembus.expiry`).
+    discarded: bool = False
+
+
+class HandlerInvoker:
+    """Runs handler bindings against storage with deduplication and optimistic retries."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        router: Router,
+        storage: Storage,
+        signals: EndpointSignals,
+        conflicts: ConflictPolicy,
+        pipeline: Pipeline | None = None,
+        defer_fresh_redispatch: float = 0.0,
+        clock: Clock | None = None,
+        shared: SharedTransaction | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        #: Commits with the outgoing messages and the incoming one's removal, when the
+        #: queues share the storage's database (:mod:`idembus.runtime.shared_transaction`).
+        self._shared = shared
+        #: The handlers' "now" (what their buses stamp and defer by).
+        self._clock = clock or SystemClock()
+        #: Seconds during which a duplicate leaves an undispatched entry to its committer.
+        self._defer_fresh = datetime.timedelta(seconds=defer_fresh_redispatch)
+        self._router = router
+        self._storage = storage
+        self._signals = signals
+        self._conflicts = conflicts
+        self._pipeline = pipeline or Pipeline()
+        #: Whether a handling method's function is ``async def`` (behind any decorators),
+        #: by function: asked once, not at every message.
+        self._async_functions: dict[Any, bool] = {}
+
+    def context_for(self, binding: HandlerBinding, headers: Mapping[str, str]) -> MessageContext:
+        """What ``binding``'s handler knows of the message with ``headers``."""
+        return MessageContext(
+            message_id=headers[h.MESSAGE_ID],
+            message_type=headers[h.MESSAGE_TYPE],
+            headers=headers,
+            handler_name=binding.handler_name,
+            endpoint=self._endpoint,
+        )
+
+    def invoke(
+        self, binding: HandlerBinding, call: HandlerCall, *,
+        commit_may_have_landed: bool = False, expired: bool = False,
+        settle: Delivery | None = None,
+    ) -> Outcome:
+        """Run the binding's handler on ``call.message`` once per (handler, message id),
+        the commit inside the pipeline's ``commit`` stage; sets ``call.duplicate`` and
+        ``call.outgoing``.
+
+        ``commit_may_have_landed``: an earlier attempt of this very delivery lost the
+        database during its commit (:class:`~idembus.storage.errors.CommitOutcomeUnknown`). Finding
+        the message recorded then means that commit was applied: it counts as handled, not
+        as a duplicate, and what it stored is dispatched without a ``redispatched``.
+
+        ``expired``: the message was received after its ``idembus.discard_after``. Found
+        recorded, it is a duplicate as ever (what was stored is sent again); otherwise the
+        handler does not run and the outcome says ``discarded``.
+
+        ``settle``: the delivery, when this is its last handler; with a shared transaction
+        its removal is part of the commit, and the outgoing messages go out with it (the
+        outcome then has nothing left to dispatch).
+        """
+        context, message, headers = call.context, call.message, call.context.headers
+        key = context.dedup_key
+        aggregate_type, aggregate_id = self._address(binding, message, key)
+        details = {"message_id": context.message_id, "message_type": context.message_type,
+                   "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
+        for attempt in range(self._conflicts.attempts):
+            loaded = batch_runner.load(self._storage, aggregate_type, aggregate_id, key)
+            previous = loaded.processed.get(key)
+            committed_at: datetime.datetime | None  # of the entry a duplicate found
+            if previous is None:
+                if expired:
+                    return Outcome(aggregate_type, aggregate_id, key, (), False,
+                                   binding.handler_name, discarded=True)
+                if attempt == 0:
+                    self._notice_forgotten_window(loaded, headers, details)
+                absent = _without_saga(binding, message, headers, loaded)
+                if absent is not None:
+                    if absent == NOT_FOUND:
+                        self._saga_not_found(binding, message, context, loaded)
+                    self._signals.emit(absent, **details)
+                    return Outcome(aggregate_type, aggregate_id, key, (), False,
+                                   binding.handler_name)
+                state, outgoing, completed = self._run(binding, message, context, loaded)
+                call.outgoing = outgoing
+                commit: Callable[..., Any] = functools.partial(
+                    batch_runner.commit, self._storage, loaded, key=key, state=state,
+                    outgoing=outgoing)
+                if self._shared is not None:
+                    commit = functools.partial(self._shared.commit, loaded, key=key,
+                                               state=state, outgoing=outgoing, settle=settle)
+                if completed:  # only then: a backend from before completion still commits
+                    commit = functools.partial(commit, completed=True)
+                else:  # a version only above 1: a backend from before versions still commits
+                    commit = functools.partial(commit, **_versioned(binding))
+                try:
+                    sent = self._pipeline.commit(call, commit)
+                except StorageUnavailable as outage:
+                    if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
+                        raise
+                    raise CommitOutcomeUnknown(str(outage)) from outage
+                except ConcurrencyConflict:
+                    self._signals.emit("conflict", attempt=attempt + 1, **details)
+                    if attempt + 1 < self._conflicts.attempts:
+                        self._conflicts.pause(attempt)
+                    continue
+                except AlreadyProcessed as duplicate:
+                    # Committed between our load and our commit: moments ago.
+                    stored, committed_at = duplicate.outgoing, utc_now()
+                else:
+                    self._signals.emit("handled", **details)
+                    return Outcome(aggregate_type, aggregate_id, key,
+                                   () if sent is True else tuple(outgoing), False,
+                                   binding.handler_name)
+            else:
+                stored = previous.outgoing
+                committed_at = None if previous.dispatched else previous.at
+            call.outgoing = stored
+            if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
+                self._signals.emit("handled", **details)
+                return Outcome(aggregate_type, aggregate_id, key, stored, False,
+                               binding.handler_name)
+            call.duplicate = True
+            self._signals.emit("duplicate", **details)
+            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name,
+                           left_to_outbox=self._is_fresh(stored, committed_at))
+        raise ConflictRetriesExhausted(
+            f"{binding.handler_name} lost {self._conflicts.attempts} optimistic races on "
+            f"{aggregate_type} {aggregate_id!r} while handling {context.message_id}"
+        )
+
+    def _is_fresh(self, stored: tuple[Envelope, ...],
+                  committed_at: datetime.datetime | None) -> bool:
+        """Whether a duplicate leaves ``stored`` (undispatched, committed at
+        ``committed_at``) to its committer and the outbox instead of re-sending it."""
+        return (bool(stored) and committed_at is not None and bool(self._defer_fresh)
+                and utc_now() - committed_at < self._defer_fresh)
+
+    def _notice_forgotten_window(
+        self, loaded: AggregateRecord, headers: Mapping[str, str], details: Mapping[str, Any]
+    ) -> None:
+        """Count messages older than everything the aggregate still remembers: had one of
+        them been processed before, its entry is gone and it takes effect again."""
+        window_start = loaded.window_start(self._storage.processed_window)
+        if window_start is None:
+            return
+        sent = parse_utc(headers.get(h.TIME_SENT))
+        if sent is not None and sent < window_start:
+            self._signals.emit("outside_window", **details)
+
+    @staticmethod
+    def _address(binding: HandlerBinding, message: Message, key: str) -> tuple[str, str]:
+        handler = binding.handler
+        if not isinstance(handler, AggregateHandler):
+            return INBOX, key
+        aggregate_id = handler.aggregate_id(message)
+        if isinstance(aggregate_id, int) and not isinstance(aggregate_id, bool):
+            aggregate_id = str(aggregate_id)
+        if not isinstance(aggregate_id, str) or not aggregate_id:
+            raise HandlerContractError(
+                f"{binding.handler_name}.aggregate_id() must return a non-empty str, "
+                f"got {aggregate_id!r}"
+            )
+        return type(handler).storage_name(), aggregate_id
+
+    def _run(
+        self,
+        binding: HandlerBinding,
+        message: Message,
+        context: MessageContext,
+        loaded: AggregateRecord,
+    ) -> tuple[dict[str, Any] | None, list[Envelope], bool]:
+        """Run the handling method on a copy: the state it left (``None`` for stateless
+        handlers and completed aggregates), what it sent, whether it completed."""
+        outgoing: list[Envelope] = []
+        handler = self._copy(binding, context, self._pipeline.recorder(outgoing.append, context),
+                             loaded)
+        if isinstance(handler, AggregateHandler):
+            if loaded.live:
+                handler.state = load_state(handler.state_type, loaded.state or {},
+                                           loaded.state_version)
+            else:  # new, or a new start on a tombstone
+                handler.state = handler.new_state(loaded.aggregate_id, message)
+            self._call(handler, binding, message)
+            if handler._idembus_completed:
+                return None, outgoing, True
+            if not isinstance(handler.state, handler.state_type):
+                raise HandlerContractError(
+                    f"{binding.handler_name} left self.state as {type(handler.state).__name__}"
+                    f", not {handler.state_type.__name__}"
+                )
+            return handler.state.model_dump(mode="json"), outgoing, False
+        self._call(handler, binding, message)
+        return None, outgoing, False
+
+    def _copy(self, binding: HandlerBinding, context: MessageContext,
+              emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
+        """The handler object for one message: a shallow copy with its bus and context."""
+        handler = copy.copy(binding.handler)
+        handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock)
+        handler.context = context
+        if isinstance(handler, AggregateHandler):
+            handler._idembus_aggregate = (loaded.aggregate_type, loaded.aggregate_id)
+        return handler
+
+    def _saga_not_found(self, binding: HandlerBinding, message: Message,
+                        context: MessageContext, loaded: AggregateRecord) -> None:
+        """Run the handler's ``saga_not_found``; what it raises fails the message."""
+        def refuse(envelope: Envelope) -> None:
+            raise HandlerContractError(
+                f"{binding.handler_name}.saga_not_found tried to send {envelope.message_type}:"
+                " nothing is committed for a message that found no saga, so it cannot send, "
+                "publish or reply; raise idembus.RejectMessage(reason) to put the message in "
+                "the error queue, or handle its type in a Handler of its own")
+
+        self._call(self._copy(binding, context, refuse, loaded), binding, message,
+                   method_name="saga_not_found")
+
+    def _call(self, handler: Any, binding: HandlerBinding, message: Message,
+              method_name: str | None = None) -> None:
+        """Run the handling method (or ``method_name``); an ``async def`` one runs to
+        completion on the consumer thread's event loop (:mod:`idembus.runtime.aio`) before anything
+        is committed. A method that returns something has misunderstood the contract
+        (handlers record what they send through ``self.bus``), and whatever it meant by the
+        value would be lost: fail the message instead of committing."""
+        method_name = method_name or binding.method_name
+        method = getattr(handler, method_name)
+        returned = method(message)
+        if inspect.iscoroutine(returned) and self._is_async(method):
+            returned = run_to_completion(returned)
+        if returned is None:
+            return
+        if inspect.iscoroutine(returned):
+            returned.close()  # never started: closing it keeps "never awaited" away
+        raise HandlerContractError(
+            f"{binding.handler_name}.{method_name} returned {_shown(returned)}; handling "
+            "methods return None and send, publish or reply through self.bus"
+        )
+
+
+    def _is_async(self, method: Any) -> bool:
+        """As registration judges it: an ``async def`` behind any decorators (a plain
+        ``def`` that returns a coroutine is not run)."""
+        function = getattr(method, "__func__", method)
+        try:
+            known = self._async_functions.get(function)
+        except TypeError:  # an unhashable callable: judged every time
+            return inspect.iscoroutinefunction(inspect.unwrap(function))
+        if known is None:
+            known = inspect.iscoroutinefunction(inspect.unwrap(function))
+            self._async_functions[function] = known
+        return known
+
+
+#: :func:`_without_saga`'s answers, which are also the names of their signals.
+NOT_FOUND = "not_found"
+TIMEOUT_DROPPED = "timeout_dropped"
+
+
+def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[str, str],
+                  loaded: AggregateRecord) -> str | None:
+    """Why the handling method does not run, if it does not: :data:`TIMEOUT_DROPPED` for
+    this aggregate's own timeout finding it completed (or, for a saga, gone);
+    :data:`NOT_FOUND` for a saga's message that finds no live saga and does not start one.
+    ``None``: run it (a live aggregate, a starting message, or any message of an aggregate
+    handler without ``starts``)."""
+    handler = binding.handler
+    if not isinstance(handler, AggregateHandler) or loaded.live:
+        return None
+    starts = type(handler).starts
+    own_timeout = headers.get(h.SAGA_TIMEOUT) == f"{loaded.aggregate_type}/{loaded.aggregate_id}"
+    if own_timeout and (loaded.completed or starts is not None):
+        return TIMEOUT_DROPPED
+    if starts is None or isinstance(message, starts):
+        return None
+    return NOT_FOUND
+
+
+def _versioned(binding: HandlerBinding) -> VersionKeyword:
+    """The ``state_version`` keyword of an aggregate handler's commit
+    (:func:`idembus.evolution.version_keyword`); none for a stateless handler."""
+    handler = binding.handler
+    return (version_keyword(type(handler).state_type)
+            if isinstance(handler, AggregateHandler) else VersionKeyword())
+
+
+def _shown(value: object) -> str:
+    """A value in an error message: its type, and its repr when short."""
+    text = repr(value)
+    return f"a {type(value).__name__}" if len(text) > 80 else f"{text} ({type(value).__name__})"
+

@@ -1,0 +1,430 @@
+"""The life of one delivery: decode, handle, dispatch, acknowledge.
+
+For each handler of the message type: invoke it (exactly once per handler and message id,
+see :mod:`idembus.runtime.invocation`), dispatch the outgoing messages it committed or had committed
+before, and only when every handler is done acknowledge the delivery. All of it runs inside
+the endpoint's middleware (:mod:`idembus.pipeline`): the ``message`` stage around the whole,
+the ``handler`` stage around each handler attempt.
+
+When a handler keeps raising, its retry policy decides: immediate retries, then delayed
+rounds (the message comes back later with the same id, so handlers that already succeeded
+find it processed), then the error queue with the reason. Bad input goes to the error queue
+at once. Nothing is lost.
+
+A message received after its ``idembus.discard_after`` (:mod:`idembus.expiry`) is
+acknowledged without running the handlers that had not processed it yet (``discarded``);
+those that had still send again what they stored.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from .. import headers as h
+from .. import wire
+from ..clock import Clock, SystemClock
+from ..envelope import Envelope, format_utc
+from ..errors import BusError, MalformedMessage, MessageError
+from ..expiry import expiry_of
+from ..handlers.registration import HandlerBinding, HandlerTable
+from ..messages import Message
+from ..pipeline import (
+    HandlerCall,
+    IncomingMessage,
+    Pipeline,
+    PipelineControl,
+    RejectMessage,
+    RetryLater,
+    SkipMessage,
+)
+from ..policies import RetryPolicy
+from ..redaction import redact
+from ..registry import MessageRegistry
+from ..signals import EndpointSignals
+from ..storage.base import PARKED_FROM_ERROR_QUEUE, Storage
+from ..storage.errors import (
+    CommitOutcomeUnknown,
+    StorageAccessDenied,
+    StorageError,
+    StorageUnavailable,
+)
+from ..transports.base import Delivery
+from ..transports.errors import DestinationRefused, TransportUnavailable
+from .decoding import decode
+from .dispatching import Dispatcher, DispatchProgress
+from .invocation import HandlerInvoker, Outcome
+from .recoverability.failure_headers import failure_headers
+from .recoverability.parking import park
+from .recoverability.policy import Recovery
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A handler that raised on every immediate attempt."""
+
+    error: Exception
+    attempts: int
+    policy: RetryPolicy
+
+
+@dataclass
+class _Dispatching(DispatchProgress):
+    """:class:`DispatchProgress` of one handler's outgoing messages, and whether their
+    redispatch was counted already."""
+
+    redispatch_counted: bool = field(default=False)
+
+
+class MessageProcessor:
+    """Processes deliveries of one endpoint; safe to call from several threads.
+
+    ``storage`` keeps what the error queue refuses (:mod:`idembus.runtime.recoverability.parking`);
+    ``left_to_outbox`` is called when a duplicate left an entry to the outbox (which then
+    looks sooner); ``clock`` tells whether a message expired and when a delayed retry is
+    due.
+    """
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        error_queue: str,
+        registry: MessageRegistry,
+        table: HandlerTable,
+        invoker: HandlerInvoker,
+        dispatcher: Dispatcher,
+        recovery: Recovery,
+        signals: EndpointSignals,
+        storage: Storage,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
+        left_to_outbox: Callable[[], None] = lambda: None,
+        clock: Clock | None = None,
+    ) -> None:
+        self._endpoint = endpoint
+        self._clock = clock or SystemClock()
+        self._error_queue = error_queue
+        self._registry = registry
+        self._table = table
+        self._invoker = invoker
+        self._dispatcher = dispatcher
+        self._pipeline: Pipeline = dispatcher.pipeline
+        self._recovery = recovery
+        self._signals = signals
+        self._storage = storage
+        self._max_message_bytes = max_message_bytes
+        self._left_to_outbox = left_to_outbox
+
+    def __call__(self, delivery: Delivery) -> None:
+        headers = delivery.headers
+        self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
+                           message_type=headers.get(h.MESSAGE_TYPE))
+        incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
+        pause = 0.0
+        try:
+            pause = self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
+        except PipelineControl as control:  # raised by a before_message hook
+            self._steer(delivery, incoming, control)
+        except (StorageUnavailable, TransportUnavailable):
+            raise  # an outage while stopping: the broker delivers the message again
+        except Exception as error:
+            # A before_message hook failed (or a bug): the message's failure, not a requeue
+            # that would bring it straight back, forever.
+            log.exception("%s could not process %s", self._endpoint, headers.get(h.MESSAGE_ID))
+            self._signals.emit("failed", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), error=error,
+                               attempt=1, time_sent=headers.get(h.TIME_SENT))
+            pause = self._after_failure(delivery, incoming, _Failure(
+                error, 1, self._recovery.settings.retries))
+        delivery.ack()
+        if pause:
+            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
+            self._recovery.stopping.wait(pause)
+
+    def _process(self, delivery: Delivery, incoming: IncomingMessage) -> float:
+        """Everything but the acknowledgement; returns how long the breaker pauses."""
+        problem = wire.problem_with(delivery, max_message_bytes=self._max_message_bytes)
+        if problem is not None:
+            self._dead_letter(delivery, incoming, MalformedMessage(problem), attempts=0)
+            return 0.0
+        try:
+            message = decode(delivery.headers, delivery.body, delivery.content_type,
+                             self._registry)
+            expires = expiry_of(delivery.headers)
+        except MessageError as error:
+            self._dead_letter(delivery, incoming, error, attempts=0)
+            return 0.0
+        incoming.message = message
+        expired = expires is not None and self._clock.now() > expires
+        discarded = False
+        try:
+            bindings = self._table.bindings_for(type(message))
+            for binding in bindings:
+                done = self._handle(binding, message, delivery, incoming, expired=expired,
+                                    last=binding is bindings[-1])
+                if isinstance(done, _Failure):
+                    return self._after_failure(delivery, incoming, done)
+                discarded |= done is not None and done.discarded
+        except PipelineControl as control:  # RetryLater or RejectMessage
+            self._steer(delivery, incoming, control)
+            return 0.0
+        incoming.outcome = "discarded" if discarded else "handled"
+        self._recovery.message_succeeded()
+        return 0.0
+
+    def _steer(self, delivery: Delivery, incoming: IncomingMessage,
+               control: PipelineControl) -> None:
+        """Do what a control-flow exception of middleware or a handler asks."""
+        if isinstance(control, SkipMessage):
+            incoming.outcome = "skipped"
+            self._skipped(self._endpoint, delivery.headers, control)
+        elif isinstance(control, RetryLater):
+            self._postpone(delivery, incoming, control)
+        else:
+            self._dead_letter(delivery, incoming, control, attempts=0)
+
+    def _skipped(self, who: str, headers: Mapping[str, str], skip: PipelineControl,
+                 **handler: str) -> None:
+        """Say that ``who`` (the endpoint, or one handler) skipped the message."""
+        message_id = headers.get(h.MESSAGE_ID)
+        log.info("%s skipped %s: %s", who, message_id, skip.reason)
+        self._signals.emit("skipped", message_id=message_id,
+                           message_type=headers.get(h.MESSAGE_TYPE), reason=skip.reason,
+                           **handler)
+
+    def _discarded(self, handler: str, headers: Mapping[str, str]) -> None:
+        """Say that ``handler`` did not run on a message received after its time."""
+        message_id = headers.get(h.MESSAGE_ID)
+        log.info("%s discarded %s: received at %s, after its %s %s", handler, message_id,
+                 format_utc(self._clock.now()), h.DISCARD_AFTER, headers.get(h.DISCARD_AFTER),
+                 extra={"endpoint": self._endpoint, "message_id": message_id,
+                        "message_type": headers.get(h.MESSAGE_TYPE), "handler": handler})
+        self._signals.emit("discarded", message_id=message_id,
+                           message_type=headers.get(h.MESSAGE_TYPE), handler=handler,
+                           discard_after=headers.get(h.DISCARD_AFTER),
+                           time_sent=headers.get(h.TIME_SENT))
+
+    def _handle(
+        self, binding: HandlerBinding, message: Message, delivery: Delivery,
+        incoming: IncomingMessage, *, expired: bool = False, last: bool = False,
+    ) -> _Failure | Outcome | None:
+        """Invoke and dispatch with immediate retries; the failure if every attempt raised,
+        else the outcome (``None``: the handler skipped the message). The ``last`` handler
+        of the message may remove it from its queue in its commit (a shared transaction,
+        :mod:`idembus.runtime.shared_transaction`).
+
+        While the database or the broker is unreachable the message keeps its place: the
+        attempt is repeated with backoff, retries are not used up, and when the endpoint
+        stops meanwhile the delivery goes back to the broker. Once the handler's effects
+        are committed, later attempts only dispatch what it committed: a re-attempt is not
+        a duplicate. A :class:`SkipMessage` skips this handler; the other control-flow
+        exceptions go up to the message. An ``expired`` message that the handler had not
+        processed is discarded (:mod:`idembus.expiry`).
+        """
+        policy = self._recovery.retry_policy(binding.handler)
+        context = self._invoker.context_for(binding, delivery.headers)
+        attempts = 0
+        outages = 0
+        outcome: Outcome | None = None
+        dispatching = _Dispatching()
+        commit_may_have_landed = False
+        while True:
+            attempts += 1
+            try:
+                if outcome is None:
+                    call = HandlerCall(incoming, context, message, attempts)
+                    outcome = self._pipeline.handler(call, functools.partial(
+                        self._invoker.invoke, binding, call,
+                        commit_may_have_landed=commit_may_have_landed, expired=expired,
+                        settle=delivery if last else None))
+                    if outcome.discarded:
+                        self._discarded(binding.handler_name, delivery.headers)
+                self._dispatch(outcome, delivery.headers, dispatching)
+                self._recovery.recovered()
+                return outcome
+            except SkipMessage as skip:
+                self._skipped(binding.handler_name, delivery.headers, skip,
+                              handler=binding.handler_name)
+                return None
+            except PipelineControl:
+                raise
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                attempts -= 1
+                commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
+                self._recovery.wait_out(outage, outages, who=binding.handler_name,
+                                        message_id=context.message_id)
+                outages += 1
+            except Exception as error:
+                details = {"message_id": context.message_id,
+                           "message_type": context.message_type,
+                           "handler": binding.handler_name, "error": error,
+                           "time_sent": delivery.headers.get(h.TIME_SENT)}
+                self._signals.emit("failed", attempt=attempts, **details)
+                if not policy.should_retry(error, attempts):
+                    return _Failure(error, attempts, policy)
+                log.info("%s failed on %s (attempt %d), retrying: %r", binding.handler_name,
+                         details["message_id"], attempts, error)
+                self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
+
+    def _after_failure(self, delivery: Delivery, incoming: IncomingMessage,
+                       failure: _Failure) -> float:
+        """Schedule the next delayed round, or give up; return the breaker's pause."""
+        rounds = _header_count(delivery, h.DELAYED_ATTEMPTS)
+        delay = failure.policy.delay_after(failure.error, rounds)
+        if delay is None:
+            self._dead_letter(delivery, incoming, failure.error, attempts=failure.attempts)
+        else:
+            try:
+                self._send_back(delivery, {h.DELAYED_ATTEMPTS: str(rounds + 1)}, delay)
+            except DestinationRefused as refused:  # the delay itself is refused: give up
+                log.warning("%s cannot retry %s later (%s); it goes to %s", self._endpoint,
+                            delivery.headers.get(h.MESSAGE_ID), redact(str(refused)),
+                            self._error_queue)
+                self._dead_letter(delivery, incoming, failure.error, attempts=failure.attempts)
+            else:
+                incoming.outcome = "retrying"
+                log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
+                         delivery.headers.get(h.MESSAGE_ID), rounds + 1, delay, failure.error)
+                self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
+                                   message_type=delivery.headers.get(h.MESSAGE_TYPE),
+                                   kind="delayed", attempt=rounds + 1, error=failure.error,
+                                   delay=delay)
+        return self._recovery.message_failed(failure.error, failure.policy)
+
+    def _postpone(self, delivery: Delivery, incoming: IncomingMessage,
+                  later: RetryLater) -> None:
+        """Send the message back for later (:class:`RetryLater`), or to the error queue once
+        it was postponed ``give_up_after`` times in a row."""
+        count = _header_count(delivery, h.POSTPONEMENTS) + 1
+        if count > later.give_up_after:
+            self._dead_letter(delivery, incoming, RejectMessage(
+                f"postponed {count - 1} times in a row, the most allowed: {later.reason}"),
+                attempts=0)
+            return
+        self._send_back(delivery, {h.POSTPONEMENTS: str(count)}, later.delay)
+        incoming.outcome = "retry_later"
+        log.info("%s postponed %s by %.0fs (%d in a row): %s", self._endpoint,
+                 delivery.headers.get(h.MESSAGE_ID), later.delay, count, later.reason)
+        self._signals.emit("postponed", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), delay=later.delay,
+                           attempt=count, reason=later.reason)
+
+    def _send_back(self, delivery: Delivery, changes: dict[str, str], delay: float) -> None:
+        """Put the message back on its queue, same id and bytes, delivered after ``delay``
+        seconds, with ``changes`` to its headers."""
+        due = self._clock.now() + datetime.timedelta(seconds=delay)
+        self._dispatcher.dispatch(Envelope(
+            headers={**delivery.headers, **changes, h.DELIVER_AT: format_utc(due)},
+            body=delivery.body.decode("utf-8", "surrogateescape"),
+            destination=delivery.queue,
+            content_type=delivery.content_type or h.CONTENT_TYPE,
+            content_encoding=delivery.content_encoding,
+        ))
+
+    def _dispatch(self, outcome: Outcome, headers: Mapping[str, str],
+                  progress: _Dispatching) -> None:
+        """Send what ``outcome`` left and mark it (what an earlier attempt sent or parked is
+        done); or, for a duplicate of an entry committed moments ago, leave it to the
+        committer and the outbox."""
+        if not outcome.outgoing:
+            return  # an entry without outgoing messages is born dispatched
+        details = {"key": outcome.key, "count": len(outcome.outgoing),
+                   "message_id": headers.get(h.MESSAGE_ID),
+                   "message_type": headers.get(h.MESSAGE_TYPE), "handler": outcome.handler}
+        if outcome.left_to_outbox:
+            self._signals.emit("left_to_outbox", **details)
+            self._left_to_outbox()
+            return
+        already = len(progress.sent)
+        try:
+            self._dispatcher.send_committed(
+                outcome.aggregate_type, outcome.aggregate_id, outcome.key, outcome.outgoing,
+                source="redispatch" if outcome.duplicate else "handler", progress=progress)
+        finally:
+            for envelope in progress.sent[already:]:
+                self._signals.emit("dispatched", message_id=envelope.message_id,
+                                   message_type=envelope.message_type, envelope=envelope)
+            if (outcome.duplicate and outcome.outgoing and not progress.redispatch_counted
+                    and len(progress.done) == len(outcome.outgoing)):
+                progress.redispatch_counted = True
+                self._signals.emit("redispatched", time_sent=headers.get(h.TIME_SENT),
+                                   **details)
+
+    def reject(self, delivery: Delivery, reason: str) -> None:
+        """Bad input found before decoding: straight to the error queue with ``reason``;
+        then acknowledge it."""
+        incoming = IncomingMessage(self._endpoint, delivery.queue, delivery.headers)
+        self._dead_letter(delivery, incoming, MalformedMessage(reason), attempts=0)
+        delivery.ack()
+
+    def _dead_letter(self, delivery: Delivery, incoming: IncomingMessage, error: Exception, *,
+                     attempts: int) -> None:
+        """Forward the delivery, byte for byte, to the error queue (or park it, if the
+        broker refuses the copy); the caller acknowledges it.
+
+        Until one of them takes it the message keeps its place: an outage, or a storage
+        that refuses even a copy without the body, is waited out with backoff (logged, and
+        the latter shown by ``idembus status``) — never a hot loop, never dropped."""
+        message_id = delivery.headers.get(h.MESSAGE_ID) or "a message without id"
+        waits = 0
+        while True:
+            try:
+                self._move_aside(delivery, error, attempts=attempts)
+                break
+            except (StorageUnavailable, TransportUnavailable) as outage:
+                blocked: BusError = outage
+            except StorageError as refused:
+                blocked = StorageAccessDenied(
+                    f"the error queue refused {message_id} and the storage refused to park "
+                    f"it, even without its body: {redact(str(refused))}")
+            self._recovery.wait_out(blocked, waits, who=f"{self._endpoint} (moving it aside)",
+                                    message_id=message_id)
+            waits += 1
+        self._recovery.recovered()
+        incoming.outcome = "dead_lettered"
+        self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
+                           message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
+                           time_sent=delivery.headers.get(h.TIME_SENT))
+
+    def _move_aside(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
+        """One try at the error queue, then at parking; raises what stopped both."""
+        delayed = _header_count(delivery, h.DELAYED_ATTEMPTS)
+        headers = failure_headers(delivery.headers, error, queue=delivery.queue,
+                                  immediate_attempts=attempts, delayed_attempts=delayed)
+        body = delivery.body.decode("utf-8", "surrogateescape")
+        content_type = delivery.content_type or h.CONTENT_TYPE
+        try:
+            self._dispatcher.dispatch(Envelope(headers=headers, body=body,
+                                               destination=self._error_queue,
+                                               content_type=content_type,
+                                               content_encoding=delivery.content_encoding))
+        except DestinationRefused as refused:
+            # The broker will not take the copy: keep the message in the storage instead.
+            original = Envelope(dict(delivery.headers), body, delivery.queue, content_type,
+                                delivery.content_encoding)
+            park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
+                 envelope=original, queue=delivery.queue, attempts=attempts,
+                 delayed_attempts=delayed, error=error, refusal=refused)
+            return
+        log.warning("moved %s from %s to %s: %s",
+                    delivery.headers.get(h.MESSAGE_ID, "a message"), delivery.queue,
+                    self._error_queue, headers[h.EXCEPTION_MESSAGE],
+                    exc_info=(type(error), error, error.__traceback__)
+                    if error.__traceback__ is not None else None,
+                    extra={"endpoint": self._endpoint,
+                           "message_id": delivery.headers.get(h.MESSAGE_ID),
+                           "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
+
+
+def _header_count(delivery: Delivery, name: str) -> int:
+    """A count the message carries in header ``name`` (0 if absent or unreadable)."""
+    try:
+        return max(0, int(delivery.headers.get(name) or 0))
+    except ValueError:
+        return 0

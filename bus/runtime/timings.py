@@ -1,0 +1,86 @@
+"""How long an endpoint takes to handle a message, kept as a fixed histogram and reported
+with its counters (:mod:`idembus.runtime.status`), so that a reader of the status reports — the
+dashboard — can draw handling-time percentiles without OpenTelemetry.
+
+Every endpoint has one :class:`HandlingTimes`, its outermost middleware: the time from the
+arrival of a delivery until it is settled, for each delivery whose outcome is ``handled``
+(every handler handled it, found it a duplicate or skipped it; the same span as the
+``idembus.message.handling.duration`` histogram of :mod:`idembus.observability.metrics`). The
+counts go
+into the status report under one key per bucket (:func:`bucket_key`); memory and report
+size stay the same whatever the traffic. :func:`percentile` reads a percentile back from
+bucket counts (added up, or the difference of two reports).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Mapping
+
+from ..pipeline import IncomingMessage, Middleware
+
+#: Upper bounds of the buckets, in milliseconds; one more bucket holds what is slower.
+BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
+#: Status-report key of the bucket above the last bound.
+SLOWER = f"handling_ms_gt_{BOUNDS_MS[-1]}"
+
+
+def bucket_key(index: int) -> str:
+    """The status-report key of bucket ``index`` (``len(BOUNDS_MS)``: :data:`SLOWER`)."""
+    return SLOWER if index == len(BOUNDS_MS) else f"handling_ms_le_{BOUNDS_MS[index]}"
+
+
+#: Every bucket's key, fastest first.
+KEYS = tuple(bucket_key(index) for index in range(len(BOUNDS_MS) + 1))
+
+
+class HandlingTimes(Middleware):
+    """Counts handled deliveries by how long they took (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._counts = [0] * len(KEYS)
+        self._lock = threading.Lock()
+        self._key = f"idembus.runtime.timings.{id(self):x}"
+
+    def before_message(self, incoming: IncomingMessage) -> None:
+        incoming.items[self._key] = time.perf_counter()
+
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        started = incoming.items.pop(self._key, None)
+        if started is None or incoming.outcome != "handled":
+            return
+        self.record((time.perf_counter() - started) * 1000)
+
+    def record(self, milliseconds: float) -> None:
+        """Count one delivery handled in ``milliseconds``."""
+        index = bisect.bisect_left(BOUNDS_MS, milliseconds)
+        with self._lock:
+            self._counts[index] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """The count of every bucket, by its status-report key."""
+        with self._lock:
+            return dict(zip(KEYS, self._counts, strict=True))
+
+
+def percentile(counts: Mapping[str, int], fraction: float) -> float | None:
+    """The handling time (ms) below which ``fraction`` (0.5, 0.95, ...) of the deliveries
+    counted in ``counts`` (bucket key -> count) fall, interpolated linearly inside its
+    bucket; ``None`` if nothing was counted. In the last bucket, which has no upper bound,
+    it is the last bound: "more than a minute"."""
+    values = [max(0, int(counts.get(key, 0))) for key in KEYS]
+    total = sum(values)
+    if total == 0:
+        return None
+    rank = fraction * total
+    seen = 0
+    for index, count in enumerate(values):
+        if count and seen + count >= rank:
+            if index == len(BOUNDS_MS):
+                return float(BOUNDS_MS[-1])
+            low = 0 if index == 0 else BOUNDS_MS[index - 1]
+            return low + (BOUNDS_MS[index] - low) * max(0.0, rank - seen) / count
+        seen += count
+    return float(BOUNDS_MS[-1])
