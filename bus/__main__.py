@@ -11,7 +11,7 @@ command, whose script directory comes first instead, has no such gap.
 
 import sys
 
-from .cli.loading import working_directory_last
+from .runtime.loading import working_directory_last
 
 
 def _main() -> int:

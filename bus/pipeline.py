@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from . import headers as h
 from .context import MessageContext
@@ -166,6 +166,10 @@ class Dispatch:
 
 class Middleware:
     """Base class of middleware; override the hooks you need (see the module docstring)."""
+
+    #: The storage roles this middleware writes to (``"audit"``): an endpoint given it
+    #: checks at construction that its storage has them.
+    storage_roles: ClassVar[frozenset[str]] = frozenset()
 
     def setup(self, endpoint: Any) -> None:
         """Called once by the endpoint that was given this middleware, at construction."""

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from idembus import ConfigurationError
-from idembus.cli.loading import load_endpoint
+from idembus.runtime.loading import load_endpoint
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -25,10 +25,10 @@ from typing import Any
 from .. import logs
 from ..errors import BusError, ConfigurationError, EndpointBlocked
 from ..redaction import redact
+from ..runtime.loading import load_endpoint
 from ..storage.errors import StorageUnavailable
 from ..transports.errors import TransportUnavailable
 from . import dashboard, errors, gateway, outbox, schedules, spark, status
-from .loading import load_endpoint
 from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
 
 #: Exit status when the broker or database cannot be reached: worth trying again later.

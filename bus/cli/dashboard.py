@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
 from ..logs import log_uncaught
+from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.shutdown import Deadline, StopSignals
 from .gateway import AUTH_VARIABLE, served_part, serving_options
-from .loading import load_endpoint, refuse_process_local
 
 if TYPE_CHECKING:
     from ..dashboard.service import Dashboard

@@ -50,6 +50,7 @@ from .. import headers as h
 from ..envelope import parse_utc
 from ..errors import ConfigurationError
 from ..redaction import redact
+from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.recoverability import error_queue
 from ..runtime.recoverability.error_queue import (
     PAGE,
@@ -63,7 +64,6 @@ from ..runtime.recoverability.parking import ParkedDelivery
 from ..storage.errors import StorageError
 from ..transports.base import Delivery
 from ..transports.errors import TransportUnavailable
-from .loading import load_endpoint, refuse_process_local
 from .supervisor import EXIT_CONFIGURATION
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError
 from ..extras import web_part
 from ..logs import log_uncaught
+from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.shutdown import Deadline, StopSignals
-from .loading import load_endpoint, refuse_process_local
 
 if TYPE_CHECKING:
     from ..gateway.auth import Credentials

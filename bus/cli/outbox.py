@@ -33,10 +33,10 @@ from ..logs import log_uncaught
 from ..runtime.background import Periodic
 from ..runtime.dispatching import DelayedDeliveries, Dispatcher
 from ..runtime.endpoint import Endpoint
+from ..runtime.loading import load_endpoint
 from ..runtime.outbox import OutboxDispatcher
 from ..runtime.shutdown import Deadline, StopSignals
 from ..storage.base import OVERDUE_DELAYED, OVERDUE_ENTRIES
-from .loading import load_endpoint
 
 log = logging.getLogger(__name__)
 

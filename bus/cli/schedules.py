@@ -17,10 +17,10 @@ from typing import Any
 
 from ..envelope import format_utc, utc_now
 from ..errors import ConfigurationError
+from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.scheduler import ScheduleState, read_state
 from ..schedules import Schedule
 from .errors import printable
-from .loading import load_endpoint, refuse_process_local
 
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from collections import Counter
 from typing import Any
 
-from ..envelope import format_utc, utc_now
+from ..envelope import utc_now
+from ..runtime.loading import load_endpoint, refuse_process_local
+from ..runtime.status import HIDDEN_AFTER, summarise
 from ..signals import SIGNAL_NAMES
-from ..storage.base import StatusReport
-from .loading import load_endpoint, refuse_process_local
 
 #: A running process that has not reported for this many status intervals counts as gone.
 _STALE_AFTER_INTERVALS = 3
-#: Reports older than this are not shown unless ``--all``.
-HIDDEN_AFTER = datetime.timedelta(hours=1)
 #: Reports older than this are deleted when ``idembus status`` runs.
 FORGOTTEN_AFTER = datetime.timedelta(days=1)
 
@@ -58,28 +55,6 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def summarise(name: str, reports: list[StatusReport], *, now: datetime.datetime,
-              stale_after: datetime.timedelta) -> dict[str, Any]:
-    """The reports as one structure; ``total`` adds up the processes still running."""
-    instances = []
-    total: Counter[str] = Counter()
-    for report in reports:
-        state = _state(report, now, stale_after)
-        instances.append({
-            "instance": report.instance, "state": state,
-            "started_at": format_utc(report.started_at),
-            "updated_at": format_utc(report.updated_at),
-            "counters": {key: int(report.counters.get(key, 0)) for key in SIGNAL_NAMES},
-            "problems": dict(report.problems),
-        })
-        if state == "running":
-            total.update(report.counters)
-    return {"endpoint": name,
-            "running": sum(1 for i in instances if i["state"] == "running"),
-            "total": {key: total.get(key, 0) for key in SIGNAL_NAMES},
-            "instances": instances}
-
-
 def render(summary: dict[str, Any]) -> str:
     """The summary as a table, one column per counter."""
     columns = list(SIGNAL_NAMES)
@@ -101,10 +76,3 @@ def render(summary: dict[str, Any]) -> str:
             lines += [f"PROBLEM {instance['instance']} ({source}): {text}"
                       for source, text in sorted(instance["problems"].items())]
     return "\n".join(line.rstrip() for line in lines)
-
-
-def _state(report: StatusReport, now: datetime.datetime,
-           stale_after: datetime.timedelta) -> str:
-    if report.stopped:
-        return "stopped"
-    return "stale" if now - report.updated_at > stale_after else "running"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..cli.status import HIDDEN_AFTER, summarise
 from ..redaction import redact
+from ..runtime.status import HIDDEN_AFTER, summarise
 from . import charts
 from .history import CHARTED, PERCENTILES
 from .html import Markup, render, tag, url

@@ -58,6 +58,8 @@ class Audit(Middleware):
     endpoint's storage. On close it waits at most ``close_timeout`` seconds for pending
     records (an audit record is an observation: never worth holding a shutdown)."""
 
+    storage_roles = frozenset({"audit"})
+
     def __init__(self, *, close_timeout: float = 5.0) -> None:
         self.close_timeout = close_timeout
         self._trail: AuditTrail | None = None

@@ -24,7 +24,7 @@ import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -37,7 +37,6 @@ from ..handlers.registration import HandlerTable
 from ..hierarchy import check_routing_keys
 from ..logs import MessageLog, Throttle
 from ..messages import Command, Event, Message, is_message_type, message_name
-from ..observability.audit import Audit
 from ..pipeline import Middleware, Pipeline, PropagateHeaders
 from ..policies import DEFAULT_BATCHING, Batching, OutboxPolicy
 from ..redaction import redact
@@ -66,6 +65,9 @@ from .shutdown import Deadline, StopSignals
 from .status import StatusReporter
 from .timings import HandlingTimes
 from .unit_of_work import UnitOfWork
+
+if TYPE_CHECKING:
+    from ..observability.audit import Audit
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +218,7 @@ class Endpoint:
             check_storage_roles(
                 storage, outbox=self.outbox_policy.run, delayed=not self.transport.native_delay,
                 journal=bool(journal_policy.events),
-                audit=any(isinstance(item, Audit) for item in middleware),
+                audit=any("audit" in item.storage_roles for item in middleware),
                 status=bool(status_interval), schedules=bool(scheduling.schedules))
         # Typed as the whole contract: only the roles checked above are ever called.
         self.storage = cast(Storage, storage) if storage is not None else _embedded_storage()
@@ -312,8 +314,8 @@ class Endpoint:
     def audit(self) -> Audit | None:
         """The :class:`~idembus.Audit` middleware of this endpoint, if it has one."""
         for item in self.pipeline.middleware:
-            if isinstance(item, Audit):
-                return item
+            if "audit" in item.storage_roles:
+                return cast("Audit", item)
         return None
 
     # -- configuration checks ----------------------------------------------------------

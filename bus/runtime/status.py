@@ -8,14 +8,18 @@ report that cannot be written is a warning, one per cause every 10 s while it la
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import Any
 
-from ..envelope import utc_now
+from ..envelope import format_utc, utc_now
 from ..redaction import redact
+from ..signals import SIGNAL_NAMES
 from ..storage.base import StatusReport, StatusStore
 from .background import Periodic
 
@@ -61,3 +65,37 @@ class StatusReporter(Periodic):
             if held is not None:
                 log.warning("could not report the status of %s: %s%s", self._endpoint,
                             redact(str(exc)), self.outage_lines.said(held))
+
+
+#: Reports older than this are not shown unless asked for (``idembus status --all``).
+HIDDEN_AFTER = datetime.timedelta(hours=1)
+
+
+def summarise(name: str, reports: list[StatusReport], *, now: datetime.datetime,
+              stale_after: datetime.timedelta) -> dict[str, Any]:
+    """The reports as one structure; ``total`` adds up the processes still running."""
+    instances = []
+    total: Counter[str] = Counter()
+    for report in reports:
+        state = instance_state(report, now, stale_after)
+        instances.append({
+            "instance": report.instance, "state": state,
+            "started_at": format_utc(report.started_at),
+            "updated_at": format_utc(report.updated_at),
+            "counters": {key: int(report.counters.get(key, 0)) for key in SIGNAL_NAMES},
+            "problems": dict(report.problems),
+        })
+        if state == "running":
+            total.update(report.counters)
+    return {"endpoint": name,
+            "running": sum(1 for i in instances if i["state"] == "running"),
+            "total": {key: total.get(key, 0) for key in SIGNAL_NAMES},
+            "instances": instances}
+
+
+def instance_state(report: StatusReport, now: datetime.datetime,
+           stale_after: datetime.timedelta) -> str:
+    """``running``, ``stopped``, or ``stale`` when not heard of for ``stale_after``."""
+    if report.stopped:
+        return "stopped"
+    return "stale" if now - report.updated_at > stale_after else "running"

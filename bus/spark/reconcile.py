@@ -78,13 +78,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
-from ..cli.loading import built_by_loading, load_endpoint
 from ..envelope import Envelope, format_utc
 from ..errors import ConfigurationError
 from ..handlers import AggregateHandler
 from ..messages import Event
 from ..runtime.endpoint import Endpoint
 from ..runtime.journal import entry_of
+from ..runtime.loading import built_by_loading, load_endpoint
 from ..sending import Bus
 from ..storage.base import JournalEntry
 

@@ -43,9 +43,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from ..cli.loading import built_by_loading, load_endpoint
 from ..errors import ConfigurationError
 from ..runtime.endpoint import Endpoint
+from ..runtime.loading import built_by_loading, load_endpoint
 from .rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
 
 if TYPE_CHECKING:

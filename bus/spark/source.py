@@ -9,7 +9,7 @@ or, once :class:`AuditSource` is registered, ``spark.read.format("idembus_audit"
 .option("endpoint", "myshop.sales:make_endpoint").option("partitions", "8").load()``.
 
 Each of the ``partitions`` Spark partitions resolves the endpoint reference itself, in its
-worker (:func:`idembus.cli.loading.load_endpoint`), reads its part of the trail with
+worker (:func:`idembus.runtime.loading.load_endpoint`), reads its part of the trail with
 ``storage.read_audit(part=i, parts=n)`` and closes the endpoint again. So:
 
 * the module naming the endpoint must be importable by Spark's workers (an installed
@@ -127,7 +127,7 @@ def shared_storage(reference: str, *, in_worker: bool = False) -> Iterator[Stora
 
 
 def _load(reference: str, *, in_worker: bool) -> Any:
-    from ..cli.loading import load_endpoint
+    from ..runtime.loading import load_endpoint
 
     try:
         return load_endpoint(reference)

@@ -12,7 +12,7 @@ import pytest
 from ...envelope import Envelope, utc_now
 from ...storage.base import AggregateRecord, AggregateStore, StorageRole
 from ...storage.errors import AlreadyProcessed, ConcurrencyConflict
-from . import aggregates as agg  # the module: it imports this one for the class below
+from . import records as agg
 from .base import RoleContract, StorageFactory
 
 HOUR = datetime.timedelta(hours=1)

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from ...storage.base import AggregateStore, PendingCommit, StorageRole
 from ...storage.errors import AlreadyProcessed, ConcurrencyConflict
-from . import aggregates as agg  # the module: it imports this one for the class below
+from . import records as agg
 from .base import RoleContract, StorageFactory
 
 

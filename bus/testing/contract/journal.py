@@ -7,7 +7,13 @@ import datetime
 import threading
 from typing import ClassVar
 
-from ...storage.base import JournalBounds, JournalEntry, JournalStore, OutboxStore, StorageRole
+from ...storage.base import (
+    JournalBounds,
+    JournalEntry,
+    JournalStore,
+    OutboxStore,
+    StorageRole,
+)
 from .base import RoleContract, StorageFactory, needs
 
 UTC = datetime.timezone.utc

@@ -19,7 +19,7 @@ from ..errors import ConfigurationError
 
 def load_endpoint(reference: str) -> Any:
     """Import ``package.module:attribute`` and return the endpoint it names."""
-    from ..runtime.endpoint import Endpoint
+    from .endpoint import Endpoint
 
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
