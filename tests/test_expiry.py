@@ -26,7 +26,7 @@ from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.observability.metrics import Metrics
 from idembus.routing import Router
 from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.outbox import OutboxRelay
 from idembus.runtime.recoverability.failure_headers import failure_headers
 from idembus.runtime.status import StatusReporter
 from idembus.sending import Bus
@@ -194,7 +194,7 @@ def test_the_outbox_sends_a_stored_message_whose_deadline_has_passed() -> None:
                    outgoing=recorded)
 
     # When the outbox repairs it
-    outbox = OutboxDispatcher(storage, Dispatcher(transport, storage), grace=0)
+    outbox = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
     assert outbox.run_once() == 1
 
     # Then the message went out as stored: only a receiver judges the deadline

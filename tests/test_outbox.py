@@ -1,4 +1,4 @@
-"""The outbox dispatcher repairs crashes between commit and dispatch, one at a time."""
+"""The outbox relay repairs crashes between commit and dispatch, one at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from idembus import Endpoint
 from idembus.envelope import utc_now
 from idembus.policies import OutboxPolicy
 from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import OUTBOX_LEASE
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import TransportUnavailable
@@ -50,9 +50,9 @@ def test_a_crash_between_commit_and_dispatch_is_repaired_exactly_once(
     downstream.start()
     event_id = crashed_operation(accounts, "a")
 
-    # When the broker is back and the outbox dispatcher makes its rounds
+    # When the broker is back and the outbox relay makes its rounds
     transport.away = False
-    outbox = OutboxDispatcher(storage, Dispatcher(transport, storage), grace=0)
+    outbox = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
     assert outbox.run_once() == 1
     assert outbox.run_once() == 0
 
@@ -87,8 +87,8 @@ def test_of_two_dispatchers_one_works_and_the_other_takes_over_when_its_lease_en
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=MemoryStorage(),
                              outbox=False)
     dispatcher = Dispatcher(accounts.transport, accounts.storage)
-    first = OutboxDispatcher(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
-    second = OutboxDispatcher(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
+    first = OutboxRelay(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
+    second = OutboxRelay(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
 
     # When the first takes the lease, the second stands by
     first.run_once()
@@ -127,7 +127,7 @@ def test_a_dispatcher_whose_lease_was_taken_mid_round_marks_nothing_and_steps_ba
     transport.away = False
 
     # When a dispatcher takes it, and loses its lease before marking
-    paused = OutboxDispatcher(storage, Dispatcher(transport, storage), grace=0)
+    paused = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
     repaired = paused.run_once()
 
     # Then its mark is refused: it steps back, and the entry stays for the new owner

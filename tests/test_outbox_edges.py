@@ -16,9 +16,10 @@ import pytest
 from idembus import Backoff
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
-from idembus.runtime.dispatching import DelayedDeliveries, Dispatcher
+from idembus.runtime.delayed import DelayedDeliveries
+from idembus.runtime.dispatching import Dispatcher
 from idembus.runtime.health import Health
-from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import PARKED_OUTGOING, AggregateRecord
 from idembus.storage.errors import StorageAccessDenied
 from idembus.storage.memory import MemoryStorage
@@ -61,9 +62,9 @@ def crashed(storage: Any, aggregate_id: str, *outgoing: Envelope) -> None:
                    state={}, outgoing=list(outgoing))
 
 
-def outbox(storage: Any, transport: KombuTransport, **options: Any) -> OutboxDispatcher:
+def outbox(storage: Any, transport: KombuTransport, **options: Any) -> OutboxRelay:
     options.setdefault("endpoint", "sales")
-    return OutboxDispatcher(storage, Dispatcher(transport, storage), grace=0, **options)
+    return OutboxRelay(storage, Dispatcher(transport, storage), grace=0, **options)
 
 
 def pending(storage: Any) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
 from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import INBOX
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import RETENTION_INDEX, MongoStorage
@@ -84,7 +84,7 @@ def test_the_outbox_dispatcher_expires_records_on_its_rounds():
     storage = MemoryStorage(retention=datetime.timedelta(seconds=0.05))
     loaded = storage.load(INBOX, "H/m1", "H/m1")
     storage.commit(loaded, key="H/m1", state=None, outgoing=[])
-    outbox = OutboxDispatcher(storage, Dispatcher(KombuTransport("memory://"), storage), grace=0)
+    outbox = OutboxRelay(storage, Dispatcher(KombuTransport("memory://"), storage), grace=0)
     deadline = utc_now() + datetime.timedelta(seconds=10)
     while outbox.expired == 0 and utc_now() < deadline:
         outbox.run_once()  # rounds are timed; the record must age past 50 ms first

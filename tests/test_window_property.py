@@ -3,7 +3,7 @@ dies between commit and dispatch, every committed outgoing message is eventually
 by the outbox dispatcher, once, with its id, exactly as stored — neither the window nor
 retention ever forgets what was not sent.
 
-The outbox here is the real one (:class:`~idembus.runtime.outbox.OutboxDispatcher` with its lease,
+The outbox here is the real one (:class:`~idembus.runtime.outbox.OutboxRelay` with its lease,
 endpoint filter, compaction and housekeeping), sending through a transport that records the
 bytes it is given; the storages are the real backends (PostgreSQL and a real MongoDB where
 they run), so "as stored" is a round trip through each.
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
 from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxDispatcher
+from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.transports.kombu import KombuTransport
@@ -110,7 +110,7 @@ def make_storage(request: pytest.FixtureRequest) -> Iterator[StorageMaker]:
 
 def outbox_round(storage: Any, transport: Recording) -> None:
     """One round of a fresh outbox dispatcher (another process, say), lease given back."""
-    dispatcher = OutboxDispatcher(storage, Dispatcher(transport, storage), endpoint=ENDPOINT,
+    dispatcher = OutboxRelay(storage, Dispatcher(transport, storage), endpoint=ENDPOINT,
                                   grace=0)
     try:
         dispatcher.run_once()

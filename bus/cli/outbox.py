@@ -1,4 +1,4 @@
-"""``idembus dispatcher package.module:endpoint``: run the endpoint's outbox dispatcher
+"""``idembus outbox package.module:endpoint``: run the endpoint's outbox relay
 alone (:mod:`idembus.runtime.outbox`), without consuming its queue, until SIGINT or SIGTERM.
 
 The dispatcher works in its own thread; the signals only set a flag
@@ -31,10 +31,11 @@ from ..envelope import utc_now
 from ..errors import ConfigurationError
 from ..logs import log_uncaught
 from ..runtime.background import Periodic
-from ..runtime.dispatching import DelayedDeliveries, Dispatcher
+from ..runtime.delayed import DelayedDeliveries
+from ..runtime.dispatching import Dispatcher
 from ..runtime.endpoint import Endpoint
 from ..runtime.loading import load_endpoint
-from ..runtime.outbox import OutboxDispatcher
+from ..runtime.outbox import OutboxRelay
 from ..runtime.shutdown import Deadline, StopSignals
 from ..storage.base import OVERDUE_DELAYED, OVERDUE_ENTRIES
 
@@ -43,8 +44,9 @@ log = logging.getLogger(__name__)
 
 def register(commands: Any, common: argparse.ArgumentParser) -> None:
     dispatcher = commands.add_parser(
-        "dispatcher", parents=[common],
-        help="send committed messages a crash left undispatched (the outbox dispatcher)")
+        "outbox", parents=[common], aliases=["dispatcher"],
+        help="send committed messages a crash left undispatched (the outbox relay; "
+             "'dispatcher' is its old name, kept for one release)")
     dispatcher.add_argument("endpoint", help="package.module:endpoint")
     dispatcher.add_argument("--shutdown-timeout", type=float, default=30.0,
                             help="seconds to finish the round in progress after "
@@ -86,7 +88,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 log.info("sending what %s left with the transport of %s, until SIGINT or "
                          "SIGTERM", ", ".join(names), endpoint.name)
             else:
-                log.info("outbox dispatcher of %s running alone until SIGINT or SIGTERM",
+                log.info("outbox relay of %s running alone until SIGINT or SIGTERM",
                          endpoint.name)
             signals.wait()
         finally:
@@ -108,7 +110,7 @@ def _names(given: Sequence[str]) -> list[str]:
 
 
 def _workers_as(endpoint: Endpoint, names: Sequence[str]) -> list[Periodic]:
-    """For each of ``names``: an outbox dispatcher of its entries and, unless the broker
+    """For each of ``names``: an outbox relay of its entries and, unless the broker
     holds deferred messages itself, a poller of its delayed messages; both send with
     ``endpoint``'s transport and journal, and messages they defer again are ``endpoint``'s
     own to send later."""
@@ -119,7 +121,7 @@ def _workers_as(endpoint: Endpoint, names: Sequence[str]) -> list[Periodic]:
                             on_unrouted=endpoint.unrouted)
     workers: list[Periodic] = []
     for name in names:
-        workers.append(OutboxDispatcher(
+        workers.append(OutboxRelay(
             endpoint.storage, dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
             lease_ttl=own.lease_ttl, grace=own.grace, max_attempts=own.max_attempts,
             # Journal trimming is the storage's, done by the endpoint's own dispatcher.
@@ -149,6 +151,6 @@ def _list_stranded(endpoint: Endpoint, reference: str, after: datetime.timedelta
         print(f"{who}: {item.count} {one if item.count == 1 else several} {verb} since "
               f"{item.since.isoformat(timespec='seconds')}")
     if any(item.endpoint is not None for item in overdue):
-        print(f"an endpoint that no longer runs under its name: idembus dispatcher "
+        print(f"an endpoint that no longer runs under its name: idembus outbox "
               f"{reference} --as NAME sends what it left")
     return 0

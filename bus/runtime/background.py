@@ -1,5 +1,5 @@
 """Background work in rounds: the base of an endpoint's helper threads (delayed deliveries,
-status reports, the outbox dispatcher, the scheduler)."""
+status reports, the outbox relay, the scheduler)."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ class Periodic(ABC):
 
 class LeasedPeriodic(Periodic):
     """A :class:`Periodic` whose work is done by one process at a time among those sharing
-    a storage (the outbox dispatcher, the scheduler): it works while it holds the lease
+    a storage (the outbox relay, the scheduler): it works while it holds the lease
     ``lease_name``, which :meth:`take_lease` takes or renews for ``lease_ttl`` seconds on
     each round, and gives it up when it stops, so that another process takes over at once.
     """

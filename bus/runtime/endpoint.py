@@ -52,11 +52,12 @@ from ..wire import DEFAULT_MAX_MESSAGE_BYTES
 from .aio import close_thread_loop
 from .batch_runner import BatchRunner
 from .counters import Counters
-from .dispatching import DelayedDeliveries, Dispatcher
+from .delayed import DelayedDeliveries
+from .dispatching import Dispatcher
 from .health import Health
 from .invocation import HandlerInvoker
 from .journal import JournalPolicy, journal_for
-from .outbox import OutboxDispatcher
+from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recoverability, Recovery
 from .scheduler import Scheduler
@@ -107,8 +108,8 @@ class Endpoint:
         ``retry_policy``).
     outbox:
         What happens to committed outgoing messages (:class:`~idembus.policies.OutboxPolicy`:
-        run the outbox dispatcher here, its grace, deferred redispatch, compaction);
-        ``False`` runs no outbox dispatcher in this endpoint.
+        run the outbox relay here, its grace, deferred redispatch, compaction);
+        ``False`` runs no outbox relay in this endpoint.
     journal:
         Append the events this endpoint publishes to the storage's event journal
         (:mod:`idembus.runtime.journal`, served by ``idembus gateway``): ``True`` for every event, a
@@ -277,7 +278,7 @@ class Endpoint:
             interval=delayed_poll_interval, owner=name, health=self.health, clock=self.clock)
         self.status_interval = status_interval
         #: Repairs crashes between commit and dispatch (one active per storage).
-        self.outbox = OutboxDispatcher(
+        self.outbox = OutboxRelay(
             self.storage, self.dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
             grace=self.outbox_policy.grace,
             journal_retention=journal_policy.retention if self.journal else None,

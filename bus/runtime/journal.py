@@ -6,7 +6,7 @@ Opt in per endpoint (``Endpoint(journal=True)``: every event it publishes) or pe
 it, together with its dispatch mark (``Storage.mark_dispatched(..., journal=...)``: on
 PostgreSQL in the transaction that writes a batch of marks, elsewhere just before the mark),
 wherever it was published: in a handler (with the aggregate the handler changed), in a unit
-of work, sent again by the outbox dispatcher or for a duplicate; outside handlers, right
+of work, sent again by the outbox relay or for a duplicate; outside handlers, right
 after it was sent. A crash in between leaves it unmarked, so it is sent and appended again
 later; the journal keeps each message id once.
 
@@ -21,7 +21,7 @@ other order.
 
 The journal belongs to the storage: endpoints sharing a storage share one journal, and its
 retention (``JournalPolicy(retention=...)``, default 7 days) is applied by whichever
-endpoint's outbox dispatcher holds the lease — the shortest retention among them wins in
+endpoint's outbox relay holds the lease — the shortest retention among them wins in
 effect.
 """
 

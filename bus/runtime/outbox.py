@@ -1,9 +1,9 @@
-"""The outbox dispatcher: sends what was committed but never confirmed dispatched.
+"""The outbox relay: sends what was committed but never confirmed dispatched.
 
 A process that dies between the commit and the dispatch of a handler's (or a unit of
 work's) outgoing messages leaves them stored and unmarked. Usually the broker redelivers
 the incoming message and the duplicate sends them; a unit of work has no incoming message,
-and the operation may never be retried. The outbox dispatcher finds entries unmarked for
+and the operation may never be retried. The outbox relay finds entries unmarked for
 longer than ``grace`` seconds, dispatches their messages with their original ids and marks
 them.
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 
-class OutboxDispatcher(LeasedPeriodic):
+class OutboxRelay(LeasedPeriodic):
     """Repairs crashes between commit and dispatch; see the module docstring."""
 
     def __init__(
@@ -187,5 +187,5 @@ class OutboxDispatcher(LeasedPeriodic):
         except StaleLease:
             log.info("%s: another dispatcher owns the change stream now", self.owner)
         except Exception:
-            log.warning("watching for changes failed; the outbox dispatcher polls",
+            log.warning("watching for changes failed; the outbox relay polls",
                         exc_info=True)

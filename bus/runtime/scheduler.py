@@ -2,7 +2,7 @@
 
 One scheduler works at a time per endpoint and storage: every process of the endpoint runs
 one, and they compete for the endpoint's lease (``idembus-scheduler:<endpoint>``, taken and
-renewed like the outbox dispatcher's, every ``lease_ttl / 2`` seconds). The holder, on each
+renewed like the outbox relay's, every ``lease_ttl / 2`` seconds). The holder, on each
 round, for each schedule:
 
 1. loads the schedule's record (aggregate type :data:`SCHEDULE_AGGREGATE`, id
@@ -21,7 +21,7 @@ round, for each schedule:
 The write is refused if the record moved since it was loaded, so two schedulers (a lease
 lost while its holder was paused, clocks apart) decide each occurrence once between them:
 the loser reloads and finds it decided. A process that dies after the commit leaves the
-message stored and unmarked, and the outbox dispatcher sends it with its id. A restart
+message stored and unmarked, and the outbox relay sends it with its id. A restart
 continues from the stored record.
 
 A message function that raises, or returns something that is not a message, and a message

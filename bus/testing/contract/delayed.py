@@ -5,7 +5,7 @@ due ones to one poller at a time under a lease, ``forget_scheduled`` removes wha
 dispatched, ``note_scheduled_failure`` counts failed sends with the message. Time is driven
 through the ``now`` argument from a fixed clock, never by sleeping, so a lease of 30
 seconds runs out in no time. The pollers' part
-(:class:`idembus.runtime.dispatching.DelayedDeliveries`
+(:class:`idembus.runtime.delayed.DelayedDeliveries`
 giving up after a bounded number of failures, whoever made them, and parking the message)
 runs on the real clock. Tests of what a second storage object on the same data sees need
 :meth:`~idembus.testing.contract.base.RoleContract.another_instance`.
@@ -24,7 +24,7 @@ import pytest
 
 from ... import headers as h
 from ...envelope import Envelope, utc_now
-from ...runtime.dispatching import DelayedDeliveries
+from ...runtime.delayed import DelayedDeliveries
 from ...storage.base import DelayedStore, ParkingStore, StorageRole
 from ...transports.errors import TransportUnavailable
 from ...transports.kombu import KombuTransport

@@ -1,4 +1,4 @@
-"""`idembus dispatcher package.module:endpoint` runs the outbox dispatcher alone; with
+"""`idembus outbox package.module:endpoint` runs the outbox relay alone; with
 ``--as NAME`` it sends what a renamed or retired endpoint left, and ``--list-stranded``
 shows, per endpoint, what has waited too long."""
 
@@ -62,7 +62,7 @@ def test_the_dispatcher_alone_sends_what_a_crash_left_and_stops_on_sigterm(tmp_p
                             outbox=OutboxPolicy(grace=0))
     '''))
     process = subprocess.Popen(
-        [sys.executable, "-m", "idembus", "dispatcher", "dispatch_app:endpoint"],
+        [sys.executable, "-m", "idembus", "outbox", "dispatch_app:endpoint"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -204,7 +204,7 @@ def test_as_sends_the_entries_and_delayed_messages_a_renamed_endpoint_left(
 
     # When the dispatcher of sales runs as old-sales until they are sent, then is stopped
     status, sent = run_until(
-        ["dispatcher", reference, "--as", "old-sales"],
+        ["outbox", reference, "--as", "old-sales"],
         lambda: waiting(storage) == {("billing", "entries"), ("billing", "delayed messages")})
 
     # Then old-sales' entry and delayed message went out with their ids, and only they
@@ -226,7 +226,7 @@ def test_as_may_be_given_once_for_each_endpoint_that_left_messages(
 
     # When one dispatcher runs as both
     status, sent = run_until(
-        ["dispatcher", reference, "--as", "old-sales", "--as", "legacy-sales"],
+        ["outbox", reference, "--as", "old-sales", "--as", "legacy-sales"],
         lambda: waiting(storage) == set())
 
     # Then it sent both
@@ -236,7 +236,7 @@ def test_as_may_be_given_once_for_each_endpoint_that_left_messages(
 
 def listing(capsys: pytest.CaptureFixture[str], reference: str, *options: str) -> list[str]:
     capsys.readouterr()
-    assert main(["dispatcher", reference, "--list-stranded", *options]) == 0
+    assert main(["outbox", reference, "--list-stranded", *options]) == 0
     return capsys.readouterr().out.splitlines()
 
 
@@ -271,7 +271,7 @@ def test_list_stranded_shows_per_endpoint_what_has_waited_longer_than_an_hour(
         f"old-sales: 1 delayed message due since {then.isoformat()}",
     ]
     assert not any(line.startswith("sales:") for line in lines)
-    assert f"idembus dispatcher {reference} --as NAME" in lines[-1]
+    assert f"idembus outbox {reference} --as NAME" in lines[-1]
 
     # And any wait can be asked for: with none, sales' recent work is listed as well
     lines = listing(capsys, reference, "--stranded-after", "0")
@@ -318,7 +318,26 @@ def test_as_and_list_stranded_reject_what_makes_no_sense(
     reference = app(lambda: Endpoint("sales", transport="memory://", storage=MemoryStorage()))
 
     with pytest.raises(SystemExit):  # argparse: not both
-        main(["dispatcher", reference, "--as", "old-sales", "--list-stranded"])
-    assert main(["dispatcher", reference, "--as", " "]) == 2
+        main(["outbox", reference, "--as", "old-sales", "--list-stranded"])
+    assert main(["outbox", reference, "--as", " "]) == 2
     assert "--as" in capsys.readouterr().err
-    assert main(["dispatcher", reference, "--list-stranded", "--stranded-after", "-1"]) == 2
+    assert main(["outbox", reference, "--list-stranded", "--stranded-after", "-1"]) == 2
+
+
+def test_the_old_command_name_dispatcher_still_runs_the_outbox_relay(
+    app: Callable[[Callable[[], Endpoint]], str], capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given an endpoint with an entry committed by old-sales two hours ago
+    storage = MemoryStorage()
+    reference = app(lambda: Endpoint("sales", transport="memory://", storage=storage))
+    then = utc_now() - 2 * HOURS
+    deferred_by(storage, "old-sales", then)
+
+    # When the operator uses the command's old name
+    capsys.readouterr()
+    assert main(["dispatcher", reference, "--list-stranded"]) == 0
+
+    # Then it is the same command as `idembus outbox`
+    old = capsys.readouterr().out
+    assert main(["outbox", reference, "--list-stranded"]) == 0
+    assert old == capsys.readouterr().out and old.startswith("old-sales: 1 delayed message")
