@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Collection
 from typing import Any
@@ -10,6 +11,13 @@ from pydantic import BaseModel
 
 from idembus import Command, Endpoint, Event
 from idembus.handlers import AggregateHandler, Handler, handles
+from idembus.policies import Backoff
+from idembus.runtime.delayed import DelayedDeliveries
+from idembus.runtime.dispatching import Dispatcher
+from idembus.runtime.endpoint_context import EndpointContext
+from idembus.runtime.health import Health
+from idembus.runtime.outbox import OutboxRelay
+from idembus.runtime.recoverability.policy import Recoverability
 from idembus.transports.base import Delivery, OnDelivery, Transport
 
 
@@ -109,3 +117,22 @@ class DrivenTransport(Transport):
 
     def pending(self, queue: str) -> int:
         return 0
+
+
+def outbox_relay(endpoint: str, transport: Transport, storage: Any, *,
+                 health: Health | None = None, backoff: Backoff | None = None,
+                 **options: Any) -> OutboxRelay:
+    """The outbox relay of ``endpoint``'s entries, run alone (as ``idembus outbox`` runs
+    one): its own dispatcher, with ``health`` and the outage ``backoff`` if given."""
+    context = EndpointContext.standalone(endpoint, transport, storage, health=health)
+    if backoff is not None:
+        context = dataclasses.replace(
+            context, recoverability=Recoverability(outage_backoff=backoff))
+    return OutboxRelay(context, Dispatcher(context), **options)
+
+
+def delayed_poller(endpoint: str, transport: Transport, storage: Any,
+                   **options: Any) -> DelayedDeliveries:
+    """The delayed-message poller of ``endpoint``, run alone."""
+    return DelayedDeliveries(EndpointContext.standalone(endpoint, transport, storage),
+                             **options)

@@ -25,8 +25,6 @@ from idembus.expiry import expiry_of
 from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.observability.metrics import Metrics
 from idembus.routing import Router
-from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxRelay
 from idembus.runtime.recoverability.failure_headers import failure_headers
 from idembus.runtime.status import StatusReporter
 from idembus.sending import Bus
@@ -36,7 +34,14 @@ from idembus.testing import FakeClock, Scenario, wait_until_idle
 from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport
-from tests.support import Account, AccountHandler, Deposit, Ledger, SignalCounter
+from tests.support import (
+    Account,
+    AccountHandler,
+    Deposit,
+    Ledger,
+    SignalCounter,
+    outbox_relay,
+)
 from tests.test_metrics import labels, points, values
 
 START = datetime.datetime(2030, 1, 1, 12, 0, tzinfo=datetime.timezone.utc)
@@ -194,7 +199,7 @@ def test_the_outbox_sends_a_stored_message_whose_deadline_has_passed() -> None:
                    outgoing=recorded)
 
     # When the outbox repairs it
-    outbox = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
+    outbox = outbox_relay("sender", transport, storage, grace=0)
     assert outbox.run_once() == 1
 
     # Then the message went out as stored: only a receiver judges the deadline

@@ -239,3 +239,46 @@ def test_a_planted_cycle_is_found(tmp_path):
     headers.write_text(headers.read_text() + "\nfrom . import envelope  # noqa\n")
 
     assert ["idembus.envelope", "idembus.headers"] in import_cycles(root)
+
+
+def runtime_collaborators(root: pathlib.Path) -> Iterator[tuple[str, ast.FunctionDef]]:
+    """The ``__init__`` of every class of ``bus/runtime/`` that is not a record (records are
+    dataclasses: their fields are their parameters) nor the public :class:`Endpoint`."""
+    for path in sorted((root / "bus" / "runtime").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef) or node.name == "Endpoint":
+                continue
+            if any("dataclass" in ast.unparse(decorator) for decorator in node.decorator_list):
+                continue
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    yield f"{path.relative_to(root)}:{item.lineno} {node.name}", item
+
+
+def parameters(function: ast.FunctionDef) -> int:
+    arguments = function.args
+    return len(arguments.posonlyargs) + len(arguments.args) + len(arguments.kwonlyargs) - 1
+
+
+def test_no_runtime_collaborator_takes_more_than_six_parameters():
+    crowded = [f"{where} takes {parameters(init)}"
+               for where, init in runtime_collaborators(REPOSITORY) if parameters(init) > 6]
+    assert crowded == []
+
+
+def test_a_collaborator_with_seven_parameters_is_found(tmp_path):
+    root = copy_of_the_package(tmp_path)
+    (root / "bus" / "runtime" / "planted.py").write_text(
+        "class Crowded:\n    def __init__(self, a, b, c, d, e, f, g):\n        pass\n")
+    found = [where for where, init in runtime_collaborators(root) if parameters(init) > 6]
+    assert found == ["bus/runtime/planted.py:2 Crowded"]
+
+
+def test_the_endpoint_constructor_validates_and_assembles_in_at_most_60_lines():
+    tree = ast.parse((REPOSITORY / "bus" / "runtime" / "endpoint.py").read_text())
+    [endpoint] = [node for node in tree.body
+                  if isinstance(node, ast.ClassDef) and node.name == "Endpoint"]
+    [init] = [node for node in endpoint.body
+              if isinstance(node, ast.FunctionDef) and node.name == "__init__"]
+    assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= 60

@@ -9,7 +9,6 @@ import uuid
 from idembus import Endpoint
 from idembus.envelope import utc_now
 from idembus.policies import OutboxPolicy
-from idembus.runtime.dispatching import Dispatcher
 from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import OUTBOX_LEASE
 from idembus.storage.memory import MemoryStorage
@@ -52,7 +51,7 @@ def test_a_crash_between_commit_and_dispatch_is_repaired_exactly_once(
 
     # When the broker is back and the outbox relay makes its rounds
     transport.away = False
-    outbox = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
+    outbox = OutboxRelay(accounts.context, accounts.dispatcher, grace=0)
     assert outbox.run_once() == 1
     assert outbox.run_once() == 0
 
@@ -86,9 +85,9 @@ def test_of_two_dispatchers_one_works_and_the_other_takes_over_when_its_lease_en
     # Given two dispatchers on one storage with short leases
     accounts = make_endpoint("accounts", handlers=[AccountHandler], storage=MemoryStorage(),
                              outbox=False)
-    dispatcher = Dispatcher(accounts.transport, accounts.storage)
-    first = OutboxRelay(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
-    second = OutboxRelay(accounts.storage, dispatcher, lease_ttl=0.3, grace=0)
+    dispatcher = accounts.dispatcher
+    first = OutboxRelay(accounts.context, dispatcher, lease_ttl=0.3, grace=0)
+    second = OutboxRelay(accounts.context, dispatcher, lease_ttl=0.3, grace=0)
 
     # When the first takes the lease, the second stands by
     first.run_once()
@@ -110,7 +109,7 @@ class TakenOverMidRound(MemoryStorage):
 
     def undispatched(self, **options):  # type: ignore[no-untyped-def]
         found = super().undispatched(**options)
-        self.acquire_lease(OUTBOX_LEASE, "the-taker", ttl=30,
+        self.acquire_lease(f"{OUTBOX_LEASE}:{options.get('endpoint')}", "the-taker", ttl=30,
                            now=utc_now() + datetime.timedelta(hours=1))
         return found
 
@@ -127,7 +126,7 @@ def test_a_dispatcher_whose_lease_was_taken_mid_round_marks_nothing_and_steps_ba
     transport.away = False
 
     # When a dispatcher takes it, and loses its lease before marking
-    paused = OutboxRelay(storage, Dispatcher(transport, storage), grace=0)
+    paused = OutboxRelay(accounts.context, accounts.dispatcher, grace=0)
     repaired = paused.run_once()
 
     # Then its mark is refused: it steps back, and the entry stays for the new owner

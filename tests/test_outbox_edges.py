@@ -16,8 +16,6 @@ import pytest
 from idembus import Backoff
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
-from idembus.runtime.delayed import DelayedDeliveries
-from idembus.runtime.dispatching import Dispatcher
 from idembus.runtime.health import Health
 from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import PARKED_OUTGOING, AggregateRecord
@@ -25,6 +23,7 @@ from idembus.storage.errors import StorageAccessDenied
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
 from idembus.transports.kombu import KombuTransport
+from tests.support import delayed_poller, outbox_relay
 
 LATER = datetime.timedelta(seconds=1)
 
@@ -63,8 +62,8 @@ def crashed(storage: Any, aggregate_id: str, *outgoing: Envelope) -> None:
 
 
 def outbox(storage: Any, transport: KombuTransport, **options: Any) -> OutboxRelay:
-    options.setdefault("endpoint", "sales")
-    return OutboxRelay(storage, Dispatcher(transport, storage), grace=0, **options)
+    return outbox_relay(options.pop("endpoint", "sales"), transport, storage, grace=0,
+                        **options)
 
 
 def pending(storage: Any) -> list[str]:
@@ -242,7 +241,7 @@ def test_a_delayed_message_the_broker_refuses_is_parked_and_the_others_are_sent(
     refused, fine, later = deferred("gone"), deferred("billing"), deferred("shipping")
     for envelope in (refused, fine, later):
         storage.schedule(envelope, utc_now() - LATER, owner="sales")
-    poller = DelayedDeliveries(transport, storage, name="delays", owner="sales")
+    poller = delayed_poller("sales", transport, storage)
 
     # When the poller makes a round
     sent = poller.send_due()
@@ -260,8 +259,7 @@ def test_a_delayed_message_failing_otherwise_is_parked_after_max_attempts():
     transport.broken = {"flaky"}
     doomed = deferred("flaky")
     storage.schedule(doomed, utc_now() - LATER, owner="sales")
-    poller = DelayedDeliveries(transport, storage, name="delays", owner="sales",
-                               max_attempts=2, lease=0.0)
+    poller = delayed_poller("sales", transport, storage, max_attempts=2, lease=0.0)
 
     assert poller.send_due() == 0
     assert storage.parked_messages("sales") == []

@@ -11,7 +11,15 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from idembus import Backoff, Batching, Command, ConfigurationError, Endpoint, RetryPolicy
+from idembus import (
+    Backoff,
+    Batching,
+    Command,
+    ConfigurationError,
+    Endpoint,
+    Middleware,
+    RetryPolicy,
+)
 from idembus import headers as h
 from idembus.envelope import Envelope, parse_utc, utc_now
 from idembus.handlers import AggregateHandler, Handler, handles
@@ -342,14 +350,13 @@ def test_delayed_retry_headers_carry_the_round_and_the_time(make_endpoint):
     received = SignalCounter(service, "received")
     handled = SignalCounter(service, "handled")
     rounds: list[tuple[str | None, str | None]] = []
-    process = service._processor
 
-    def spy(delivery):  # type: ignore[no-untyped-def]
-        rounds.append((delivery.headers.get(h.DELAYED_ATTEMPTS),
-                       delivery.headers.get(h.DELIVER_AT)))
-        process(delivery)
+    class Spy(Middleware):
+        def before_message(self, incoming):  # type: ignore[no-untyped-def]
+            rounds.append((incoming.headers.get(h.DELAYED_ATTEMPTS),
+                           incoming.headers.get(h.DELIVER_AT)))
 
-    service._processor = spy  # type: ignore[assignment]
+    service.add_middleware(Spy())
     service.start()
     service.bus.send(Deposit(account="a", amount=1))
     assert handled.wait_for(1, timeout=30)

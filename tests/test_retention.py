@@ -10,14 +10,13 @@ import pytest
 
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
-from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.base import INBOX
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import RETENTION_INDEX, MongoStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import POSTGRES_URL, require_service
+from tests.support import outbox_relay
 
 HOUR = datetime.timedelta(hours=1)
 
@@ -84,7 +83,7 @@ def test_the_outbox_dispatcher_expires_records_on_its_rounds():
     storage = MemoryStorage(retention=datetime.timedelta(seconds=0.05))
     loaded = storage.load(INBOX, "H/m1", "H/m1")
     storage.commit(loaded, key="H/m1", state=None, outgoing=[])
-    outbox = OutboxRelay(storage, Dispatcher(KombuTransport("memory://"), storage), grace=0)
+    outbox = outbox_relay("any", KombuTransport("memory://"), storage, grace=0)
     deadline = utc_now() + datetime.timedelta(seconds=10)
     while outbox.expired == 0 and utc_now() < deadline:
         outbox.run_once()  # rounds are timed; the record must age past 50 ms first

@@ -241,13 +241,13 @@ def _drop(names: list[str]) -> None:
         transport.close()
 
 
-def test_idembus_dispatcher_signalled_twice_at_once_always_ends_in_time(
+def test_idembus_outbox_signalled_twice_at_once_always_ends_in_time(
     tmp_path: pathlib.Path,
 ) -> None:
     # Given 15 dispatchers running alone: 5 signalled while starting, 10 once running
     def signalled(directory: pathlib.Path, run: int) -> Outcome:
-        return _signalled_run(directory, run, ["dispatcher", "embedded_app:make"],
-                              "outbox dispatcher of shutdown-test running alone",
+        return _signalled_run(directory, run, ["outbox", "embedded_app:make"],
+                              "outbox relay of shutdown-test running alone",
                               starting=run < 5)
 
     # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly

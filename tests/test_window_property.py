@@ -24,12 +24,11 @@ from hypothesis import strategies as st
 
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
-from idembus.runtime.dispatching import Dispatcher
-from idembus.runtime.outbox import OutboxRelay
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.mongo import MongoStorage
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import MONGODB_URL, POSTGRES_URL, require_service
+from tests.support import outbox_relay
 
 ENDPOINT = "sales"
 RETAIN_NOTHING = datetime.timedelta(0)
@@ -110,8 +109,7 @@ def make_storage(request: pytest.FixtureRequest) -> Iterator[StorageMaker]:
 
 def outbox_round(storage: Any, transport: Recording) -> None:
     """One round of a fresh outbox dispatcher (another process, say), lease given back."""
-    dispatcher = OutboxRelay(storage, Dispatcher(transport, storage), endpoint=ENDPOINT,
-                                  grace=0)
+    dispatcher = outbox_relay(ENDPOINT, transport, storage, grace=0)
     try:
         dispatcher.run_once()
     finally:

@@ -22,6 +22,7 @@ Messages they defer again wait for the loaded endpoint's own pollers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 from collections.abc import Sequence
@@ -32,12 +33,11 @@ from ..errors import ConfigurationError
 from ..logs import log_uncaught
 from ..runtime.background import Periodic
 from ..runtime.delayed import DelayedDeliveries
-from ..runtime.dispatching import Dispatcher
 from ..runtime.endpoint import Endpoint
 from ..runtime.loading import load_endpoint
 from ..runtime.outbox import OutboxRelay
 from ..runtime.shutdown import Deadline, StopSignals
-from ..storage.base import OVERDUE_DELAYED, OVERDUE_ENTRIES
+from ..storage.base import OVERDUE_DELAYED, OVERDUE_ENTRIES, OutboxStore
 
 log = logging.getLogger(__name__)
 
@@ -115,21 +115,17 @@ def _workers_as(endpoint: Endpoint, names: Sequence[str]) -> list[Periodic]:
     ``endpoint``'s transport and journal, and messages they defer again are ``endpoint``'s
     own to send later."""
     own = endpoint.outbox
-    dispatcher = Dispatcher(endpoint.transport, endpoint.storage, endpoint.journal,
-                            endpoint=endpoint.name, pipeline=endpoint.pipeline,
-                            keep_bodies=endpoint.dispatcher.keep_bodies,
-                            on_unrouted=endpoint.unrouted)
     workers: list[Periodic] = []
     for name in names:
+        # NAME's entries and leases, sent with the endpoint's own dispatcher: what they
+        # defer again is the endpoint's to send later.
+        context = dataclasses.replace(endpoint.context, name=name)
         workers.append(OutboxRelay(
-            endpoint.storage, dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
-            lease_ttl=own.lease_ttl, grace=own.grace, max_attempts=own.max_attempts,
-            # Journal trimming is the storage's, done by the endpoint's own dispatcher.
-            journal_retention=None, health=endpoint.health))
+            context, endpoint.dispatcher, lease_ttl=own.lease_ttl, grace=own.grace,
+            # Journal trimming is the storage's, done by the endpoint's own relay.
+            max_attempts=own.max_attempts, journal_retention=None))
         if not endpoint.transport.native_delay:
-            workers.append(DelayedDeliveries(endpoint.transport, endpoint.storage,
-                                             name=f"idembus-{name}-delayed", owner=name,
-                                             health=endpoint.health))
+            workers.append(DelayedDeliveries(context))
     return workers
 
 
@@ -141,7 +137,7 @@ _KINDS = {OVERDUE_ENTRIES: ("entry", "entries", "waiting"),
 def _list_stranded(endpoint: Endpoint, reference: str, after: datetime.timedelta) -> int:
     """Print what has waited longer than ``after``, a line per endpoint and kind."""
     endpoint.storage.verify()
-    overdue = endpoint.storage.overdue(utc_now() - after)
+    overdue = endpoint.storage_as(OutboxStore).overdue(utc_now() - after)
     if not overdue:
         print(f"nothing has waited longer than {after}")
         return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..storage.base import AggregateStore
 from .html import Markup, render, tag
 from .layout import hidden, moment, notice, pairs, pretty, table
 from .lookup import look_up
@@ -41,7 +42,7 @@ def aggregates(endpoint: Endpoint, params: Params, known: Sequence[str]) -> Page
         raise Refused("give both the aggregate type and its id")
     if len(aggregate_type) > LONGEST or len(aggregate_id) > LONGEST:
         raise Refused(f"a type or id longer than {LONGEST} characters is no aggregate's")
-    found = look_up(endpoint.storage, aggregate_type, aggregate_id)
+    found = look_up(endpoint.storage_as(AggregateStore), aggregate_type, aggregate_id)
     record = found.record
     if not record.exists:
         return Page("Sagas and aggregates", render([

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..envelope import utc_now
 from ..errors import BadStreamRequest
 from ..gateway.request import TIMESTAMP_FROM, Filters, filters_from
-from ..storage.base import JournalEntry
+from ..storage.base import JournalEntry, JournalStore
 from .html import Markup, render, tag, url
 from .layout import hidden, moment, notice, table
 from .pages import Page, Refused
@@ -55,8 +55,9 @@ def journal(endpoint: Endpoint, params: Params, stream: str | None) -> Page:
     except BadStreamRequest as error:
         raise Refused(str(error)) from None
     read_at = utc_now()
-    bounds = endpoint.storage.journal_bounds()
-    entries = endpoint.storage.read_journal(after=max(0, bounds.newest - RECENT), limit=RECENT)
+    journal = endpoint.storage_as(JournalStore)
+    bounds = journal.journal_bounds()
+    entries = journal.read_journal(after=max(0, bounds.newest - RECENT), limit=RECENT)
     shown = [entry for entry in entries if filters.matches(entry)][-ROWS:]
     # Resume after the newest entry read; from an empty journal, from the time it was read
     # (a position of 0 would ask for full replication)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..redaction import redact
 from ..runtime.status import HIDDEN_AFTER, summarise
+from ..storage.base import ParkingStore
 from . import charts
 from .history import CHARTED, PERCENTILES
 from .html import Markup, render, tag, url
@@ -72,7 +73,7 @@ def _queues(dashboard: Dashboard, endpoint: Endpoint) -> Markup:
     except Exception as error:
         waiting = f"unknown ({redact(str(error))})"
     try:
-        parked: Any = len(endpoint.storage.parked_messages(endpoint.name))
+        parked: Any = len(endpoint.storage_as(ParkingStore).parked_messages(endpoint.name))
     except Exception as error:
         parked = f"unknown ({redact(str(error))})"
     return tag("p", "Error queue ", tag("code", endpoint.error_queue), ": ",

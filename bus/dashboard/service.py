@@ -19,6 +19,7 @@ from ..logs import Throttle
 from ..redaction import redact
 from ..runtime.background import Periodic
 from ..runtime.shutdown import Deadline
+from ..storage.base import StatusStore
 from .app import build_app
 from .history import Sampler
 from .pages import Refused
@@ -108,7 +109,7 @@ class Dashboard:
         ``sample_interval`` seconds)."""
         for name, endpoint in self.endpoints.items():
             try:
-                reports = endpoint.storage.status_reports(name)
+                reports = endpoint.storage_as(StatusStore).status_reports(name)
             except Exception as error:
                 self.problems[name] = redact(str(error)) or type(error).__name__
                 held = self._outage_lines.allow(f"{name}:{type(error).__name__}")

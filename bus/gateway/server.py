@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from ..errors import BadStreamRequest
 from ..redaction import redact
+from ..storage.base import JournalStore
 from ..storage.errors import StorageUnavailable
 from .request import filters_from, resume_point
 from .response import EventStreamResponse
@@ -103,7 +104,7 @@ class _Routes:
             if last_event_id is None and "last_event_id" in parameters:
                 last_event_id = parameters["last_event_id"][-1]
             start = await run_in_threadpool(plan, resume_point(last_event_id),
-                                            gateway.endpoint.storage)
+                                            gateway.endpoint.storage_as(JournalStore))
         except BaseException as error:
             counters.add(clients=-1)
             if isinstance(error, BadStreamRequest):

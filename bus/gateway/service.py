@@ -26,7 +26,7 @@ from ..handlers.base import AggregateHandler
 from ..registry import MessageRegistry
 from ..runtime.journal import current_entry
 from ..runtime.shutdown import Deadline
-from ..storage.base import JournalEntry
+from ..storage.base import JournalEntry, JournalStore, StatusStore, Storage
 from .auth import Credentials
 from .encoded import EventCache
 from .hub import JournalHub
@@ -87,14 +87,14 @@ class Gateway:
         self.write_timeout = write_timeout
         self._address = (host, port)
         # Half a buffer per round: two rounds in a row fit a client that is reading.
-        self.hub = JournalHub(endpoint.storage, interval=poll_interval,
+        self.hub = JournalHub(endpoint.storage_as(JournalStore), interval=poll_interval,
                               batch=max(1, min(500, buffer // 2)),
                               cache=EventCache(current=_current_entries(endpoint)))
         self.counters = StreamCounters()
         #: Set while stopping: new streams are turned away, open ones end.
         self.stopping = threading.Event()
         self.settings = StreamSettings(
-            storage=endpoint.storage, hub=self.hub, aggregates=aggregates_of(endpoint),
+            storage=endpoint.storage_as(Storage), hub=self.hub, aggregates=aggregates_of(endpoint),
             counters=self.counters, stopping=self.stopping, buffer=buffer,
             heartbeat=heartbeat)
         self._stale_after = max(STALE_AFTER, 10 * poll_interval)
@@ -159,8 +159,8 @@ class Gateway:
     def status(self, *, private: bool = True) -> dict[str, Any]:
         """The counters ``GET /status`` returns; without ``private``, the instances' names
         (host:pid:tag) are cut to their tags."""
-        bounds = self.endpoint.storage.journal_bounds()
-        reports = self.endpoint.storage.status_reports(self.endpoint.name)
+        bounds = self.endpoint.storage_as(JournalStore).journal_bounds()
+        reports = self.endpoint.storage_as(StatusStore).status_reports(self.endpoint.name)
         return {
             **self.counters.snapshot(),
             "open_connections": self._served.open_connections,

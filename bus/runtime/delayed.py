@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import logging
 
-from ..clock import Clock, SystemClock
 from ..envelope import Envelope
 from ..errors import MessageRefused
-from ..policies import Backoff
 from ..redaction import redact
-from ..storage.base import Storage
-from ..transports.base import Transport
+from ..storage.base import DelayedStore, ParkingStore
 from ..transports.errors import TransportUnavailable
 from .background import Periodic
-from .health import Health
+from .endpoint_context import EndpointContext
 from .recoverability.parking import park_outgoing
 
 log = logging.getLogger(__name__)
@@ -25,9 +22,8 @@ class DelayedDeliveries(Periodic):
     """A thread that sends the storage's delayed messages when they are due.
 
     Claims are leases: a poller that dies mid-batch leaves its claims to expire, and
-    another poller sends them again (with the same ids; receivers deduplicate). With
-    ``owner``, it sends only what that endpoint deferred (with its transport), and what
-    was deferred for any poller.
+    another poller sends them again (with the same ids; receivers deduplicate). It sends
+    what its endpoint deferred (with its transport), and what was deferred for any poller.
 
     Message by message: an outage ends the round (the claims expire and the next round
     takes them again) and counts as no attempt; a message the broker refuses for good, or
@@ -38,19 +34,22 @@ class DelayedDeliveries(Periodic):
     restarted, gives up after the same number.
     """
 
-    def __init__(self, transport: Transport, storage: Storage, *, name: str,
-                 interval: float = 0.5, batch: int = 100, lease: float = 30.0,
-                 backoff: Backoff | None = None, owner: str | None = None,
-                 max_attempts: int = 5, health: Health | None = None,
-                 clock: Clock | None = None) -> None:
-        super().__init__(name, backoff=backoff, health=health)
-        self._transport = transport
-        self._clock = clock or SystemClock()
-        self._storage = storage
+    #: The storage role a poller uses.
+    storage_roles = (DelayedStore, ParkingStore)
+
+    def __init__(self, context: EndpointContext, *, interval: float = 0.5, batch: int = 100,
+                 lease: float = 30.0, max_attempts: int = 5) -> None:
+        super().__init__(f"idembus-{context.name}-delayed",
+                         backoff=context.recoverability.outage_backoff, health=context.health)
+        self._transport = context.transport
+        self._clock = context.clock
+        self._storage = context.role(DelayedStore)
+        self._parking = context.role(ParkingStore)
         self._interval = interval
         self._batch = batch
         self._lease = lease
-        self.owner = owner
+        #: Whose deferred messages it sends: its endpoint's, and those deferred for any.
+        self.owner = context.name
         #: How often one message may fail (other than by an outage) before it is parked.
         self.max_attempts = max_attempts
 
@@ -89,7 +88,7 @@ class DelayedDeliveries(Periodic):
                             envelope.message_id, attempts, self.max_attempts,
                             redact(str(error)))
                 return False
-            park_outgoing(self._storage, envelope, error, endpoint=self.owner or "",
+            park_outgoing(self._parking, envelope, error, endpoint=self.owner,
                           attempts=attempts)
             return True
         return True

@@ -16,13 +16,12 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..clock import Clock, SystemClock
 from ..envelope import Envelope
-from ..pipeline import Dispatch, Pipeline
-from ..storage.base import Lease, Storage
-from ..transports.base import Transport
+from ..pipeline import Dispatch
+from ..storage.base import AggregateStore, DelayedStore, Lease, ParkingStore
 from ..transports.errors import DestinationRefused
 from . import batch_runner
+from .endpoint_context import EndpointContext
 from .journal import Journal
 from .recoverability.parking import park_outgoing
 
@@ -44,35 +43,43 @@ class Dispatcher:
     """Sends or publishes envelopes, keeping deferred ones where they can wait.
 
     ``keep_bodies``: marks keep the bodies of what was sent
-    (``OutboxPolicy(compact_after_dispatch=False)``). ``pipeline``: the endpoint's
-    middleware, whose ``dispatch`` hooks run around each outgoing message sent. ``clock``:
-    the endpoint's, which says whether a deferred message is due yet.
+    (``OutboxPolicy(compact_after_dispatch=False)``). The context's pipeline is the
+    endpoint's middleware, whose ``dispatch`` hooks run around each outgoing message sent;
+    its clock says whether a deferred message is due yet.
     """
 
-    def __init__(self, transport: Transport, storage: Storage,
-                 journal: Journal | None = None, *, endpoint: str | None = None,
-                 pipeline: Pipeline | None = None, keep_bodies: bool = False,
-                 clock: Clock | None = None,
+    #: The storage roles a dispatcher uses: marks, parking, and (on a transport without
+    #: native delay) delayed messages.
+    storage_roles = (AggregateStore, ParkingStore, DelayedStore)
+
+    def __init__(self, context: EndpointContext, journal: Journal | None = None, *,
+                 keep_bodies: bool = False,
                  on_unrouted: Callable[[Envelope], None] | None = None) -> None:
-        self._transport = transport
-        self._clock = clock or SystemClock()
+        self._context = context
+        self._transport = context.transport
+        self._clock = context.clock
         #: Called with each event the broker reported no queue took.
         self._on_unrouted = on_unrouted
-        self._storage = storage
+        self._marks = context.role(AggregateStore)
+        self._parking = context.role(ParkingStore)
         self._journal = journal
         #: The endpoint's middleware (what :class:`~idembus.sending.Bus` objects record through).
-        self.pipeline = pipeline or Pipeline()
+        self.pipeline = context.pipeline
         self.keep_bodies = keep_bodies
-        #: The endpoint whose delayed-message pollers send what this dispatcher defers
-        #: (``None``: any endpoint's on the storage).
-        self.endpoint = endpoint
+        #: The endpoint whose delayed-message pollers send what this dispatcher defers.
+        self.endpoint = context.name
+
+    @property
+    def journal(self) -> Journal | None:
+        """Where published events are journaled (``Endpoint(journal=...)``), or ``None``."""
+        return self._journal
 
     def dispatch(self, envelope: Envelope) -> None:
         """Put ``envelope`` on the wire (or, deferred on a transport without delay, in the
         storage until it is due). No middleware: for error-queue copies and retries."""
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > self._clock.now():
-            self._storage.schedule(envelope, due, owner=self.endpoint)
+            self._context.role(DelayedStore).schedule(envelope, due, owner=self.endpoint)
         elif (batch_runner.dispatch(self._transport, envelope) is False
               and self._on_unrouted is not None):
             self._on_unrouted(envelope)
@@ -109,12 +116,12 @@ class Dispatcher:
         (:mod:`idembus.runtime.recoverability.parking`), so
         that the entry can be marked and nothing waits on it forever. True if it went out;
         raises on an outage, or if it cannot be parked."""
-        owner = endpoint if endpoint is not None else (self.endpoint or "")
+        owner = endpoint if endpoint is not None else self.endpoint
         try:
             self.pipeline.dispatch(Dispatch(envelope, owner, source),
                                     lambda: self.dispatch(envelope))
         except DestinationRefused as refused:
-            park_outgoing(self._storage, envelope, refused, endpoint=owner)
+            park_outgoing(self._parking, envelope, refused, endpoint=owner)
             return False
         return True
 
@@ -125,13 +132,13 @@ class Dispatcher:
         (``Storage.mark_dispatched(..., journal=...)``)."""
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=aggregate_type, aggregate_id=aggregate_id)
-        self._storage.mark_dispatched(aggregate_type, aggregate_id, key,
-                                      keep_bodies=self.keep_bodies, lease=lease,
-                                      journal=journal)
+        self._marks.mark_dispatched(aggregate_type, aggregate_id, key,
+                                    keep_bodies=self.keep_bodies, lease=lease,
+                                    journal=journal)
 
     def dispatch_now(self, envelope: Envelope) -> None:
         """Dispatch a message sent outside handlers (``endpoint.bus``), and journal it."""
-        self.pipeline.dispatch(Dispatch(envelope, self.endpoint or "", "bus"),
+        self.pipeline.dispatch(Dispatch(envelope, self.endpoint, "bus"),
                                 lambda: self.dispatch(envelope))
         if self._journal is not None:
             self._journal.record([envelope])

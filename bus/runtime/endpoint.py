@@ -45,25 +45,24 @@ from ..routing import Router
 from ..schedules import Schedule, SchedulerPolicy, scheduler_policy
 from ..sending import Bus
 from ..signals import EndpointSignals
-from ..storage.base import Storage, StorageRole
+from ..storage.base import AggregateStore, StorageRole
 from ..storage.roles import check_storage_roles
 from ..transports.base import Delivery, Transport
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES
 from .aio import close_thread_loop
+from .assembly import Settings, assemble
 from .batch_runner import BatchRunner
 from .counters import Counters
-from .delayed import DelayedDeliveries
 from .dispatching import Dispatcher
+from .endpoint_context import EndpointContext, RoleT
 from .health import Health
-from .invocation import HandlerInvoker
-from .journal import JournalPolicy, journal_for
+from .journal import Journal, JournalPolicy
 from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recoverability, Recovery
 from .scheduler import Scheduler
-from .shared_transaction import shared_transaction
+from .shared_transaction import SharedTransaction
 from .shutdown import Deadline, StopSignals
-from .status import StatusReporter
 from .timings import HandlingTimes
 from .unit_of_work import UnitOfWork
 
@@ -149,6 +148,19 @@ class Endpoint:
         them and the scheduler's lease. They need the storage's outbox role (leases).
     """
 
+    #: How deliveries are taken in batches (``None``: one at a time).
+    batching: Batching | None
+    #: The recurring messages this endpoint sends (``schedules=...``).
+    schedules: tuple[Schedule, ...]
+    #: How this endpoint recovers from failures.
+    recoverability: Recoverability
+    #: Where its aggregates, outbox and the rest are kept (the roles its options use).
+    storage: StorageRole
+    #: How long handled deliveries took, by bucket (reported with the counters).
+    handling_times: HandlingTimes
+    #: What this endpoint shares with its collaborators (:mod:`.endpoint_context`).
+    context: EndpointContext
+
     def __init__(
         self,
         name: str,
@@ -172,129 +184,123 @@ class Endpoint:
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING,
     ) -> None:
-        if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
-            raise ConfigurationError(
-                f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'"
-            )
-        if concurrency < 1:
-            raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
-        if prefetch < 1:
-            raise ConfigurationError(f"prefetch must be at least 1, got {prefetch}")
-        if max_message_bytes < 1:
-            raise ConfigurationError(
-                f"max_message_bytes must be at least 1, got {max_message_bytes}")
-        if error_queue == name:
-            raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
-        if clock is not None and not isinstance(clock, Clock):
-            raise ConfigurationError(
-                f"clock must have a now() method returning an aware UTC datetime, got {clock!r}")
-        if batching is not None and not isinstance(batching, Batching):
-            raise ConfigurationError(
-                f"batching must be idembus.Batching(size=..., linger=...) or None, "
-                f"got {batching!r}")
-        self.name = name
-        #: How deliveries are taken in batches (``None``: one at a time).
-        self.batching = batching
-        #: Where this endpoint reads the time.
-        self.clock: Clock = clock or SystemClock()
-        self.error_queue = error_queue
-        self.concurrency = concurrency
-        self.prefetch = prefetch
+        _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
+                       max_message_bytes=max_message_bytes, error_queue=error_queue,
+                       batching=batching, storage=storage)
+        self.name, self.error_queue, self.batching = name, error_queue, batching
+        self.concurrency, self.prefetch = concurrency, prefetch
         self.table = HandlerTable(handlers)
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
         self._check_routes(routes or {})
-        scheduling = scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route)
-        #: The recurring messages this endpoint sends (``schedules=...``).
-        self.schedules: tuple[Schedule, ...] = tuple(scheduling.schedules)
-        if storage is not None and not isinstance(storage, StorageRole):
-            raise ConfigurationError(
-                f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
         self.transport = _transport_from(transport)
-        #: How this endpoint recovers from failures.
         self.recoverability = recoverability or Recoverability()
-        self.outbox_policy = _outbox_policy(outbox)
-        journal_policy = _journal_policy(journal)
+        settings = Settings(
+            outbox=_outbox_policy(outbox), journal=_journal_policy(journal),
+            scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
+            delayed_poll_interval=delayed_poll_interval, status_interval=status_interval)
+        self.schedules = tuple(settings.scheduling.schedules)
+        self.outbox_policy, self.status_interval = settings.outbox, status_interval
         if storage is not None:
-            check_storage_roles(
-                storage, outbox=self.outbox_policy.run, delayed=not self.transport.native_delay,
-                journal=bool(journal_policy.events),
-                audit=any("audit" in item.storage_roles for item in middleware),
-                status=bool(status_interval), schedules=bool(scheduling.schedules))
-        # Typed as the whole contract: only the roles checked above are ever called.
-        self.storage = cast(Storage, storage) if storage is not None else _embedded_storage()
+            _check_roles(storage, settings, self.transport, middleware)
+        self.storage = storage if storage is not None else _embedded_storage()
         self._check_retention()
-        self.signals = EndpointSignals(name)
+        self.handling_times = HandlingTimes()
+        self.context = EndpointContext(
+            name=name, transport=self.transport, storage=self.storage,
+            clock=clock or SystemClock(), signals=EndpointSignals(name),
+            pipeline=Pipeline([self.handling_times, *_propagating(propagate_headers),
+                               *middleware]),
+            health=Health(), recoverability=self.recoverability, router=self.router,
+            table=self.table, registry=self.registry, error_queue=error_queue,
+            max_message_bytes=max_message_bytes)
+        self._unrouted_lines = Throttle(10.0)
+        self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
+                                  counters=self._reported_counters)
+        self._check_evolution(settings.journal)
+        self._watch_and_consume()
+        self.pipeline.setup(self)
+
+    def _watch_and_consume(self) -> None:
+        """The counters and the message log on the endpoint's signals, and the state of
+        its consumer threads (none running, nothing in flight)."""
         self.counters = Counters(self.signals)
         self._message_log = MessageLog(self.signals)
         self._message_log_connected = False
-        self._stop = threading.Event()
-        #: What keeps this process from working now (``idembus status`` shows it).
-        self.health = Health()
-        #: Appends published events to the event journal (``journal=...``), else ``None``.
-        self.journal = journal_for(self.storage, journal_policy.events)
-        self._check_evolution(journal_policy)
-        #: How long handled deliveries took, by bucket (reported with the counters).
-        self.handling_times = HandlingTimes()
-        #: The middleware around messages, handlers, commits and dispatches.
-        self.pipeline = Pipeline(
-            [self.handling_times]
-            + ([PropagateHeaders(tuple(propagate_headers))] if propagate_headers else [])
-            + list(middleware))
-        #: Sends what handlers, units of work and ``bus`` send, and marks it.
-        self.dispatcher = Dispatcher(
-            self.transport, self.storage, self.journal, endpoint=name, pipeline=self.pipeline,
-            keep_bodies=not self.outbox_policy.compact_after_dispatch, clock=self.clock,
-            on_unrouted=self.unrouted)
-        self._unrouted_lines = Throttle(10.0)
-        #: Commits, sends and acknowledgements in one transaction when the queues are in
-        #: the storage's database (:mod:`idembus.runtime.shared_transaction`), else ``None``.
-        self.shared_transaction = shared_transaction(
-            self.storage, self.transport, endpoint=name, signals=self.signals,
-            pipeline=self.pipeline, journal=self.journal, on_unrouted=self.unrouted,
-            keep_bodies=not self.outbox_policy.compact_after_dispatch)
-        invoker = HandlerInvoker(
-            endpoint=name, router=self.router, storage=self.storage, signals=self.signals,
-            conflicts=self.recoverability.conflicts, pipeline=self.pipeline,
-            defer_fresh_redispatch=self.outbox_policy.defer_fresh_redispatch,
-            clock=self.clock, shared=self.shared_transaction,
-        )
-        self._recovery = Recovery(name, self.recoverability, stopping=self._stop,
-                                  health=self.health)
-        self._processor = MessageProcessor(
-            endpoint=name, error_queue=error_queue, registry=self.registry, table=self.table,
-            invoker=invoker, dispatcher=self.dispatcher, signals=self.signals,
-            recovery=self._recovery,
-            storage=self.storage, max_message_bytes=max_message_bytes,
-            left_to_outbox=lambda: self.outbox.wake_in(self.outbox_policy.grace),
-            clock=self.clock,
-        )
-        #: Sends and publishes from outside handlers, at once (or when deferred, later).
-        self.bus = Bus(name, self.router, self.pipeline.recorder(self.dispatcher.dispatch_now,
-                                                                 None), clock=self.clock)
-        # Without native delay on the broker, deferred messages wait in the storage.
-        self._delayed = None if self.transport.native_delay else DelayedDeliveries(
-            self.transport, self.storage, name=f"idembus-{name}-delayed",
-            interval=delayed_poll_interval, owner=name, health=self.health, clock=self.clock)
-        self.status_interval = status_interval
-        #: Repairs crashes between commit and dispatch (one active per storage).
-        self.outbox = OutboxRelay(
-            self.storage, self.dispatcher, name=f"idembus-{name}-outbox", endpoint=name,
-            grace=self.outbox_policy.grace,
-            journal_retention=journal_policy.retention if self.journal else None,
-            backoff=self.recoverability.outage_backoff, health=self.health)
-        #: Sends the schedules' occurrences (one active per endpoint and storage), or
-        #: ``None`` without schedules.
-        self.scheduler = Scheduler(
-            scheduling, endpoint=name, storage=self.storage, dispatcher=self.dispatcher,
-            router=self.router, clock=self.clock, signals=self.signals, health=self.health,
-            backoff=self.recoverability.outage_backoff) if scheduling.schedules else None
-        self._status = StatusReporter(self.storage, name, self._reported_counters,
-                                      interval=status_interval, problems=self.health.problems)
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
-        self.pipeline.setup(self)
+
+    # -- what the context and the assembly hold, by their documented names ---------------
+
+    @property
+    def clock(self) -> Clock:
+        """Where this endpoint reads the time."""
+        return self.context.clock
+
+    @property
+    def signals(self) -> EndpointSignals:
+        """The endpoint's blinker signals (what counters, logs and audit observe)."""
+        return self.context.signals
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The middleware around messages, handlers, commits and dispatches."""
+        return self.context.pipeline
+
+    @property
+    def health(self) -> Health:
+        """What keeps this process from working now (``idembus status`` shows it)."""
+        return self.context.health
+
+    @property
+    def _stop(self) -> threading.Event:
+        return self.context.stopping
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Sends what handlers, units of work and ``bus`` send, and marks it."""
+        return self._assembly.dispatcher
+
+    @property
+    def journal(self) -> Journal | None:
+        """Appends published events to the event journal (``journal=...``), else ``None``."""
+        return self.dispatcher.journal
+
+    @property
+    def shared_transaction(self) -> SharedTransaction | None:
+        """Commits, sends and acknowledgements in one transaction when the queues are in
+        the storage's database (:mod:`.shared_transaction`), else ``None``."""
+        return self._assembly.shared_transaction
+
+    @property
+    def bus(self) -> Bus:
+        """Sends and publishes from outside handlers, at once (or when deferred, later)."""
+        return self._assembly.bus
+
+    @property
+    def outbox(self) -> OutboxRelay:
+        """Repairs crashes between commit and dispatch (one active per storage)."""
+        return self._assembly.outbox
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """Sends the schedules' occurrences (one active per endpoint and storage), or
+        ``None`` without schedules."""
+        return self._assembly.scheduler
+
+    @property
+    def _recovery(self) -> Recovery:
+        return self._assembly.recovery
+
+    @property
+    def _processor(self) -> MessageProcessor:
+        return self._assembly.processor
+
+    def storage_as(self, role: type[RoleT]) -> RoleT:
+        """The storage as one of its roles (:mod:`idembus.storage.base`), for tools that
+        read it; a ConfigurationError if it lacks that role."""
+        return self.context.role(role)
 
     def _reported_counters(self) -> dict[str, int]:
         """What the status reports carry: the signal counters and the handling-time
@@ -385,12 +391,9 @@ class Endpoint:
         key) take effect once; ``new_state`` builds the state of an aggregate that does not
         exist yet (default: ``state_type()``).
         """
-        return UnitOfWork(
-            endpoint=self.name, router=self.router, storage=self.storage,
-            dispatcher=self.dispatcher, aggregate_type=self._aggregate_type_of(state_type),
-            aggregate_id=aggregate_id, state_type=state_type, operation_id=operation_id,
-            new_state=new_state, clock=self.clock,
-        )
+        return UnitOfWork(self.context, self.dispatcher, state_type,
+                          (self._aggregate_type_of(state_type), aggregate_id),
+                          operation_id=operation_id, new_state=new_state)
 
     def _aggregate_type_of(self, state_type: type[BaseModel]) -> str:
         """The storage name a handler of this endpoint gives ``state_type``, or its name."""
@@ -401,7 +404,7 @@ class Endpoint:
 
     def _check_retention(self) -> None:
         """Deduplication must remember a message for longer than it can keep coming back."""
-        retention = self.storage.retention
+        retention = self.storage.retention if isinstance(self.storage, AggregateStore) else None
         if retention is None:
             return
         policies = [self.recoverability.retries] + [
@@ -430,10 +433,10 @@ class Endpoint:
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)
-        if self._delayed is not None:
-            self._delayed.start()
-        if self.status_interval:
-            self._status.start()
+        if self._assembly.delayed is not None:
+            self._assembly.delayed.start()
+        if self._assembly.status is not None:
+            self._assembly.status.start()
         if self.outbox_policy.run:
             self.outbox.start()
         if self.scheduler is not None:
@@ -474,9 +477,10 @@ class Endpoint:
         deadline = Deadline(timeout)
         for thread in self._threads:
             thread.join(deadline.left())
-        if self._delayed is not None:
-            self._delayed.stop(deadline.left())
-        self._status.stop(deadline.left())
+        if self._assembly.delayed is not None:
+            self._assembly.delayed.stop(deadline.left())
+        if self._assembly.status is not None:
+            self._assembly.status.stop(deadline.left())
         self.outbox.stop(deadline.left())
         if self.scheduler is not None:
             self.scheduler.stop(deadline.left())
@@ -677,7 +681,7 @@ def _transport_from(transport: Transport | str) -> Transport:
     )
 
 
-def _embedded_storage() -> Storage:
+def _embedded_storage() -> StorageRole:
     """The storage of an endpoint given none: in-process dicts, whose time per message does
     not grow with what they hold (mongomock, the earlier default, scans whole collections
     and slowed down as data grew; it stays MongoStorage's test double)."""
@@ -711,3 +715,46 @@ def _journal_policy(option: bool | Sequence[type[Event]] | JournalPolicy) -> Jou
                 f"the journal's retention must be positive, got {option.retention!r}")
         return option
     return JournalPolicy(events=option)
+
+
+def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock | None,
+                   max_message_bytes: int, error_queue: str, batching: Batching | None,
+                   storage: StorageRole | None) -> None:
+    """The endpoint's options that can be checked alone; a ConfigurationError saying what
+    to fix for the first that is wrong."""
+    if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
+        raise ConfigurationError(
+            f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'")
+    if concurrency < 1:
+        raise ConfigurationError(f"concurrency must be at least 1, got {concurrency}")
+    if prefetch < 1:
+        raise ConfigurationError(f"prefetch must be at least 1, got {prefetch}")
+    if max_message_bytes < 1:
+        raise ConfigurationError(f"max_message_bytes must be at least 1, got {max_message_bytes}")
+    if error_queue == name:
+        raise ConfigurationError(f"the error queue cannot be the endpoint's own queue {name!r}")
+    if clock is not None and not isinstance(clock, Clock):
+        raise ConfigurationError(
+            f"clock must have a now() method returning an aware UTC datetime, got {clock!r}")
+    if batching is not None and not isinstance(batching, Batching):
+        raise ConfigurationError(
+            f"batching must be idembus.Batching(size=..., linger=...) or None, got {batching!r}")
+    if storage is not None and not isinstance(storage, StorageRole):
+        raise ConfigurationError(
+            f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
+
+
+def _check_roles(storage: StorageRole, settings: Settings, transport: Transport,
+                 middleware: Sequence[Middleware]) -> None:
+    """The storage has every role the endpoint's options use (one error naming all that
+    are missing, :func:`~idembus.storage.roles.check_storage_roles`)."""
+    check_storage_roles(
+        storage, outbox=settings.outbox.run, delayed=not transport.native_delay,
+        journal=bool(settings.journal.events),
+        audit=any("audit" in getattr(item, "storage_roles", ()) for item in middleware),
+        status=bool(settings.status_interval), schedules=bool(settings.scheduling.schedules))
+
+
+def _propagating(headers: Sequence[str]) -> list[Middleware]:
+    """The middleware copying ``propagate_headers=`` to every outgoing message, if any."""
+    return [PropagateHeaders(tuple(headers))] if headers else []

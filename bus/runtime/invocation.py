@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import headers as h
-from ..clock import Clock, SystemClock
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
 from ..errors import EndpointBlocked, HandlerContractError
@@ -30,12 +29,9 @@ from ..evolution import VersionKeyword, load_state, version_keyword
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
-from ..pipeline import HandlerCall, Pipeline
-from ..policies import ConflictPolicy
-from ..routing import Router
+from ..pipeline import HandlerCall
 from ..sending import Bus
-from ..signals import EndpointSignals
-from ..storage.base import INBOX, AggregateRecord, Storage
+from ..storage.base import INBOX, AggregateRecord, AggregateStore
 from ..storage.errors import (
     AlreadyProcessed,
     CommitOutcomeUnknown,
@@ -46,6 +42,7 @@ from ..storage.errors import (
 from ..transports.base import Delivery
 from . import batch_runner
 from .aio import run_to_completion
+from .endpoint_context import EndpointContext
 from .shared_transaction import SharedTransaction
 
 
@@ -71,32 +68,24 @@ class Outcome:
 class HandlerInvoker:
     """Runs handler bindings against storage with deduplication and optimistic retries."""
 
-    def __init__(
-        self,
-        *,
-        endpoint: str,
-        router: Router,
-        storage: Storage,
-        signals: EndpointSignals,
-        conflicts: ConflictPolicy,
-        pipeline: Pipeline | None = None,
-        defer_fresh_redispatch: float = 0.0,
-        clock: Clock | None = None,
-        shared: SharedTransaction | None = None,
-    ) -> None:
-        self._endpoint = endpoint
+    #: The storage role an invoker uses: aggregates, their deduplication and commits.
+    storage_roles = (AggregateStore,)
+
+    def __init__(self, context: EndpointContext, *, defer_fresh_redispatch: float = 0.0,
+                 shared: SharedTransaction | None = None) -> None:
+        self._endpoint = context.name
         #: Commits with the outgoing messages and the incoming one's removal, when the
         #: queues share the storage's database (:mod:`idembus.runtime.shared_transaction`).
         self._shared = shared
         #: The handlers' "now" (what their buses stamp and defer by).
-        self._clock = clock or SystemClock()
+        self._clock = context.clock
         #: Seconds during which a duplicate leaves an undispatched entry to its committer.
         self._defer_fresh = datetime.timedelta(seconds=defer_fresh_redispatch)
-        self._router = router
-        self._storage = storage
-        self._signals = signals
-        self._conflicts = conflicts
-        self._pipeline = pipeline or Pipeline()
+        self._router = context.router
+        self._storage = context.role(AggregateStore)
+        self._signals = context.signals
+        self._conflicts = context.recoverability.conflicts
+        self._pipeline = context.pipeline
         #: Whether a handling method's function is ``async def`` (behind any decorators),
         #: by function: asked once, not at every message.
         self._async_functions: dict[Any, bool] = {}

@@ -29,7 +29,7 @@ entry blocks the others, and expiring processed entries and trimming the journal
 whatever happened to the entries.
 
 By default every endpoint runs one (its processes elect one through the lease); ``idembus
-dispatcher package.module:endpoint`` runs one alone.
+outbox package.module:endpoint`` runs one alone.
 """
 
 from __future__ import annotations
@@ -39,14 +39,20 @@ import logging
 import threading
 
 from ..envelope import utc_now
-from ..policies import Backoff
 from ..redaction import redact
-from ..storage.base import OUTBOX_LEASE, Storage, Undispatched
+from ..storage.base import (
+    OUTBOX_LEASE,
+    AggregateStore,
+    JournalStore,
+    OutboxStore,
+    ParkingStore,
+    Undispatched,
+)
 from ..storage.errors import StaleLease, StorageUnavailable
 from ..transports.errors import TransportUnavailable
 from .background import LeasedPeriodic
 from .dispatching import Dispatcher, DispatchProgress
-from .health import Health
+from .endpoint_context import EndpointContext
 from .recoverability.parking import park_outgoing
 
 log = logging.getLogger(__name__)
@@ -56,44 +62,40 @@ log = logging.getLogger(__name__)
 class OutboxRelay(LeasedPeriodic):
     """Repairs crashes between commit and dispatch; see the module docstring."""
 
-    def __init__(
-        self,
-        storage: Storage,
-        dispatcher: Dispatcher,
-        *,
-        name: str = "idembus-outbox",
-        endpoint: str | None = None,
-        lease_ttl: float = 30.0,
-        grace: float = 10.0,
-        batch: int = 100,
-        journal_retention: datetime.timedelta | None = None,
-        backoff: Backoff | None = None,
-        max_attempts: int = 5,
-        health: Health | None = None,
-    ) -> None:
+    #: The storage roles a relay uses (and the journal's, to trim it, when it keeps one).
+    storage_roles = (OutboxStore, AggregateStore, ParkingStore)
+    #: How many entries one round takes at most.
+    batch = 100
+
+    def __init__(self, context: EndpointContext, dispatcher: Dispatcher, *,
+                 grace: float = 10.0, lease_ttl: float = 30.0, max_attempts: int = 5,
+                 journal_retention: datetime.timedelta | None = None) -> None:
         if lease_ttl <= 0 or grace < 0:
             raise ValueError("lease_ttl must be positive and grace not negative")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        storage = context.role(OutboxStore)
         super().__init__(
-            name, leases=storage, lease_ttl=lease_ttl, backoff=backoff, health=health,
-            lease_name=OUTBOX_LEASE if endpoint is None else f"{OUTBOX_LEASE}:{endpoint}")
+            f"idembus-{context.name}-outbox", leases=storage, lease_ttl=lease_ttl,
+            backoff=context.recoverability.outage_backoff, health=context.health,
+            lease_name=f"{OUTBOX_LEASE}:{context.name}")
         self._storage = storage
+        self._aggregates = context.role(AggregateStore)
+        self._parking = context.role(ParkingStore)
+        self._journal = context.role(JournalStore) if journal_retention is not None else None
         self._dispatcher = dispatcher
-        #: Whose entries this dispatcher repairs (``None``: every endpoint's, as before
-        #: endpoints had leases of their own).
-        self.endpoint = endpoint
+        #: Whose entries this relay repairs.
+        self.endpoint = context.name
         self.grace = grace
-        self._batch = batch
         #: How often one entry may fail (other than by an outage) before its messages are
         #: parked and it is marked; the count is kept with the entry, in the storage.
         self.max_attempts = max_attempts
-        #: Processed entries forgotten past the storage's retention, by this dispatcher.
+        #: Processed entries forgotten past the storage's retention, by this relay.
         self.expired = 0
         #: How long event-journal entries are kept (``None``: this endpoint keeps no
         #: journal and trims nothing).
         self.journal_retention = journal_retention
-        #: Journal entries this dispatcher trimmed.
+        #: Journal entries this relay trimmed.
         self.trimmed = 0
 
     def run_once(self) -> int:
@@ -107,7 +109,7 @@ class OutboxRelay(LeasedPeriodic):
         repaired = 0
         cutoff = now - datetime.timedelta(seconds=self.grace)
         try:
-            for entry in self._storage.undispatched(committed_before=cutoff, limit=self._batch,
+            for entry in self._storage.undispatched(committed_before=cutoff, limit=self.batch,
                                                     endpoint=self.endpoint):
                 try:
                     repaired += self._repair(entry)
@@ -136,7 +138,7 @@ class OutboxRelay(LeasedPeriodic):
         progress = DispatchProgress()  # sent, or parked because the broker refused it
         try:
             self._dispatcher.send_committed(*address, entry.outgoing, source="outbox",
-                                            endpoint=self.endpoint or "", progress=progress,
+                                            endpoint=self.endpoint, progress=progress,
                                             lease=self.lease)
         except (StaleLease, StorageUnavailable, TransportUnavailable):
             raise
@@ -149,8 +151,8 @@ class OutboxRelay(LeasedPeriodic):
                 return 0
             for envelope in entry.outgoing:
                 if envelope.message_id not in progress.done:
-                    park_outgoing(self._storage, envelope, error,
-                                  endpoint=self.endpoint or "", attempts=attempts)
+                    park_outgoing(self._parking, envelope, error,
+                                  endpoint=self.endpoint, attempts=attempts)
             self._dispatcher.mark_dispatched(*address, progress.sent, lease=self.lease)
             return 0
         log.info("sent %d message(s) of %s %s (%s) that were committed but not dispatched",
@@ -160,19 +162,19 @@ class OutboxRelay(LeasedPeriodic):
     def _housekeeping(self, now: datetime.datetime) -> None:
         """Expire processed entries and trim the journal, each whatever the other did."""
         try:
-            self.expired += self._storage.expire(now)
+            self.expired += self._aggregates.expire(now)
         except Exception as error:
             log.warning("expiring processed messages failed: %s", redact(str(error)))
-        if self.journal_retention is None:
+        if self._journal is None or self.journal_retention is None:
             return
         try:
-            self.trimmed += self._storage.trim_journal(now - self.journal_retention)
+            self.trimmed += self._journal.trim_journal(now - self.journal_retention)
         except Exception as error:
             log.warning("trimming the event journal failed: %s", redact(str(error)))
 
     def round(self) -> float:
         # A full batch: more may wait. Otherwise renew the lease at half its time.
-        return 0.0 if self.run_once() >= self._batch else self.lease_ttl / 2
+        return 0.0 if self.run_once() >= self.batch else self.lease_ttl / 2
 
     def start(self) -> None:
         super().start()

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 
 from .. import headers as h
 from .. import wire
-from ..clock import Clock, SystemClock
 from ..envelope import Envelope, format_utc
 from ..errors import BusError, MalformedMessage, MessageError
 from ..expiry import expiry_of
-from ..handlers.registration import HandlerBinding, HandlerTable
+from ..handlers.registration import HandlerBinding
 from ..messages import Message
 from ..pipeline import (
     HandlerCall,
@@ -43,9 +42,7 @@ from ..pipeline import (
 )
 from ..policies import RetryPolicy
 from ..redaction import redact
-from ..registry import MessageRegistry
-from ..signals import EndpointSignals
-from ..storage.base import PARKED_FROM_ERROR_QUEUE, Storage
+from ..storage.base import PARKED_FROM_ERROR_QUEUE, ParkingStore
 from ..storage.errors import (
     CommitOutcomeUnknown,
     StorageAccessDenied,
@@ -56,6 +53,7 @@ from ..transports.base import Delivery
 from ..transports.errors import DestinationRefused, TransportUnavailable
 from .decoding import decode
 from .dispatching import Dispatcher, DispatchProgress
+from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
 from .recoverability.failure_headers import failure_headers
 from .recoverability.parking import park
@@ -84,40 +82,30 @@ class _Dispatching(DispatchProgress):
 class MessageProcessor:
     """Processes deliveries of one endpoint; safe to call from several threads.
 
-    ``storage`` keeps what the error queue refuses (:mod:`idembus.runtime.recoverability.parking`);
-    ``left_to_outbox`` is called when a duplicate left an entry to the outbox (which then
-    looks sooner); ``clock`` tells whether a message expired and when a delayed retry is
-    due.
+    The storage keeps what the error queue refuses
+    (:mod:`idembus.runtime.recoverability.parking`); ``left_to_outbox`` is called when a
+    duplicate left an entry to the outbox (which then looks sooner); the context's clock
+    tells whether a message expired and when a delayed retry is due.
     """
 
-    def __init__(
-        self,
-        *,
-        endpoint: str,
-        error_queue: str,
-        registry: MessageRegistry,
-        table: HandlerTable,
-        invoker: HandlerInvoker,
-        dispatcher: Dispatcher,
-        recovery: Recovery,
-        signals: EndpointSignals,
-        storage: Storage,
-        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES,
-        left_to_outbox: Callable[[], None] = lambda: None,
-        clock: Clock | None = None,
-    ) -> None:
-        self._endpoint = endpoint
-        self._clock = clock or SystemClock()
-        self._error_queue = error_queue
-        self._registry = registry
-        self._table = table
+    #: The storage role a processor uses: parking what the error queue refuses.
+    storage_roles = (ParkingStore,)
+
+    def __init__(self, context: EndpointContext, invoker: HandlerInvoker,
+                 dispatcher: Dispatcher, recovery: Recovery, *,
+                 left_to_outbox: Callable[[], None] = lambda: None) -> None:
+        self._endpoint = context.name
+        self._clock = context.clock
+        self._error_queue = context.error_queue
+        self._registry = context.registry
+        self._table = context.table
         self._invoker = invoker
         self._dispatcher = dispatcher
-        self._pipeline: Pipeline = dispatcher.pipeline
+        self._pipeline: Pipeline = context.pipeline
         self._recovery = recovery
-        self._signals = signals
-        self._storage = storage
-        self._max_message_bytes = max_message_bytes
+        self._signals = context.signals
+        self._storage = context.role(ParkingStore)
+        self._max_message_bytes = context.max_message_bytes
         self._left_to_outbox = left_to_outbox
 
     def __call__(self, delivery: Delivery) -> None:

@@ -40,21 +40,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import headers as h
-from ..clock import Clock
 from ..envelope import Envelope, format_utc, parse_utc
 from ..messages import Command, message_name
-from ..policies import Backoff
 from ..redaction import redact
-from ..routing import Router
 from ..schedules import Schedule, SchedulerPolicy
 from ..sending import Bus
-from ..signals import EndpointSignals
-from ..storage.base import AggregateRecord, Storage
+from ..storage.base import AggregateRecord, AggregateStore, OutboxStore
 from ..storage.errors import AlreadyProcessed, ConcurrencyConflict, StorageUnavailable
 from ..transports.errors import TransportUnavailable
 from .background import LeasedPeriodic
 from .dispatching import Dispatcher
-from .health import Health
+from .endpoint_context import EndpointContext
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +108,7 @@ class ScheduleState:
                    failed=int(record.get("failed", 0)), last_error=record.get("last_error"))
 
 
-def read_state(storage: Storage, endpoint: str, schedule: str) -> ScheduleState | None:
+def read_state(storage: AggregateStore, endpoint: str, schedule: str) -> ScheduleState | None:
     """The stored state of one schedule, or ``None`` if no scheduler has run it yet."""
     record = storage.load(SCHEDULE_AGGREGATE, record_id(endpoint, schedule))
     return ScheduleState.from_record(record.state) if record.exists and record.state else None
@@ -131,20 +127,23 @@ class _Step:
 class Scheduler(LeasedPeriodic):
     """Sends an endpoint's schedules under its lease; see the module docstring."""
 
-    def __init__(self, policy: SchedulerPolicy, *, endpoint: str, storage: Storage,
-                 dispatcher: Dispatcher, router: Router, clock: Clock,
-                 signals: EndpointSignals, health: Health | None = None,
-                 backoff: Backoff | None = None) -> None:
-        super().__init__(f"idembus-{endpoint}-scheduler", leases=storage,
+    #: The storage roles a scheduler uses: a lease, and its state kept as an aggregate.
+    storage_roles = (OutboxStore, AggregateStore)
+
+    def __init__(self, context: EndpointContext, policy: SchedulerPolicy,
+                 dispatcher: Dispatcher) -> None:
+        endpoint = context.name
+        super().__init__(f"idembus-{endpoint}-scheduler", leases=context.role(OutboxStore),
                          lease_name=f"{SCHEDULER_LEASE}:{endpoint}",
-                         lease_ttl=policy.lease_ttl, backoff=backoff, health=health)
+                         lease_ttl=policy.lease_ttl,
+                         backoff=context.recoverability.outage_backoff, health=context.health)
         self.schedules: tuple[Schedule, ...] = tuple(policy.schedules)
         self.endpoint = endpoint
-        self._storage = storage
+        self._storage = context.role(AggregateStore)
         self._dispatcher = dispatcher
-        self._router = router
-        self._clock = clock
-        self._signals = signals
+        self._router = context.router
+        self._clock = context.clock
+        self._signals = context.signals
         #: A round left due occurrences for the next one (catching up).
         self._behind = False
 

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..envelope import Envelope
-from ..pipeline import Dispatch, Pipeline
-from ..signals import EndpointSignals
+from ..pipeline import Dispatch
 from ..storage.base import AggregateRecord
 from ..storage.errors import StorageRefused
 from ..transports.base import Delivery
+from .endpoint_context import EndpointContext
 from .journal import Journal
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class _Part(Protocol):
     def enqueued(self, result: Any) -> _Enqueued: ...
 
 
+@runtime_checkable
 class _Queues(Protocol):
     """What the transport lends the commit (:class:`PostgresTransport`)."""
 
@@ -72,6 +73,7 @@ class _Queues(Protocol):
     def removed(self, delivery: Delivery) -> None: ...
 
 
+@runtime_checkable
 class _Committer(Protocol):
     """What the storage lends the commit (:meth:`PostgresStorage.commit_with`)."""
 
@@ -89,14 +91,17 @@ class SharedTransaction:
     """Commits a handler's work, its outgoing messages and (for the last handler) the
     removal of the incoming message in one transaction; see the module docstring."""
 
-    def __init__(self, storage: _Committer, transport: _Queues, *, endpoint: str,
-                 signals: EndpointSignals, pipeline: Pipeline, journal: Journal | None,
+    def __init__(self, context: EndpointContext, journal: Journal | None, *,
                  keep_bodies: bool, on_unrouted: Callable[[Envelope], None]) -> None:
+        storage, transport = context.storage, context.transport
+        if not isinstance(storage, _Committer) or not isinstance(transport, _Queues):
+            raise TypeError(f"{type(storage).__name__} and {type(transport).__name__} share "
+                            "no transaction")
         self._storage = storage
         self._transport = transport
-        self._endpoint = endpoint
-        self._signals = signals
-        self._pipeline = pipeline
+        self._endpoint = context.name
+        self._signals = context.signals
+        self._pipeline = context.pipeline
         self._journal = journal
         self._keep_bodies = keep_bodies
         self._on_unrouted = on_unrouted
@@ -146,12 +151,13 @@ class SharedTransaction:
         return False
 
 
-def shared_transaction(storage: Any, transport: Any, **parts: Any) -> SharedTransaction | None:
-    """The shared transaction of ``storage`` and ``transport`` (``parts``: the endpoint's
-    name, signals, pipeline, journal, ``keep_bodies`` and ``on_unrouted``), or ``None``
-    when they do not share a database: then commits and sends go their separate ways, and
-    the outbox repairs what a crash leaves between them."""
-    shares = getattr(transport, "shares_database_with", None)
-    if shares is None or not shares(storage):
+def shared_transaction(context: EndpointContext, journal: Journal | None, *,
+                       keep_bodies: bool, on_unrouted: Callable[[Envelope], None],
+                       ) -> SharedTransaction | None:
+    """The shared transaction of the context's storage and transport, or ``None`` when they
+    do not share a database: then commits and sends go their separate ways, and the outbox
+    repairs what a crash leaves between them."""
+    shares = getattr(context.transport, "shares_database_with", None)
+    if shares is None or not shares(context.storage):
         return None
-    return SharedTransaction(storage, transport, **parts)
+    return SharedTransaction(context, journal, keep_bodies=keep_bodies, on_unrouted=on_unrouted)

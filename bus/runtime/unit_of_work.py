@@ -32,16 +32,15 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
-from ..clock import Clock
 from ..context import MessageContext
 from ..envelope import Envelope
 from ..evolution import load_state, version_keyword
-from ..routing import Router
 from ..sending import Bus
-from ..storage.base import AggregateRecord, Storage
+from ..storage.base import AggregateRecord, AggregateStore
 from ..storage.errors import AlreadyProcessed, StorageUnavailable
 from ..transports.errors import TransportUnavailable
 from .dispatching import Dispatcher
+from .endpoint_context import EndpointContext
 
 log = logging.getLogger(__name__)
 
@@ -54,26 +53,22 @@ UNIT_OF_WORK = "unit-of-work"
 class UnitOfWork(Generic[StateT]):
     """One change of one aggregate outside handlers; use it as a context manager."""
 
-    def __init__(
-        self,
-        *,
-        endpoint: str,
-        router: Router,
-        storage: Storage,
-        dispatcher: Dispatcher,
-        aggregate_type: str,
-        aggregate_id: str,
-        state_type: type[StateT],
-        operation_id: str | None = None,
-        new_state: Callable[[], StateT] | None = None,
-        clock: Clock | None = None,
-    ) -> None:
+    #: The storage role a unit of work uses.
+    storage_roles = (AggregateStore,)
+
+    def __init__(self, context: EndpointContext, dispatcher: Dispatcher,
+                 state_type: type[StateT], aggregate: tuple[str, str], *,
+                 operation_id: str | None = None,
+                 new_state: Callable[[], StateT] | None = None) -> None:
+        """``aggregate`` is the aggregate's (storage type name, id)."""
+        aggregate_type, aggregate_id = aggregate
+        endpoint = context.name
         self.aggregate_id = aggregate_id
         self.operation_id = operation_id or str(uuid.uuid4())
         self._aggregate_type = aggregate_type
         self._state_type = state_type
         self._new_state = new_state or state_type
-        self._storage = storage
+        self._storage = context.role(AggregateStore)
         self._dispatcher = dispatcher
         self._context = MessageContext(
             message_id=self.operation_id, message_type=UNIT_OF_WORK, headers={},
@@ -81,9 +76,9 @@ class UnitOfWork(Generic[StateT]):
         )
         self._outgoing: list[Envelope] = []
         #: Records what is sent and published; dispatched after the commit.
-        self.bus = Bus(endpoint, router,
+        self.bus = Bus(endpoint, context.router,
                        dispatcher.pipeline.recorder(self._outgoing.append, self._context),
-                       self._context, clock=clock)
+                       self._context, clock=context.clock)
         self._loaded: AggregateRecord | None = None
         self._completed = False
         self.state: StateT

@@ -86,7 +86,7 @@ from ..runtime.endpoint import Endpoint
 from ..runtime.journal import entry_of
 from ..runtime.loading import built_by_loading, load_endpoint
 from ..sending import Bus
-from ..storage.base import JournalEntry
+from ..storage.base import AggregateStore, JournalEntry, JournalStore
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -399,9 +399,10 @@ _Stored = tuple[str, str, int | None, bool]
 
 def _stored_rows(endpoint: Endpoint, types: Iterable[str]) -> list[_Stored]:
     """Every stored aggregate and tombstone of ``types``, read on the driver."""
+    aggregates = endpoint.storage_as(AggregateStore)
     return [(record.aggregate_type, record.aggregate_id, _micros(record.updated_at),
              record.completed)
-            for name in types for record in endpoint.storage.records(name) if record.exists]
+            for name in types for record in aggregates.records(name) if record.exists]
 
 
 def _stored_frame(spark: SparkSession, rows: list[_Stored]) -> DataFrame:
@@ -455,7 +456,7 @@ class _Emitter:
 
     def __init__(self, endpoint: Endpoint, batch: int = JOURNAL_BATCH) -> None:
         self._transport = endpoint.transport
-        self._storage = endpoint.storage
+        self._storage = endpoint.storage_as(JournalStore)
         self._batch = batch
         self._bus = Bus(endpoint.name, endpoint.router, self._dispatch)
         self._sent: list[Envelope] = []

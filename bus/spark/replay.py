@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError
 from ..runtime.endpoint import Endpoint
 from ..runtime.loading import built_by_loading, load_endpoint
+from ..storage.base import AggregateStore
 from .rows import HEADERS_COLUMN, REQUIRED_COLUMNS, RowDelivery, row_delivery
 
 if TYPE_CHECKING:
@@ -367,7 +368,7 @@ def _process(endpoint: Endpoint, batch: list[RowDelivery], tally: _Tally) -> Non
 def _flush(endpoint: Endpoint) -> None:
     """Write what the endpoint batches (dispatch marks, audit records) before the task
     reports success."""
-    endpoint.storage.flush()
+    endpoint.storage_as(AggregateStore).flush()
     if endpoint.audit is not None:
         endpoint.audit.flush()
 

@@ -32,6 +32,7 @@ and see the deferred messages and timeouts that came due handled
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from .. import headers as h
+from ..clock import SystemClock
 from ..envelope import Envelope
 from ..evolution import version_keyword
 from ..handlers.base import AggregateHandler, Handler
@@ -51,13 +53,16 @@ from ..policies import ConflictPolicy
 from ..routing import Router
 from ..runtime.aio import closing_thread_loop
 from ..runtime.endpoint import Endpoint
+from ..runtime.endpoint_context import EndpointContext
 from ..runtime.invocation import HandlerInvoker
+from ..runtime.recoverability.policy import Recoverability
 from ..signals import EndpointSignals
 from ..storage.base import AggregateRecord
 from ..storage.memory import MemoryStorage
 from .clock import FakeClock
 from .decoding import ByIntent, decoded
 from .scenario import FailedMessage, Outgoing, Scenario, ScenarioError
+from .transport import ScenarioTransport
 
 __all__ = [
     "FailedMessage",
@@ -125,14 +130,14 @@ def handle(
     signals = EndpointSignals(endpoint)
     not_found: list[Mapping[str, Any]] = []
     signals.not_found.connect(lambda sender, **details: not_found.append(details), weak=False)
-    invoker = HandlerInvoker(
-        endpoint=endpoint,
-        router=_TestRouter({**{t: endpoint for t in table.message_types
-                               if issubclass(t, Command)}, **(routes or {})}),
-        storage=storage,
+    router = _TestRouter({**{t: endpoint for t in table.message_types
+                             if issubclass(t, Command)}, **(routes or {})})
+    context = dataclasses.replace(
+        EndpointContext.standalone(endpoint, ScenarioTransport(SystemClock()), storage),
         signals=signals,
-        conflicts=ConflictPolicy(attempts=1),
-    )
+        router=router, table=table,
+        recoverability=Recoverability(conflicts=ConflictPolicy(attempts=1)))
+    invoker = HandlerInvoker(context)
     incoming = {h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: message_name(message),
                 h.REPLY_TO: "test-sender", **(headers or {})}
     call = HandlerCall(IncomingMessage(endpoint, endpoint, incoming, message),

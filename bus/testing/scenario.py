@@ -49,7 +49,7 @@ from ..runtime.endpoint import Endpoint
 from ..runtime.recoverability.breaker import BreakerPolicy
 from ..runtime.recoverability.policy import Recoverability
 from ..sending import Bus
-from ..storage.base import AggregateRecord
+from ..storage.base import AggregateRecord, AggregateStore
 from ..storage.memory import MemoryStorage
 from .clock import FakeClock
 from .decoding import ByIntent, decoded
@@ -402,7 +402,8 @@ class Scenario(ByIntent):
                 f"{len(names) or 'no'} endpoints of the scenario keep {state_type.__name__}"
                 f"{' (' + ', '.join(names) + '): name one with endpoint=' if names else ''}")
         name, handler_type = keepers[0]
-        return self._endpoints[name].storage.load(handler_type.storage_name(), aggregate_id)
+        storage = self._endpoints[name].storage_as(AggregateStore)
+        return storage.load(handler_type.storage_name(), aggregate_id)
 
     # -- bookkeeping ----------------------------------------------------------------------
 

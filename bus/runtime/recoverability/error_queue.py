@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ... import headers as h
 from ...envelope import Envelope, parse_utc
 from ...errors import ConfigurationError
+from ...storage.base import ParkingStore
 from ...transports.base import Delivery
 from .failure_headers import without_failure_headers
 from .parking import ParkedDelivery, parked_deliveries
@@ -189,7 +190,7 @@ def own(endpoint: Endpoint, deliveries: Iterable[Delivery], *,
     for delivery in deliveries:
         if all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name:
             yield delivery
-    yield from parked_deliveries(endpoint.storage, endpoint.name)
+    yield from parked_deliveries(endpoint.storage_as(ParkingStore), endpoint.name)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ import pytest
 from ... import headers as h
 from ...envelope import Envelope, utc_now
 from ...runtime.delayed import DelayedDeliveries
+from ...runtime.endpoint_context import EndpointContext
 from ...storage.base import DelayedStore, ParkingStore, StorageRole
 from ...transports.errors import TransportUnavailable
 from ...transports.kombu import KombuTransport
@@ -109,7 +110,7 @@ class Failing(KombuTransport):
 def a_poller(transport: Failing, storage: Any, *, max_attempts: int) -> DelayedDeliveries:
     """The delayed-message poller of the endpoint ``sales``, whose claims end at once (so
     that each round takes the failed message again)."""
-    return DelayedDeliveries(transport, storage, name="delays", owner="sales",
+    return DelayedDeliveries(EndpointContext.standalone("sales", transport, storage),
                              max_attempts=max_attempts, lease=0.0)
 
 

@@ -1,0 +1,99 @@
+"""Building an endpoint's collaborators from its context, in one place (:func:`assemble`).
+
+Who needs whom, in the order they are built:
+
+* the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
+* the shared transaction, when the queues are in the storage's database, commits, sends
+  and acknowledges in one transaction;
+* the :class:`~.invocation.HandlerInvoker` loads, runs a handler and commits;
+* :class:`~.recoverability.policy.Recovery` applies the retries and the circuit breaker;
+* the :class:`~.processing.MessageProcessor` takes a delivery through all of them;
+* the :class:`~idembus.sending.Bus` sends from outside handlers;
+* the background threads: the :class:`~.delayed.DelayedDeliveries` poller (transports
+  without native delay), the :class:`~.outbox.OutboxRelay`, the
+  :class:`~.scheduler.Scheduler` (with schedules) and the :class:`~.status.StatusReporter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..envelope import Envelope
+from ..policies import OutboxPolicy
+from ..schedules import SchedulerPolicy
+from ..sending import Bus
+from ..storage.base import JournalStore, StatusStore
+from .delayed import DelayedDeliveries
+from .dispatching import Dispatcher
+from .endpoint_context import EndpointContext
+from .invocation import HandlerInvoker
+from .journal import JournalPolicy, journal_for
+from .outbox import OutboxRelay
+from .processing import MessageProcessor
+from .recoverability.policy import Recovery
+from .scheduler import Scheduler
+from .shared_transaction import SharedTransaction, shared_transaction
+from .status import StatusReporter
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What an endpoint's options say about its collaborators, beyond the context."""
+
+    outbox: OutboxPolicy
+    journal: JournalPolicy
+    scheduling: SchedulerPolicy
+    delayed_poll_interval: float = 0.5
+    status_interval: float = 5.0
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """An endpoint's collaborators, built by :func:`assemble`."""
+
+    dispatcher: Dispatcher
+    shared_transaction: SharedTransaction | None
+    recovery: Recovery
+    processor: MessageProcessor
+    bus: Bus
+    delayed: DelayedDeliveries | None
+    outbox: OutboxRelay
+    scheduler: Scheduler | None
+    #: ``None`` when the endpoint makes no status reports (``status_interval=0``).
+    status: StatusReporter | None
+
+
+def assemble(context: EndpointContext, settings: Settings, *,
+             on_unrouted: Callable[[Envelope], None],
+             counters: Callable[[], Mapping[str, int]]) -> Assembly:
+    """Build the collaborators of the endpoint of ``context``: ``on_unrouted`` is called
+    with each event no queue took, ``counters`` gives what the status reports carry."""
+    policy = settings.outbox
+    events = settings.journal.events
+    journal = (None if events is False or events is None
+               else journal_for(context.role(JournalStore), events))
+    keep_bodies = not policy.compact_after_dispatch
+    dispatcher = Dispatcher(context, journal, keep_bodies=keep_bodies, on_unrouted=on_unrouted)
+    shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
+                                on_unrouted=on_unrouted)
+    invoker = HandlerInvoker(context, defer_fresh_redispatch=policy.defer_fresh_redispatch,
+                             shared=shared)
+    recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
+                        health=context.health)
+    outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
+                         journal_retention=settings.journal.retention if journal else None)
+    processor = MessageProcessor(context, invoker, dispatcher, recovery,
+                                 left_to_outbox=lambda: outbox.wake_in(policy.grace))
+    bus = Bus(context.name, context.router,
+              context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock)
+    delayed = None if context.transport.native_delay else DelayedDeliveries(
+        context, interval=settings.delayed_poll_interval)
+    scheduler = (Scheduler(context, settings.scheduling, dispatcher)
+                 if settings.scheduling.schedules else None)
+    status = StatusReporter(context.role(StatusStore), context.name, counters,
+                            interval=settings.status_interval,
+                            problems=context.health.problems) if settings.status_interval else None
+    return Assembly(dispatcher=dispatcher, shared_transaction=shared, recovery=recovery,
+                    processor=processor, bus=bus, delayed=delayed, outbox=outbox,
+                    scheduler=scheduler, status=status)
