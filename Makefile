@@ -72,8 +72,9 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m bench.database_queues
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
-# reduced one; make soak ends with this): worker processes killed every ~2 s, RabbitMQ restarted once. With the queues
-# in PostgreSQL (PostgreSQL restarted once with pg_ctlcluster instead):
+# reduced one; make soak ends with this one): worker processes killed every ~2 s, RabbitMQ
+# restarted once. With the queues in PostgreSQL (PostgreSQL restarted once with
+# pg_ctlcluster instead):
 #   make torture TORTURE_ARGS="--transport postgresql://postgres@127.0.0.1:5432/test"
 torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
