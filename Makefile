@@ -1,12 +1,26 @@
-# The two commands of README's quick start, plus lint and bench.
+# The two commands of README's quick start, the three tiers of tests, lint and bench.
 #   make demo   virtualenv + only what the demo needs, then the ordering sample end to end
-#   make test   virtualenv + everything and the test extras, then the whole suite
+#   make check  no services at all: the unit, property and contract tests on memory:// and
+#               mongomock (deselects the tests marked amqp, redis, postgres, mongodb,
+#               torture, spark or slow), in CHECK_WORKERS processes (pytest-xdist; most
+#               of its time is waiting, not computing); under a minute and a half on 2 cores
+#   make test   what CI runs (.ci/run): every test but the soaks, on RabbitMQ, PostgreSQL
+#               and Redis, the reduced torture test and Spark included; under 20 minutes
+#   make soak   the soaks (tests marked slow), then the full-size torture run
+# Every test has a time limit (setup.cfg: timeout, @pytest.mark.timeout for the long ones):
+# a hang fails its test with every thread's stack instead of stalling the run.
+# PYTEST_ARGS adds options to all three, e.g. make check PYTEST_ARGS="-x -k outbox".
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo test lint bench torture screenshots clean
+.PHONY: demo check test soak lint bench torture screenshots clean
+
+#: The tests that need no service, no Spark session and no soak (make check).
+CHECK_MARKS := not amqp and not redis and not postgres and not mongodb and not torture \
+	and not spark and not slow
+CHECK_WORKERS ?= 4
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -32,8 +46,15 @@ $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
 demo: $(VENV)/.demo
 	$(BIN)/python -m samples.ordering
 
+check: $(VENV)/.test
+	$(BIN)/python -m pytest -m "$(CHECK_MARKS)" -n $(CHECK_WORKERS) $(PYTEST_ARGS)
+
 test: $(VENV)/.test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+soak: $(VENV)/.test
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
 
 # mypy checks the package as it installs (the folders map onto the idembus namespace, which
 # an editable install provides through an import hook mypy does not run).
@@ -51,8 +72,9 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m bench.database_queues
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
-# reduced one): worker processes killed every ~2 s, RabbitMQ restarted once. With the queues
-# in PostgreSQL (PostgreSQL restarted once with pg_ctlcluster instead):
+# reduced one; make soak ends with this one): worker processes killed every ~2 s, RabbitMQ
+# restarted once. With the queues in PostgreSQL (PostgreSQL restarted once with
+# pg_ctlcluster instead):
 #   make torture TORTURE_ARGS="--transport postgresql://postgres@127.0.0.1:5432/test"
 torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)

@@ -1,7 +1,10 @@
 """Shared fixtures: brokers, unique names, endpoints that clean up after themselves.
 
 Real services are used where a test names them. Locally an unreachable service skips its
-tests with the reason; under ``CI=true`` it fails them.
+tests with the reason; under ``CI=true`` it fails them. A test that reaches a service is
+marked with it (``amqp``, ``redis``, ``postgres``, ``mongodb``): ``make check`` deselects
+those marks and runs without services, so :func:`require_service` fails a test that asks
+for a service its marks do not name.
 """
 
 from __future__ import annotations
@@ -32,10 +35,52 @@ MONGODB_URL = os.environ.get("IDEMBUS_MONGODB_URL")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 _DEFAULT_PORTS = {"amqp": 5672, "redis": 6379, "mongodb": 27017, "postgresql": 5432}
+#: The mark a test that reaches a service carries, by the scheme of the service's URL.
+_SERVICE_MARKS = {"amqp": "amqp", "amqps": "amqp", "redis": "redis", "rediss": "redis",
+                  "postgresql": "postgres", "postgres": "postgres", "mongodb": "mongodb"}
+#: The test being run (one at a time): require_service reads its marks.
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Remember the test being run (its setup, call and teardown), for require_marked."""
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.remove(item)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``spark`` the tests that use the Spark session (a JVM: seconds to start, then a
+    core busy), so that ``make check`` leaves them to ``make test``; and give them 300 s
+    (the first to run starts the session: half a minute on a busy machine)."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.spark)
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(300))
+
+
+def require_marked(url: str, what: str) -> None:
+    """Fail the running test unless it is marked with the service behind ``url``: an
+    unmarked test would be run by ``make check``, which has no services."""
+    mark = _SERVICE_MARKS.get(urlparse(url).scheme)
+    if not _running or mark is None:
+        return
+    test = _running[-1]
+    if test.get_closest_marker(mark) is None:
+        pytest.fail(f"{test.nodeid} uses {what} but is not marked {mark!r}: add "
+                    f"@pytest.mark.{mark} (make check runs without services and deselects "
+                    f"the tests that need them by these marks)", pytrace=False)
 
 
 def require_service(url: str, what: str) -> None:
-    """Skip (locally) or fail (under CI=true) unless something listens at ``url``."""
+    """Skip (locally) or fail (under CI=true) unless something listens at ``url``; fail at
+    once if the running test is not marked with that service."""
+    require_marked(url, what)
     parsed = urlparse(url)
     host = parsed.hostname or "127.0.0.1"
     port = parsed.port or _DEFAULT_PORTS.get(parsed.scheme, 0)

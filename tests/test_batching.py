@@ -80,10 +80,18 @@ def test_a_failed_write_drops_its_batch_is_logged_and_later_batches_go_through(c
     batcher.close()
 
 
-def test_flush_and_close_without_items_return_at_once():
-    batcher: Batcher[int] = Batcher(Sink().write, name="m")
-    batcher.flush()
-    batcher.close()
+def test_flush_and_close_without_items_succeed_at_once_and_write_nothing():
+    # Given a batcher that was never given an item (and would wait an hour to write)
+    sink = Sink()
+    batcher: Batcher[int] = Batcher(sink.write, name="idle-batcher", interval=3600)
+
+    # Then flushing it is done at once (not "timed out" after waiting for the interval),
+    # starts no writer thread, and closing it is done at once too; nothing is written, not
+    # even an empty batch
+    assert batcher.flush(timeout=5) is True
+    assert "idle-batcher" not in {thread.name for thread in threading.enumerate()}
+    assert batcher.close(timeout=5) is True
+    assert sink.batches == []
 
 
 def test_flush_does_not_wait_for_the_interval():

@@ -48,6 +48,7 @@ def start_gateway(directory: pathlib.Path, *arguments: str,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.postgres
 def test_the_gateway_command_streams_the_journal_of_another_process_and_stops_on_sigterm(
     app: tuple[pathlib.Path, str],
 ) -> None:
@@ -95,6 +96,7 @@ def test_the_gateway_command_streams_the_journal_of_another_process_and_stops_on
         publisher.close()
 
 
+@pytest.mark.postgres
 def test_a_bad_listen_address_fails_at_start_with_what_to_fix(
     app: tuple[pathlib.Path, str],
 ) -> None:

@@ -42,7 +42,9 @@ from tests.dashboard_app import PayOrder, PlaceOrder, endpoint
 from tests.support import SignalCounter
 from tests.test_status import wait_until
 
-pytestmark = [pytest.mark.amqp, pytest.mark.postgres]
+#: A soak (make soak): Chromium walks the pages for a minute or more, and a test waits for
+#: the module's app and browser to start.
+pytestmark = [pytest.mark.amqp, pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

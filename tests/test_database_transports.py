@@ -181,6 +181,7 @@ def test_a_claim_nobody_renews_comes_back_after_the_visibility_timeout(
     assert again.headers[h.MESSAGE_ID] == sent.message_id and again.redelivered
 
 
+@pytest.mark.postgres
 def test_a_consumer_killed_with_sigkill_loses_nothing(
     postgres_url: str, unique: str,
 ) -> None:
@@ -413,6 +414,7 @@ def test_endpoint_urls_choose_the_transport_and_hide_the_password() -> None:
             endpoint.close()
 
 
+@pytest.mark.postgres
 def test_a_refused_login_fails_the_start_in_one_line_without_the_password(
     postgres_url: str,
 ) -> None:
@@ -427,6 +429,7 @@ def test_a_refused_login_fails_the_start_in_one_line_without_the_password(
     assert "nobody_here" in str(refused.value)
 
 
+@pytest.mark.postgres
 def test_an_unreachable_database_is_an_outage_a_consumer_waits_out(
     postgres_url: str, unique: str,
 ) -> None:
@@ -481,6 +484,7 @@ def test_what_the_database_refuses_of_one_message_is_that_messages_own_failure(
     assert transport.pending(queue) == 0
 
 
+@pytest.mark.postgres
 def test_missing_tables_while_running_block_the_endpoint_not_one_message(
     postgres_url: str, unique: str,
 ) -> None:
@@ -498,6 +502,7 @@ def test_missing_tables_while_running_block_the_endpoint_not_one_message(
         transport.close()
 
 
+@pytest.mark.postgres
 def test_idembus_migrate_creates_the_transport_tables(
     postgres_url: str, unique: str, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

@@ -96,6 +96,7 @@ def test_an_auth_file_that_cannot_be_read_is_refused(tmp_path: pathlib.Path) -> 
     assert "--auth-file" in said and "cannot read it (No such file or directory)" in said
 
 
+@pytest.mark.postgres
 def test_credentials_from_a_file_guard_the_stream_and_the_status_not_the_health_check(
     tmp_path: pathlib.Path,
 ) -> None:

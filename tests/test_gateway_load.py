@@ -24,6 +24,7 @@ PER_CONNECTION_KIB = 64
 STREAMING_MIB = 60
 
 
+@pytest.mark.postgres
 def test_a_gateway_holds_idle_connections_and_streams_every_event_to_every_client(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -247,6 +247,7 @@ def assert_sent_as_clean(sent: list[DepositMessage], clean: RunResult,
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "keep-bodies"])
 @pytest.mark.parametrize("make_storage", STORAGES)
+@pytest.mark.timeout(300)  # 60 examples on PostgreSQL: 40 s when the machine is busy
 @settings(max_examples=60, deadline=None)
 @given(sent=messages(), data=st.data())
 def test_any_interleaving_of_duplicates_and_crashes_ends_as_one_clean_run(
@@ -403,6 +404,7 @@ def run_on_queues(sent: list[DepositMessage], order: list[int], *, pair: QueuesA
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "keep-bodies"])
 @pytest.mark.parametrize("pair", QUEUE_PAIRS)
+@pytest.mark.timeout(300)  # 20 examples on PostgreSQL: 40 s when the machine is busy
 @settings(max_examples=20, deadline=None)
 @given(sent=messages(), data=st.data())
 def test_on_a_database_transport_any_interleaving_ends_as_one_clean_run(

@@ -182,6 +182,7 @@ def redis_with_password(tmp_path: pathlib.Path) -> Iterator[str]:
         process.wait(timeout=10)
 
 
+@pytest.mark.redis  # a Redis server of its own, from the redis-server that Redis installs
 @pytest.mark.parametrize("raw", [False, True], ids=["percent-encoded", "raw"])
 def test_a_redis_password_the_server_refuses_is_never_shown(
     tmp_path: pathlib.Path, redis_with_password: str, raw: bool,

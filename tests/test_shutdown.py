@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -32,9 +33,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHUTDOWN_TIMEOUT = 5.0
 #: How long after the signals every run must have ended.
 ALLOWED = SHUTDOWN_TIMEOUT + 5.0
-SINGLE_RUNS = 30
-SUPERVISOR_RUNS = 10
-COMMAND_RUNS = 15
+#: Each storm runs twice: reduced in make test, full-size in make soak (marked slow).
+SOAK = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def storm_sizes(*, reduced: int, full: int) -> list[Any]:
+    """The numbers of runs of a storm, as the parameter ``runs``."""
+    return [pytest.param(reduced, id="reduced"), pytest.param(full, id="full", marks=SOAK)]
+
+
 #: What a handler of a message in flight takes (well within the shutdown timeout).
 HANDLER_SECONDS = "0.5"
 
@@ -175,19 +182,20 @@ def _assert_all_ended_cleanly(outcomes: list[Outcome]) -> None:
     assert not abandoned, f"messages in flight abandoned in runs {abandoned}"
 
 
+@pytest.mark.parametrize("runs", storm_sizes(reduced=6, full=30))
 def test_idembus_run_signalled_twice_at_once_always_ends_in_time(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, runs: int,
 ) -> None:
-    # Given 30 runs of one endpoint: 10 signalled while starting, 20 once consuming, half
-    # of these with a message in flight
+    # Given runs of one endpoint (30 in the soak): a third signalled while starting, the
+    # others once consuming, half of these with a message in flight
     def signalled(directory: pathlib.Path, run: int) -> Outcome:
-        starting = run < 10
+        starting = run < runs // 3
         return _signalled_run(directory, run, ["run", "embedded_app:make"],
                               "endpoint shutdown-test started", starting=starting,
                               in_flight=not starting and run % 2 == 1)
 
     # When each gets SIGINT and SIGTERM at once
-    outcomes = _signal_many(tmp_path, SINGLE_RUNS, signalled)
+    outcomes = _signal_many(tmp_path, runs, signalled)
 
     # Then each ended in time, cleanly, its message finished
     _assert_all_ended_cleanly(outcomes)
@@ -195,18 +203,19 @@ def test_idembus_run_signalled_twice_at_once_always_ends_in_time(
 
 @pytest.mark.amqp
 @pytest.mark.postgres
+@pytest.mark.parametrize("runs", storm_sizes(reduced=3, full=15))
 def test_idembus_gateway_signalled_twice_at_once_always_ends_in_time(
-    tmp_path: pathlib.Path, unique: str,
+    tmp_path: pathlib.Path, unique: str, runs: int,
 ) -> None:
-    # Given 15 gateways on PostgreSQL (a gateway refuses a process-local storage): 5
-    # signalled while starting, 5 while serving, 5 that also consume from RabbitMQ with a
-    # message in flight
+    # Given gateways on PostgreSQL (a gateway refuses a process-local storage; 15 in the
+    # soak): a third signalled while starting, a third while serving, a third that also
+    # consume from RabbitMQ with a message in flight
     require_service(POSTGRES_URL, "PostgreSQL")
     require_service(AMQP_URL, "RabbitMQ")
-    names = [f"shutdown-gw-{unique}-{run}" for run in range(COMMAND_RUNS)]
+    names = [f"shutdown-gw-{unique}-{run}" for run in range(runs)]
 
     def signalled(directory: pathlib.Path, run: int) -> Outcome:
-        starting = run < 5
+        starting = run < runs // 3
         consume = not starting and run % 2 == 1
         return _signalled_run(
             directory, run, ["gateway", "embedded_app:make", "--listen", "127.0.0.1:0",
@@ -218,7 +227,7 @@ def test_idembus_gateway_signalled_twice_at_once_always_ends_in_time(
 
     # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly
     try:
-        _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+        _assert_all_ended_cleanly(_signal_many(tmp_path, runs, signalled))
     finally:
         _drop(names)
 
@@ -241,17 +250,19 @@ def _drop(names: list[str]) -> None:
         transport.close()
 
 
+@pytest.mark.parametrize("runs", storm_sizes(reduced=3, full=15))
 def test_idembus_outbox_signalled_twice_at_once_always_ends_in_time(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, runs: int,
 ) -> None:
-    # Given 15 dispatchers running alone: 5 signalled while starting, 10 once running
+    # Given dispatchers running alone (15 in the soak): a third signalled while starting,
+    # the others once running
     def signalled(directory: pathlib.Path, run: int) -> Outcome:
         return _signalled_run(directory, run, ["outbox", "embedded_app:make"],
                               "outbox relay of shutdown-test running alone",
-                              starting=run < 5)
+                              starting=run < runs // 3)
 
     # When each gets SIGINT and SIGTERM at once, Then each ended in time and cleanly
-    _assert_all_ended_cleanly(_signal_many(tmp_path, COMMAND_RUNS, signalled))
+    _assert_all_ended_cleanly(_signal_many(tmp_path, runs, signalled))
 
 
 def _start_supervisor(app: App, busy: bool) -> Running:  # noqa: F811
@@ -271,9 +282,12 @@ def _start_supervisor(app: App, busy: bool) -> Running:  # noqa: F811
 
 @pytest.mark.amqp
 @pytest.mark.postgres
-def test_a_supervisor_signalled_twice_at_once_always_ends_in_time(app: App) -> None:  # noqa: F811
+@pytest.mark.parametrize("runs", storm_sizes(reduced=4, full=10))
+def test_a_supervisor_signalled_twice_at_once_always_ends_in_time(
+    app: App, runs: int,  # noqa: F811
+) -> None:
     statuses = []
-    for run in range(SUPERVISOR_RUNS):
+    for run in range(runs):
         # Given a supervisor of two workers, in half the runs with a deposit in progress
         busy = run % 2 == 1
         supervisor = _start_supervisor(app, busy)
@@ -295,8 +309,8 @@ def test_a_supervisor_signalled_twice_at_once_always_ends_in_time(app: App) -> N
         supervisor.err.join()
         app.running.remove(supervisor)
 
-    assert statuses == [0] * SUPERVISOR_RUNS
+    assert statuses == [0] * runs
     # And the deposits in progress were finished, not abandoned
     expected = {f"run-{run}": {"balance": run, "deposits": 1}
-                for run in range(SUPERVISOR_RUNS) if run % 2 == 1}
+                for run in range(runs) if run % 2 == 1}
     assert app.accounts() == expected

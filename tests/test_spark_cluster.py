@@ -20,7 +20,7 @@ handler, in a commit, after a send before its mark). Killing only the Python wor
 be an ordinary task failure, retried on the same executor with its shuffle files intact,
 the kind the local-mode tests of ``tests/test_spark_replay.py`` already cover.
 
-Size: ``make test`` replays 2,000 messages (100 aggregates x 20 steps) and kills when 400
+Size: ``make soak`` replays 2,000 messages (100 aggregates x 20 steps) and kills when 400
 are applied; ``IDEMBUS_SPARK_CLUSTER_MESSAGES=10000`` runs the issue's 10,000.
 """
 
@@ -91,6 +91,8 @@ def replaying(unique: str) -> Iterator[Replaying]:
 
 @pytest.mark.postgres
 @pytest.mark.amqp
+@pytest.mark.slow  # a soak (make soak): a cluster of three JVMs, two minutes on 2 cores
+@pytest.mark.timeout(900)
 def test_a_replay_on_a_cluster_applies_each_message_once_though_an_executor_is_killed_mid_job(
         cluster: StandaloneCluster, replaying: Replaying, tmp_path: Path, unique: str) -> None:
     # Given MESSAGES steps of 100 aggregates in a JSON lines file, shuffled, an endpoint

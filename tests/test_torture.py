@@ -23,7 +23,8 @@ from samples.torture.postgres import PgCtlcluster
 from samples.torture.rabbitmq import Rabbitmqctl
 from tests.conftest import AMQP_URL, IN_CI, POSTGRES_URL, require_service
 
-pytestmark = [pytest.mark.postgres, pytest.mark.torture]
+#: A run may take its 240 s and 120 s more to unwind (run_torture) before it fails.
+pytestmark = [pytest.mark.postgres, pytest.mark.torture, pytest.mark.timeout(480)]
 #: The database of the run on the PostgreSQL transport, whose cluster it restarts.
 TORTURE_POSTGRES_URL = os.environ.get("IDEMBUS_TORTURE_POSTGRES_URL", POSTGRES_URL)
 ROOT = pathlib.Path(__file__).resolve().parent.parent

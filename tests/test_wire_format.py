@@ -109,6 +109,7 @@ def events_exchange(unique: str) -> str:
     return f"test-events-{unique}"
 
 
+@pytest.mark.amqp
 def test_a_command_from_a_foreign_amqp_client_is_processed_and_deduplicated_like_ours(
     amqp_endpoint: Callable[..., Endpoint],
 ) -> None:
@@ -160,6 +161,7 @@ def test_a_command_from_a_foreign_amqp_client_is_processed_and_deduplicated_like
     assert accounts.counters["dead_lettered"] == 0
 
 
+@pytest.mark.amqp
 def test_an_event_from_a_foreign_amqp_client_reaches_subscribers_and_is_deduplicated(
     amqp_endpoint: Callable[..., Endpoint], unique: str,
 ) -> None:
