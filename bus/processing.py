@@ -160,6 +160,12 @@ class MessageProcessor:
         except MessageError as error:
             self._dead_letter(delivery, incoming, error, attempts=0)
             return 0.0
+        except Exception as error:
+            # Whatever else decoding raised (a header no check foresaw, a model validator
+            # raising something pydantic does not wrap) is still the message's own fault:
+            # to the error queue at once, never retried nor weighed by the circuit breaker.
+            self._dead_letter(delivery, incoming, undecodable(error), attempts=0)
+            return 0.0
         incoming.message = message
         expired = expires is not None and self._clock.now() > expires
         discarded = False
@@ -420,6 +426,14 @@ class MessageProcessor:
                     extra={"endpoint": self._endpoint,
                            "message_id": delivery.headers.get(h.MESSAGE_ID),
                            "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
+
+
+def undecodable(error: Exception) -> MalformedMessage:
+    """The malformed-message failure of a delivery whose decoding raised ``error``."""
+    malformed = MalformedMessage(
+        f"the message could not be decoded: {type(error).__name__}: {error}")
+    malformed.__cause__ = error
+    return malformed
 
 
 def _header_count(delivery: Delivery, name: str) -> int:
