@@ -17,7 +17,10 @@
   exception's traceback, in any thread) through that same redacting handler.
 
 Records carry ``endpoint``, ``message_id``, ``message_type`` and ``handler`` where they
-concern one message (``extra=``); the JSON lines show them as fields.
+concern one message (``extra=``); the JSON lines show them as fields. What came from a
+message's sender (its id, its type name, a header) is written escaped and bounded
+(:func:`~idembus.loggable.loggable`): no line break of a sender's making starts a line of
+its own, and no 70 KB type name fills the log.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import time
 from types import TracebackType
 from typing import Any
 
+from .loggable import loggable
 from .redaction import RedactingFormatter, redact
 from .signals import EndpointSignals
 
@@ -67,10 +71,11 @@ class MessageLog:
                 self._started.at = time.monotonic()
             started = getattr(self._started, "at", None)
             elapsed = (time.monotonic() - started) * 1000 if started is not None else 0.0
-            fields = {"endpoint": endpoint, **{key: details.get(key) for key in FIELDS[1:]}}
+            fields = {"endpoint": endpoint, **{key: _field(details.get(key))
+                                               for key in FIELDS[1:]}}
             by = f" by {details['handler']}" if details.get("handler") else ""
             MESSAGES.debug("%s %s %s %s%s (%.1f ms)", endpoint, event,
-                           details.get("message_type") or "-", details.get("message_id") or "-",
+                           fields["message_type"] or "-", fields["message_id"] or "-",
                            by, elapsed, extra=fields)
         return receive
 
@@ -115,10 +120,16 @@ class JsonFormatter(RedactingFormatter):
         for key in FIELDS:
             value = getattr(record, key, None)
             if value is not None:
-                entry[key] = redact(str(value))
+                entry[key] = redact(loggable(value))
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
+
+
+def _field(value: object) -> str | None:
+    """A message's id or type (from its sender) as a log record's field: escaped and
+    bounded (:func:`~idembus.loggable.loggable`)."""
+    return None if value is None else loggable(value)
 
 
 def configure(level: str, form: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .breaker import BreakerPolicy, CircuitBreaker
 from .errors import BusError, EndpointBlocked, MessageRefused
 from .health import Health
+from .loggable import loggable
 from .logs import Throttle
 from .policies import Backoff, ConflictPolicy, RetryPolicy
 from .redaction import redact
@@ -73,6 +74,7 @@ class Recovery:
     def _note(self, outage: BusError, who: str, message_id: str, delay: float) -> None:
         """At ERROR, and in ``idembus status``, when only an operator can end the wait (a
         refused login, missing tables); otherwise a throttled warning."""
+        message_id = loggable(message_id)
         fields = {"endpoint": self.endpoint, "message_id": message_id, "handler": who}
         if isinstance(outage, EndpointBlocked):
             source = "storage" if isinstance(outage, StorageUnavailable) else "transport"

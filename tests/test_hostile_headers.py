@@ -13,6 +13,7 @@ blocking the test.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.breaker import BreakerPolicy
 from idembus.envelope import Envelope
+from idembus.logs import TEXT_FORMAT, JsonFormatter
 from idembus.metrics import Metrics
 from idembus.pipeline import IncomingMessage, Middleware
 from idembus.policies import Backoff
 from idembus.recovery import Recoverability
+from idembus.redaction import RedactingFormatter
 from idembus.storage.memory import MemoryStorage
 from idembus.tracing import Tracing
 from idembus.transports.base import Transport
@@ -251,3 +254,48 @@ def test_any_value_in_any_idembus_header_is_handled_or_dead_lettered_never_retri
     before = counts(harness)
     delivery = harness.deliver({**valid_headers(), **hostile})
     assert_handled_or_dead_lettered_at_once(harness, delivery, before)
+
+
+# -- what the log says about such messages --------------------------------------------------
+
+FORGED = "FORGED 2026-11-28 CRITICAL idembus: all accounts emptied"
+
+
+def formatted_lines(records: list[logging.LogRecord]) -> list[str]:
+    """Every record as ``idembus run`` writes it (text, then JSON), traceback included."""
+    text, json_lines = RedactingFormatter(TEXT_FORMAT), JsonFormatter()
+    return [formatter.format(record) for record in records
+            for formatter in (text, json_lines)]
+
+
+@pytest.mark.parametrize("headers", [
+    {h.MESSAGE_ID: f"m-1\n{FORGED}"},
+    {h.MESSAGE_ID: f"m-1\r\n{FORGED}", h.MESSAGE_TYPE: f"test.Deposit\n{FORGED}"},
+    {h.MESSAGE_TYPE: f"test.Nope\n{FORGED}"},
+    {h.MESSAGE_VERSION: f"2\n{FORGED}"},
+    {h.DISCARD_AFTER: f"soon\n{FORGED}"},
+], ids=["refused id", "id and type", "unknown type", "version", "discard_after"])
+def test_no_line_break_of_a_senders_making_starts_a_log_line(
+        harness: Harness, caplog: pytest.LogCaptureFixture, headers: dict[str, str]) -> None:
+    # Issue 24, finding 9. Before: "moved m-1\nFORGED ... from accounts to accounts-error"
+    # put the sender's line in the log as a line of its own.
+    caplog.set_level(logging.DEBUG, logger="idembus")
+    harness.deliver({**valid_headers(), **headers})
+    assert caplog.records
+    for line in formatted_lines(caplog.records):
+        assert not any(part.startswith(("FORGED", "\rFORGED")) for part in line.splitlines()), line
+
+
+def test_a_huge_type_name_is_logged_cut_with_its_length(
+        harness: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 24, finding 9. Before: the 70 KB name was written whole, in the "moved" line
+    # and again in the reason of its traceback.
+    caplog.set_level(logging.DEBUG, logger="idembus")
+    name = "x" * 70_000
+    harness.deliver({**valid_headers(), h.MESSAGE_TYPE: name})
+    assert caplog.records
+    lines = formatted_lines(caplog.records)
+    assert all(len(line) < 12_000 for line in lines), max(map(len, lines))
+    assert any("(70000 characters)" in line for line in lines)
+    copy = harness.transport.dead_letters[-1]
+    assert copy.headers[h.MESSAGE_TYPE] == name  # the copy keeps the message as it came
