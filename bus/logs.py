@@ -34,7 +34,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-from .loggable import loggable
+from .loggable import LIMIT, loggable
 from .redaction import RedactingFormatter, redact
 from .signals import EndpointSignals
 
@@ -120,10 +120,16 @@ class JsonFormatter(RedactingFormatter):
         for key in FIELDS:
             value = getattr(record, key, None)
             if value is not None:
-                entry[key] = redact(loggable(value))
+                entry[key] = redact(_bounded(str(value)))
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
+
+
+def _bounded(text: str) -> str:
+    """A field of a JSON line: JSON escapes line breaks itself, so only its length is
+    bounded (a value escaped by :func:`~idembus.loggable.loggable` already stays whole)."""
+    return text if len(text) <= 2 * LIMIT else loggable(text)
 
 
 def _field(value: object) -> str | None:
