@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from .errors import ConfigurationError
 from .messages import Event, Message, enclosed_types, message_name, message_version
+from .wire import parse_version
 
 #: What a wire name's dots are written as inside a routing key word (no wire name has it).
 _DOT = "~"
@@ -52,8 +53,8 @@ def parse_enclosed(value: str | None) -> list[tuple[str, int]]:
             continue
         if not version:
             pairs.append((name, 1))
-        elif version.isdigit() and int(version) >= 1:
-            pairs.append((name, int(version)))
+        elif (number := parse_version(version)) is not None:
+            pairs.append((name, number))
     return pairs
 
 

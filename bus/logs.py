@@ -18,7 +18,10 @@
   exception's traceback, in any thread) through that same redacting handler.
 
 Records carry ``endpoint``, ``message_id``, ``message_type`` and ``handler`` where they
-concern one message (``extra=``); the JSON lines show them as fields.
+concern one message (``extra=``); the JSON lines show them as fields. What came from a
+message's sender (its id, its type name, a header) is written escaped and bounded
+(:func:`~idembus.loggable.loggable`): no line break of a sender's making starts a line of
+its own, and no 70 KB type name fills the log.
 """
 
 from __future__ import annotations
@@ -68,10 +71,11 @@ class MessageLog:
                 self._started.at = time.monotonic()
             started = getattr(self._started, "at", None)
             elapsed = (time.monotonic() - started) * 1000 if started is not None else 0.0
-            fields = {"endpoint": endpoint, **{key: details.get(key) for key in FIELDS[1:]}}
+            fields = {"endpoint": endpoint, **{key: _field(details.get(key))
+                                               for key in FIELDS[1:]}}
             by = f" by {details['handler']}" if details.get("handler") else ""
             MESSAGES.debug("%s %s %s %s%s (%.1f ms)", endpoint, event,
-                           details.get("message_type") or "-", details.get("message_id") or "-",
+                           fields["message_type"] or "-", fields["message_id"] or "-",
                            by, elapsed, extra=fields)
         return receive
 
@@ -116,10 +120,22 @@ class JsonFormatter(RedactingFormatter):
         for key in FIELDS:
             value = getattr(record, key, None)
             if value is not None:
-                entry[key] = redact(str(value))
+                entry[key] = redact(_bounded(str(value)))
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
+
+
+def _bounded(text: str) -> str:
+    """A field of a JSON line: JSON escapes line breaks itself, so only its length is
+    bounded (a value escaped by :func:`~idembus.loggable.loggable` already stays whole)."""
+    return text if len(text) <= 2 * LIMIT else loggable(text)
+
+
+def _field(value: object) -> str | None:
+    """A message's id or type (from its sender) as a log record's field: escaped and
+    bounded (:func:`~idembus.loggable.loggable`)."""
+    return None if value is None else loggable(value)
 
 
 def configure(level: str, form: str) -> None:
@@ -169,3 +185,25 @@ def _unraisable(unraisable: Any) -> None:
     UNCAUGHT.warning("%s: %s", said, redact(where),
                      exc_info=(unraisable.exc_type, error, unraisable.exc_traceback)
                      if error is not None else None)
+
+
+# -- values from the wire in a log line ------------------------------------------------
+
+#: Longest value from the wire a log line carries, in characters (a uuid has 36).
+LIMIT = 200
+_CUT = "…"
+
+
+def loggable(value: object, limit: int = LIMIT) -> str:
+    """``value`` as a log line may carry it: unchanged when it is printable text of at most
+    ``limit`` characters; otherwise quoted and escaped as ``repr`` does (line breaks,
+    control and format characters as ``\\n``, ``\\x1b``, ``\\u2028``), cut at ``limit``
+    characters with an ellipsis and its full length: ``'xxxx…' (70000 characters)``."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit and text.isprintable():
+        return text
+    shown = repr(text[:limit])
+    quote, inner = shown[0], shown[1:-1]
+    if len(text) <= limit and len(inner) <= limit:
+        return shown
+    return f"{quote}{inner[:limit]}{_CUT}{quote} ({len(text)} characters)"

@@ -7,7 +7,8 @@ drivers (kombu, redis, psycopg, pymongo) put in their messages:
 * URL userinfo — ``amqp://user:secret@host//``, ``redis://:secret@host:6379/0``,
   ``postgresql://user:secret@host/db``, ``mongodb://user:secret@h1,h2/db`` (raw or
   percent-encoded): everything between the first ``:`` of the userinfo and the last ``@``
-  before white space becomes ``***``;
+  of its line (before any further ``scheme://``) becomes ``***`` — a raw space in a
+  password does not end it;
 * URL query parameters — ``?user=app&password=secret&sslmode=require``: the value runs to
   the ``&`` that starts the next parameter;
 * libpq ``key=value`` pairs and environment assignments — ``password=secret``,
@@ -45,8 +46,11 @@ _KEY = rf"[\w.\-]{{0,40}}(?:{_KEY_WORDS})[\w.\-]{{0,40}}"
 #: White space as libpq sees it (ASCII ``isspace``): the only end of an unquoted value.
 _SPACE = r" \t\n\r\f\v"
 
-#: ``scheme://user:secret@`` — the secret runs to the last ``@`` before white space.
-_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,30}://[^\s/?#@:]*:)\S*@")
+#: ``scheme://user:secret@`` — the secret runs to the last ``@`` of its line before another
+#: ``scheme://`` (a raw space in a password, ``amqp://user:pa ss@host/``, does not end it),
+#: or, when there is none such, to the last ``@`` before white space.
+_USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,30}://[^\s/?#@:]*:)"
+                       r"(?:(?:(?!://)[^\n])*|\S*)@")
 #: ``?password=secret&...`` — in a URL query, ``&key=`` starts the next parameter.
 _QUERY_PAIR = re.compile(
     rf"(?<=[?&])(?P<head>{_KEY}=)(?:[^\s&]|&(?![^\s&=]*=))+", re.IGNORECASE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from .errors import ConfigurationError, UnknownMessageType
+from .logs import LIMIT, loggable
 from .messages import Message, is_message_type, message_aliases, message_name
 
 
@@ -47,7 +48,7 @@ class MessageRegistry:
             return self._by_name[name]
         except KeyError:
             raise UnknownMessageType(
-                f"unknown message type {name!r}; this endpoint knows "
+                f"unknown message type {_quoted(name)}; this endpoint knows "
                 f"{', '.join(sorted(self._by_name)) or 'no types'}"
             ) from None
 
@@ -65,3 +66,8 @@ def _qualified(cls: type) -> str:
 
 def _role(cls: type[Message], name: str) -> str:
     return "its name" if message_name(cls) == name else "an alias"
+
+
+def _quoted(name: str) -> str:
+    """A wire name in a reason: quoted and escaped, and bounded (it came from a sender)."""
+    return repr(name) if len(name) <= LIMIT else loggable(name)

@@ -39,6 +39,10 @@ _DROPPED_SHOWN = 1000
 _PREFIX = "idembus."
 #: What a message id may not hold: ASCII control characters and DEL.
 _CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f]")
+#: A message version as idembus writes it: ASCII digits only (``str.isdigit`` also takes
+#: ``²`` and ``①``, which ``int`` refuses), at most nine of them (no class reaches a
+#: billion, and ``int`` refuses very long ones).
+_VERSION = re.compile(r"[0-9]{1,9}")
 
 
 def text_headers(raw: Mapping[Any, Any]) -> tuple[dict[str, str], str | None]:
@@ -102,6 +106,16 @@ def problem_with(delivery: Delivery, *, max_message_bytes: int) -> str | None:
         if _CONTROL_CHARACTER.search(message_id):
             return f"the {h.MESSAGE_ID} header {shown(message_id)} has control characters"
     return None
+
+
+def parse_version(text: str) -> int | None:
+    """The message version ``text`` names — ASCII digits, from 1 — or ``None`` if it names
+    none (``idembus.message_version``, a ``:N`` of ``idembus.enclosed_types``). Never
+    raises."""
+    if _VERSION.fullmatch(text) is None:
+        return None
+    version = int(text)
+    return version if version >= 1 else None
 
 
 def encoding_problem(headers: Mapping[Any, Any], encoding: str | None) -> str | None:

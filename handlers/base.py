@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 from pydantic import BaseModel
 
 from ..context import MessageContext
+from ..logs import loggable
 from ..messages import Command, Message
 from ..policies import RetryPolicy
 from ..sending import Bus
@@ -148,7 +149,7 @@ class AggregateHandler(Handler, Generic[StateT]):
         aggregate_type, aggregate_id = self._idembus_aggregate
         log.info("%s found no %s %r for %s %s (a message that does not start it); "
                  "acknowledged", type(self).name(), aggregate_type, aggregate_id,
-                 self.context.message_type, self.context.message_id)
+                 loggable(self.context.message_type), loggable(self.context.message_id))
 
 
 @overload

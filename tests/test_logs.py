@@ -23,11 +23,12 @@ import pytest
 
 from idembus import Backoff, RetryPolicy
 from idembus.handlers import handles
-from idembus.logs import JsonFormatter, Throttle
+from idembus.logs import JsonFormatter, MessageLog, Throttle, loggable
 from idembus.runtime.background import Periodic
 from idembus.runtime.endpoint import _described
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.runtime.status import StatusReporter
+from idembus.signals import EndpointSignals
 from idembus.storage.base import StatusReport
 from idembus.storage.errors import StorageAccessDenied, StorageUnavailable
 from idembus.storage.memory import MemoryStorage
@@ -417,3 +418,34 @@ def test_what_nothing_caught_is_logged_redacted_in_every_thread(
     # And no piece of any password (the tracebacks quote the source lines too)
     for piece in (b"In,Thread", b"Thread@", b"In)Del", b"In'Main", b"Pw;"):
         assert piece not in output, text
+
+
+# -- values from a message's sender (issue 24, finding 9) ---------------------------------
+
+
+@pytest.mark.parametrize(("value", "logged"), [
+    ("m-1", "m-1"),
+    ("a b/c:d", "a b/c:d"),
+    ("m-1\nFORGED line", "'m-1\\nFORGED line'"),
+    ("\x1b[2Jcleared", "'\\x1b[2Jcleared'"),
+    ("line\u2028separator", "'line\\u2028separator'"),
+    ("x" * 201, "'" + "x" * 200 + "…' (201 characters)"),
+    ("\n" * 300, "'" + "\\n" * 100 + "…' (300 characters)"),
+])
+def test_a_value_from_a_sender_is_logged_escaped_and_bounded(value: str, logged: str) -> None:
+    assert loggable(value) == logged
+
+
+def test_the_debug_lines_of_messages_escape_and_bound_ids_and_types(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the id's newline started a line of its own, the type was written whole
+    caplog.set_level(logging.DEBUG, logger="idembus.messages")
+    signals = EndpointSignals("accounts")
+    assert MessageLog(signals).connect()
+    signals.emit("received", message_id="m-1\nFORGED line", message_type="t" * 70_000)
+    [record] = caplog.records
+    line = record.getMessage()
+    assert "\n" not in line and len(line) < 500, line
+    assert "(70000 characters)" in line
+    assert json.loads(JsonFormatter().format(record))["message_type"].endswith(
+        "(70000 characters)")

@@ -147,6 +147,65 @@ def test_in_flight_duration_and_critical_time_come_from_the_message_stage(
     assert dict(critical.attributes) == {"endpoint": "accounts", "message_type": "test.Deposit"}
 
 
+def handle(pipeline: Pipeline, message_id: str, time_sent: str) -> None:
+    """One delivery of a Deposit sent at ``time_sent``, handled."""
+    incoming = IncomingMessage("accounts", "accounts", {
+        h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit", h.TIME_SENT: time_sent})
+
+    def process() -> None:
+        incoming.outcome = "handled"
+
+    pipeline.message(incoming, process)
+
+
+def test_a_time_sent_in_the_future_or_decades_back_is_counted_apart_from_critical_times(
+    provider_and_reader,
+):
+    # Issue 24, finding 9: the histogram trusted the sender's idembus.time_sent, and one
+    # message sent "in 1970" added 56 years to its sum.
+    provider, reader = provider_and_reader
+    endpoint = fake_endpoint()
+    metrics = Metrics(meter_provider=provider)
+    metrics.setup(endpoint)
+    pipeline = Pipeline([metrics])
+    now = utc_now()
+    sent_times = {
+        "1970": "1970-01-01T00:00:00+00:00",
+        "eight days": format_utc(now - datetime.timedelta(days=8)),
+        "2100": "2100-01-01T00:00:00+00:00",
+        "an hour ahead": format_utc(now + datetime.timedelta(hours=1)),
+        "a minute ahead": format_utc(now + datetime.timedelta(minutes=1)),  # clocks differ
+        "ten seconds ago": format_utc(now - datetime.timedelta(seconds=10)),
+    }
+    for message_id, sent in sent_times.items():
+        handle(pipeline, message_id, sent)
+
+    # Only the plausible two are critical times: the skewed clock's as 0 s
+    [critical] = points(reader)["idembus.message.critical_time"]
+    assert critical.count == 2
+    assert 10.0 <= critical.sum < 60.0
+    # The others are counted apart, by reason
+    assert values(reader, "idembus.message.critical_time.implausible") == {
+        labels(endpoint="accounts", message_type="test.Deposit", reason="too_old"): 2,
+        labels(endpoint="accounts", message_type="test.Deposit", reason="future"): 2}
+
+
+def test_the_plausible_window_of_critical_times_can_be_set(provider_and_reader):
+    provider, reader = provider_and_reader
+    metrics = Metrics(meter_provider=provider, plausible_critical_time=datetime.timedelta(
+        days=60), clock_skew=datetime.timedelta(0))
+    metrics.setup(fake_endpoint())
+    for sent in (utc_now() - datetime.timedelta(days=30),
+                 utc_now() + datetime.timedelta(seconds=30)):
+        handle(Pipeline([metrics]), "m", format_utc(sent))
+    [critical] = points(reader)["idembus.message.critical_time"]
+    assert critical.count == 1 and critical.sum >= 30 * 86400
+    assert values(reader, "idembus.message.critical_time.implausible") == {
+        labels(endpoint="accounts", message_type="test.Deposit", reason="future"): 1}
+    with pytest.raises(ValueError, match="plausible_critical_time"):
+        Metrics(plausible_critical_time=datetime.timedelta(0))
+
+
 def test_an_interrupted_delivery_is_no_longer_in_flight(provider_and_reader):
     provider, reader = provider_and_reader
     pipeline = Pipeline([Metrics(meter_provider=provider)])

@@ -38,6 +38,13 @@ def test_a_password_in_any_known_form_is_masked(text: str) -> None:
     assert MASK in redacted
 
 
+def test_a_raw_space_in_a_url_password_leaks_no_part_of_it() -> None:
+    # Issue 24, finding 9: before, the line came out unchanged.
+    redacted = redact("cannot connect to amqp://user:pa ss@host/: refused")
+    assert redacted == "cannot connect to amqp://user:***@host/: refused"
+    assert "pa" not in redacted.replace("amqp", "") and "ss@" not in redacted
+
+
 def test_what_surrounds_a_password_stays_readable() -> None:
     assert redact(f"amqp://guest:{SECRET}@127.0.0.1:5672//") == "amqp://guest:***@127.0.0.1:5672//"
     assert (redact(f"host=db password='{SECRET} x' dbname=sales")

@@ -135,7 +135,7 @@ def traced_delivery(pipeline: Pipeline, headers: dict[str, str],
 
 def test_a_delivery_makes_process_handle_commit_and_send_spans_in_one_tree(spans):
     provider, exporter = spans
-    pipeline = Pipeline([Tracing(provider)])
+    pipeline = Pipeline([Tracing(provider, trust_incoming=True)])
     tracer = provider.get_tracer("test")
 
     # Given a message whose sender's span is in its headers
@@ -222,7 +222,7 @@ def test_a_published_event_is_named_by_its_type_and_operation(spans):
 
 def test_a_message_of_a_trace_not_sampled_makes_no_spans_and_passes_the_decision_on(spans):
     provider, exporter = spans
-    pipeline = Pipeline([Tracing(provider)])
+    pipeline = Pipeline([Tracing(provider, trust_incoming=True)])
     unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
     _, recorded = traced_delivery(pipeline, incoming_headers(traceparent=unsampled))
     for envelope in recorded:
@@ -487,7 +487,7 @@ def test_one_trace_across_two_endpoints_and_a_duplicate_delivery(
 ):
     # Given accounts (which keeps what it sent, to send it again) and a ledger, traced
     provider, exporter = spans
-    tracing = Tracing(provider)
+    tracing = Tracing(provider, trust_incoming=True)
     deliveries = Deliveries()
     ledger = Ledger()
     accounts = make_endpoint("accounts", handlers=[AccountHandler],
@@ -579,7 +579,7 @@ def test_an_outbox_repair_after_a_crash_continues_the_trace_of_the_creating_hand
     # Given accounts that die once between commit and dispatch, and whose duplicates leave
     # a fresh entry to the outbox (which repairs after 0.2 s); and a ledger; all traced
     provider, exporter = spans
-    tracing = Tracing(provider)
+    tracing = Tracing(provider, trust_incoming=True)
     crash = CrashOnceAfterCommit()
     ledger = Ledger()
     accounts = make_endpoint("accounts", handlers=[AccountHandler],
@@ -672,7 +672,7 @@ def test_a_delivery_reads_its_trace_context_once_and_writes_it_once_per_span(spa
 
 def test_an_unsampled_delivery_passes_its_traceparent_on_unchanged(spans):
     provider, exporter = spans
-    pipeline = Pipeline([Tracing(provider)])
+    pipeline = Pipeline([Tracing(provider, trust_incoming=True)])
     unsampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
     _, recorded = traced_delivery(pipeline, incoming_headers(traceparent=unsampled),
                                   outgoing=2)
@@ -745,7 +745,7 @@ def test_a_global_propagator_set_later_is_used_from_the_next_message_on(
 ):
     # Given tracing made while the global propagator is the default W3C one
     provider, exporter = spans
-    pipeline = Pipeline([Tracing(provider)])
+    pipeline = Pipeline([Tracing(provider, trust_incoming=True)])
     _, first = traced_delivery(pipeline, incoming_headers("m-1"))
     assert "traceparent" in first[0].headers
 

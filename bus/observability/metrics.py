@@ -42,6 +42,14 @@ histograms, in seconds, with ``endpoint`` and ``message_type``:
 * ``idembus.message.critical_time`` [``idembus_message_critical_time_seconds``]: from
   ``idembus.time_sent`` until the message was handled (what a user waits for);
 
+and a counter ``idembus.message.critical_time.implausible``
+[``idembus_message_critical_time_implausible_total``], by ``endpoint``, ``message_type``
+and ``reason`` (``future`` or ``too_old``): handled messages whose ``idembus.time_sent``
+— written by their sender, whoever that is — lies further ahead than ``clock_skew`` or
+further back than ``plausible_critical_time`` (7 days unless told otherwise). They are
+counted there instead of in the histogram, whose sum one forged header could otherwise
+push by decades;
+
 and an up-down counter ``idembus.messages.in_flight`` [``idembus_messages_in_flight``] by
 ``endpoint``: deliveries being processed now.
 
@@ -51,6 +59,7 @@ producer sending arbitrary type names cannot create arbitrarily many series.
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import time
 from collections.abc import Callable, Mapping
@@ -90,6 +99,12 @@ COUNTERS = {
 }
 HANDLING_DURATION = "idembus.message.handling.duration"
 CRITICAL_TIME = "idembus.message.critical_time"
+IMPLAUSIBLE_CRITICAL_TIME = "idembus.message.critical_time.implausible"
+#: The longest critical time recorded unless told otherwise: older is a replay, a sender's
+#: clock or a forged ``idembus.time_sent``, not a wait anyone had.
+PLAUSIBLE_CRITICAL_TIME = datetime.timedelta(days=7)
+#: How far ahead of this endpoint's clock a sender's clock may be (recorded as 0 s).
+CLOCK_SKEW = datetime.timedelta(minutes=5)
 IN_FLIGHT = "idembus.messages.in_flight"
 
 #: Bucket boundaries (seconds) of both histograms: from 5 ms to an hour.
@@ -107,11 +122,22 @@ class Metrics(Middleware):
     """Counters, histograms and in-flight of the endpoints it is given to (see the module
     docstring). ``meter_provider``: where the instruments live (default: the global one,
     looked up through the OpenTelemetry API's proxy, so it may be set after this middleware
-    is created). One instance may serve several endpoints."""
+    is created). A handled message's critical time is recorded when its
+    ``idembus.time_sent`` is at most ``clock_skew`` ahead and ``plausible_critical_time``
+    behind; otherwise it is counted as implausible. One instance may serve several
+    endpoints."""
 
-    def __init__(self, meter_provider: MeterProvider | None = None) -> None:
+    def __init__(self, meter_provider: MeterProvider | None = None, *,
+                 plausible_critical_time: datetime.timedelta = PLAUSIBLE_CRITICAL_TIME,
+                 clock_skew: datetime.timedelta = CLOCK_SKEW) -> None:
+        if plausible_critical_time <= datetime.timedelta(0) or clock_skew < datetime.timedelta(0):
+            raise ValueError(
+                "plausible_critical_time must be positive and clock_skew not negative, got "
+                f"{plausible_critical_time!r} and {clock_skew!r}")
         #: The provider given, or ``None`` for the global one.
         self.meter_provider = meter_provider
+        self._plausible = plausible_critical_time.total_seconds()
+        self._skew = clock_skew.total_seconds()
         meter = metrics.get_meter("idembus", _version(), meter_provider=meter_provider)
         self._counters: dict[str, Counter] = {
             signal: meter.create_counter(name, unit="{message}", description=description)
@@ -121,6 +147,10 @@ class Metrics(Middleware):
         self._critical = _histogram(meter, CRITICAL_TIME,
                                     "Time from idembus.time_sent until the message was "
                                     "handled")
+        self._implausible = meter.create_counter(
+            IMPLAUSIBLE_CRITICAL_TIME, unit="{message}",
+            description="Handled messages whose idembus.time_sent lies in the future or too "
+                        "far back to be a critical time")
         self._in_flight = meter.create_up_down_counter(
             IN_FLIGHT, unit="{message}", description="Deliveries being processed")
         #: Wire names of the message types each endpoint set up with this one knows.
@@ -182,9 +212,15 @@ class Metrics(Middleware):
         if outcome != "handled":
             return
         sent = parse_utc(incoming.headers.get(h.TIME_SENT))
-        if sent is not None:
-            critical = max(0.0, (utc_now() - sent).total_seconds())  # clocks may disagree
-            self._critical.record(critical, self._labels(endpoint, message_type))
+        if sent is None:
+            return
+        critical = (utc_now() - sent).total_seconds()
+        if -self._skew <= critical <= self._plausible:
+            # A sender's clock a little ahead: 0 s rather than a negative time.
+            self._critical.record(max(0.0, critical), self._labels(endpoint, message_type))
+        else:
+            self._implausible.add(1, self._labels(
+                endpoint, message_type, None, "reason", "future" if critical < 0 else "too_old"))
 
     # -- attributes -----------------------------------------------------------------------
 

@@ -9,9 +9,13 @@ Needs ``opentelemetry-api`` only (``pip install 'idembus[otel]'``); the applicat
 and configures an SDK. Spans follow the OpenTelemetry semantic conventions for messaging:
 
 ``process <queue>`` (CONSUMER)
-    one delivery, from before it is decoded until it is settled; its parent is the creation
-    context the message carries (W3C ``traceparent``/``tracestate``, or whatever the global
-    propagator reads).
+    one delivery, from before it is decoded until it is settled. By default it starts a
+    trace of its own, with a *link* to the creation context the message carries (W3C
+    ``traceparent``/``tracestate``, or whatever the global propagator reads): whoever can
+    publish to the endpoint writes that context, and a parent would let them decide
+    whether this endpoint records the trace. With ``trust_incoming=True`` (every publisher
+    is one of yours) that context is its parent instead, and a trace runs across
+    endpoints.
 ``handle <handler>`` (INTERNAL)
     one attempt of one handler: load, run, commit; ``idembus.duplicate`` says whether the
     message was found already processed (not an error).
@@ -28,17 +32,23 @@ A message's **creation context** is the context current when a handler, a unit o
 ``endpoint.bus`` records it — the handler's span, or the caller's — injected into its
 headers *before* it is committed, so it is stored with the message. The consumer's
 ``process`` span is thus a child of the handler span that created the message (or of the
-caller of ``endpoint.bus``). Only a message recorded where no span is current gets a span of
+caller of ``endpoint.bus``) when it trusts its senders (``trust_incoming=True``), and
+linked to it otherwise. Only a message recorded where no span is current gets a span of
 its own, ``create <destination>`` (PRODUCER), so that it still starts a trace. (The
 conventions' separate ``create`` span for every message would cost a span per message for
 no information: the handler span is the creation.) A message that already carries a
 creation context (a header set by the caller) keeps it.
+
+**Baggage** (W3C ``baggage``) a message carries reaches the handlers' context, and so every
+message they send, only by an allow-list: ``Tracing(baggage=("tenant",))`` keeps those
+entries and drops the others. Without one, all of it passes when ``trust_incoming=True``
+and none of it otherwise.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
 from .. import headers as h
@@ -49,6 +59,7 @@ from ..redaction import redact, redacted_traceback
 from ..storage.errors import AlreadyProcessed, ConcurrencyConflict
 
 try:
+    from opentelemetry import baggage as otel_baggage
     from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
     from opentelemetry.context import Context
@@ -110,16 +121,32 @@ class Tracing(Middleware):
     sent, so a global propagator set later takes effect from the next message on).
     ``messaging_system``: the ``messaging.system`` attribute (default: from the endpoint's
     transport: ``rabbitmq``, ``redis``, ``memory``).
+    ``trust_incoming``: whether the trace context of an incoming message is the parent of
+    its ``process`` span (``True``: one trace across endpoints, and the sender's sampling
+    decision is followed) or only linked from it (``False``, the default: a trace of this
+    endpoint's own, sampled by its own sampler, so that no publisher can force or suppress
+    recording). Set it when only your own endpoints can publish to this one.
+    ``baggage``: the names of the incoming baggage entries kept (and so sent on with every
+    message the handlers send); ``None``: all of them if ``trust_incoming``, none
+    otherwise.
 
     One instance may serve several endpoints.
     """
 
     def __init__(self, tracer_provider: TracerProvider | None = None, *,
                  propagator: TextMapPropagator | None = None,
-                 messaging_system: str | None = None) -> None:
+                 messaging_system: str | None = None, trust_incoming: bool = False,
+                 baggage: Collection[str] | None = None) -> None:
+        if isinstance(baggage, str):
+            raise TypeError(f"baggage takes a collection of names, got the string {baggage!r}")
         self._tracer = trace.get_tracer("idembus", _version(), tracer_provider=tracer_provider)
         self._propagator = propagator
         self._system = messaging_system
+        self._trust = trust_incoming
+        #: The baggage names kept; ``None``: all.
+        self._baggage: frozenset[str] | None = (
+            frozenset(baggage) if baggage is not None
+            else None if trust_incoming else frozenset())
         #: ``messaging.system`` of each endpoint set up with this middleware.
         self._systems: dict[str, str] = {}
         #: Where this instance keeps its span and context token in a stage's ``items`` (the
@@ -155,13 +182,21 @@ class Tracing(Middleware):
         headers = incoming.headers
         parent, carrier = self._headers().read(headers)
         sender = trace.get_current_span(parent).get_span_context()
+        links: tuple[Link, ...] = ()
+        if not self._trust:
+            # A trace of this endpoint's own, linked to the sender's: its sampler decides.
+            parent, carrier = _only_baggage(parent), None
+            if sender.is_valid:
+                links = (Link(sender),)
+        if self._baggage is not None:
+            parent = self._allowed_baggage(parent)
         # Shared by the handlers of this delivery and the dispatches that follow them: the
         # context a message was last recorded in, and the headers that carry it.
         recorded = _Recorded()
         parent = otel_context.set_value(self._recorded_key, recorded, parent)
         if carrier is not None:
             recorded.remember(carrier, parent, sender.trace_flags.sampled)
-        if _sampled_out(sender):
+        if self._trust and _sampled_out(sender):
             # The sender decided not to record this trace: make no span here either, only
             # carry its context on, so that what this message causes stays unrecorded too.
             incoming.items[self._key] = (None, otel_context.attach(parent), recorded)
@@ -177,9 +212,18 @@ class Tracing(Middleware):
         _put(attributes, CONVERSATION_ID, headers.get(h.CONVERSATION_ID))
         _put(attributes, MESSAGE_TYPE, headers.get(h.MESSAGE_TYPE))
         span = self._tracer.start_span(f"process {incoming.queue}", context=parent,
-                                       kind=SpanKind.CONSUMER, attributes=attributes)
+                                       kind=SpanKind.CONSUMER, attributes=attributes,
+                                       links=links)
         incoming.items[self._key] = (
             span, otel_context.attach(trace.set_span_in_context(span, parent)), recorded)
+
+    def _allowed_baggage(self, context: Context) -> Context:
+        """``context`` without the baggage entries that are not allowed."""
+        allowed = self._baggage
+        for name in otel_baggage.get_all(context):
+            if allowed is not None and name not in allowed:
+                context = otel_baggage.remove_baggage(name, context)
+        return context
 
     def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
         entered = incoming.items.pop(self._key, None)
@@ -395,6 +439,14 @@ def _end(span: Span, error: BaseException | None) -> None:
         span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {message}"))
     finally:
         span.end()
+
+
+def _only_baggage(context: Context) -> Context:
+    """A fresh context with the baggage of ``context`` and nothing else (no span)."""
+    fresh = Context()
+    for name, value in otel_baggage.get_all(context).items():
+        fresh = otel_baggage.set_baggage(name, value, fresh)
+    return fresh
 
 
 def _unrecorded(span: Span) -> bool:

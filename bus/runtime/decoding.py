@@ -13,6 +13,7 @@ from ..evolution import upcast_body
 from ..hierarchy import parse_enclosed
 from ..messages import Message, message_version
 from ..registry import MessageRegistry
+from ..wire import parse_version
 
 _JSON_MEDIA_TYPES = ("", h.CONTENT_TYPE)
 
@@ -65,10 +66,12 @@ def wire_version(headers: Mapping[str, str]) -> int:
     text = headers.get(h.MESSAGE_VERSION)
     if text is None or text == "":
         return 1
-    if not text.strip().isdigit() or int(text) < 1:
+    version = parse_version(text.strip(" \t"))
+    if version is None:
         raise MalformedMessage(
-            f"the {h.MESSAGE_VERSION} header {text[:40]!r} is not a whole number from 1")
-    return int(text)
+            f"the {h.MESSAGE_VERSION} header {text[:40]!r} is not a whole number from 1 "
+            "written in ASCII digits")
+    return version
 
 
 def _parsed(body: bytes) -> object:

@@ -8,6 +8,7 @@ import logging
 
 from ..envelope import Envelope
 from ..errors import MessageRefused
+from ..logs import loggable
 from ..redaction import redact
 from ..storage.base import DelayedStore, ParkingStore
 from ..transports.errors import TransportUnavailable
@@ -81,11 +82,11 @@ class DelayedDeliveries(Periodic):
             attempts = self._storage.note_scheduled_failure(envelope)
             if attempts == 0:  # another poller sent it and forgot it meanwhile
                 log.info("sending delayed message %s failed, but it is no longer scheduled: "
-                         "%s", envelope.message_id, redact(str(error)))
+                         "%s", loggable(envelope.message_id), redact(str(error)))
                 return False
             if not isinstance(error, MessageRefused) and attempts < self.max_attempts:
                 log.warning("sending delayed message %s failed (attempt %d of %d): %s",
-                            envelope.message_id, attempts, self.max_attempts,
+                            loggable(envelope.message_id), attempts, self.max_attempts,
                             redact(str(error)))
                 return False
             park_outgoing(self._parking, envelope, error, endpoint=self.owner,

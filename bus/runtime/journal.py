@@ -38,6 +38,7 @@ from .. import headers as h
 from ..envelope import Envelope
 from ..errors import ConfigurationError, MessageError
 from ..evolution import upcast_body
+from ..logs import loggable
 from ..messages import Event, Message, is_message_type, message_name, message_version
 from ..registry import MessageRegistry
 from ..storage.base import INBOX, JournalEntry, JournalStore
@@ -143,7 +144,8 @@ def current_entry(entry: JournalEntry, known: MessageRegistry) -> JournalEntry:
                               separators=(",", ":"))
     except (MessageError, ValueError) as exc:
         log.warning("journal entry %d (%s %s) is served as stored: %s", entry.position,
-                    entry.message_type, entry.message_id, exc)
+                    loggable(entry.message_type), loggable(entry.message_id),
+                    loggable(str(exc), 2000))
         return entry
     name = message_name(message_type)
     headers = {**entry.headers, h.MESSAGE_TYPE: name, h.MESSAGE_VERSION: str(current)}

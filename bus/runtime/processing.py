@@ -30,6 +30,7 @@ from ..envelope import Envelope, format_utc
 from ..errors import BusError, MalformedMessage, MessageError
 from ..expiry import expiry_of
 from ..handlers.registration import HandlerBinding
+from ..logs import loggable
 from ..messages import Message
 from ..pipeline import (
     HandlerCall,
@@ -55,7 +56,7 @@ from .decoding import decode
 from .dispatching import Dispatcher, DispatchProgress
 from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
-from .recoverability.failure_headers import failure_headers
+from .recoverability.failure_headers import MAX_EXCEPTION_MESSAGE, failure_headers
 from .recoverability.parking import park
 from .recoverability.policy import Recovery
 
@@ -123,7 +124,7 @@ class MessageProcessor:
         except Exception as error:
             # A before_message hook failed (or a bug): the message's failure, not a requeue
             # that would bring it straight back, forever.
-            log.exception("%s could not process %s", self._endpoint, headers.get(h.MESSAGE_ID))
+            log.exception("%s could not process %s", self._endpoint, _logged_id(headers))
             self._signals.emit("failed", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE), error=error,
                                attempt=1, time_sent=headers.get(h.TIME_SENT))
@@ -147,6 +148,12 @@ class MessageProcessor:
             expires = expiry_of(delivery.headers)
         except MessageError as error:
             self._dead_letter(delivery, incoming, error, attempts=0)
+            return 0.0
+        except Exception as error:
+            # Whatever else decoding raised (a header no check foresaw, a model validator
+            # raising something pydantic does not wrap) is still the message's own fault:
+            # to the error queue at once, never retried nor weighed by the circuit breaker.
+            self._dead_letter(delivery, incoming, undecodable(error), attempts=0)
             return 0.0
         incoming.message = message
         expired = expires is not None and self._clock.now() > expires
@@ -181,7 +188,7 @@ class MessageProcessor:
                  **handler: str) -> None:
         """Say that ``who`` (the endpoint, or one handler) skipped the message."""
         message_id = headers.get(h.MESSAGE_ID)
-        log.info("%s skipped %s: %s", who, message_id, skip.reason)
+        log.info("%s skipped %s: %s", who, _logged_id(headers), skip.reason)
         self._signals.emit("skipped", message_id=message_id,
                            message_type=headers.get(h.MESSAGE_TYPE), reason=skip.reason,
                            **handler)
@@ -189,10 +196,12 @@ class MessageProcessor:
     def _discarded(self, handler: str, headers: Mapping[str, str]) -> None:
         """Say that ``handler`` did not run on a message received after its time."""
         message_id = headers.get(h.MESSAGE_ID)
-        log.info("%s discarded %s: received at %s, after its %s %s", handler, message_id,
-                 format_utc(self._clock.now()), h.DISCARD_AFTER, headers.get(h.DISCARD_AFTER),
-                 extra={"endpoint": self._endpoint, "message_id": message_id,
-                        "message_type": headers.get(h.MESSAGE_TYPE), "handler": handler})
+        log.info("%s discarded %s: received at %s, after its %s %s", handler,
+                 _logged_id(headers), format_utc(self._clock.now()), h.DISCARD_AFTER,
+                 loggable(headers.get(h.DISCARD_AFTER)),
+                 extra={"endpoint": self._endpoint, "message_id": _logged_id(headers),
+                        "message_type": loggable(headers.get(h.MESSAGE_TYPE)),
+                        "handler": handler})
         self._signals.emit("discarded", message_id=message_id,
                            message_type=headers.get(h.MESSAGE_TYPE), handler=handler,
                            discard_after=headers.get(h.DISCARD_AFTER),
@@ -256,8 +265,8 @@ class MessageProcessor:
                 self._signals.emit("failed", attempt=attempts, **details)
                 if not policy.should_retry(error, attempts):
                     return _Failure(error, attempts, policy)
-                log.info("%s failed on %s (attempt %d), retrying: %r", binding.handler_name,
-                         details["message_id"], attempts, error)
+                log.info("%s failed on %s (attempt %d), retrying: %s", binding.handler_name,
+                         _logged_id(delivery.headers), attempts, loggable(repr(error), 500))
                 self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
 
     def _after_failure(self, delivery: Delivery, incoming: IncomingMessage,
@@ -272,13 +281,14 @@ class MessageProcessor:
                 self._send_back(delivery, {h.DELAYED_ATTEMPTS: str(rounds + 1)}, delay)
             except DestinationRefused as refused:  # the delay itself is refused: give up
                 log.warning("%s cannot retry %s later (%s); it goes to %s", self._endpoint,
-                            delivery.headers.get(h.MESSAGE_ID), redact(str(refused)),
+                            _logged_id(delivery.headers), redact(str(refused)),
                             self._error_queue)
                 self._dead_letter(delivery, incoming, failure.error, attempts=failure.attempts)
             else:
                 incoming.outcome = "retrying"
-                log.info("%s failed on %s; delayed retry %d in %.0fs: %r", self._endpoint,
-                         delivery.headers.get(h.MESSAGE_ID), rounds + 1, delay, failure.error)
+                log.info("%s failed on %s; delayed retry %d in %.0fs: %s", self._endpoint,
+                         _logged_id(delivery.headers), rounds + 1, delay,
+                         loggable(repr(failure.error), 500))
                 self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
                                    message_type=delivery.headers.get(h.MESSAGE_TYPE),
                                    kind="delayed", attempt=rounds + 1, error=failure.error,
@@ -298,7 +308,7 @@ class MessageProcessor:
         self._send_back(delivery, {h.POSTPONEMENTS: str(count)}, later.delay)
         incoming.outcome = "retry_later"
         log.info("%s postponed %s by %.0fs (%d in a row): %s", self._endpoint,
-                 delivery.headers.get(h.MESSAGE_ID), later.delay, count, later.reason)
+                 _logged_id(delivery.headers), later.delay, count, later.reason)
         self._signals.emit("postponed", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), delay=later.delay,
                            attempt=count, reason=later.reason)
@@ -359,7 +369,7 @@ class MessageProcessor:
         Until one of them takes it the message keeps its place: an outage, or a storage
         that refuses even a copy without the body, is waited out with backoff (logged, and
         the latter shown by ``idembus status``) — never a hot loop, never dropped."""
-        message_id = delivery.headers.get(h.MESSAGE_ID) or "a message without id"
+        message_id = _logged_id(delivery.headers)
         waits = 0
         while True:
             try:
@@ -400,14 +410,28 @@ class MessageProcessor:
                  envelope=original, queue=delivery.queue, attempts=attempts,
                  delayed_attempts=delayed, error=error, refusal=refused)
             return
-        log.warning("moved %s from %s to %s: %s",
-                    delivery.headers.get(h.MESSAGE_ID, "a message"), delivery.queue,
-                    self._error_queue, headers[h.EXCEPTION_MESSAGE],
+        log.warning("moved %s from %s to %s: %s", _logged_id(delivery.headers),
+                    delivery.queue, self._error_queue,
+                    loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE),
                     exc_info=(type(error), error, error.__traceback__)
                     if error.__traceback__ is not None else None,
                     extra={"endpoint": self._endpoint,
-                           "message_id": delivery.headers.get(h.MESSAGE_ID),
-                           "message_type": delivery.headers.get(h.MESSAGE_TYPE)})
+                           "message_id": _logged_id(delivery.headers),
+                           "message_type": loggable(delivery.headers.get(h.MESSAGE_TYPE))})
+
+
+def _logged_id(headers: Mapping[str, str]) -> str:
+    """The message id of ``headers`` as a log line carries it (:func:`loggable`)."""
+    message_id = headers.get(h.MESSAGE_ID)
+    return loggable(message_id) if message_id else "a message without id"
+
+
+def undecodable(error: Exception) -> MalformedMessage:
+    """The malformed-message failure of a delivery whose decoding raised ``error``."""
+    malformed = MalformedMessage(
+        f"the message could not be decoded: {type(error).__name__}: {error}")
+    malformed.__cause__ = error
+    return malformed
 
 
 def _header_count(delivery: Delivery, name: str) -> int:

@@ -44,6 +44,10 @@ def failure_headers(
     through :func:`~idembus.redaction.redact`: an error about a database must not carry its
     password into the error queue.
     """
+    # The copy is due in the error queue now, whatever time the delivery was scheduled
+    # for: a deliver_at left in it (a delayed retry's, or one its sender wrote, year 9999
+    # say) would have it held back as a delayed message instead.
+    original = {name: value for name, value in original.items() if name != h.DELIVER_AT}
     reason = error.reason if isinstance(error, MessageError) else str(error)
     trace = redacted_traceback(error)
     story = {

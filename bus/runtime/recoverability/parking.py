@@ -25,6 +25,7 @@ import uuid
 
 from ... import headers as h
 from ...envelope import Envelope, utc_now
+from ...logs import loggable
 from ...redaction import redact
 from ...storage.base import PARKED_OUTGOING, ParkedMessage, ParkingStore
 from ...storage.errors import StorageRefused
@@ -77,12 +78,13 @@ def park(storage: ParkingStore, *, endpoint: str, source: str, envelope: Envelop
         storage.park(parked)  # refused too: the caller holds on to the message
         log.error("parked %s of %s in the storage (%s) WITHOUT its body, which the storage "
                   "refused (%s): %s; see idembus errors list",
-                  envelope.headers.get(h.MESSAGE_ID, "a message"), endpoint, source,
-                  redact(str(refused)), headers[h.EXCEPTION_MESSAGE])
+                  loggable(envelope.headers.get(h.MESSAGE_ID, "a message")), endpoint, source,
+                  redact(str(refused)),
+                  loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE))
         return parked
     log.error("parked %s of %s in the storage (%s): %s; see idembus errors list",
-              envelope.headers.get(h.MESSAGE_ID, "a message"), endpoint, source,
-              headers[h.EXCEPTION_MESSAGE])
+              loggable(envelope.headers.get(h.MESSAGE_ID, "a message")), endpoint, source,
+              loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE))
     return parked
 
 

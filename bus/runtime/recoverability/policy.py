@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ...errors import BusError, EndpointBlocked, MessageRefused
-from ...logs import Throttle
+from ...logs import Throttle, loggable
 from ...policies import Backoff, ConflictPolicy, RetryPolicy
 from ...redaction import redact
 from ...storage.errors import StorageUnavailable
@@ -73,6 +73,7 @@ class Recovery:
     def _note(self, outage: BusError, who: str, message_id: str, delay: float) -> None:
         """At ERROR, and in ``idembus status``, when only an operator can end the wait (a
         refused login, missing tables); otherwise a throttled warning."""
+        message_id = loggable(message_id)
         fields = {"endpoint": self.endpoint, "message_id": message_id, "handler": who}
         if isinstance(outage, EndpointBlocked):
             source = "storage" if isinstance(outage, StorageUnavailable) else "transport"
