@@ -71,7 +71,7 @@ from .wire import DEFAULT_MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
-_ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_ENDPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 class Endpoint:
@@ -170,7 +170,7 @@ class Endpoint:
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING,
     ) -> None:
-        if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
+        if not isinstance(name, str) or not _ENDPOINT_NAME.fullmatch(name):
             raise ConfigurationError(
                 f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'"
             )
