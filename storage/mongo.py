@@ -202,6 +202,8 @@ class MongoStorage(Storage):
         self._bulk_updates = bulk_updates_work(client)
         # Appends rely on the journal's unique index: made once, even without migrate().
         self._journal_indexed = False
+        #: Whether this process made the indexes of the spilled messages' collection.
+        self._spill_indexed = False
 
     @classmethod
     def embedded(
@@ -255,8 +257,12 @@ class MongoStorage(Storage):
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def _spill(self, side: Sequence[Mapping[str, Any]]) -> None:
-        """Write the side documents of spilled entries (:mod:`idembus.storage.mongo_spill`)."""
+        """Write the side documents of spilled entries (:mod:`idembus.storage.mongo_spill`),
+        their collection indexed first (once per process)."""
         if side:
+            if not self._spill_indexed:
+                mongo_spill.index(self.database)
+                self._spill_indexed = True
             self.database[mongo_spill.SPILL].insert_many(list(side), ordered=False)
 
     def _unspill(self, tokens: Sequence[str]) -> None:
@@ -829,6 +835,8 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
             self._index_journal()
+            mongo_spill.index(self.database)
+            self._spill_indexed = True
             self._own_existing_collections()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified

@@ -51,6 +51,13 @@ ENTRY_OVERHEAD = 256
 GRACE = datetime.timedelta(hours=1)
 
 
+def index(database: Any) -> None:
+    """The indexes loads (by ``ref``) and :func:`sweep` (first documents by age) read."""
+    side = database[SPILL]
+    side.create_index([("ref", 1), ("n", 1)], name="idembus_spill_ref")
+    side.create_index([("n", 1), ("at", 1)], name="idembus_spill_age")
+
+
 def size_of(records: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> int:
     """The BSON bytes an entry's ``outgoing`` and ``ids`` take."""
     return len(bson.encode({"outgoing": list(records), "ids": list(ids)}))
