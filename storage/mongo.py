@@ -303,7 +303,10 @@ class MongoStorage(Storage):
             side = mongo_spill.chunks(token, where, records, ids, entry["at"])
             entry.update(outgoing=[], ids=[], spill=token, count=len(records))
             size = 0
-        entry["bytes"] = size + len(pending.key.encode("utf-8")) + mongo_spill.ENTRY_OVERHEAD
+        bare = mongo_spill.bare_bytes(pending.key)
+        entry["bytes"] = size + bare
+        # What it takes once dispatched without keep_bodies: its ids stay inline.
+        entry["lean"] = bare + (mongo_spill.size_of([], entry["ids"]) if size else 0)
         fields = {"state": dict(pending.state) if pending.state is not None and not completed
                   else None,
                   "state_version": pending.options.get("state_version"),
@@ -945,7 +948,7 @@ def _entry_from(entry: Mapping[str, Any],
     spill = entry.get("spill")
     records, ids = (spilled.get(spill, ([], [])) if isinstance(spill, str)
                     else (entry.get("outgoing", ()), entry.get("ids", ())))
-    size = entry.get("bytes")
+    size = entry.get("lean" if entry.get("bodies") is False else "bytes")
     return ProcessedMessage(
         key=entry["key"],
         outgoing=tuple(Envelope.from_record(o) for o in records),

@@ -58,6 +58,11 @@ def index(database: Any) -> None:
     side.create_index([("n", 1), ("at", 1)], name="idembus_spill_age")
 
 
+def bare_bytes(key: str) -> int:
+    """What an entry of ``key`` takes without its messages."""
+    return len(key.encode("utf-8")) + ENTRY_OVERHEAD
+
+
 def size_of(records: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> int:
     """The BSON bytes an entry's ``outgoing`` and ``ids`` take."""
     return len(bson.encode({"outgoing": list(records), "ids": list(ids)}))

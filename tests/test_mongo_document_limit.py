@@ -185,3 +185,19 @@ def test_side_documents_of_a_commit_that_did_not_apply_are_collected():
     # Then only the orphan is gone, and the applied commit still reads its messages
     assert [d["ref"] for d in side.find()] == [survivor]
     assert len(storage.load("Campaign", "c-1").processed["Mailer/m1"].outgoing) == 3
+
+
+def test_messages_dispatched_without_their_bodies_leave_room_for_the_next(sizes: Sizes):
+    # Given 200 handlers each publishing a 15 KB event, each marked dispatched at once
+    # (the outbox compacts after dispatch: the bodies go, the ids stay)
+    storage = MongoStorage.embedded(f"limit-{uuid.uuid4().hex[:8]}")
+    for number in range(200):
+        key = f"Shipping/m{number}"
+        storage.commit(storage.load("Order", "o-1", key), key=key, state={},
+                       outgoing=outgoing(1, 15_000))
+        storage.mark_dispatched("Order", "o-1", key)
+
+    # Then the room their bodies took counts no more: nothing was spilled (a spill is one
+    # more write per commit)
+    assert storage.database[SPILL].count_documents({}) == 0
+    assert len(storage.load("Order", "o-1").processed) == storage.processed_window
