@@ -52,10 +52,11 @@ GRACE = datetime.timedelta(hours=1)
 
 
 def index(database: Any) -> None:
-    """The indexes loads (by ``ref``) and :func:`sweep` (first documents by age) read."""
+    """The indexes loads (by ``ref``) and :func:`sweep` (first documents, least recently
+    checked first, by age) read."""
     side = database[SPILL]
     side.create_index([("ref", 1), ("n", 1)], name="idembus_spill_ref")
-    side.create_index([("n", 1), ("at", 1)], name="idembus_spill_age")
+    side.create_index([("n", 1), ("checked", 1), ("at", 1)], name="idembus_spill_age")
 
 
 def bare_bytes(key: str) -> int:
