@@ -183,6 +183,17 @@ def test_an_account_limited_to_partner_keys_reaches_no_subscriber_of_another_typ
             _publish_as(user, f"pw-{unique}", exchange, "~.shop~OrderEvent.~",
                         "shop.OrderEvent")
 
+        # and the permission the docs give a partner for its own hierarchies lets it
+        # publish them, never with another's words
+        vhost = urllib.parse.unquote(urllib.parse.urlparse(AMQP_URL).path[1:]) or "/"
+        own = r"^~(\.partner~[^.]+)+\.~$"
+        _ctl("set_topic_permissions", "-p", vhost, user, exchange, own, own)
+        assert not _publish_as(user, f"pw-{unique}", exchange,
+                               "~.partner~Refund.partner~Event.~", "partner.Refund")
+        with pytest.raises(amqp.exceptions.AccessRefused):
+            _publish_as(user, f"pw-{unique}", exchange, "~.partner~Refund.shop~OrderEvent.~",
+                        "partner.Refund")
+
         # While the legitimate hierarchy delivery still works
         endpoint.bus.publish(OrderPlaced(order_id="real", amount=1))
         assert handled.wait_for(1)
