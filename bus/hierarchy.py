@@ -1,4 +1,4 @@
-"""Message hierarchies on the wire: the ``idembus.enclosed_types`` header and the routing
+r"""Message hierarchies on the wire: the ``idembus.enclosed_types`` header and the routing
 keys of events that derive from other events.
 
 A message of ``OrderPlaced(OrderEvent)`` carries ``idembus.enclosed_types:
@@ -10,10 +10,22 @@ On the topic exchange an event without message-type bases keeps its wire name as
 key. An event with bases is published with a key of one word per enclosed type, between
 two ``~`` words: ``~.sales~OrderPlaced.sales~OrderEvent.~`` (a name's own dots written
 ``~``, which wire names cannot hold, so that each name is one word). A subscriber of a type
-binds its exact name (events without bases, foreign and older publishers) and
-``#.<name with ~>.#``: one publish reaches every queue subscribed to any enclosed type, one
-copy each. The ``~`` words at both ends let kombu's emulated topic exchanges (memory://,
-Redis), whose ``#`` needs the dot beside it, match a name at either end as RabbitMQ does.
+binds its exact name (events without bases, foreign and older publishers) and the
+patterns ``~.<name with ~>.#`` and ``~.#.<name with ~>.#``: one publish reaches every queue
+subscribed to any enclosed type, one copy each. The ``~`` words at both ends let kombu's
+emulated topic exchanges (memory://, Redis), whose ``#`` needs the dot beside it, match a
+name at either end as RabbitMQ does (RabbitMQ needs only the second pattern, kombu's
+emulation both; the same topology is declared everywhere).
+
+Bindings are anchored at the first word: no binding starts with ``#``, so only a routing key
+that is the exact name, or that starts with the ``~`` word, reaches a subscriber. An account
+that RabbitMQ's topic permissions restrict to keys such as ``^partner\.`` cannot reach a
+subscriber of another type (before, ``#.<name>.#`` matched ``partner.sales~RefundApproved``);
+one allowed to publish the hierarchies of its own types is given
+``^~(\.partner~[^.]+)+\.~$``. And the consumer checks the key against the headers
+(:func:`unexpected_routing_key`): a delivery from the events exchange whose routing key is
+neither its type's name nor the hierarchy key of its ``idembus.enclosed_types`` goes to the
+error queue — so a key that reached a queue cannot be paired with a type header of another's.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from collections.abc import Sequence
 
 from .errors import ConfigurationError
 from .messages import Event, Message, enclosed_types, message_name, message_version
-from .wire import parse_version
+from .wire import parse_version, shown
 
 #: What a wire name's dots are written as inside a routing key word (no wire name has it).
 _DOT = "~"
@@ -70,10 +82,43 @@ def routing_key_of(message_type: type[Message]) -> str:
     return routing_key([message_name(cls) for cls in enclosed_types(message_type)])
 
 
-def binding_keys(name: str) -> tuple[str, str]:
+def binding_keys(name: str) -> tuple[str, str, str]:
     """The binding keys of a subscription to the event type ``name``: its exact name, and
-    the pattern that matches it anywhere in a hierarchy's routing key."""
-    return name, f"#.{_word(name)}.#"
+    the patterns that match it as the first or any later word of a hierarchy's routing key,
+    both anchored at the key's first word (``~``), never starting with ``#``."""
+    word = _word(name)
+    return name, f"{_EDGE}.{word}.#", f"{_EDGE}.#.{word}.#"
+
+
+def legacy_binding_key(name: str) -> str:
+    """The unanchored pattern earlier idembus versions bound for ``name`` (``#.<name>.#``),
+    which any routing key containing the word matched; ``declare`` removes it."""
+    return f"#.{_word(name)}.#"
+
+
+def expected_routing_key(message_type: str, enclosed: str | None) -> str:
+    """The routing key an event with these ``idembus.message_type`` and
+    ``idembus.enclosed_types`` values is published with: the hierarchy key when the
+    enclosed types are several and start with the type, else the type's name."""
+    names = [name for name, _ in parse_enclosed(enclosed)]
+    if len(names) > 1 and names[0] == message_type:
+        return routing_key(names)
+    return message_type
+
+
+def unexpected_routing_key(routing: str, message_type: str | None,
+                           enclosed: str | None) -> str | None:
+    """Why a delivery that came through the events exchange with key ``routing`` does not
+    belong to its headers (``None``: it does). Its key must be its type's name or the
+    hierarchy key of its enclosed types, so that an account allowed to publish some keys
+    cannot reach a subscriber of another type by setting that type's header."""
+    if message_type is None:
+        return None  # refused later, for the missing header
+    if routing in (message_type, expected_routing_key(message_type, enclosed)):
+        return None
+    return (f"its routing key {shown(routing)} is neither its type "
+            f"{shown(message_type)} nor that type's hierarchy key: it was published with "
+            "another type's key (refused, not handled)")
 
 
 def _word(name: str) -> str:

@@ -38,11 +38,11 @@ from .errors import ConfigurationError
 from .expiry import time_to_live
 
 #: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
-_WIRE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_WIRE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
 
 #: A parent reference of an event (``user/42``): no commas (they separate parents in the
 #: header and in the gateway's filter) and no whitespace.
-_PARENT = re.compile(r"^[^,\s]+$")
+_PARENT = re.compile(r"[^,\s]+")
 
 
 class Message(BaseModel):
@@ -96,7 +96,7 @@ class Message(BaseModel):
 
 
 def _check_wire_name(cls: type, name: object, what: str) -> None:
-    if not isinstance(name, str) or not _WIRE_NAME.match(name):
+    if not isinstance(name, str) or not _WIRE_NAME.fullmatch(name):
         raise ConfigurationError(
             f"{cls.__qualname__}: {what} {name!r} must start with a letter or '_'"
             " and contain only letters, digits, '_', '-' and '.'"
@@ -127,7 +127,7 @@ def parents_of(event: Event) -> tuple[str, ...]:
     """The event's :meth:`~Event.journal_parents`, checked."""
     parents = tuple(event.journal_parents())
     for parent in parents:
-        if not isinstance(parent, str) or not _PARENT.match(parent):
+        if not isinstance(parent, str) or not _PARENT.fullmatch(parent):
             raise ValueError(
                 f"{type(event).__qualname__}.journal_parents() gave {parent!r}: a parent is a "
                 "non-empty string without commas or whitespace, such as 'user/42'")

@@ -46,7 +46,7 @@ SCHEDULE_NAMESPACE = uuid.UUID("2b8f3c4e-7d1a-5e69-b0c2-5a4d8e9f1c37")
 #: A function building the message of one occurrence from its time (aware, UTC).
 MessageFactory = Callable[[datetime.datetime], Message]
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}")
 _UTC = datetime.timezone.utc
 #: Where construction looks for a first occurrence (any fixed moment would do).
 _REFERENCE = datetime.datetime(2001, 1, 1, tzinfo=_UTC)
@@ -86,7 +86,7 @@ class Schedule:
     _zone: zoneinfo.ZoneInfo = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigurationError(
                 f"schedule name {self.name!r} must be 1 to 100 letters, digits, '_', '-' or "
                 "'.', starting with a letter, digit or '_' (e.g. 'nightly-rollup')")

@@ -12,6 +12,7 @@ hierarchy both get it; deduplication stays per (handler, message id).
 from __future__ import annotations
 
 import inspect
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -21,6 +22,33 @@ from typing import Any, Union
 from ..messages import Message, enclosed_types, is_message_type, message_name
 from .base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
 from .errors import HandlerDefinitionError
+
+#: What an aggregate type name may be: a storage name (a MongoDB collection, a PostgreSQL
+#: column value), the event name of the gateway's replication stream, the first half of
+#: ``Type/id`` references. Letters, digits, ``_``, ``-`` and ``.``; no ``/``, ``,``,
+#: whitespace, ``$`` or line break. Checked with ``fullmatch``: ``$`` would accept a
+#: trailing newline.
+_AGGREGATE_TYPE = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,99}")
+#: Prefixes of names that idembus's own records and the database's use (``idembus_inbox``,
+#: ``idembus_journal``, ``idembus_parked``..., MongoDB's ``system.*``), compared in lower case.
+_RESERVED_PREFIXES = ("idembus", "system.")
+
+
+def check_aggregate_type(name: object, owner: str) -> None:
+    """Refuse an aggregate type name that could be read as something else: one with a line
+    break could forge events in the gateway's stream (``event: <type>`` is a line of it),
+    one with ``/`` forge a ``Type/id`` reference, one named like ``idembus_journal`` write
+    into idembus's own collections (the journal's entries, the inbox, parked messages)."""
+    if not isinstance(name, str) or not _AGGREGATE_TYPE.fullmatch(name):
+        raise HandlerDefinitionError(
+            f"{owner}: aggregate type {name!r} must start with a letter or '_', contain "
+            "only letters, digits, '_', '-' and '.', and be at most 100 characters (it names "
+            "the aggregate's storage, its stream events and its Type/id references)")
+    if name.lower().startswith(_RESERVED_PREFIXES):
+        raise HandlerDefinitionError(
+            f"{owner}: aggregate type {name!r} starts with a name idembus or the database "
+            f"reserves ({', '.join(_RESERVED_PREFIXES)}): its records would mix with "
+            "idembus's own (journal, inbox, parked messages); choose another aggregate_type")
 
 
 @dataclass(frozen=True)
@@ -243,6 +271,7 @@ def _check_aggregate(cls: type[AggregateHandler[Any]]) -> None:
         raise HandlerDefinitionError(
             f"{_qualified(cls)} must implement aggregate_id(self, message) -> str"
         )
+    check_aggregate_type(cls.storage_name(), _qualified(cls))
     for hook in ("aggregate_id", "new_state"):
         _refuse_async(cls, hook, inspect.getattr_static(cls, hook), hook=True)
     required = [name for name, field in cls.state_type.model_fields.items() if field.is_required()]

@@ -127,6 +127,9 @@ class ProcessedMessage:
     at: datetime.datetime | None = None
     #: Failed repairs by the outbox so far (undispatched entries only).
     attempts: int = 0
+    #: Bytes the backend keeps for this entry in its aggregate's record, where it bounds
+    #: records by size (MongoDB); 0: not known.
+    stored_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)

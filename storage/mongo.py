@@ -7,7 +7,8 @@ Features
       {_id: <aggregate id>, version: <int>, state: {...}, state_version: <int>,
        updated_at: <datetime>, completed: <bool>,
        processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
-                    endpoint: <committing endpoint>}, ...]}
+                    endpoint: <committing endpoint>, bytes: <int>,
+                    spill: <token>, count: <int>}, ...]}
 
 * Commit of an existing aggregate: ``update_one`` matching ``_id``, the loaded ``version``
   and ``processed.key != key``; ``$set`` state and version, ``$push`` the entry with
@@ -15,6 +16,16 @@ Features
   entry whose messages were never dispatched: the window never forgets what the outbox
   still has to send.
 * Creation: ``insert_one``; a duplicate-key error is a lost race like any other.
+* Bounded in bytes, not only in count, so that idembus's bookkeeping never reaches MongoDB's
+  16 MiB: an entry keeps its messages inline only up to 16 KiB and while the document's
+  entries take under 1 MiB; otherwise they go to ``idembus_outgoing``
+  (:mod:`idembus.storage.mongo_spill`), written before the aggregate's write, under ids new
+  to the commit attempt, and referenced by the entry (``spill``, ``count``); the window
+  also ends early past 8 MiB of entries (only windows of many thousands get there). A
+  load with a key reads that entry's spilled messages only; ``expire`` deletes side
+  documents nobody references after an hour (a crash between the two writes, an entry
+  that left its window). Marked dispatched without ``keep_bodies``, a spilled entry keeps
+  its ids; its bodies are no longer read.
 * With ``retention=``, a TTL index (partial: dispatched records only) deletes inbox records
   of stateless handlers once older than it; aggregate documents keep their bounded window.
   TTL deletion is the server's: mongomock never deletes, so that path is verified only by
@@ -75,7 +86,7 @@ import pymongo.errors
 from ..envelope import Envelope, utc_now
 from ..errors import ConfigurationError
 from ..redaction import redact
-from . import mongo_changes
+from . import mongo_changes, mongo_spill
 from .base import (
     AUDIT_BUCKETS,
     DEFAULT_PROCESSED_WINDOW,
@@ -128,7 +139,7 @@ PARKED = "idembus_parked"
 #: The aggregate collections idembus wrote, one document ``{_id: <collection name>}`` each.
 AGGREGATES = "idembus_aggregates"
 _INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED,
-                                   AGGREGATES})
+                                   AGGREGATES, mongo_spill.SPILL})
 #: How often one entry's append may lose the race for the next position before giving up.
 _APPEND_TRIES = 1000
 
@@ -191,6 +202,8 @@ class MongoStorage(Storage):
         self._bulk_updates = bulk_updates_work(client)
         # Appends rely on the journal's unique index: made once, even without migrate().
         self._journal_indexed = False
+        #: Whether this process made the indexes of the spilled messages' collection.
+        self._spill_indexed = False
 
     @classmethod
     def embedded(
@@ -209,9 +222,9 @@ class MongoStorage(Storage):
     ) -> AggregateRecord:
         with self._guard, _translated():
             document = self.database[aggregate_type].find_one({"_id": aggregate_id})
-        if document is None:
-            return AggregateRecord(aggregate_type, aggregate_id)
-        return _record_from(aggregate_type, document)
+            if document is None:
+                return AggregateRecord(aggregate_type, aggregate_id)
+            return self._records_of(aggregate_type, [document], key)[0]
 
     def commit(
         self,
@@ -223,12 +236,14 @@ class MongoStorage(Storage):
         completed: bool = False,
         state_version: int | None = None,
     ) -> None:
-        where, document = self._write_of(PendingCommit(
+        token = uuid.uuid4().hex
+        where, document, side = self._write_of(PendingCommit(
             loaded, key, state, tuple(outgoing),
-            {"completed": completed, "state_version": state_version}))
+            {"completed": completed, "state_version": state_version}), token)
         collection = self.database[loaded.aggregate_type]
         with self._guard, _translated():
             self._own(loaded.aggregate_type)  # before the write: the outbox must find it
+            self._spill(side)  # first: the entry references it only if its write applies
             if where is None:
                 try:
                     collection.insert_one(document)
@@ -238,38 +253,72 @@ class MongoStorage(Storage):
             else:
                 if collection.update_one(where, document).matched_count == 1:
                     return
+            self._unspill([token] if side else [])
             raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
-    def _write_of(self, pending: PendingCommit, token: str | None = None
-                  ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-        """The conditional write of one commit: ``(None, document)`` creating the aggregate,
-        or ``(filter, update)`` updating it at the loaded version if the key is not among
-        its processed messages. ``token`` marks its entry (``commit``), by which a group
+    def _spill(self, side: Sequence[Mapping[str, Any]]) -> None:
+        """Write the side documents of spilled entries (:mod:`idembus.storage.mongo_spill`),
+        their collection indexed first (once per process)."""
+        if side:
+            if not self._spill_indexed:
+                mongo_spill.index(self.database)
+                self._spill_indexed = True
+            self.database[mongo_spill.SPILL].insert_many(list(side), ordered=False)
+
+    def _unspill(self, tokens: Sequence[str]) -> None:
+        """Delete the side documents of commits that did not apply (a crash before this
+        leaves them to :func:`~idembus.storage.mongo_spill.sweep`)."""
+        if tokens:
+            self.database[mongo_spill.SPILL].delete_many({"ref": {"$in": list(tokens)}})
+
+    def _write_of(self, pending: PendingCommit, token: str, *, mark: bool = False
+                  ) -> tuple[dict[str, Any] | None, dict[str, Any], list[dict[str, Any]]]:
+        """The conditional write of one commit: ``(None, document, side)`` creating the
+        aggregate, or ``(filter, update, side)`` updating it at the loaded version if the
+        key is not among its processed messages; ``side``: the side documents its outgoing
+        messages are spilled to, if they are (to be written first). ``token`` names the
+        side documents; with ``mark`` it also marks the entry (``commit``), by which a group
         commit recognises the writes that applied."""
         loaded, outgoing = pending.loaded, pending.outgoing
         completed = bool(pending.options.get("completed", False))
+        records = [envelope.to_record() for envelope in outgoing]
+        ids = [envelope.message_id for envelope in outgoing]
         entry: dict[str, Any] = {
             "key": pending.key,
-            "outgoing": [envelope.to_record() for envelope in outgoing],
-            "ids": [envelope.message_id for envelope in outgoing],
+            "outgoing": records,
+            "ids": ids,
             "dispatched": not outgoing,
             "at": utc_now(),
             "endpoint": committed_by(outgoing),
         }
-        if token is not None:
+        if mark:
             entry["commit"] = token
+        size = mongo_spill.size_of(records, ids) if outgoing else 0
+        kept = self._kept_entries(loaded)
+        side: list[dict[str, Any]] = []
+        if size > mongo_spill.INLINE_BYTES or (
+                size and _inline_bytes(kept) + size > mongo_spill.WINDOW_BYTES):
+            where = {"collection": loaded.aggregate_type, "aggregate_id": loaded.aggregate_id,
+                     "key": pending.key}
+            side = mongo_spill.chunks(token, where, records, ids, entry["at"])
+            entry.update(outgoing=[], ids=[], spill=token, count=len(records))
+            size = 0
+        bare = mongo_spill.bare_bytes(pending.key)
+        entry["bytes"] = size + bare
+        # What it takes once dispatched without keep_bodies: its ids stay inline.
+        entry["lean"] = bare + (mongo_spill.size_of([], entry["ids"]) if size else 0)
         fields = {"state": dict(pending.state) if pending.state is not None and not completed
                   else None,
                   "state_version": pending.options.get("state_version"),
                   "updated_at": entry["at"], "completed": completed}
         if not loaded.exists:
             return None, {"_id": loaded.aggregate_id, "version": 1, **fields,
-                          "processed": [entry]}
+                          "processed": [entry]}, side
         return ({"_id": loaded.aggregate_id, "version": loaded.version,
                  "processed.key": {"$ne": pending.key}},
                 {"$set": {**fields, "version": loaded.version + 1},
                  "$push": {"processed": {"$each": [entry],
-                                         "$slice": -self._kept_after(loaded)}}})
+                                         "$slice": -(len(kept) + 1)}}}, side)
 
     def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
         """On a MongoDB server, one unordered ``bulk_write`` per aggregate collection: each
@@ -302,16 +351,17 @@ class MongoStorage(Storage):
                      group: Sequence[PendingCommit]) -> dict[int, Exception]:
         """One unordered ``bulk_write`` of ``group``'s writes; the refusals by position."""
         tokens = [uuid.uuid4().hex for _ in group]
-        writes = [self._write_of(pending, token) for pending, token in zip(group, tokens,
-                                                                          strict=True)]
+        writes = [self._write_of(pending, token, mark=True)
+                  for pending, token in zip(group, tokens, strict=True)]
         operations: list[Any] = [pymongo.InsertOne(document) if where is None
                                  else pymongo.UpdateOne(where, document)
-                                 for where, document in writes]
-        updates = [index for index, (where, _) in enumerate(writes) if where is not None]
+                                 for where, document, _ in writes]
+        updates = [index for index, (where, _, _) in enumerate(writes) if where is not None]
         collection = self.database[aggregate_type]
         failed: set[int] = set()
         with self._guard, _translated():
             self._own(aggregate_type)  # before the writes: the outbox must find them
+            self._spill([document for _, _, side in writes for document in side])
             try:
                 matched = collection.bulk_write(operations, ordered=False).matched_count
             except pymongo.errors.BulkWriteError as partial:
@@ -328,21 +378,29 @@ class MongoStorage(Storage):
                                                            {"processed.commit": 1})
                            for entry in document.get("processed", ())}
                 failed |= {index for index in updates if tokens[index] not in applied}
+            self._unspill([tokens[index] for index in sorted(failed) if writes[index][2]])
         return {index: self._refusal_in_group(group[index]) for index in sorted(failed)}
 
-    def _kept_after(self, loaded: AggregateRecord) -> int:
-        """How many entries the commit after ``loaded`` keeps: the newest
-        ``processed_window``, stretched back to the oldest entry whose messages were not
-        dispatched, which must stay for the outbox. Decided from the loaded record: the
-        commit only applies at its version (no entry was added since), and an entry only
-        ever changes from undispatched to dispatched, so nothing undispatched is cut."""
+    def _kept_entries(self, loaded: AggregateRecord) -> list[ProcessedMessage]:
+        """The loaded entries the commit after ``loaded`` keeps beside its own: the newest
+        ``processed_window - 1`` as long as their bytes fit in
+        :data:`~idembus.storage.mongo_spill.KEPT_BYTES`, stretched back to the oldest
+        entry whose messages were not dispatched, which must stay for the outbox. Decided
+        from the loaded record: the commit only applies at its version (no entry was added
+        since), and an entry only ever changes from undispatched to dispatched, so nothing
+        undispatched is cut."""
         entries = list(loaded.processed.values())  # in stored order, oldest first
-        after = len(entries) + 1
+        start, taken = len(entries), 0
+        while start > 0 and len(entries) - start < self.processed_window - 1:
+            taken += entries[start - 1].stored_bytes
+            if taken > mongo_spill.KEPT_BYTES:
+                break
+            start -= 1
         oldest_pending = next((index for index, entry in enumerate(entries)
                                if not entry.dispatched), None)
-        if oldest_pending is None:
-            return self.processed_window
-        return max(self.processed_window, after - oldest_pending)
+        if oldest_pending is not None:
+            start = min(start, oldest_pending)
+        return entries[start:]
 
     def mark_dispatched(self, aggregate_type: str, aggregate_id: str, key: str, *,
                         keep_bodies: bool = False, lease: Lease | None = None,
@@ -351,7 +409,9 @@ class MongoStorage(Storage):
             self.append_journal(journal)
         changes: dict[str, Any] = {"processed.$.dispatched": True}
         if not keep_bodies:
+            # A spilled entry's side documents keep its ids; their bodies are no longer read.
             changes["processed.$.outgoing"] = []
+            changes["processed.$.bodies"] = False
         where: dict[str, Any] = {"_id": aggregate_id, "processed.key": key}
         with self._guard, _translated():
             if lease is not None:
@@ -374,6 +434,9 @@ class MongoStorage(Storage):
         """Delete up to ``batch`` tombstones completed before ``now - retention`` whose
         entries were all dispatched (processed entries inside live aggregates stay in
         their window; the inbox's expire by the TTL index)."""
+        with self._guard, _translated():
+            mongo_spill.sweep(self.database, now, grace=max(
+                mongo_spill.GRACE, self.retention or mongo_spill.GRACE), batch=batch)
         if self.retention is None:
             return 0
         doomed: dict[str, Any] = {
@@ -403,15 +466,18 @@ class MongoStorage(Storage):
             for name in self._aggregate_collections():
                 for document in self.database[name].find(
                         {"processed": {"$elemMatch": pending}}).limit(limit):
-                    for entry in document["processed"]:
-                        at = _utc(entry.get("at"))
-                        mine = endpoint is None or entry.get("endpoint") in (endpoint, None)
-                        if not entry.get("dispatched", False) and at and at < committed_before \
-                                and mine:
-                            found.append((at, Undispatched(
-                                name, document["_id"], entry["key"],
-                                tuple(Envelope.from_record(o) for o in entry["outgoing"]),
-                                int(entry.get("attempts", 0)))))
+                    entries = [(at, entry) for entry in document["processed"]
+                               if not entry.get("dispatched", False)
+                               and (at := _utc(entry.get("at"))) and at < committed_before
+                               and (endpoint is None
+                                    or entry.get("endpoint") in (endpoint, None))]
+                    spilled = mongo_spill.fetch(self.database[mongo_spill.SPILL],
+                                                mongo_spill.wanted_of(e for _, e in entries))
+                    for at, entry in entries:
+                        found.append((at, Undispatched(
+                            name, document["_id"], entry["key"],
+                            _entry_from(entry, spilled).outgoing,
+                            int(entry.get("attempts", 0)))))
         return [item for _, item in sorted(found, key=lambda pair: pair[0])][:limit]
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
@@ -449,6 +515,18 @@ class MongoStorage(Storage):
             add(OVERDUE_DELAYED, self._delayed_messages.aggregate(delayed))
         return [Overdue(endpoint, kind, count, since)
                 for (endpoint, kind), (count, since) in groups.items()]
+
+    def _records_of(self, aggregate_type: str, documents: Sequence[Mapping[str, Any]],
+                    key: str | None = None) -> list[AggregateRecord]:
+        """The records of ``documents``, with the messages of their spilled entries read
+        from the side collection (one query); given ``key``, only that entry's (a load
+        promises no more, and the others' can be many): the other spilled entries are
+        loaded without their messages and ids."""
+        wanted = mongo_spill.wanted_of((entry for document in documents
+                                        for entry in document.get("processed", ())), key)
+        spilled = (mongo_spill.fetch(self.database[mongo_spill.SPILL], wanted) if wanted
+                   else {})
+        return [_record_from(aggregate_type, document, spilled) for document in documents]
 
     def _own(self, name: str) -> None:
         """Note ``name`` as an aggregate collection of idembus's and give it the index that
@@ -543,8 +621,8 @@ class MongoStorage(Storage):
             with self._guard, _translated():
                 documents = list(self.database[aggregate_type].find(wanted)
                                  .sort("_id", 1).limit(self.records_page))
-            for document in documents:
-                yield _record_from(aggregate_type, document)
+                records = self._records_of(aggregate_type, documents)
+            yield from records
             if len(documents) < self.records_page:
                 return
             wanted = {"_id": {"$gt": documents[-1]["_id"]}}
@@ -760,6 +838,8 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             self._delayed_messages.create_index([("due", pymongo.ASCENDING)])
             self._index_journal()
+            mongo_spill.index(self.database)
+            self._spill_indexed = True
             self._own_existing_collections()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified
@@ -841,17 +921,11 @@ def _scheduled_id(envelope: Envelope) -> str:
     return "|".join(scheduled_key(envelope))
 
 
-def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateRecord:
-    processed = {
-        entry["key"]: ProcessedMessage(
-            key=entry["key"],
-            outgoing=tuple(Envelope.from_record(o) for o in entry.get("outgoing", ())),
-            outgoing_ids=tuple(entry.get("ids", ())),
-            dispatched=bool(entry.get("dispatched", False)),
-            at=_utc(entry.get("at")),
-        )
-        for entry in document.get("processed", ())
-    }
+def _record_from(aggregate_type: str, document: Mapping[str, Any],
+                 spilled: Mapping[str, tuple[list[Mapping[str, Any]], list[str]]]
+                 ) -> AggregateRecord:
+    processed = {entry["key"]: _entry_from(entry, spilled)
+                 for entry in document.get("processed", ())}
     # Documents written before updated_at existed: the newest remembered commit.
     last_commit = max((entry.at for entry in processed.values() if entry.at is not None),
                       default=None)
@@ -865,6 +939,29 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any]) -> AggregateR
         completed=bool(document.get("completed", False)),
         state_version=document.get("state_version"),
     )
+
+
+def _entry_from(entry: Mapping[str, Any],
+                spilled: Mapping[str, tuple[list[Mapping[str, Any]], list[str]]]
+                ) -> ProcessedMessage:
+    """One processed entry, its messages inline or from its side documents."""
+    spill = entry.get("spill")
+    records, ids = (spilled.get(spill, ([], [])) if isinstance(spill, str)
+                    else (entry.get("outgoing", ()), entry.get("ids", ())))
+    size = entry.get("lean" if entry.get("bodies") is False else "bytes")
+    return ProcessedMessage(
+        key=entry["key"],
+        outgoing=tuple(Envelope.from_record(o) for o in records),
+        outgoing_ids=tuple(ids),
+        dispatched=bool(entry.get("dispatched", False)),
+        at=_utc(entry.get("at")),
+        stored_bytes=size if isinstance(size, int) else len(bson.encode(entry)),
+    )
+
+
+def _inline_bytes(entries: Sequence[ProcessedMessage]) -> int:
+    """The bytes ``entries`` take on their aggregate's document."""
+    return sum(entry.stored_bytes for entry in entries)
 
 
 def _journal_document(entry: JournalEntry, position: int,

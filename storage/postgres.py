@@ -110,7 +110,7 @@ from .write_behind import Batcher
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
 
-_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 #: Key of the advisory lock that serialises schema creation (an arbitrary constant).
 _SCHEMA_LOCK = 0x1DE3B05
 
@@ -131,7 +131,7 @@ class PostgresStorage(Storage):
         #: Processed rows whose messages were dispatched are deleted after this long
         #: (``None``: kept). Undispatched rows are never deleted.
         self.retention = retention
-        if not _IDENTIFIER.match(table_prefix):
+        if not _IDENTIFIER.fullmatch(table_prefix):
             raise ConfigurationError(
                 f"table_prefix {table_prefix!r} must be lower-case letters, digits and '_'"
             )

@@ -149,7 +149,8 @@ def test_events_without_bases_keep_their_name_as_routing_key_and_others_name_eve
     assert routing_key_of(OrderEvent) == "shop.OrderEvent"
     assert routing_key_of(RushOrderPlaced) == (
         "~.shop~RushOrderPlaced.shop~OrderPlaced.shop~OrderEvent.~")
-    assert binding_keys("shop.OrderEvent") == ("shop.OrderEvent", "#.shop~OrderEvent.#")
+    assert binding_keys("shop.OrderEvent") == (
+        "shop.OrderEvent", "~.shop~OrderEvent.#", "~.#.shop~OrderEvent.#")
     assert routing_key(["a"]) == "a"
 
 

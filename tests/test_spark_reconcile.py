@@ -256,11 +256,13 @@ def test_bad_lines_fail_the_reconciliation_before_anything_is_emitted(
         {"type": "Account", "id": "a3", "timestamp": "yesterday"},
         {"type": "Account", "timestamp": 1},
         {"type": "Account", "id": "a4", "timestamp": 1, "parents": ["user 4"]},
+        # Java's $ accepted a trailing line break, which parents_of refuses
+        {"type": "Account", "id": "a5", "timestamp": 1, "parents": ["user/5\n"]},
     ])
     with pytest.raises(BadDump) as refused:
         reconcile(spark, endpoint, [str(dump)])
     message = str(refused.value)
-    assert "4 bad line(s); nothing was reconciled" in message
+    assert "5 bad line(s); nothing was reconciled" in message
     assert "bad.jsonl" in message and "not json at all" in message
     assert "neither ISO 8601" in message and "no id" in message and "parents must be" in message
     assert endpoint.storage.read_journal(after=0) == []

@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=Delivery)
 
-_PREFIX = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+_PREFIX = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 
 
 def check_prefix(prefix: str) -> None:
     """Refuse a table or collection prefix that is not a plain lower-case identifier."""
-    if not _PREFIX.match(prefix):
+    if not _PREFIX.fullmatch(prefix):
         raise ConfigurationError(
             f"prefix {prefix!r} must be lower-case letters, digits and '_' (at most 41, not "
             "starting with a digit)")

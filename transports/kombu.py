@@ -5,7 +5,11 @@ Features
 * ``amqp://`` (RabbitMQ): a durable queue per endpoint; a durable topic exchange for events,
   routed by the message type name (an event deriving from other events by the names of
   all its types, :mod:`idembus.hierarchy`); publisher confirms on by default; consumer
-  prefetch.
+  prefetch. Hierarchy bindings are anchored at the key's first word (no binding starts
+  with ``#``; ``declare`` removes the unanchored ``#.<name>.#`` of earlier versions), and a
+  delivery from the events exchange whose routing key is neither its type nor that type's
+  hierarchy key arrives with ``Delivery.wire_error`` set: topic permissions that bound an
+  account's routing keys bound which subscribers it reaches.
   Publishing happens on connections of its own: on one connection that also consumes,
   deliveries re-enter the consumer callback while a publish waits for its confirm.
   Delayed delivery is native (``native_delay``) and needs no plugin: a message whose
@@ -252,6 +256,8 @@ class KombuTransport(Transport):
                     self._events(channel).declare()
                 Queue(queue, durable=True, bindings=bindings or None,
                       queue_arguments=self._queue_arguments or None)(channel).declare()
+                if self._is_amqp:
+                    self._unbind_legacy(channel, queue, subscriptions)
                 if self._is_redis:
                     channel.client.sadd(REDIS_QUEUES, queue)
                 if delayed:
@@ -262,6 +268,15 @@ class KombuTransport(Transport):
         self._known_queues.add(queue)
         if delayed:
             self._delay_bound.add(queue)
+
+    def _unbind_legacy(self, channel: Any, queue: str, subscriptions: Collection[str]) -> None:
+        """Remove the unanchored ``#.<name>.#`` bindings an earlier idembus made for
+        ``queue``'s subscriptions (:func:`idembus.hierarchy.legacy_binding_key`): left in
+        place, any routing key containing the word would still reach the queue. RabbitMQ
+        answers an unbind of a binding that does not exist as done."""
+        for name in sorted(subscriptions):
+            channel.queue_unbind(queue=queue, exchange=self.exchange_name,
+                                 routing_key=hierarchy.legacy_binding_key(name))
 
     def _declare_delays(self, channel: Any, queue: str) -> None:
         """Declare the delay levels (once per transport) and bind ``queue``, which exists,
@@ -661,7 +676,8 @@ class KombuTransport(Transport):
 
             def on_message(message: kombu.Message) -> None:
                 ready.append(_KombuDelivery(queue, message, outage=outage,
-                                            native_requeue=self._is_amqp))
+                                            native_requeue=self._is_amqp,
+                                            events_exchange=self.exchange_name))
 
             return on_message
 
@@ -750,7 +766,8 @@ class KombuTransport(Transport):
 
         def on_message(message: kombu.Message) -> None:
             delivery = _KombuDelivery(queue, message, outage=outage,
-                                      native_requeue=self._is_amqp)
+                                      native_requeue=self._is_amqp,
+                                      events_exchange=self.exchange_name)
             self.deliver(delivery, on_delivery)
 
         return on_message
@@ -787,7 +804,7 @@ class KombuTransport(Transport):
             message = Queue(queue, durable=True, no_declare=True)(channel).get(no_ack=True)
         if message is None:
             return None
-        return _KombuDelivery(queue, message, settled=True)
+        return _KombuDelivery(queue, message, settled=True, events_exchange=self.exchange_name)
 
     @contextlib.contextmanager
     def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
@@ -994,13 +1011,15 @@ class _ChannelScope:
 class _KombuDelivery(Delivery):
     def __init__(self, queue: str, message: kombu.Message, *, settled: bool = False,
                  native_requeue: bool = True,
-                 outage: tuple[type[BaseException], ...] = ()) -> None:
+                 outage: tuple[type[BaseException], ...] = (),
+                 events_exchange: str | None = None) -> None:
         try:
             raw = {name: value for name, value
                    in delays.without_dead_letter_headers(message.headers or {}).items()
                    if name not in _BROKER_HEADERS}
             headers, problem = wire.text_headers(raw)
-            problem = _joined(problem, _encoding_problem(raw, message.content_encoding))
+            problem = _joined(problem, _encoding_problem(raw, message.content_encoding),
+                              _foreign_key(message, headers, events_exchange))
         except Exception as exc:  # input nobody foresaw: refused, never a stopped consumer
             log.exception("could not read the headers of a message of %r", queue)
             headers, problem = {}, f"its headers could not be read: {wire.shown(exc)}"
@@ -1094,11 +1113,24 @@ def event_routing_key(envelope: Envelope) -> str:
     """The routing key of a published event: its type's name, or, for an event that
     encloses several types (``idembus.enclosed_types``), the key that reaches the
     subscribers of each (:func:`idembus.hierarchy.routing_key`)."""
-    names = [name for name, _ in hierarchy.parse_enclosed(envelope.headers.get(
-        h.ENCLOSED_TYPES))]
-    if len(names) > 1 and names[0] == envelope.message_type:
-        return hierarchy.routing_key(names)
-    return envelope.message_type
+    return hierarchy.expected_routing_key(envelope.message_type,
+                                          envelope.headers.get(h.ENCLOSED_TYPES))
+
+
+def _foreign_key(message: kombu.Message, headers: Mapping[str, str],
+                 events_exchange: str | None) -> str | None:
+    """Why a delivery from the events exchange does not belong to its headers: its routing
+    key is neither its type's name nor that type's hierarchy key (``None``: it does, or it
+    came otherwise — sent to the queue, a delayed retry). Topic permissions bound the keys
+    an account publishes with; this check binds the type header to the key."""
+    info = message.delivery_info or {}
+    if events_exchange is None or info.get("exchange") != events_exchange:
+        return None
+    routing = info.get("routing_key")
+    if not isinstance(routing, str):
+        return None
+    return hierarchy.unexpected_routing_key(routing, headers.get(h.MESSAGE_TYPE),
+                                            headers.get(h.ENCLOSED_TYPES))
 
 
 def _give_back(deliveries: list[_KombuDelivery]) -> None:

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
-_ENDPOINT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_ENDPOINT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 class Endpoint:
@@ -722,7 +722,7 @@ def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock |
                    storage: StorageRole | None) -> None:
     """The endpoint's options that can be checked alone; a ConfigurationError saying what
     to fix for the first that is wrong."""
-    if not isinstance(name, str) or not _ENDPOINT_NAME.match(name):
+    if not isinstance(name, str) or not _ENDPOINT_NAME.fullmatch(name):
         raise ConfigurationError(
             f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'")
     if concurrency < 1:

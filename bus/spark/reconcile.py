@@ -119,8 +119,9 @@ _MILLIS = r"^-?[0-9]{1,15}$"
 #: ISO 8601, extended form: date, optional time (hh:mm, seconds, fraction), optional zone.
 _ISO = (r"^([0-9]{4}-[0-9]{2}-[0-9]{2})(?:[Tt ]([0-9]{2}:[0-9]{2})(:[0-9]{2}(?:\.[0-9]+)?)?)?"
         r"([Zz]|[+-][0-9]{2}(?::?[0-9]{2})?)?$")
-#: A valid parent reference (as :func:`idembus.messages.parents_of` checks).
-_PARENT = r"^[^,\s]+$"
+#: A valid parent reference (as :func:`idembus.messages.parents_of` checks). Java's ``$``,
+#: like Python's, also matches before a final line break: ``\z`` is the end of the text.
+_PARENT = r"^[^,\s]+\z"
 
 
 class Reconciled(Event, message_name="idembus.Reconciled"):
