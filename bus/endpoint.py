@@ -209,6 +209,7 @@ class Endpoint:
             raise ConfigurationError(
                 f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
         self.transport = _transport_from(transport)
+        self.transport.limit_bodies(name, max_bytes=max_message_bytes, error_queue=error_queue)
         #: How this endpoint recovers from failures.
         self.recoverability = recoverability or Recoverability()
         self.outbox_policy = _outbox_policy(outbox)
