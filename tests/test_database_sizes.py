@@ -17,7 +17,9 @@ findings 2 and 4).
 
 from __future__ import annotations
 
+import datetime
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -26,16 +28,21 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import bson
+import mongomock
 import psycopg
 import pytest
 
 from idembus import Command, Endpoint, Handler, handles
 from idembus import headers as h
 from idembus.transports.database import MAX_METADATA_BYTES
+from idembus.transports.mongo import MongoTransport
 from idembus.transports.postgres import PostgresTransport
 from tests.conftest import POSTGRES_URL, require_service
+from tests.contract.test_transport_contract import envelope
 from tests.test_workers import wait_until
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: The body of each oversized row, in bytes (built by the database, not sent).
 BIG = 50_000_000
 #: The limit the consumers are given.
@@ -89,39 +96,44 @@ def insert(transport: PostgresTransport, queue: str, headers: str, body_sql: str
             (queue, headers, body, copies) if body_sql == "%s" else (queue, headers, copies))
 
 
-# -- PostgreSQL: size before body ------------------------------------------------------------
-
-CONSUMER = textwrap.dedent("""
-    import json, resource, sys, threading
-    from idembus.transports.postgres import PostgresTransport
-
-    url, prefix, queue, error_queue, limit, good = sys.argv[1:7]
-    transport = PostgresTransport(url, table_prefix=prefix)
-    transport.limit_bodies(queue, max_bytes=int(limit), error_queue=error_queue)
+def consume_until(transport: Any, queue: str, count: int) -> list[bytes]:
+    """The bodies of the first ``count`` deliveries of ``queue`` (acknowledged)."""
     stop, received = threading.Event(), []
 
-    def on_delivery(delivery):
-        received.append(len(delivery.body))
+    def on_delivery(delivery: Any) -> None:
+        received.append(delivery.body)
         delivery.ack()
-        if len(received) >= int(good):
+        if len(received) >= count:
             stop.set()
 
     consumer = threading.Thread(target=transport.consume, args=(queue, on_delivery),
                                 kwargs={"stop": stop, "prefetch": 16})
     consumer.start()
-    stop.wait(60)
+    stop.wait(30)
     stop.set()
-    consumer.join(30)
-    after_consuming = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    consumer.join(10)
+    return received
+
+
+# -- PostgreSQL: size before body ------------------------------------------------------------
+
+CONSUMER = textwrap.dedent("""
+    import json, resource, sys
+    from idembus.transports.postgres import PostgresTransport
+    from tests.test_database_sizes import consume_until
+
+    url, prefix, queue, error_queue, limit, good = sys.argv[1:7]
+    transport = PostgresTransport(url, table_prefix=prefix)
+    transport.limit_bodies(queue, max_bytes=int(limit), error_queue=error_queue)
+    received = [len(body) for body in consume_until(transport, queue, int(good))]
     with transport.browse(error_queue, page=16) as messages:
         listed = [(d.headers.get("idembus.exception.message"), getattr(d, "body_size", None))
                   for d in messages]
     with transport.inspect(error_queue) as taken:
         inspected = len(taken)
     transport.close()
-    print(json.dumps({"received": received, "rss_consuming": after_consuming,
-                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      "listed": listed, "inspected": inspected}))
+    print(json.dumps({"received": received, "listed": listed, "inspected": inspected,
+                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """)
 
 
@@ -141,7 +153,8 @@ def test_a_consumer_moves_bodies_over_its_limit_to_the_error_queue_without_readi
     # error queue as `idembus errors` does
     done = subprocess.run(
         [sys.executable, "-c", CONSUMER, POSTGRES_URL, postgres.schema.prefix, queue,
-         error_queue, str(LIMIT), "2"], capture_output=True, text=True, timeout=120)
+         error_queue, str(LIMIT), "2"], capture_output=True, text=True, timeout=120,
+        cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
 
@@ -255,3 +268,148 @@ def test_no_row_stops_a_postgresql_queue(postgres: PostgresTransport) -> None:
             f"SELECT count(*) FROM {postgres.schema.messages} WHERE queue = %s",
             (queue,)).fetchone()
     assert left == (2,)
+
+
+# -- MongoDB (mongomock): the same ------------------------------------------------------------
+
+#: The body of each oversized document: mongomock keeps every document in this process, so
+#: the test counts the body bytes handed to the transport rather than its memory.
+MONGO_BIG = 2 * LIMIT
+
+
+class Counted:
+    """The transport's queue collection, counting the largest body it hands over."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.largest = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    def _seen(self, document: Any) -> Any:
+        if isinstance(document, dict) and isinstance(document.get("body"), bytes):
+            self.largest = max(self.largest, len(document["body"]))
+        return document
+
+    def find_one_and_update(self, *args: Any, **kwargs: Any) -> Any:
+        return self._seen(self._collection.find_one_and_update(*args, **kwargs))
+
+    def find_one(self, *args: Any, **kwargs: Any) -> Any:
+        return self._seen(self._collection.find_one(*args, **kwargs))
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        return CountedCursor(self, self._collection.find(*args, **kwargs))
+
+
+class CountedCursor:
+    """A cursor of :class:`Counted`'s collection, counting what it yields."""
+
+    def __init__(self, counted: Counted, cursor: Any) -> None:
+        self._counted = counted
+        self._cursor = cursor
+
+    def sort(self, *args: Any) -> CountedCursor:
+        return CountedCursor(self._counted, self._cursor.sort(*args))
+
+    def limit(self, count: int) -> CountedCursor:
+        return CountedCursor(self._counted, self._cursor.limit(count))
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._counted._seen(document) for document in self._cursor)
+
+
+@pytest.fixture
+def mongo() -> Iterator[MongoTransport]:
+    transport = MongoTransport(mongomock.MongoClient(), database=f"sz{uuid.uuid4().hex[:8]}")
+    try:
+        yield transport
+    finally:
+        transport.close()
+
+
+def test_a_mongodb_consumer_moves_bodies_over_its_limit_aside_without_reading_them(
+    mongo: MongoTransport,
+) -> None:
+    # Given sixteen messages of 2 MiB sent by idembus (which records each body's size),
+    # then two ordinary ones, in a queue whose consumer takes 1 MiB at most
+    queue, error_queue = "sizes", "sizes-error"
+    mongo.declare(queue)
+    mongo.limit_bodies(queue, max_bytes=LIMIT, error_queue=error_queue)
+    for _ in range(16):
+        mongo.send(envelope(destination=queue, body="x" * MONGO_BIG))
+    for text in ("one", "two"):
+        mongo.send(envelope(destination=queue, body=note_body(text).decode()))
+    counted = Counted(mongo.messages)
+    mongo.messages = counted
+
+    # When a consumer takes them
+    received = consume_until(mongo, queue, 2)
+
+    # Then it received the two ordinary ones, and no body over the limit reached it
+    assert received == [note_body("one"), note_body("two")]
+    assert counted.largest <= LIMIT
+    # And the big ones are in the error queue, whole, saying why
+    copies = list(counted._collection.find({"queue": error_queue}))
+    assert len(copies) == 16
+    for copy in copies:
+        headers = json.loads(copy["headers"])
+        assert copy["body"] == b"x" * MONGO_BIG and copy["lease"] is None
+        assert headers["custom.header"] == "kept as is"
+        assert headers[h.FAILED_QUEUE] == queue
+        assert f"the body of {MONGO_BIG} bytes exceeds max_message_bytes={LIMIT}" in (
+            headers[h.EXCEPTION_MESSAGE])
+    # And listing or inspecting the error queue reads none of their bodies, until a tool
+    # asks for one
+    with mongo.browse(error_queue, page=4) as messages:
+        listed = list(messages)
+    with mongo.inspect(error_queue) as taken:
+        assert [d.body_size for d in taken] == [MONGO_BIG] * 16  # type: ignore[attr-defined]
+    assert [d.body_size for d in listed] == [MONGO_BIG] * 16  # type: ignore[attr-defined]
+    assert counted.largest <= LIMIT
+    assert listed[0].body == b"x" * MONGO_BIG
+
+
+def test_no_document_stops_a_mongodb_queue(mongo: MongoTransport) -> None:
+    # Given, between two ordinary notes, documents no idembus client writes: a string or
+    # overflowing delivery count, no body or a text body, headers that are a number, a
+    # content encoding that is not text, a size that is not a number, a due time that is
+    # not a time
+    endpoint = running(mongo, "wedge")
+    queue = "wedge"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    hostile = [
+        {"deliveries": "x"}, {"deliveries": 2**31 - 1}, {"deliveries": float("nan")},
+        {"body": None}, {"body": "text"}, {"headers": 5}, {"content_encoding": 7},
+        {"size": "big"}, {"visible_at": "soon"},
+    ]
+    try:
+        def write(text: str, **fields: Any) -> None:
+            body = note_body(text)
+            document = {
+                "_id": uuid.uuid4().hex, "queue": queue, "headers": note_row(text),
+                "body": body, "size": len(body), "content_type": "application/json",
+                "content_encoding": None, "visible_at": now, "order": bson.ObjectId(),
+                "leased_until": None, "lease": None, "deliveries": 0, **fields}
+            with mongo._guard:
+                mongo.messages.insert_one(document)
+
+        write("first")
+        for number, fields in enumerate(hostile):
+            write(f"bad{number}", **fields)
+        write("last")
+
+        # When the endpoint consumes them
+        assert wait_until(lambda: "last" in Notes.seen, timeout=30), Notes.seen
+        reasons = error_reasons(mongo, "wedge-error")
+    finally:
+        endpoint.close()
+
+    # Then the good ones are handled and every bad one is in the error queue, saying why
+    assert sorted(Notes.seen) == ["first", "last"]
+    assert len(reasons) == len(hostile), reasons
+    for said in ("its delivery count is 'x'", "its delivery count is 2147483647",
+                 "its delivery count is nan", "not bytes", "its headers are 5",
+                 "its content encoding is 7", "its size is 'big'",
+                 "its visible_at is 'soon', not a time"):
+        assert any(said in reason for reason in reasons), (said, reasons)

@@ -121,7 +121,8 @@ class BodyOnDemand:
     :attr:`body` fetches it — each time, one message's, never kept — when a tool asks for
     it (showing or retrying that message). Put before :class:`Delivery` in the bases."""
 
-    #: The size of the body left in the database (``None``: the body was read).
+    #: The size of the body left in the database, if known (``None`` too when the body was
+    #: read: see :attr:`body_left`).
     body_size: int | None = None
     _read_body: bytes = b""
     _fetch_body: Callable[[], bytes] | None = None
@@ -137,8 +138,14 @@ class BodyOnDemand:
     def body(self, value: bytes) -> None:
         self._read_body = value
 
-    def leave_body(self, size: int, fetch: Callable[[], bytes]) -> None:
-        """The body, of ``size`` bytes, stays in the database; ``fetch`` reads it."""
+    @property
+    def body_left(self) -> bool:
+        """Whether the body was left in the database (read on demand)."""
+        return self._fetch_body is not None
+
+    def leave_body(self, size: int | None, fetch: Callable[[], bytes]) -> None:
+        """The body, of ``size`` bytes (``None``: unknown), stays in the database;
+        ``fetch`` reads it."""
         self.body_size = size
         self._fetch_body = fetch
 

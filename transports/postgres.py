@@ -563,7 +563,7 @@ class PostgresTransport(BodyLimits, Transport):
         claimed = sorted((row for row in rows if row[0] is not None),
                          key=lambda row: (row[-2], row[0]))
         full = limit is not None and len(claimed) == limit
-        if move_oversized:
+        if move_oversized and limits.error_queue != queue:
             oversized = [row for row in claimed
                          if oversize(row[6], row[7], limits.max_bytes) is not None]
             if oversized:
