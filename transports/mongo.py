@@ -26,15 +26,18 @@ Features
   only documents whose fields it can use as they are (``$type`` checks: a numeric
   delivery count below 2**31 - 1, a binary body, headers that are text or a document,
   a content type and encoding that are text or absent, a numeric size within the
-  queue's limit, when there is one). A consumer moves every other due document of its
-  queue to the error queue inside the database — claimed with a projection without its
-  body, then updated: queue, failure headers (the original ones kept in
-  ``original_headers`` when they could not be read), due now — and never reads its
-  body; ``browse`` and ``inspect`` leave a body over the limit in the database until a
-  tool reads that message's body. A document written by another client without ``size``
-  is read whole, as before (MongoDB bounds it at 16 MiB; mongomock has neither
-  ``$bsonSize`` nor ``$binarySize``, so the size cannot be measured in the database
-  there).
+  queue's limit, when there is one). When those run short, a consumer moves the other
+  due documents of its queue to the error queue inside the database — claimed with a
+  projection without the body, then updated: queue, failure headers with the reason (the
+  original headers kept in ``original_headers`` when they could not be read), due now —
+  and never reads their bodies (a document whose due time is not a time is never due:
+  it stays where it is, in nobody's way); ``browse`` and ``inspect`` leave a body over
+  the limit in the database until a tool reads that message's body. A document written
+  by another client without ``size`` is read whole, as before (MongoDB bounds it at
+  16 MiB). **Not measured in the database**: mongomock has neither ``$bsonSize`` nor
+  ``$binarySize``, so the recorded ``size`` is trusted (a writer that lies about it is
+  read whole, within the document limit); a real server could measure the body with
+  ``$binarySize`` (MongoDB 4.4), left undone as nothing here could verify it.
 * Publish/subscribe: ``declare`` writes the queue's subscriptions; ``publish`` inserts one
   copy for each queue subscribed to the event's type or a type it derives from
   (``idembus.enclosed_types``), and returns False when there was none. Sends to a queue
@@ -364,32 +367,19 @@ class MongoTransport(BodyLimits, Transport):
                move_aside: bool) -> tuple[list[_MongoDelivery], int]:
         """Up to ``limit`` due messages of ``queue`` (all for ``None``), leased here, oldest
         due first (their leases are renewed until they are settled), and how many were
-        moved aside. First the documents a claim cannot use as they are (a body over the
-        queue's limit, fields of other types: :func:`_readable`), claimed without their
-        bodies: a consumer (``move_aside``) moves them to the error queue inside the
-        database; a tool gets them with their bodies left there. Then the others, whole."""
+        moved aside. First those a claim can use as they are (:func:`_readable`), whole;
+        if they are fewer than ``limit``, the due ones it cannot (a body over the queue's
+        limit, fields of other types), claimed without their bodies: a consumer
+        (``move_aside``) moves them to the error queue inside the database, a tool gets
+        them with their bodies left there. (Looking for those only when the others run
+        short keeps a claim on the index: ``$nor`` cannot use it.)"""
         token = secrets.randbits(63)
         limits = self.body_limit(queue)
         move_aside = move_aside and limits.error_queue != queue
         claimed: list[_MongoDelivery] = []
         moved = 0
         with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
-            while limit is None or len(claimed) + moved < limit:
-                now = _now()
-                document = self.messages.find_one_and_update(
-                    _aside(queue, now, limits.max_bytes),
-                    {"$set": {"leased_until": now + datetime.timedelta(
-                        seconds=self.visibility_timeout), "lease": token}},
-                    projection={"body": 0}, sort=[("visible_at", 1), ("order", 1)],
-                    return_document=pymongo.ReturnDocument.BEFORE)
-                if document is None:
-                    break
-                if move_aside:
-                    self._move_aside(queue, document, token)
-                    moved += 1
-                else:
-                    claimed.append(_MongoDelivery(self, queue, document, lease=token))
-            while limit is None or len(claimed) + moved < limit:
+            while limit is None or len(claimed) < limit:
                 now = _now()
                 document = self.messages.find_one_and_update(
                     {**_due(queue, now), **_readable(limits.max_bytes)},
@@ -401,6 +391,21 @@ class MongoTransport(BodyLimits, Transport):
                 if document is None:
                     break
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
+            while limit is None or len(claimed) + moved < limit:
+                now = _now()
+                document = self.messages.find_one_and_update(
+                    {"$and": [_due(queue, now), {"$nor": [_readable(limits.max_bytes)]}]},
+                    {"$set": {"leased_until": now + datetime.timedelta(
+                        seconds=self.visibility_timeout), "lease": token}},
+                    projection={"body": 0}, sort=[("visible_at", 1), ("order", 1)],
+                    return_document=pymongo.ReturnDocument.BEFORE)
+                if document is None:
+                    break
+                if move_aside:
+                    self._move_aside(queue, document, token)
+                    moved += 1
+                else:
+                    claimed.append(_MongoDelivery(self, queue, document, lease=token))
         self._leases.hold(claimed)
         return claimed, moved
 
@@ -693,16 +698,6 @@ def _readable(max_bytes: int) -> dict[str, Any]:
     }
 
 
-def _aside(queue: str, now: datetime.datetime, max_bytes: int) -> dict[str, Any]:
-    """The filter of ``queue``'s documents a claim cannot use as they are: due and not
-    :func:`_readable`, or whose due time or lease is not a time (never due otherwise)."""
-    return {"queue": queue, "$or": [
-        {"$and": [_due(queue, now), {"$nor": [_readable(max_bytes)]}]},
-        {"visible_at": {"$not": {"$type": "date"}}},
-        {"leased_until": {"$ne": None, "$not": {"$type": "date"}}},
-    ]}
-
-
 def _is_count(value: Any) -> TypeGuard[float]:
     """A number that counts: an int, or a finite float (not a bool)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -710,7 +705,8 @@ def _is_count(value: Any) -> TypeGuard[float]:
 
 
 def _flaws(document: Mapping[str, Any], *, is_bytes: bool, max_bytes: int) -> list[str]:
-    """What keeps a claim from using ``document`` (read without its body) as it is."""
+    """What keeps a claim from using ``document`` (due, read without its body) as it
+    is."""
     flaws = []
     deliveries = document.get("deliveries")
     if not _is_count(deliveries) or deliveries >= _MAX_DELIVERIES:
@@ -730,11 +726,6 @@ def _flaws(document: Mapping[str, Any], *, is_bytes: bool, max_bytes: int) -> li
         flaws.append(f"its size is {wire.shown(size)}, not a number")
     elif _is_count(size):
         flaws.append(oversize(int(size), None, max_bytes) or "")
-    for field in ("visible_at", "leased_until"):
-        value = document.get(field)
-        if not isinstance(value, datetime.datetime) and (field == "visible_at"
-                                                         or value is not None):
-            flaws.append(f"its {field} is {wire.shown(value)}, not a time")
     return [flaw for flaw in flaws if flaw]
 
 

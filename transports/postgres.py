@@ -25,6 +25,19 @@ Features
   pg_notify(<channel>, '')``, :func:`~idembus.transports.postgres_schema.channel`), and a
   requeue notifies too. A consumer also wakes when the next delayed message or lease of
   its queue is due, and at least every ``max_idle_wait`` seconds (one cheap query).
+* Size before body: a claim returns each row's body size (``octet_length``) and reads a
+  body only within the queue's limit (``limit_bodies``: the endpoint's
+  ``max_message_bytes``), and headers, content type and encoding only within
+  :data:`~idembus.transports.database.MAX_METADATA_BYTES`. A consumer moves the rows over
+  them to the endpoint's error queue in one ``UPDATE``: the failure headers are appended
+  to the stored JSON text (after the original ones, so they win; beside the original text,
+  in ``idembus.wire.original_headers``, where that is not a JSON object), the body stays
+  where it is and never reaches this process. ``browse`` and ``inspect`` leave such a body
+  in the database until a tool reads that delivery's body (``errors show``/``retry``);
+  ``get`` takes a message whole.
+* No row stops a queue: the delivery count saturates at 2**31 - 1 and a due time or lease
+  of ``'infinity'`` is never waited for, so a claim succeeds whatever a row holds; headers
+  that are not a JSON object reach the endpoint, which moves them to the error queue.
 * Delayed delivery is native (``native_delay``): a message whose ``idembus.deliver_at``
   is in the future is inserted with that due time (``visible_at``), to the microsecond;
   the delay is reckoned from this process's clock, the due time on the database's.
