@@ -115,6 +115,30 @@ def failure_story(headers: Mapping[str, str], reason: str, *, queue: str) -> dic
     return {name: value for name, value in full.items() if headers.get(name) != value}
 
 
+#: How much of the end of headers too large to read is read to find the failure story a move
+#: aside wrote there (:func:`story_at_end`), in characters.
+STORY_TAIL = 64 * 1024
+
+
+def story_at_end(tail: str | None) -> dict[str, str]:
+    """The failure headers at the end of ``tail`` — the end of a stored JSON object too
+    large to read, where a move aside appended them (:func:`failure_story` of no headers:
+    the exception type first) — or nothing. Inside a JSON string a quote is escaped, so the
+    last ``"<exception type header>":`` of the text starts the members written last."""
+    if not tail:
+        return {}
+    start = tail.rfind(f'"{h.EXCEPTION_TYPE}":')
+    if start < 0:
+        return {}
+    try:
+        found = json.loads("{" + tail[start:])
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {name: value for name, value in found.items() if isinstance(value, str)}
+
+
 class BodyOnDemand:
     """A delivery of a database transport whose body may have been left in the database
     (over the limit, for a tool): :attr:`body_size` is then its size, and reading

@@ -113,6 +113,7 @@ from ..storage.postgres_errors import (
 from .base import Delivery, OnDelivery, Transport
 from .database import (
     MAX_METADATA_BYTES,
+    STORY_TAIL,
     BodyLimits,
     BodyOnDemand,
     LeaseKeeper,
@@ -123,6 +124,7 @@ from .database import (
     oversize,
     read_headers,
     routing_names,
+    story_at_end,
     transport_error,
 )
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
@@ -142,13 +144,15 @@ _METADATA = ("(octet_length(m.headers::text) + coalesce(octet_length(m.content_t
              " + coalesce(octet_length(m.content_encoding), 0))")
 #: The columns a claim or a read returns: :data:`_COLUMNS`, but the body only if it is
 #: within ``%(max_body)s`` bytes and the rest only within ``%(max_metadata)s`` (else NULL,
-#: never read), then the sizes of the body and of the rest.
+#: never read), then the sizes of the body and of the rest, and, where the headers were not
+#: read, their end (where a move aside wrote the failure story: :func:`story_at_end`).
 _SIZED_COLUMNS = (
     f"m.id, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.headers::text END,"
     f" CASE WHEN {_METADATA} <= %(max_metadata)s AND octet_length(m.body) <= %(max_body)s"
     f" THEN m.body END, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_type END,"
     f" CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_encoding END, m.deliveries,"
-    f" octet_length(m.body), {_METADATA}")
+    f" octet_length(m.body), {_METADATA}, CASE WHEN {_METADATA} > %(max_metadata)s"
+    f" THEN right(m.headers::text, {STORY_TAIL}) END")
 #: Largest value of the ``integer`` column ``deliveries``: the count stops there.
 _MAX_DELIVERIES = 2**31 - 1
 
@@ -317,7 +321,7 @@ class PostgresTransport(BodyLimits, Transport):
             f" WHERE m.id = c.id RETURNING {_SIZED_COLUMNS}, c.visible_at) "
             "SELECT *, NULL::float8 FROM u UNION ALL "
             "SELECT NULL::bigint, NULL::text, NULL::bytea, NULL::text, NULL::text, NULL::int,"
-            " NULL::int, NULL::int, NULL::timestamptz, extract(epoch FROM least("
+            " NULL::int, NULL::int, NULL::text, NULL::timestamptz, extract(epoch FROM least("
             f"(SELECT min(visible_at) FROM {schema.messages} WHERE queue = %(queue)s"
             " AND visible_at > clock_timestamp() AND isfinite(visible_at)), "
             f"(SELECT min(leased_until) FROM {schema.messages} WHERE queue = %(queue)s"
@@ -828,11 +832,11 @@ class _PostgresDelivery(BodyOnDemand, Delivery):
                  lease: int, connection: psycopg.Connection[Any] | None = None,
                  settled: bool = False) -> None:
         row_id, raw_headers, body, content_type, content_encoding, deliveries = row[:6]
-        body_size, metadata_size = row[6:8] if len(row) >= 8 else (None, None)
+        body_size, metadata_size, tail = row[6:9] if len(row) >= 9 else (None, None, None)
         unread = (oversize(None, metadata_size, MAX_METADATA_BYTES)
                   if raw_headers is None else None)
-        headers, problem = ({}, unread) if unread else read_headers(raw_headers,
-                                                                     content_encoding)
+        headers, problem = ((story_at_end(tail), unread) if unread
+                            else read_headers(raw_headers, content_encoding))
         super().__init__(queue=queue, headers=headers,
                          body=b"" if body is None else bytes(body),
                          content_type=content_type, content_encoding=content_encoding,
