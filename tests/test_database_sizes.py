@@ -264,6 +264,9 @@ def test_no_row_stops_a_postgresql_queue(postgres: PostgresTransport) -> None:
         # is found at their end)
         with reader.browse("wedge-error") as messages:
             assert [d.headers.get(h.FAILED_QUEUE) for d in messages] == [queue] * 4
+        # (but not taken to retry or purge: a retry without those headers would lose them)
+        with reader.inspect("wedge-error") as taken:
+            assert len(taken) == 2
         reasons = error_reasons(reader, "wedge-error")
     finally:
         reader.close()

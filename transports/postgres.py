@@ -729,7 +729,10 @@ class PostgresTransport(BodyLimits, Transport):
     def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
         """The messages due in ``queue`` now, claimed (their leases renewed while the block
         runs); see the contract. Those left unsettled go back to their places; had the
-        process died, they would be due again after ``visibility_timeout``."""
+        process died, they would be due again after ``visibility_timeout``. A body over the
+        queue's limit is read when a tool reads it; a message whose headers are too large
+        to read is given back at once (a tool that retried it without them would lose
+        them): ``browse`` lists it, and SQL removes it."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be at least 0, got {limit}")
         if limit == 0:
@@ -737,6 +740,12 @@ class PostgresTransport(BodyLimits, Transport):
             return
         with self._connection(f"taking the messages of {queue!r}") as connection:
             taken, _, _ = self._claim(connection, queue, limit, move_oversized=False)
+        unread = [delivery for delivery in taken if delivery.headers_left]
+        if unread:
+            log.warning("%d message(s) of %r left out: their headers are too large to read "
+                        "(see them with browse; remove them with SQL)", len(unread), queue)
+            self._give_back(unread)
+            taken = [delivery for delivery in taken if not delivery.headers_left]
         for delivery in taken:
             delivery.connection = None  # settled through the pool, from any thread
         try:
@@ -843,6 +852,9 @@ class _PostgresDelivery(BodyOnDemand, Delivery):
                          redelivered=int(deliveries) > 1, wire_error=problem)
         if body is None and body_size is not None:
             self.leave_body(body_size, lambda: transport._body_of(row_id, queue))
+        #: Its headers were too large to read: :attr:`headers` holds only the failure
+        #: story found at their end, if any.
+        self.headers_left = unread is not None
         self.settled = settled
         #: The row's id and the claim's lease token.
         self.row_id: int = row_id
