@@ -39,8 +39,8 @@ from idembus.cli import errors as cli_errors
 from idembus.cli import main
 from idembus.cli.supervisor import EXIT_CONFIGURATION
 from idembus.envelope import Envelope
+from idembus.failures import FAILURE_HEADERS
 from idembus.handlers import AggregateHandler, Handler, handles
-from idembus.runtime.recoverability.failure_headers import FAILURE_HEADERS
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle

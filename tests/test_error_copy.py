@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
-from idembus.handlers import Handler, handles
-from idembus.runtime.recoverability.failure_headers import (
+from idembus.failures import (
     HEADERS_BUDGET,
     MAX_EXCEPTION_MESSAGE,
     MAX_STACK_TRACE,
     failure_headers,
 )
+from idembus.handlers import Handler, handles
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.testing import wait_until_idle
 from tests.support import Deposit, SignalCounter

@@ -22,10 +22,10 @@ from idembus.cli.status import summarise
 from idembus.context import MessageContext
 from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.expiry import expiry_of
+from idembus.failures import failure_headers
 from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.observability.metrics import Metrics
 from idembus.routing import Router
-from idembus.runtime.recoverability.failure_headers import failure_headers
 from idembus.runtime.status import StatusReporter
 from idembus.sending import Bus
 from idembus.storage.base import AggregateRecord

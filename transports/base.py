@@ -165,6 +165,13 @@ class Transport(ABC):
             "messages; tools that look at queues need a transport that implements inspect()"
         )
 
+    def limit_bodies(self, queue: str, *, max_bytes: int, error_queue: str) -> None:
+        """The consumers of ``queue`` take no body over ``max_bytes`` into this process: a
+        transport that can tell a message's size before reading its body (the database
+        queues) moves such a message to ``error_queue`` itself, unread, with the failure
+        headers; the others deliver it, and the endpoint refuses it. The endpoint calls
+        this with its ``max_message_bytes`` and error queue; this default does nothing."""
+
     def migrate(self) -> bool:
         """Create what this transport keeps in a database (tables, indexes) if it does not
         exist yet; idempotent (``idembus migrate`` runs it). True if there was anything to

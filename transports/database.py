@@ -14,6 +14,13 @@
   says so at WARNING once per queue and cause every 10 s (:class:`Reconnects`).
 * A claimed message is leased: :class:`LeaseKeeper` renews the leases of the deliveries
   not settled yet, so a slow handler keeps its message while a dead one does not.
+* Size before body: a claim learns the size of each body (and of the headers) before it
+  reads any. A consumer moves a message over its queue's :class:`BodyLimit` to the error
+  queue inside the database, body and all, with the failure headers of
+  :func:`failure_story`; it never brings that body into this process. ``browse`` and
+  ``inspect`` leave such a body in the database too (:class:`BodyOnDemand`): it is read,
+  one message at a time, only when a tool asks for that message's body (``errors show``,
+  ``errors retry``).
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .. import headers as h
 from .. import hierarchy, wire
 from ..envelope import Envelope
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, MalformedMessage
+from ..failures import failure_headers
 from ..logs import Throttle
 from ..policies import Backoff
 from ..redaction import redact
@@ -41,6 +50,128 @@ log = logging.getLogger(__name__)
 D = TypeVar("D", bound=Delivery)
 
 _PREFIX = re.compile(r"[a-z_][a-z0-9_]{0,40}")
+
+#: Most bytes of a stored message's headers, content type and content encoding together
+#: that a claim reads; a message whose are larger is moved aside unread, like a body over
+#: its limit (idembus's own headers weigh a few hundred bytes; an error copy's at most
+#: :data:`idembus.failures.HEADERS_BUDGET`).
+MAX_METADATA_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class BodyLimit:
+    """What a database transport does with the messages of one queue whose body is over
+    ``max_bytes``: its consumers move them to ``error_queue`` inside the database, unread
+    (:meth:`BodyLimits.limit_bodies`; the endpoint sets its ``max_message_bytes`` and error
+    queue)."""
+
+    max_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    error_queue: str = "error"
+
+
+class BodyLimits:
+    """The :class:`BodyLimit` of each queue a transport consumes (the default one for a
+    queue nobody limited)."""
+
+    def __init__(self) -> None:
+        self._body_limits: dict[str, BodyLimit] = {}
+
+    def limit_bodies(self, queue: str, *, max_bytes: int, error_queue: str) -> None:
+        """Move the messages of ``queue`` whose body is over ``max_bytes`` to
+        ``error_queue`` inside the database, without reading their bodies."""
+        if max_bytes < 1:
+            raise ConfigurationError(f"max_bytes must be at least 1, got {max_bytes}")
+        if error_queue == queue:
+            raise ConfigurationError(f"the error queue cannot be {queue!r} itself")
+        self._body_limits[queue] = BodyLimit(max_bytes, error_queue)
+
+    def body_limit(self, queue: str) -> BodyLimit:
+        """The limit of ``queue`` (the default: 1 MiB, to ``error``)."""
+        return self._body_limits.get(queue) or BodyLimit()
+
+
+def oversize(body_bytes: int | None, metadata_bytes: int | None, max_bytes: int) -> str | None:
+    """Why a stored message of these sizes is not read (``None``: it is)."""
+    if metadata_bytes is not None and metadata_bytes > MAX_METADATA_BYTES:
+        return (f"its headers, content type and content encoding take {metadata_bytes} "
+                f"bytes; at most {MAX_METADATA_BYTES} are read")
+    if body_bytes is not None and body_bytes > max_bytes:
+        return f"the body of {body_bytes} bytes exceeds max_message_bytes={max_bytes}"
+    return None
+
+
+def failure_story(headers: Mapping[str, str], reason: str, *, queue: str) -> dict[str, str]:
+    """The failure headers of a message of ``queue`` that the database moves to the error
+    queue for ``reason`` (a :class:`~idembus.errors.MalformedMessage`, never attempted):
+    those of :func:`~idembus.failures.failure_headers` that ``headers`` (what was
+    read of the original ones; may be empty) does not already hold. Written after the
+    original ones, they win over an earlier failure's."""
+    try:
+        delayed = max(0, int(headers.get(h.DELAYED_ATTEMPTS) or 0))
+    except ValueError:
+        delayed = 0
+    full = failure_headers(headers, MalformedMessage(reason), queue=queue,
+                           immediate_attempts=0, delayed_attempts=delayed)
+    return {name: value for name, value in full.items() if headers.get(name) != value}
+
+
+#: How much of the end of headers too large to read is read to find the failure story a move
+#: aside wrote there (:func:`story_at_end`), in characters.
+STORY_TAIL = 64 * 1024
+
+
+def story_at_end(tail: str | None) -> dict[str, str]:
+    """The failure headers at the end of ``tail`` — the end of a stored JSON object too
+    large to read, where a move aside appended them (:func:`failure_story` of no headers:
+    the exception type first) — or nothing. Inside a JSON string a quote is escaped, so the
+    last ``"<exception type header>":`` of the text starts the members written last."""
+    if not tail:
+        return {}
+    start = tail.rfind(f'"{h.EXCEPTION_TYPE}":')
+    if start < 0:
+        return {}
+    try:
+        found = json.loads("{" + tail[start:])
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {name: value for name, value in found.items() if isinstance(value, str)}
+
+
+class BodyOnDemand:
+    """A delivery of a database transport whose body may have been left in the database
+    (over the limit, for a tool): :attr:`body_size` is then its size, and reading
+    :attr:`body` fetches it — each time, one message's, never kept — when a tool asks for
+    it (showing or retrying that message). Put before :class:`Delivery` in the bases."""
+
+    #: The size of the body left in the database, if known (``None`` too when the body was
+    #: read: see :attr:`body_left`).
+    body_size: int | None = None
+    _read_body: bytes = b""
+    _fetch_body: Callable[[], bytes] | None = None
+
+    @property
+    def body(self) -> bytes:
+        """The body: read with the message, or fetched now."""
+        if self._fetch_body is not None:
+            return self._fetch_body()
+        return self._read_body
+
+    @body.setter
+    def body(self, value: bytes) -> None:
+        self._read_body = value
+
+    @property
+    def body_left(self) -> bool:
+        """Whether the body was left in the database (read on demand)."""
+        return self._fetch_body is not None
+
+    def leave_body(self, size: int | None, fetch: Callable[[], bytes]) -> None:
+        """The body, of ``size`` bytes (``None``: unknown), stays in the database;
+        ``fetch`` reads it."""
+        self.body_size = size
+        self._fetch_body = fetch
 
 
 def check_prefix(prefix: str) -> None:

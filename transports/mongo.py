@@ -5,8 +5,8 @@ Features
 * One collection holds the messages of every queue, ``<prefix>_queue``::
 
       {_id: "<message id>:<digest>", queue, headers: <JSON text>, body: <bytes>,
-       content_type, content_encoding, visible_at, order: <ObjectId>, leased_until,
-       lease, deliveries}
+       size: <bytes in body>, content_type, content_encoding, visible_at,
+       order: <ObjectId>, leased_until, lease, deliveries}
 
   beside ``<prefix>_queues`` (``{_id: <queue>}``) and ``<prefix>_subscriptions``
   (``{_id, message_type, queue}``).
@@ -22,6 +22,22 @@ Features
   ``visibility_timeout``; a consumer that dies renews nothing, and its messages are
   delivered again once their leases run out.
 * Delayed delivery is native: ``visible_at`` is the due time (``idembus.deliver_at``).
+* Size before body: idembus writes each body's size beside it (``size``). A claim takes
+  only documents whose fields it can use as they are (``$type`` checks: a numeric
+  delivery count below 2**31 - 1, a binary body, headers that are text or a document,
+  a content type and encoding that are text or absent, a numeric size within the
+  queue's limit, when there is one). When those run short, a consumer moves the other
+  due documents of its queue to the error queue inside the database — claimed with a
+  projection without the body, then updated: queue, failure headers with the reason (the
+  original headers kept in ``original_headers`` when they could not be read), due now —
+  and never reads their bodies (a document whose due time is not a time is never due:
+  it stays where it is, in nobody's way); ``browse`` and ``inspect`` leave a body over
+  the limit in the database until a tool reads that message's body. A document written
+  by another client without ``size`` is read whole, as before (MongoDB bounds it at
+  16 MiB). **Not measured in the database**: mongomock has neither ``$bsonSize`` nor
+  ``$binarySize``, so the recorded ``size`` is trusted (a writer that lies about it is
+  read whole, within the document limit); a real server could measure the body with
+  ``$binarySize`` (MongoDB 4.4), left undone as nothing here could verify it.
 * Publish/subscribe: ``declare`` writes the queue's subscriptions; ``publish`` inserts one
   copy for each queue subscribed to the event's type or a type it derives from
   (``idembus.enclosed_types``), and returns False when there was none. Sends to a queue
@@ -84,13 +100,14 @@ import time
 import urllib.parse
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeGuard
 
 import bson
 import pymongo
 import pymongo.errors
 
 from .. import headers as h
+from .. import wire
 from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..policies import Backoff
@@ -99,11 +116,16 @@ from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
 from .base import Delivery, OnDelivery, Transport
 from .database import (
+    MAX_METADATA_BYTES,
+    BodyLimits,
+    BodyOnDemand,
     LeaseKeeper,
     Reconnects,
     check_prefix,
     deliver_claimed,
     encode_headers,
+    failure_story,
+    oversize,
     read_headers,
     routing_names,
     transport_error,
@@ -120,7 +142,7 @@ _FIRST_POLL = 0.005
 _STOP_CHECK = 0.1
 
 
-class MongoTransport(Transport):
+class MongoTransport(BodyLimits, Transport):
     """Transport on MongoDB collections; see the module docstring."""
 
     native_delay = True
@@ -141,6 +163,7 @@ class MongoTransport(Transport):
             raise ConfigurationError(
                 "visibility_timeout, max_idle_wait and poll_interval must be positive seconds")
         check_prefix(collection_prefix)
+        super().__init__()
         if isinstance(client, str):
             url = client
             database = database or urllib.parse.urlsplit(url).path.lstrip("/") or None
@@ -288,7 +311,8 @@ class MongoTransport(Transport):
             body = envelope.body.encode("utf-8", "surrogateescape")
         documents = [{
             "_id": _document_id(envelope, queue, headers, body), "queue": queue,
-            "headers": headers, "body": body, "content_type": envelope.content_type,
+            "headers": headers, "body": body, "size": len(body),
+            "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "visible_at": visible_at,
             "order": bson.ObjectId(), "leased_until": None, "lease": None, "deliveries": 0,
         } for queue in queues]
@@ -323,10 +347,12 @@ class MongoTransport(Transport):
         try:
             while not stop.is_set():
                 try:
-                    deliveries = self._claim(queue, max(1, prefetch))
+                    deliveries, moved = self._claim(queue, max(1, prefetch),
+                                                    move_aside=True)
                     failures = 0
                     if not deliveries:
-                        watch.wait(self._idle_wait(queue), stop)
+                        if not moved:
+                            watch.wait(self._idle_wait(queue), stop)
                         continue
                     watch.busy()
                     deliver_claimed(deliveries, on_delivery, stop, self._give_back)
@@ -337,16 +363,26 @@ class MongoTransport(Transport):
         finally:
             watch.close()
 
-    def _claim(self, queue: str, limit: int | None) -> list[_MongoDelivery]:
+    def _claim(self, queue: str, limit: int | None, *,
+               move_aside: bool) -> tuple[list[_MongoDelivery], int]:
         """Up to ``limit`` due messages of ``queue`` (all for ``None``), leased here, oldest
-        due first; their leases are renewed until they are settled."""
+        due first (their leases are renewed until they are settled), and how many were
+        moved aside. First those a claim can use as they are (:func:`_readable`), whole;
+        if they are fewer than ``limit``, the due ones it cannot (a body over the queue's
+        limit, fields of other types), claimed without their bodies: a consumer
+        (``move_aside``) moves them to the error queue inside the database, a tool gets
+        them with their bodies left there. (Looking for those only when the others run
+        short keeps a claim on the index: ``$nor`` cannot use it.)"""
         token = secrets.randbits(63)
+        limits = self.body_limit(queue)
+        move_aside = move_aside and limits.error_queue != queue
         claimed: list[_MongoDelivery] = []
+        moved = 0
         with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
             while limit is None or len(claimed) < limit:
                 now = _now()
                 document = self.messages.find_one_and_update(
-                    _due(queue, now),
+                    {**_due(queue, now), **_readable(limits.max_bytes)},
                     {"$set": {"leased_until": now + datetime.timedelta(
                         seconds=self.visibility_timeout), "lease": token},
                      "$inc": {"deliveries": 1}},
@@ -355,8 +391,49 @@ class MongoTransport(Transport):
                 if document is None:
                     break
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
+            while limit is None or len(claimed) + moved < limit:
+                now = _now()
+                document = self.messages.find_one_and_update(
+                    {"$and": [_due(queue, now), {"$nor": [_readable(limits.max_bytes)]}]},
+                    {"$set": {"leased_until": now + datetime.timedelta(
+                        seconds=self.visibility_timeout), "lease": token}},
+                    projection={"body": 0}, sort=[("visible_at", 1), ("order", 1)],
+                    return_document=pymongo.ReturnDocument.BEFORE)
+                if document is None:
+                    break
+                if move_aside:
+                    self._move_aside(queue, document, token)
+                    moved += 1
+                else:
+                    claimed.append(_MongoDelivery(self, queue, document, lease=token))
         self._leases.hold(claimed)
-        return claimed
+        return claimed, moved
+
+    def _move_aside(self, queue: str, document: Mapping[str, Any], lease: int) -> None:
+        """Move ``document`` (claimed with ``lease``, read without its body) to the error
+        queue of ``queue``, with failure headers saying what is wrong with it."""
+        limits = self.body_limit(queue)
+        raw = document.get("headers")
+        encoding = document.get("content_encoding")
+        headers, unreadable = read_headers(raw, encoding if isinstance(encoding, str) else None)
+        is_bytes = self.messages.count_documents(
+            {"_id": document["_id"], "body": {"$type": "binData"}}, limit=1) > 0
+        reason = "; ".join(_flaws(document, is_bytes=is_bytes, max_bytes=limits.max_bytes)
+                           or ["it is not a message idembus can read"])
+        story = failure_story(headers, f"{reason} (moved to {limits.error_queue!r} by the "
+                              "database, unread)", queue=queue)
+        changes: dict[str, Any] = {
+            "queue": limits.error_queue, "headers": encode_headers({**headers, **story}),
+            "visible_at": _now(), "order": bson.ObjectId(), "leased_until": None,
+            "lease": None, "deliveries": 0}
+        if (unreadable or not isinstance(raw, str)) and len(
+                bson.encode({"kept": raw})) <= MAX_METADATA_BYTES:
+            changes["original_headers"] = raw  # as written (bounded: the document must fit)
+        self.messages.update_one({"_id": document["_id"], "lease": lease}, {"$set": changes})
+        log.warning("moved %s from %r to %r inside the database, unread: %s",
+                    wire.shown(headers.get(h.MESSAGE_ID, "a message without id")), queue,
+                    limits.error_queue, reason)
+        self._signal([limits.error_queue])
 
     def _idle_wait(self, queue: str) -> float:
         """Seconds until the next delayed message or lease of ``queue`` is due, at most
@@ -420,7 +497,7 @@ class MongoTransport(Transport):
         those left unsettled go back to their places; see the contract."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be at least 0, got {limit}")
-        taken = [] if limit == 0 else self._claim(queue, limit)
+        taken = [] if limit == 0 else self._claim(queue, limit, move_aside=False)[0]
         try:
             yield list(taken)
         finally:
@@ -436,6 +513,7 @@ class MongoTransport(Transport):
         with self._op(f"reading {queue!r}"):
             newest = self.messages.find_one({"queue": queue}, {"order": 1},
                                             sort=[("order", -1)])
+        max_bytes = self.body_limit(queue).max_bytes
 
         def read() -> Iterator[Delivery]:
             if newest is None:
@@ -444,14 +522,33 @@ class MongoTransport(Transport):
             while True:
                 with self._op(f"reading {queue!r}"):
                     documents = list(self.messages.find(
-                        {"queue": queue, "order": bound}).sort("order", 1).limit(page))
+                        {"queue": queue, "order": bound}, {"body": 0}
+                    ).sort("order", 1).limit(page))
+                    bodies = {found["_id"]: found.get("body") for found in self.messages.find(
+                        {"_id": {"$in": [d["_id"] for d in documents]},
+                         "size": {"$type": "number", "$lte": max_bytes}}, {"body": 1})}
                 for document in documents:
+                    if document["_id"] in bodies:
+                        document = {**document, "body": bodies[document["_id"]]}
                     yield _MongoDelivery(self, queue, document, lease=0, settled=True)
                 if len(documents) < page:
                     return
                 bound = {"$gt": documents[-1]["order"], "$lte": newest["order"]}
 
         yield read()
+
+    def _body_of(self, document_id: Any, queue: str) -> bytes:
+        """The body of the document ``document_id``, read now (a tool asked for a body
+        that a claim or read left in the database)."""
+        with self._op(f"reading a body of {queue!r}"):
+            document = self.messages.find_one({"_id": document_id}, {"body": 1})
+        if document is None:
+            raise DestinationRefused(f"the message is no longer in {queue!r}: its body "
+                                     "cannot be read")
+        body = document.get("body")
+        if isinstance(body, bytes):
+            return body
+        return b"" if body is None else str(body).encode("utf-8", "surrogateescape")
 
     # -- the seam -----------------------------------------------------------------------
 
@@ -477,22 +574,37 @@ class MongoTransport(Transport):
             self.client.close()
 
 
-class _MongoDelivery(Delivery):
-    """A document of the queue collection, claimed (or read)."""
+class _MongoDelivery(BodyOnDemand, Delivery):
+    """A document of the queue collection, claimed (or read): whatever its fields hold,
+    what cannot be used is said in ``wire_error``; a body not read with it (over the
+    limit: no ``body`` field, a numeric ``size``) is fetched on demand."""
 
     def __init__(self, transport: MongoTransport, queue: str, document: Mapping[str, Any], *,
                  lease: int, settled: bool = False) -> None:
-        content_encoding = document.get("content_encoding")
+        content_type, content_encoding = (
+            value if value is None or isinstance(value, str) else wire.shown(value)
+            for value in (document.get("content_type"), document.get("content_encoding")))
         headers, problem = read_headers(document.get("headers"), content_encoding)
-        body = document.get("body")
+        problem = wire.joined(problem, *(
+            f"its {name} is {wire.shown(document.get(field))}, not text"
+            for name, field in (("content type", "content_type"),
+                                ("content encoding", "content_encoding"))
+            if not isinstance(document.get(field), (str, type(None)))))
+        size = document.get("size")
+        left = "body" not in document
+        body = b"" if left else document.get("body")
         if not isinstance(body, bytes):
             problem = problem or f"its body is {type(body).__name__}, not bytes"
             body = b"" if body is None else str(body).encode("utf-8", "surrogateescape")
+        deliveries = document.get("deliveries")
         super().__init__(queue=queue, headers=headers, body=bytes(body),
-                         content_type=document.get("content_type"),
-                         content_encoding=content_encoding,
-                         redelivered=int(document.get("deliveries") or 0) > 1,
+                         content_type=content_type, content_encoding=content_encoding,
+                         redelivered=_is_count(deliveries) and deliveries > 1,
                          wire_error=problem)
+        if left:
+            document_id = document["_id"]
+            self.leave_body(int(size) if _is_count(size) else None,
+                            lambda: transport._body_of(document_id, queue))
         self.settled = settled
         self.document_id = document["_id"]
         self.lease = lease
@@ -558,6 +670,63 @@ def _due(queue: str, now: datetime.datetime) -> dict[str, Any]:
     """The filter of ``queue``'s messages that are due and not leased at ``now``."""
     return {"queue": queue, "visible_at": {"$lte": now},
             "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
+
+
+#: Delivery counts a claim increments: from 2**31 - 1 on, ``$inc`` could overflow a
+#: 32-bit count on a server.
+_MAX_DELIVERIES = 2**31 - 1
+
+
+def _either(field: str, *conditions: Any) -> dict[str, Any]:
+    """``field`` meets one of ``conditions`` (``None``: null or absent)."""
+    return {"$or": [{field: condition} for condition in conditions]}
+
+
+def _readable(max_bytes: int) -> dict[str, Any]:
+    """The filter of documents a claim can use as they are, and read whole: fields of the
+    types idembus writes, a delivery count that can grow, a body within ``max_bytes`` (or
+    of no recorded size: written by another client)."""
+    return {
+        "deliveries": {"$type": "number", "$lt": _MAX_DELIVERIES},
+        "body": {"$type": "binData"},
+        "$and": [
+            _either("headers", {"$type": "string"}, {"$type": "object"}),
+            _either("content_type", None, {"$type": "string"}),
+            _either("content_encoding", None, {"$type": "string"}),
+            _either("size", {"$exists": False}, {"$type": "number", "$lte": max_bytes}),
+        ],
+    }
+
+
+def _is_count(value: Any) -> TypeGuard[float]:
+    """A number that counts: an int, or a finite float (not a bool)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and value == value and abs(value) != float("inf"))
+
+
+def _flaws(document: Mapping[str, Any], *, is_bytes: bool, max_bytes: int) -> list[str]:
+    """What keeps a claim from using ``document`` (due, read without its body) as it
+    is."""
+    flaws = []
+    deliveries = document.get("deliveries")
+    if not _is_count(deliveries) or deliveries >= _MAX_DELIVERIES:
+        flaws.append(f"its delivery count is {wire.shown(deliveries)}, not a number below "
+                     f"{_MAX_DELIVERIES}")
+    if not is_bytes:
+        flaws.append("its body is missing or not bytes")
+    headers = document.get("headers")
+    if not isinstance(headers, (str, Mapping)):
+        flaws.append(f"its headers are {wire.shown(headers)}, not text or a document")
+    for name, field in (("content type", "content_type"),
+                        ("content encoding", "content_encoding")):
+        if not isinstance(document.get(field), (str, type(None))):
+            flaws.append(f"its {name} is {wire.shown(document.get(field))}, not text")
+    size = document.get("size")
+    if "size" in document and not _is_count(size):
+        flaws.append(f"its size is {wire.shown(size)}, not a number")
+    elif _is_count(size):
+        flaws.append(oversize(int(size), None, max_bytes) or "")
+    return [flaw for flaw in flaws if flaw]
 
 
 def _document_id(envelope: Envelope, queue: str, headers: str, body: bytes) -> str:

@@ -25,6 +25,19 @@ Features
   pg_notify(<channel>, '')``, :func:`~idembus.transports.postgres_schema.channel`), and a
   requeue notifies too. A consumer also wakes when the next delayed message or lease of
   its queue is due, and at least every ``max_idle_wait`` seconds (one cheap query).
+* Size before body: a claim returns each row's body size (``octet_length``) and reads a
+  body only within the queue's limit (``limit_bodies``: the endpoint's
+  ``max_message_bytes``), and headers, content type and encoding only within
+  :data:`~idembus.transports.database.MAX_METADATA_BYTES`. A consumer moves the rows over
+  them to the endpoint's error queue in one ``UPDATE``: the failure headers are appended
+  to the stored JSON text (after the original ones, so they win; beside the original text,
+  in ``idembus.wire.original_headers``, where that is not a JSON object), the body stays
+  where it is and never reaches this process. ``browse`` and ``inspect`` leave such a body
+  in the database until a tool reads that delivery's body (``errors show``/``retry``);
+  ``get`` takes a message whole.
+* No row stops a queue: the delivery count saturates at 2**31 - 1 and a due time or lease
+  of ``'infinity'`` is never waited for, so a claim succeeds whatever a row holds; headers
+  that are not a JSON object reach the endpoint, which moves them to the error queue.
 * Delayed delivery is native (``native_delay``): a message whose ``idembus.deliver_at``
   is in the future is inserted with that due time (``visible_at``), to the microsecond;
   the delay is reckoned from this process's clock, the due time on the database's.
@@ -86,6 +99,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .. import headers as h
+from .. import wire
 from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..policies import Backoff
@@ -98,12 +112,19 @@ from ..storage.postgres_errors import (
 )
 from .base import Delivery, OnDelivery, Transport
 from .database import (
+    MAX_METADATA_BYTES,
+    STORY_TAIL,
+    BodyLimits,
+    BodyOnDemand,
     LeaseKeeper,
     Reconnects,
     deliver_claimed,
     encode_headers,
+    failure_story,
+    oversize,
     read_headers,
     routing_names,
+    story_at_end,
     transport_error,
 )
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
@@ -115,8 +136,25 @@ log = logging.getLogger(__name__)
 #: In a statement of its own (autocommit), lets its transaction commit without waiting for
 #: the disk: for what a crash of the database may forget (a notification, a requeue).
 _NO_DISK_WAIT = "set_config('synchronous_commit', 'off', true)"
-#: The columns a claim or read returns, in the order :class:`_PostgresDelivery` reads them.
+#: The columns :meth:`PostgresTransport.get` returns (a message taken whole), in the order
+#: :class:`_PostgresDelivery` reads them.
 _COLUMNS = "m.id, m.headers::text, m.body, m.content_type, m.content_encoding, m.deliveries"
+#: The bytes of a row's headers, content type and content encoding.
+_METADATA = ("(octet_length(m.headers::text) + coalesce(octet_length(m.content_type), 0)"
+             " + coalesce(octet_length(m.content_encoding), 0))")
+#: The columns a claim or a read returns: :data:`_COLUMNS`, but the body only if it is
+#: within ``%(max_body)s`` bytes and the rest only within ``%(max_metadata)s`` (else NULL,
+#: never read), then the sizes of the body and of the rest, and, where the headers were not
+#: read, their end (where a move aside wrote the failure story: :func:`story_at_end`).
+_SIZED_COLUMNS = (
+    f"m.id, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.headers::text END,"
+    f" CASE WHEN {_METADATA} <= %(max_metadata)s AND octet_length(m.body) <= %(max_body)s"
+    f" THEN m.body END, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_type END,"
+    f" CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_encoding END, m.deliveries,"
+    f" octet_length(m.body), {_METADATA}, CASE WHEN {_METADATA} > %(max_metadata)s"
+    f" THEN right(m.headers::text, {STORY_TAIL}) END")
+#: Largest value of the ``integer`` column ``deliveries``: the count stops there.
+_MAX_DELIVERIES = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -213,7 +251,7 @@ class QueuePart:
                         tuple(queues))
 
 
-class PostgresTransport(Transport):
+class PostgresTransport(BodyLimits, Transport):
     """Transport on PostgreSQL tables; see the module docstring."""
 
     native_delay = True
@@ -238,6 +276,7 @@ class PostgresTransport(Transport):
                 f"{visibility_timeout!r} and {max_idle_wait!r}")
         if pool_size < 1:
             raise ConfigurationError(f"pool_size must be at least 1, got {pool_size}")
+        super().__init__()
         self.url = url
         #: The URL as it may be shown: without its password.
         self.safe_url = redact(url)
@@ -268,7 +307,9 @@ class PostgresTransport(Transport):
         self._consumers_lock = threading.Lock()
         schema = self.schema
         # Claims up to a limit; one row more says in how many seconds the next delayed
-        # message or lease of the queue is due (NULL: none).
+        # message or lease of the queue is due (NULL: none). Whatever a row holds, the
+        # statement succeeds: the count saturates, and a due time of 'infinity' (a row
+        # written by another client) is never waited for.
         due = ("visible_at <= clock_timestamp() AND (leased_until IS NULL"
                " OR leased_until <= clock_timestamp())")
         self._claim_sql = (
@@ -276,16 +317,34 @@ class PostgresTransport(Transport):
             f" AND {due} ORDER BY visible_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
             f"u AS (UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() +"
             " %(lease)s * interval '1 second', lease = %(token)s,"
-            " deliveries = m.deliveries + 1 FROM c"
-            f" WHERE m.id = c.id RETURNING {_COLUMNS}, c.visible_at) "
+            f" deliveries = least(m.deliveries, {_MAX_DELIVERIES - 1}) + 1 FROM c"
+            f" WHERE m.id = c.id RETURNING {_SIZED_COLUMNS}, c.visible_at) "
             "SELECT *, NULL::float8 FROM u UNION ALL "
             "SELECT NULL::bigint, NULL::text, NULL::bytea, NULL::text, NULL::text, NULL::int,"
-            " NULL::timestamptz, extract(epoch FROM least("
+            " NULL::int, NULL::int, NULL::text, NULL::timestamptz, extract(epoch FROM least("
             f"(SELECT min(visible_at) FROM {schema.messages} WHERE queue = %(queue)s"
-            " AND visible_at > clock_timestamp()), "
+            " AND visible_at > clock_timestamp() AND isfinite(visible_at)), "
             f"(SELECT min(leased_until) FROM {schema.messages} WHERE queue = %(queue)s"
-            " AND visible_at <= clock_timestamp() AND leased_until > clock_timestamp()))"
-            " - clock_timestamp())::float8")
+            " AND visible_at <= clock_timestamp() AND leased_until > clock_timestamp()"
+            " AND isfinite(leased_until))) - clock_timestamp())::float8")
+        # Moves claimed rows (ids, leases) to an error queue inside the database, their
+        # failure headers (JSON members, %(stories)s) written after the original ones —
+        # or, where those are not a JSON object, beside their text — body untouched.
+        headers = (
+            "CASE WHEN json_typeof(m.headers) <> 'object' THEN '{' || d.story"
+            " || ', \"idembus.wire.original_headers\": ' || to_json(m.headers::text)::text"
+            " || '}' WHEN btrim(m.headers::text, E'{} \\t\\n\\r') = '' THEN '{' || d.story"
+            " || '}' ELSE left(rtrim(m.headers::text, E' \\t\\n\\r'), -1) || ', ' || d.story"
+            " || '}' END")
+        self._move_sql = (
+            "WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[],"
+            " %(stories)s::text[]) AS d(id, lease, story)), "
+            f"moved AS (UPDATE {schema.messages} AS m SET queue = %(error_queue)s,"
+            f" headers = ({headers})::json, visible_at = clock_timestamp(),"
+            " leased_until = NULL, lease = NULL, deliveries = 0 FROM d"
+            " WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
+            f"SELECT {_NO_DISK_WAIT}, pg_notify(%(channel)s, '') "
+            "WHERE EXISTS (SELECT 1 FROM moved)")
 
     # -- schema -----------------------------------------------------------------------
 
@@ -490,8 +549,8 @@ class PostgresTransport(Transport):
         queue = listener.queue
         while not stop.is_set():
             with _seam(self, f"consuming {queue!r}", refusal=BrokerAccessDenied):
-                deliveries, due = self._claim(connection, queue, prefetch)
-            full = len(deliveries) == prefetch
+                deliveries, due, full = self._claim(connection, queue, prefetch,
+                                                    move_oversized=True)
             if full:
                 listener.pass_on()  # more may be waiting: another idle consumer looks
             deliver_claimed(deliveries, on_delivery, stop, self._give_back)
@@ -501,22 +560,58 @@ class PostgresTransport(Transport):
                 wait = self.max_idle_wait if due is None else min(due, self.max_idle_wait)
                 listener.wait(max(0.0, wait), stop)
 
-    def _claim(self, connection: psycopg.Connection[Any], queue: str,
-               limit: int | None) -> tuple[list[_PostgresDelivery], float | None]:
+    def _claim(self, connection: psycopg.Connection[Any], queue: str, limit: int | None, *,
+               move_oversized: bool) -> tuple[list[_PostgresDelivery], float | None, bool]:
         """Up to ``limit`` due messages of ``queue`` (every one for ``None``), leased to
         this process, oldest due first (their leases are renewed until they are settled),
-        and the seconds until the next delayed message or lease is due, if any."""
+        the seconds until the next delayed message or lease is due, if any, and whether
+        ``limit`` were claimed. Their sizes come first: a body over the queue's
+        :class:`~idembus.transports.database.BodyLimit` (or headers over
+        :data:`~idembus.transports.database.MAX_METADATA_BYTES`) is not read; such a
+        message is moved to the error queue inside the database (``move_oversized``: a
+        consumer), or delivered with its body left there (a tool)."""
         token = secrets.randbits(63)
+        limits = self.body_limit(queue)
         rows = connection.execute(self._claim_sql, {
             "queue": queue, "limit": limit, "lease": self.visibility_timeout,
-            "token": token}).fetchall()
+            "token": token, "max_body": limits.max_bytes,
+            "max_metadata": MAX_METADATA_BYTES}).fetchall()
         due = next((row[-1] for row in rows if row[0] is None), None)
         claimed = sorted((row for row in rows if row[0] is not None),
                          key=lambda row: (row[-2], row[0]))
+        full = limit is not None and len(claimed) == limit
+        if move_oversized and limits.error_queue != queue:
+            oversized = [row for row in claimed
+                         if oversize(row[6], row[7], limits.max_bytes) is not None]
+            if oversized:
+                self._move_aside(connection, queue, oversized, token)
+                moved = {row[0] for row in oversized}
+                claimed = [row for row in claimed if row[0] not in moved]
         deliveries = [_PostgresDelivery(self, queue, row[:-2], lease=token,
                                         connection=connection) for row in claimed]
         self._leases.hold(deliveries)
-        return deliveries, due
+        return deliveries, due, full
+
+    def _move_aside(self, connection: psycopg.Connection[Any], queue: str,
+                    rows: Sequence[Sequence[Any]], lease: int) -> None:
+        """Move the claimed ``rows`` (sizes and what was read) to ``queue``'s error queue
+        in one statement, with their failure headers; their bodies never leave the
+        database."""
+        limits = self.body_limit(queue)
+        stories = []
+        for row in rows:
+            reason = oversize(row[6], row[7], limits.max_bytes) or "too large"
+            headers, _ = read_headers(row[1], row[4]) if row[1] is not None else ({}, None)
+            story = failure_story(headers, f"{reason} (moved to {limits.error_queue!r} by "
+                                  "the database, unread)", queue=queue)
+            stories.append(encode_headers(story)[1:-1])
+            log.warning("moved %s from %r to %r inside the database, unread: %s",
+                        wire.shown(headers.get(h.MESSAGE_ID, "a message without id")), queue,
+                        limits.error_queue, reason)
+        connection.execute(self._move_sql, {
+            "ids": [row[0] for row in rows], "leases": [lease] * len(rows),
+            "stories": stories, "error_queue": limits.error_queue,
+            "channel": channel(self.schema.prefix, limits.error_queue)})
 
     def _listener(self, queue: str) -> Listener:
         """The listener of ``queue`` in this process (one for all its consumer threads)."""
@@ -634,14 +729,23 @@ class PostgresTransport(Transport):
     def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
         """The messages due in ``queue`` now, claimed (their leases renewed while the block
         runs); see the contract. Those left unsettled go back to their places; had the
-        process died, they would be due again after ``visibility_timeout``."""
+        process died, they would be due again after ``visibility_timeout``. A body over the
+        queue's limit is read when a tool reads it; a message whose headers are too large
+        to read is given back at once (a tool that retried it without them would lose
+        them): ``browse`` lists it, and SQL removes it."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be at least 0, got {limit}")
         if limit == 0:
             yield []
             return
         with self._connection(f"taking the messages of {queue!r}") as connection:
-            taken, _ = self._claim(connection, queue, limit)
+            taken, _, _ = self._claim(connection, queue, limit, move_oversized=False)
+        unread = [delivery for delivery in taken if delivery.headers_left]
+        if unread:
+            log.warning("%d message(s) of %r left out: their headers are too large to read "
+                        "(see them with browse; remove them with SQL)", len(unread), queue)
+            self._give_back(unread)
+            taken = [delivery for delivery in taken if not delivery.headers_left]
         for delivery in taken:
             delivery.connection = None  # settled through the pool, from any thread
         try:
@@ -662,14 +766,19 @@ class PostgresTransport(Transport):
                 (queue,)).fetchone()
         last = row[0] if row and row[0] is not None else 0
 
+        max_body = self.body_limit(queue).max_bytes
+
         def read() -> Iterator[Delivery]:
             after = 0
             while after < last:
                 with self._connection(f"reading {queue!r}") as connection:
                     rows = connection.execute(
-                        f"SELECT {_COLUMNS} FROM {self.schema.messages} AS m WHERE "
-                        "queue = %s AND id > %s AND id <= %s ORDER BY id LIMIT %s",
-                        (queue, after, last, page)).fetchall()
+                        f"SELECT {_SIZED_COLUMNS} FROM {self.schema.messages} AS m WHERE "
+                        "queue = %(queue)s AND id > %(after)s AND id <= %(last)s ORDER BY id"
+                        " LIMIT %(page)s", {
+                            "queue": queue, "after": after, "last": last, "page": page,
+                            "max_body": max_body, "max_metadata": MAX_METADATA_BYTES,
+                        }).fetchall()
                 if not rows:
                     return
                 after = rows[-1][0]
@@ -677,6 +786,17 @@ class PostgresTransport(Transport):
                     yield _PostgresDelivery(self, queue, found, lease=0, settled=True)
 
         yield read()
+
+    def _body_of(self, row_id: int, queue: str) -> bytes:
+        """The body of the row ``row_id``, read now (a tool asked for a body that a claim
+        or read left in the database)."""
+        with self._connection(f"reading a body of {queue!r}") as connection:
+            row = connection.execute(f"SELECT body FROM {self.schema.messages} WHERE id = %s",
+                                     (row_id,)).fetchone()
+        if row is None:
+            raise DestinationRefused(f"the message is no longer in {queue!r}: its body "
+                                     "cannot be read")
+        return bytes(row[0])
 
     # -- connections --------------------------------------------------------------------
 
@@ -713,17 +833,28 @@ class PostgresTransport(Transport):
                 self._opened = False
 
 
-class _PostgresDelivery(Delivery):
-    """A row of the messages table, claimed (or read)."""
+class _PostgresDelivery(BodyOnDemand, Delivery):
+    """A row of the messages table, claimed (or read): the columns of :data:`_COLUMNS`,
+    or of :data:`_SIZED_COLUMNS` (a body or headers not read are fetched on demand)."""
 
     def __init__(self, transport: PostgresTransport, queue: str, row: Sequence[Any], *,
                  lease: int, connection: psycopg.Connection[Any] | None = None,
                  settled: bool = False) -> None:
-        row_id, raw_headers, body, content_type, content_encoding, deliveries = row
-        headers, problem = read_headers(raw_headers, content_encoding)
-        super().__init__(queue=queue, headers=headers, body=bytes(body),
+        row_id, raw_headers, body, content_type, content_encoding, deliveries = row[:6]
+        body_size, metadata_size, tail = row[6:9] if len(row) >= 9 else (None, None, None)
+        unread = (oversize(None, metadata_size, MAX_METADATA_BYTES)
+                  if raw_headers is None else None)
+        headers, problem = ((story_at_end(tail), unread) if unread
+                            else read_headers(raw_headers, content_encoding))
+        super().__init__(queue=queue, headers=headers,
+                         body=b"" if body is None else bytes(body),
                          content_type=content_type, content_encoding=content_encoding,
                          redelivered=int(deliveries) > 1, wire_error=problem)
+        if body is None and body_size is not None:
+            self.leave_body(body_size, lambda: transport._body_of(row_id, queue))
+        #: Its headers were too large to read: :attr:`headers` holds only the failure
+        #: story found at their end, if any.
+        self.headers_left = unread is not None
         self.settled = settled
         #: The row's id and the claim's lease token.
         self.row_id: int = row_id

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from .. import headers as h
 from ..envelope import parse_utc
 from ..errors import ConfigurationError
+from ..failures import without_failure_headers
 from ..redaction import redact
 from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.recoverability import error_queue
@@ -59,7 +60,6 @@ from ..runtime.recoverability.error_queue import (
     exception_matches,
     retried_envelope,
 )
-from ..runtime.recoverability.failure_headers import without_failure_headers
 from ..runtime.recoverability.parking import ParkedDelivery
 from ..storage.errors import StorageError
 from ..transports.base import Delivery

@@ -21,7 +21,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
-from ..extras import web_part
+from ..gateway.extras import web_part
 from ..logs import log_uncaught
 from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.shutdown import Deadline, StopSignals

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..extras import web_part
+from .extras import web_part
 
 if TYPE_CHECKING:
     from .service import Gateway

@@ -69,6 +69,9 @@ def assemble(context: EndpointContext, settings: Settings, *,
              counters: Callable[[], Mapping[str, int]]) -> Assembly:
     """Build the collaborators of the endpoint of ``context``: ``on_unrouted`` is called
     with each event no queue took, ``counters`` gives what the status reports carry."""
+    # A database queue reads a message's size before its body and moves larger ones aside.
+    context.transport.limit_bodies(context.name, max_bytes=context.max_message_bytes,
+                                   error_queue=context.error_queue)
     policy = settings.outbox
     events = settings.journal.events
     journal = (None if events is False or events is None

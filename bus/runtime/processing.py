@@ -29,6 +29,7 @@ from .. import wire
 from ..envelope import Envelope, format_utc
 from ..errors import BusError, MalformedMessage, MessageError
 from ..expiry import expiry_of
+from ..failures import MAX_EXCEPTION_MESSAGE, failure_headers
 from ..handlers.registration import HandlerBinding
 from ..logs import loggable
 from ..messages import Message
@@ -56,7 +57,6 @@ from .decoding import decode
 from .dispatching import Dispatcher, DispatchProgress
 from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
-from .recoverability.failure_headers import MAX_EXCEPTION_MESSAGE, failure_headers
 from .recoverability.parking import park
 from .recoverability.policy import Recovery
 

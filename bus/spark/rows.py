@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import headers as h
-from ..runtime.recoverability.failure_headers import FAILURE_HEADERS
+from ..failures import FAILURE_HEADERS
 from ..transports.base import Delivery
 
 #: Columns every input must have.

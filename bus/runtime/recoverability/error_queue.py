@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ... import headers as h
 from ...envelope import Envelope, parse_utc
 from ...errors import ConfigurationError
+from ...failures import without_failure_headers
 from ...storage.base import ParkingStore
 from ...transports.base import Delivery
-from .failure_headers import without_failure_headers
 from .parking import ParkedDelivery, parked_deliveries
 
 if TYPE_CHECKING:

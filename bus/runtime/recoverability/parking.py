@@ -25,12 +25,12 @@ import uuid
 
 from ... import headers as h
 from ...envelope import Envelope, utc_now
+from ...failures import MAX_EXCEPTION_MESSAGE, failure_headers, without_failure_headers
 from ...logs import loggable
 from ...redaction import redact
 from ...storage.base import PARKED_OUTGOING, ParkedMessage, ParkingStore
 from ...storage.errors import StorageRefused
 from ...transports.base import Delivery
-from .failure_headers import MAX_EXCEPTION_MESSAGE, failure_headers, without_failure_headers
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,14 @@
-"""The failure headers a message carries into the error queue."""
+"""The failure headers a message carries into the error queue (part of the wire format:
+what an endpoint, a database queue and the error tools all write and read)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ... import headers as h
-from ...envelope import format_utc, utc_now
-from ...errors import MessageError
-from ...redaction import redact, redacted_traceback
+from . import headers as h
+from .envelope import format_utc, utc_now
+from .errors import MessageError
+from .redaction import redact, redacted_traceback
 
 #: Headers written when a message is moved to the error queue (and ``deliver_at``, left by
 #: a delayed retry): a message sent back for another try drops them. So does its
