@@ -103,3 +103,26 @@ def test_a_bad_listen_address_fails_at_start_with_what_to_fix(
     _, errors = process.communicate(timeout=60)
     assert process.returncode == 2
     assert "--listen '8042': give host:port" in errors
+
+
+def test_listening_beyond_loopback_without_credentials_fails_at_start_with_what_to_set(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    directory, _ = app
+    environment = {key: value for key, value in os.environ.items()
+                   if key != "IDEMBUS_GATEWAY_AUTH"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "idembus", "gateway", "gateway_app:endpoint",
+         "--listen", "0.0.0.0:0"],
+        cwd=directory, env={**environment, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:  # it serves: the refusal is missing
+            process.kill()
+            process.communicate()
+    assert process.returncode == 2, (out, errors)
+    assert "idembus gateway:" not in out  # it never served
+    assert "loopback" in errors and "IDEMBUS_GATEWAY_AUTH" in errors
+    assert "--auth-file" in errors
