@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -126,3 +127,43 @@ def test_listening_beyond_loopback_without_credentials_fails_at_start_with_what_
     assert "idembus gateway:" not in out  # it never served
     assert "loopback" in errors and "IDEMBUS_GATEWAY_AUTH" in errors
     assert "--auth-file" in errors
+
+
+def test_idle_connections_beyond_the_descriptor_limit_neither_lock_clients_out_nor_flood_the_log(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    # Given a gateway process that may open 128 descriptors, with a long idle timeout
+    directory, _ = app
+    limited = ("import resource, sys; "
+               "resource.setrlimit(resource.RLIMIT_NOFILE, "
+               "(128, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+               "from idembus.cli import main; sys.exit(main(sys.argv[1:]))")
+    process = subprocess.Popen(
+        [sys.executable, "-c", limited, "gateway", "gateway_app:endpoint",
+         "--listen", "127.0.0.1:0", "--idle-timeout", "120"],
+        cwd=directory, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().rsplit(" on ", 1)[1].strip()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+
+        # When 300 connections open and send nothing
+        for _ in range(300):
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+
+        # Then a new client is answered at once, not after the idle timeout
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=60)
+        assert process.returncode == 0
+        # And the log said so in a few lines, without a traceback
+        assert "Traceback" not in errors
+        assert len(errors.splitlines()) < 20, errors[:2000]
+    finally:
+        for connection in idle:
+            connection.close()
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

@@ -14,6 +14,7 @@ from ..background import Periodic
 from ..envelope import utc_now
 from ..errors import ConfigurationError
 from ..gateway.auth import Credentials
+from ..gateway.addresses import is_loopback
 from ..gateway.limits import ConnectionLimit
 from ..gateway.service import Gateway, aggregates_of
 from ..gateway.serving import ServedApp
@@ -144,6 +145,10 @@ class Dashboard:
             self.stop(0)
             raise
         log.info("dashboard of %s listening on %s", ", ".join(self.endpoints), self.url)
+        if self.credentials is None and not is_loopback(self.address[0]):
+            log.warning("the dashboard listens on %s without credentials: anyone who reaches "
+                        "it (with a Host header naming it) retries and purges messages",
+                        self.url)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """End the live streams, stop sampling, close every connection and release the
