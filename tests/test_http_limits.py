@@ -182,6 +182,9 @@ def test_the_cap_stays_below_the_descriptor_limit() -> None:
     lowered = limits_module.connection_cap(1000, 256)
     lingering = max(limits_module.LINGERING_AT_LEAST, lowered // limits_module.LINGERING_SHARE)
     assert lowered + lingering <= 256 - 64  # a quarter kept for the process's own
+    # and a burst accepted in one turn of the loop fits in what is kept
+    assert limits_module.accept_backlog(2048, 256) <= 64 // 2
+    assert limits_module.accept_backlog(2048, None) == 2048
 
 
 # -- failed logins ---------------------------------------------------------------------------

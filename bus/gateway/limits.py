@@ -46,14 +46,30 @@ def descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+def _reserve(limit: int) -> int:
+    """Descriptors kept for the rest of the process: a quarter, at least 32."""
+    return max(32, limit // 4)
+
+
 def connection_cap(requested: int, limit: int | None) -> int:
     """``requested``, lowered if needed so that the cap and the connections lingering
     after a 503 leave a quarter of ``limit`` descriptors (at least 32) to the rest of the
     process."""
     if limit is None:
         return requested
-    room = limit - max(32, limit // 4)
+    room = limit - _reserve(limit)
     return max(1, min(requested, room * LINGERING_SHARE // (LINGERING_SHARE + 1)))
+
+
+def accept_backlog(most: int, limit: int | None) -> int:
+    """How many connections asyncio may accept in one turn of its loop (the ``backlog`` it
+    is given): at most ``most``, and a quarter of the reserve of :func:`connection_cap`
+    when ``limit`` is known. They are accepted before the cap sees any of them (and the idle
+    ones it closes free their descriptors a turn later): a burst must fit in the
+    reserve."""
+    if limit is None:
+        return most
+    return max(4, min(most, _reserve(limit) // 4))
 
 
 class ConnectionLimit:
@@ -73,6 +89,9 @@ class ConnectionLimit:
         self.exhausted = 0
         #: Turned-away connections still closing.
         self.lingering = 0
+        #: Set once the server stops: a retry of ``accept()`` asyncio scheduled meets a
+        #: closed socket then, and says so in one line, not a traceback.
+        self.stopping = False
         self.lingering_cap = max(LINGERING_AT_LEAST, cap // LINGERING_SHARE)
         #: Lets one line of each kind through every :data:`LOG_INTERVAL` seconds.
         self.lines = Throttle(LOG_INTERVAL if log_interval is None else log_interval)
@@ -93,11 +112,14 @@ class ConnectionLimit:
                           context: dict[str, Any]) -> None:
         """The event loop's exception handler: accept failures for lack of resources are
         counted and logged once a second, without a traceback; the rest as asyncio would."""
+        error = context.get("exception")
         if context.get("message") != ACCEPT_EXHAUSTED:
+            if self.stopping and isinstance(error, ValueError | OSError):
+                log.debug("%s: while stopping: %s", self.name, context.get("message"))
+                return
             loop.default_exception_handler(context)
             return
         self.exhausted += 1
-        error = context.get("exception")
         reason = getattr(error, "strerror", None) or type(error).__name__
         self._say("exhausted", "%s: cannot accept connections (%s); raise `ulimit -n` or "
                                "lower the connection cap (%d)", reason, self.cap)

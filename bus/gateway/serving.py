@@ -20,7 +20,7 @@ import uvicorn
 
 from ..errors import ConfigurationError
 from ..shutdown import Deadline
-from .limits import ConnectionLimit, connection_cap, descriptor_limit
+from .limits import ConnectionLimit, accept_backlog, connection_cap, descriptor_limit
 from .protocol import GatewayProtocol
 
 if TYPE_CHECKING:
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Connections the listening socket queues before uvicorn accepts them.
+#: Connections the listening socket queues before uvicorn accepts them (asyncio accepts
+#: fewer in one turn of its loop when the descriptor limit is low,
+#: :func:`~.limits.accept_backlog`).
 BACKLOG = 2048
 
 #: Seconds ``start`` waits for the server to be up.
@@ -76,6 +78,7 @@ class ServedApp:
     def start(self) -> None:
         """Listen, and serve in a background thread until :meth:`stop`;
         ConfigurationError if the address is taken or the server does not come up."""
+        descriptors = descriptor_limit()
         try:
             listening = _listen(*self._address)
         except OSError as error:
@@ -84,7 +87,6 @@ class ServedApp:
         self._socket = listening
         host, port = listening.getsockname()[:2]
         self._bound = (str(host), int(port))
-        descriptors = descriptor_limit()
         cap = connection_cap(self._requested, descriptors)
         if cap < self._requested:
             log.warning("%s: holding at most %d connections, not %d: this process may open "
@@ -95,7 +97,7 @@ class ServedApp:
             self._app, http=GatewayProtocol.limited(self.limit), ws="none", lifespan="off",
             log_config=None, log_level=logging.WARNING, access_log=False,
             server_header=False, timeout_keep_alive=max(1, round(self._idle_timeout)),
-            backlog=BACKLOG)
+            backlog=accept_backlog(BACKLOG, descriptors))
         config.timeout_keep_alive = self._idle_timeout  # type: ignore[assignment]  # fractions too
         server = _Server(config, self.limit)
         self._server = server
@@ -137,10 +139,16 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(self._limit.exception_handler)
         await super().startup(sockets)
+        for listening in sockets or ():
+            # asyncio listened with the config's backlog, which is also how many it accepts
+            # in one turn of its loop: the kernel may queue more (they hold no descriptor
+            # of this process), so that a burst is not met with dropped SYNs.
+            listening.listen(BACKLOG)
         if not self.should_exit:
             self.ready.set()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._limit.stopping = True
         await super().shutdown(sockets)
         for connection in list(self.server_state.connections):
             transport = getattr(connection, "transport", None)
