@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from ..background import Periodic
 from ..envelope import utc_now
 from ..errors import ConfigurationError
-from ..gateway.auth import Credentials
 from ..gateway.addresses import is_loopback
+from ..gateway.auth import Credentials
 from ..gateway.limits import ConnectionLimit
 from ..gateway.service import Gateway, aggregates_of
 from ..gateway.serving import ServedApp
