@@ -26,6 +26,7 @@ from idembus.gateway import Gateway, serving
 from idembus.gateway import limits as limits_module
 from idembus.gateway.logins import LoginThrottle
 from idembus.gateway.protocol import BUSY
+from idembus.logs import Throttle
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 
@@ -174,6 +175,22 @@ def test_accept_failing_for_want_of_descriptors_is_logged_once_without_a_traceba
     finally:
         ExhaustedSocket.exhausted.clear()
         gateway.stop(timeout=10)
+
+
+def test_a_flood_of_bad_requests_is_one_log_line(
+    gateway_for: Callable[..., Gateway], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(limits_module, "LOG_INTERVAL", 3600.0)
+    gateway = gateway_for()
+    [quiet] = [item for item in logging.getLogger("uvicorn.error").filters
+               if isinstance(item, limits_module.PerConnectionLines)]
+    monkeypatch.setattr(quiet, "lines", Throttle(3600.0))  # nothing said by earlier tests
+    for _ in range(30):
+        with socket.create_connection(gateway.address, timeout=10) as connection:
+            connection.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert connection.recv(65536).startswith(b"HTTP/1.1 400")
+    assert len(records_of(caplog, "uvicorn.error", "Invalid HTTP request")) == 1
 
 
 def test_the_cap_stays_below_the_descriptor_limit() -> None:

@@ -72,6 +72,36 @@ def accept_backlog(most: int, limit: int | None) -> int:
     return max(4, min(most, _reserve(limit) // 4))
 
 
+#: What uvicorn logs once per bad connection (a flood of them is a flood of lines).
+PER_CONNECTION_LINES = frozenset({"Invalid HTTP request received.",
+                                  "Unsupported upgrade request."})
+
+
+class PerConnectionLines(logging.Filter):
+    """On uvicorn's logger: lets each of :data:`PER_CONNECTION_LINES` through once per
+    :data:`LOG_INTERVAL` seconds, saying how many were held back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines = Throttle(LOG_INTERVAL)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in PER_CONNECTION_LINES or record.args:
+            return True
+        self.lines.interval = LOG_INTERVAL
+        held = self.lines.allow(str(record.msg))
+        if held is None:
+            return False
+        record.msg = f"{record.msg} (a bad request; answered 400){self.lines.said(held)}"
+        return True
+
+
+def quiet_per_connection_lines(logger: logging.Logger) -> None:
+    """Put a :class:`PerConnectionLines` on ``logger`` (once)."""
+    if not any(isinstance(item, PerConnectionLines) for item in logger.filters):
+        logger.addFilter(PerConnectionLines())
+
+
 class ConnectionLimit:
     """The cap on one server's connections, what was done at it, and its log lines (one
     per kind and ``log_interval`` seconds, with how many were held back)."""

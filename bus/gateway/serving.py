@@ -1,7 +1,8 @@
 """An ASGI app served by uvicorn in a thread of its own, as the gateway, the dashboard and
 the metrics endpoint serve theirs: listening on a socket of its own (port 0 picks one), the
 per-connection request deadline and the connection cap of :mod:`.protocol` and
-:mod:`.limits`, accept failures logged once a second, no access log and no server header,
+:mod:`.limits`, accept failures and uvicorn's line per bad request logged once a second,
+no access log and no server header,
 and at stop every connection still open aborted once the graceful wait is over.
 
 Needs uvicorn only (not Starlette): the metrics endpoint serves through it too.
@@ -20,7 +21,13 @@ import uvicorn
 
 from ..errors import ConfigurationError
 from ..shutdown import Deadline
-from .limits import ConnectionLimit, accept_backlog, connection_cap, descriptor_limit
+from .limits import (
+    ConnectionLimit,
+    accept_backlog,
+    connection_cap,
+    descriptor_limit,
+    quiet_per_connection_lines,
+)
 from .protocol import GatewayProtocol
 
 if TYPE_CHECKING:
@@ -93,6 +100,7 @@ class ServedApp:
                         "%s descriptors (ulimit -n), and needs some for its own connections",
                         self._name, cap, self._requested, descriptors)
         self.limit = ConnectionLimit(cap, name=self._name)
+        quiet_per_connection_lines(logging.getLogger("uvicorn.error"))
         config = uvicorn.Config(
             self._app, http=GatewayProtocol.limited(self.limit), ws="none", lifespan="off",
             log_config=None, log_level=logging.WARNING, access_log=False,
