@@ -210,6 +210,7 @@ def run_load(postgres_url: str, *, idle: int, streams: int, events: int,
         process = subprocess.Popen(
             [sys.executable, "-m", "idembus", "gateway", "gateway_load_app:endpoint",
              "--listen", "127.0.0.1:0", "--max-clients", str(streams + 10),
+             "--max-connections", str(idle + streams + 50),
              "--idle-timeout", str(timeout), "--buffer", "5000", "--log-level", "WARNING"],
             cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "LOAD_POSTGRES": postgres_url,

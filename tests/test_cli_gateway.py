@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,68 @@ def test_a_bad_listen_address_fails_at_start_with_what_to_fix(
     _, errors = process.communicate(timeout=60)
     assert process.returncode == 2
     assert "--listen '8042': give host:port" in errors
+
+
+@pytest.mark.postgres
+def test_listening_beyond_loopback_without_credentials_fails_at_start_with_what_to_set(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    directory, _ = app
+    environment = {key: value for key, value in os.environ.items()
+                   if key != "IDEMBUS_GATEWAY_AUTH"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "idembus", "gateway", "gateway_app:endpoint",
+         "--listen", "0.0.0.0:0"],
+        cwd=directory, env={**environment, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:  # it serves: the refusal is missing
+            process.kill()
+            process.communicate()
+    assert process.returncode == 2, (out, errors)
+    assert "idembus gateway:" not in out  # it never served
+    assert "loopback" in errors and "IDEMBUS_GATEWAY_AUTH" in errors
+    assert "--auth-file" in errors
+
+
+@pytest.mark.postgres
+def test_idle_connections_beyond_the_descriptor_limit_neither_lock_clients_out_nor_flood_the_log(
+    app: tuple[pathlib.Path, str],
+) -> None:
+    # Given a gateway process that may open 128 descriptors, with a long idle timeout
+    directory, _ = app
+    limited = ("import resource, sys; "
+               "resource.setrlimit(resource.RLIMIT_NOFILE, "
+               "(128, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+               "from idembus.cli import main; sys.exit(main(sys.argv[1:]))")
+    process = subprocess.Popen(
+        [sys.executable, "-c", limited, "gateway", "gateway_app:endpoint",
+         "--listen", "127.0.0.1:0", "--idle-timeout", "120"],
+        cwd=directory, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().rsplit(" on ", 1)[1].strip()
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+
+        # When 300 connections open and send nothing
+        for _ in range(300):
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+
+        # Then a new client is answered at once, not after the idle timeout
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=60)
+        assert process.returncode == 0
+        # And the log said so in a few lines, without a traceback
+        assert "Traceback" not in errors, errors[-3000:]
+        assert len(errors.splitlines()) < 20, errors[:2000]
+    finally:
+        for connection in idle:
+            connection.close()
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

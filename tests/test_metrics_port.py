@@ -300,3 +300,84 @@ def test_a_metrics_server_shows_an_endpoint_s_traffic_and_stops_cleanly(make_end
     server.stop()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=5)
+
+
+# -- bounded and private -------------------------------------------------------------------
+
+
+def test_the_metrics_endpoint_listens_on_loopback_unless_told_otherwise(app_dir):
+    command = Command("run", "metrics_app:with_metrics", "--metrics-port", "0", cwd=app_dir)
+    try:
+        port = command.port()
+        assert f"at http://127.0.0.1:{port}/metrics" in "".join(command.stderr)
+        assert total(scrape(port), "idembus_messages_in_flight") == 0
+        command.process.send_signal(signal.SIGTERM)
+        assert command.exit_status() == 0
+    finally:
+        command.kill()
+
+
+#: The worker's descriptor limit in the next test, and the idle connections opened to it.
+DESCRIPTORS, IDLE_SOCKETS = 128, 300
+
+
+def test_idle_connections_neither_exhaust_the_worker_s_descriptors_nor_keep_a_scrape_out(
+    app_dir,
+):
+    # Given a worker that may open 128 descriptors, serving its metrics
+    limited = ("import resource, sys; "
+               f"resource.setrlimit(resource.RLIMIT_NOFILE, ({DESCRIPTORS}, "
+               "resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+               "from idembus.cli import main; sys.exit(main(sys.argv[1:]))")
+    command = Command("run", "metrics_app:with_metrics", "--metrics-port", "0", cwd=app_dir,
+                      python=("-c", limited))
+    idle: list[socket.socket] = []
+    try:
+        port = command.port()
+        # When 300 connections open and send nothing
+        for _ in range(IDLE_SOCKETS):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+
+        # Then a scrape is still answered (behind them all in the accept queue)
+        assert total(scrape(port), "idembus_messages_in_flight") == 0
+        # And the worker holds far fewer descriptors than it may open: it can still
+        # connect to its broker and database
+        held = len(os.listdir(f"/proc/{command.process.pid}/fd"))
+        assert held < DESCRIPTORS - 32, held
+        command.process.send_signal(signal.SIGTERM)
+        assert command.exit_status() == 0
+    finally:
+        for connection in idle:
+            connection.close()
+        command.kill()
+
+
+def test_the_metrics_endpoint_needs_no_web_extra(app_dir):
+    hide = ("import sys; sys.modules['starlette'] = None; sys.modules['fastapi'] = None; "
+            "from idembus.cli import main; sys.exit(main(sys.argv[1:]))")
+    command = Command("run", "metrics_app:with_metrics", "--metrics-port", "0", cwd=app_dir,
+                      python=("-c", hide))
+    try:
+        assert total(scrape(command.port()), "idembus_messages_in_flight") == 0
+        command.process.send_signal(signal.SIGTERM)
+        assert command.exit_status() == 0
+    finally:
+        command.kill()
+
+
+def test_a_metrics_server_holds_at_most_its_cap_of_connections():
+    server = MetricsServer(0, service_name="capped", max_connections=3)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as first:
+            others = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                      for _ in range(10)]
+            try:
+                assert "python_info" in scrape(server.port)
+                assert server.open_connections <= 3
+                first.settimeout(10)
+                assert first.recv(1) == b""  # the oldest idle one was closed to make room
+            finally:
+                for connection in others:
+                    connection.close()
+    finally:
+        server.stop()

@@ -21,11 +21,13 @@ import textwrap
 import time
 import urllib.parse
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from idembus.gateway.server import _unavailable
+from idembus import Endpoint
 from idembus.storage.errors import StorageUnavailable
+from idembus.storage.memory import MemoryStorage
 from tests.conftest import AMQP_URL, require_service
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -202,8 +204,36 @@ def test_an_uncaught_exception_never_shows_a_password(tmp_path: pathlib.Path,
     assert "password=***" in out
 
 
-def test_the_gateway_answer_when_the_storage_is_down_has_no_password() -> None:
-    body = _unavailable(StorageUnavailable(
-        f"PostgreSQL at postgresql://app:{SECRET}@db/x is unreachable"))
-    assert "postgresql://app:***@db/x" in body["error"]
-    assert_no_piece_of_the_password(str(body).encode(), "the HTTP body")
+class FailingJournal(MemoryStorage):
+    """A journal that can be read until ``down``, then fails naming its URL."""
+
+    down = False
+
+    def journal_bounds(self) -> Any:
+        if self.down:
+            raise StorageUnavailable(
+                f"PostgreSQL at postgresql://app:{SECRET}@db/x is unreachable")
+        return super().journal_bounds()
+
+
+def test_the_gateway_answer_when_the_storage_is_down_has_no_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import httpx
+
+    from idembus.gateway import Gateway
+
+    storage = FailingJournal()
+    with Endpoint("secret-gateway", storage=storage, journal=True) as endpoint:
+        gateway = Gateway(endpoint, port=0)
+        gateway.start()
+        try:
+            storage.down = True
+            answer = httpx.get(gateway.url + "/status", timeout=10)
+        finally:
+            gateway.stop(5)
+    assert answer.status_code == 503
+    assert_no_piece_of_the_password(answer.content, "the HTTP body")
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "postgresql://app:***@db/x" in logged
+    assert_no_piece_of_the_password(logged.encode(), "the log")

@@ -103,8 +103,10 @@ def _add_metrics_options(run: argparse.ArgumentParser) -> None:
                      help="serve the endpoint's metrics to Prometheus at "
                           "http://HOST:N/metrics (needs idembus[prometheus]; 0: a free port, "
                           "logged)")
-    run.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
-                     help="the address --metrics-port listens on (0.0.0.0)")
+    run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="the address --metrics-port listens on (127.0.0.1: this machine "
+                          "only; 0.0.0.0 or an interface's address for a Prometheus "
+                          "elsewhere)")
 
 
 def _migrate(reference: str) -> int:

@@ -11,10 +11,10 @@ too: another process could not see its status reports, aggregates, journal or er
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+from ..gateway.addresses import is_loopback
 from ..logs import log_uncaught
 from ..runtime.loading import load_endpoint, refuse_process_local
 from ..runtime.shutdown import Deadline, StopSignals
@@ -48,6 +48,10 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                            help="seconds between refreshes of the overview in the browser (5)")
     dashboard.add_argument("--idle-timeout", type=float, default=10.0,
                            help="seconds a connection may take to send a request (10)")
+    dashboard.add_argument("--max-connections", type=int, default=100,
+                           help="connections held at once, live streams included; beyond, "
+                                "the one idle the longest is closed, or, if all are busy, the "
+                                "new one answered 503 (100)")
     dashboard.add_argument("--shutdown-timeout", type=float, default=10.0,
                            help="seconds to end the streams after SIGINT/SIGTERM (10)")
     dashboard.set_defaults(handler=_serve)
@@ -57,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     log_uncaught()
     dashboard_class = served_part("Dashboard", args)
     credentials, host, port = serving_options(args)
-    if credentials is None and not _loopback(host):
+    if credentials is None and not is_loopback(host):
         raise ConfigurationError(
             f"--listen {args.listen}: the dashboard retries and purges messages, so without "
             f"credentials it listens on a loopback address only (127.0.0.1:{port}); put "
@@ -73,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
             dashboard = dashboard_class(
                 endpoints, host=host, port=port, auth=credentials,
                 sample_interval=args.sample_interval, refresh=args.refresh,
-                idle_timeout=args.idle_timeout)
+                idle_timeout=args.idle_timeout, max_connections=args.max_connections)
             dashboard.start()
             print(f"idembus dashboard: {', '.join(dashboard.endpoints)} on {dashboard.url}",
                   flush=True)
@@ -95,11 +99,3 @@ def _refuse_unseen(endpoint: Endpoint) -> None:
     refuse_process_local(endpoint.transport, endpoint=endpoint.name, role="transport",
                          unseen="error queue")
 
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -3,7 +3,10 @@ journal of the endpoint's storage as a Server-Sent Events stream (:mod:`idembus.
 SIGINT or SIGTERM.
 
 Credentials come from ``$IDEMBUS_GATEWAY_AUTH`` or ``--auth-file``, never from the command
-line (``--auth`` is refused: every user of the machine could read it). An endpoint whose
+line (``--auth`` is refused: every user of the machine could read it). Without credentials
+it listens on a loopback address only (anything else is refused with exit status 2 and
+what to set instead: put it behind a proxy that authenticates, or give it credentials).
+An endpoint whose
 journal no other process can write — a process-local storage without ``--consume``, or
 ``--consume`` on a process-local transport nothing else can send to — is refused (exit
 status 2) instead of serving an empty stream.
@@ -21,6 +24,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+from ..gateway.addresses import is_loopback
 from ..gateway.extras import web_part
 from ..logs import log_uncaught
 from ..runtime.loading import load_endpoint, refuse_process_local
@@ -59,6 +63,10 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
     gateway.add_argument("--max-clients", type=int, default=1000,
                          help="event streams open at once; more are answered 503 with "
                               "Retry-After (1000)")
+    gateway.add_argument("--max-connections", type=int, default=None,
+                         help="connections held at once, streams included; beyond, the one "
+                              "idle the longest is closed, or, if all are busy, the new one "
+                              "answered 503 (--max-clients + 100)")
     gateway.add_argument("--idle-timeout", type=float, default=10.0,
                          help="seconds a connection may take to send a request, after "
                               "opening or after its previous response, before it is closed "
@@ -79,6 +87,12 @@ def _serve(args: argparse.Namespace) -> int:
     log_uncaught()  # its threads' tracebacks, redacted like the log lines
     gateway_class = served_part("Gateway", args)
     credentials, host, port = serving_options(args)
+    if credentials is None and not is_loopback(host):
+        raise ConfigurationError(
+            f"--listen {args.listen}: without credentials the gateway listens on a loopback "
+            f"address only (127.0.0.1:{port}), or anyone who reaches {host} reads the "
+            f"journal; put user:password in ${AUTH_VARIABLE} or a file named by --auth-file "
+            f"to listen on {host} (or serve 127.0.0.1 behind a proxy that authenticates)")
     endpoint = load_endpoint(args.endpoint)
     gateway: Gateway | None = None
     with StopSignals() as signals:
@@ -87,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
             gateway = gateway_class(endpoint, host=host, port=port, auth=credentials,
                               buffer=args.buffer, heartbeat=args.heartbeat,
                               cors_origins=args.cors_origin, max_clients=args.max_clients,
-                              idle_timeout=args.idle_timeout)
+                              idle_timeout=args.idle_timeout,
+                              max_connections=args.max_connections)
             if args.consume:
                 endpoint.start()
             gateway.start()

@@ -4,8 +4,9 @@ gateway's stream mounted under ``/stream/N/``. :class:`~.security.Guard` wraps i
 
 Every page handler runs its storage and broker reads in a worker thread. Input a page
 cannot use is a page saying why (400, 404, 409); an unreachable broker or storage is a 503
-with the reason, redacted; anything unexpected a 500 naming only its type, its traceback
-in the log, redacted.
+with a fixed text (the error, which names hosts, users and databases, goes to the log,
+redacted, once per :data:`OUTAGE_LOG_INTERVAL` seconds per kind); anything unexpected a 500
+naming only its type, its traceback in the log, redacted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..logs import Throttle
 from ..redaction import redact
 from ..storage.errors import StorageError
 from ..transports.errors import TransportError
@@ -44,6 +46,11 @@ log = logging.getLogger(__name__)
 STATIC = pathlib.Path(__file__).with_name("static")
 #: The largest form body accepted (a selection of ids).
 FORM_BYTES = 256 * 1024
+#: Seconds between log lines about an unreachable broker or storage (per kind of error).
+OUTAGE_LOG_INTERVAL = 10.0
+#: What a page says when the broker or the storage cannot be reached.
+UNAVAILABLE = ("the broker or the storage cannot be read now; try again shortly (the "
+               "dashboard's log says why)")
 
 
 def build_app(dashboard: Dashboard) -> Starlette:
@@ -71,6 +78,7 @@ class _Pages:
 
     def __init__(self, dashboard: Dashboard) -> None:
         self._dashboard = dashboard
+        self._outage_lines = Throttle(OUTAGE_LOG_INTERVAL)
         self._streams = {name: f"/stream/{index}/"
                          for index, name in enumerate(dashboard.gateways)}
 
@@ -159,9 +167,11 @@ class _Pages:
         if isinstance(error, Refused):
             return self._refusal(request, error, active)
         if isinstance(error, StorageError | TransportError):
-            return self._refusal(request, Refused(
-                f"the broker or the storage cannot be read now ({redact(str(error))}); try "
-                "again shortly", 503), active)
+            held = self._outage_lines.allow(type(error).__name__)
+            if held is not None:
+                log.warning("answering %s with 503: %s%s", ascii(request.url.path[:100]),
+                            redact(str(error)), self._outage_lines.said(held))
+            return self._refusal(request, Refused(UNAVAILABLE, 503), active)
         log.error("answering %s failed:\n%s", request.url.path,
                   redact("".join(traceback.format_exception(error)).rstrip()))
         return self._refusal(request, Refused(

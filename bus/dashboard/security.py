@@ -3,7 +3,9 @@
 something, and headers that keep the browser from running anything the pages did not ship.
 
 * **Authentication**: with credentials, every request — pages, static files, the live
-  stream, and above all every POST — needs them (401 otherwise).
+  stream, and above all every POST — needs them (401 otherwise); after too many failed
+  logins from one address, that address is answered 429 for a while
+  (:mod:`idembus.gateway.logins`).
 * **CSRF**: a browser sends basic-auth credentials with any request to the site, a forged
   one from another site's page included. Every form that changes something carries a
   token, the HMAC of a random cookie (``SameSite=Strict``, ``HttpOnly``) under a key that
@@ -33,6 +35,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..gateway.auth import Credentials
+from ..gateway.logins import LoginThrottle
 
 #: The cookie a form's token is bound to.
 CSRF_COOKIE = "idembus_csrf"
@@ -107,10 +110,13 @@ class Guard:
     a ``Host`` among ``hosts``; and :data:`HEADERS` on every response."""
 
     def __init__(self, app: ASGIApp, credentials: Credentials | None,
-                 hosts: frozenset[str] = LOOPBACK_NAMES) -> None:
+                 hosts: frozenset[str] = LOOPBACK_NAMES,
+                 logins: LoginThrottle | None = None) -> None:
         self._app = app
         self._credentials = credentials
         self._hosts = hosts
+        #: Failed logins per client address.
+        self.logins = logins or LoginThrottle()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -132,13 +138,32 @@ class Guard:
                                       "(127.0.0.1, localhost)", status_code=400)
             await wrong(scope, receive, send_guarded)
             return
-        if credentials is not None and not credentials.admit(headers.get("authorization")):
-            refused = PlainTextResponse(
-                "authentication required (HTTP basic)", status_code=401,
-                headers={"WWW-Authenticate": 'Basic realm="idembus dashboard", charset="UTF-8"'})
-            await refused(scope, receive, send_guarded)
-            return
+        if credentials is not None:
+            refused = self._refusal(credentials, headers, scope)
+            if refused is not None:
+                await refused(scope, receive, send_guarded)
+                return
         await self._app(scope, receive, send_guarded)
+
+    def _refusal(self, credentials: Credentials, headers: Headers,
+                 scope: Scope) -> Response | None:
+        """A 429 for an address that failed too often, a 401 without the credentials."""
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        wait = self.logins.retry_after(address)
+        if wait is not None:
+            return PlainTextResponse(f"too many failed logins from this address; try again "
+                                     f"in {wait}s", status_code=429,
+                                     headers={"Retry-After": str(wait)})
+        header = headers.get("authorization")
+        if credentials.admit(header):
+            self.logins.succeeded(address)
+            return None
+        if header is not None:  # a guess: counted
+            self.logins.failed(address)
+        return PlainTextResponse(
+            "authentication required (HTTP basic)", status_code=401,
+            headers={"WWW-Authenticate": 'Basic realm="idembus dashboard", charset="UTF-8"'})
 
 
 def _host_name(host: str) -> str:

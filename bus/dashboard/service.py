@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 from ..envelope import utc_now
 from ..errors import ConfigurationError
+from ..gateway.addresses import is_loopback
 from ..gateway.auth import Credentials
+from ..gateway.limits import ConnectionLimit
 from ..gateway.service import Gateway, aggregates_of
 from ..gateway.serving import ServedApp
 from ..logs import Throttle
@@ -40,13 +42,16 @@ class Dashboard:
     between reads of the status reports (the charts' source); ``refresh``: seconds between
     the overview's refreshes in the browser; ``list_limit``: failed messages listed on a
     page at most (all are counted); ``idle_timeout``: seconds a connection may take to send
-    a request.
+    a request; ``max_connections``: connections held at once, live streams included (beyond
+    it the connection idle the longest is closed, or, if all are busy, the newcomer answered
+    503: :mod:`~idembus.gateway.limits`); failed logins are throttled per client address
+    (:attr:`logins`).
     """
 
     def __init__(self, endpoints: Sequence[Endpoint], *, host: str = "127.0.0.1",
                  port: int = 8043, auth: str | Credentials | None = None,
                  sample_interval: float = 5.0, refresh: float = 5.0, list_limit: int = 500,
-                 idle_timeout: float = 10.0) -> None:
+                 idle_timeout: float = 10.0, max_connections: int = 100) -> None:
         if not endpoints:
             raise ConfigurationError("the dashboard needs at least one endpoint")
         names = [endpoint.name for endpoint in endpoints]
@@ -77,8 +82,10 @@ class Dashboard:
         self._poller = _Poller(self)
         self.app = build_app(self)
         guard = Guard(self.app, self.credentials, LOOPBACK_NAMES | {host})
+        #: Failed logins per client address.
+        self.logins = guard.logins
         self._served = ServedApp(guard, host=host, port=port, idle_timeout=idle_timeout,
-                                 name="idembus-dashboard")
+                                 name="idembus-dashboard", max_connections=max_connections)
 
     @property
     def url(self) -> str:
@@ -87,6 +94,11 @@ class Dashboard:
     @property
     def address(self) -> tuple[str, int]:
         return self._served.address
+
+    @property
+    def limit(self) -> ConnectionLimit:
+        """The connection cap, and what was done at it."""
+        return self._served.limit
 
     def now(self) -> datetime.datetime:
         return utc_now()
@@ -134,6 +146,10 @@ class Dashboard:
             self.stop(0)
             raise
         log.info("dashboard of %s listening on %s", ", ".join(self.endpoints), self.url)
+        if self.credentials is None and not is_loopback(self.address[0]):
+            log.warning("the dashboard listens on %s without credentials: anyone who reaches "
+                        "it (with a Host header naming it) retries and purges messages",
+                        self.url)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """End the live streams, stop sampling, close every connection and release the

@@ -6,9 +6,13 @@ and ``GET /healthz``.
 * ``/status`` names hosts and process ids (its instances) only to an authenticated client;
 * a stream request beyond ``max_clients`` open streams, or while the gateway stops, is
   answered 503 with the reason and ``Retry-After``;
-* a bad request is answered 400 with the reason, an unreachable storage 503; an unexpected
-  error 500 naming only its type — its traceback goes to the log, redacted, like everything
-  the gateway says (:func:`~idembus.redaction.redact`);
+* after too many failed logins from one address, that address is answered 429 for a while
+  (:mod:`~idembus.gateway.logins`);
+* a bad request is answered 400 with the reason; an unreachable storage 503 with a fixed
+  text (the error, which names the database's host, user and name, goes to the log, once
+  per :data:`OUTAGE_LOG_INTERVAL` seconds per kind); an unexpected error 500 naming only its
+  type — its traceback goes to the log, redacted, like everything the gateway says
+  (:func:`~idembus.redaction.redact`);
 * CORS (:class:`starlette.middleware.cors.CORSMiddleware`): named origins may read with
   credentials; ``*`` lets every origin read, never with credentials.
 
@@ -32,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BadStreamRequest
+from ..logs import Throttle
 from ..redaction import redact
 from ..storage.base import JournalStore
 from ..storage.errors import StorageUnavailable
@@ -52,6 +57,12 @@ RETRY_AFTER = 5
 
 #: Request headers a page of another origin may send (CORS preflight).
 _CORS_HEADERS = ["Authorization", "Last-Event-ID", "Cache-Control"]
+
+#: Seconds between log lines about the storage being unreachable (per kind of error).
+OUTAGE_LOG_INTERVAL = 10.0
+
+#: What a client is told when the storage cannot be reached (the reason is in the log).
+UNAVAILABLE = "the storage cannot be reached now; try again shortly (the gateway's log says why)"
 
 
 def build_app(gateway: Gateway) -> Starlette:
@@ -77,6 +88,7 @@ class _Routes:
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        self._outage_lines = Throttle(OUTAGE_LOG_INTERVAL)
 
     async def stream(self, request: Request) -> Response:
         gateway = self._gateway
@@ -111,7 +123,7 @@ class _Routes:
                 counters.add(rejected=1)
                 return _answer(400, {"error": redact(str(error))})
             if isinstance(error, StorageUnavailable):
-                return _answer(503, _unavailable(error))
+                return self._unavailable(request, error)
             if isinstance(error, Exception):
                 return _failed(request, error)
             raise
@@ -131,7 +143,7 @@ class _Routes:
             private = self._gateway.credentials is not None
             body = await run_in_threadpool(self._gateway.status, private=private)
         except StorageUnavailable as error:
-            return _answer(503, _unavailable(error))
+            return self._unavailable(request, error)
         except Exception as error:
             return _failed(request, error)
         return _answer(200, body)
@@ -144,12 +156,35 @@ class _Routes:
 
     def _unauthorized(self, request: Request) -> Response | None:
         credentials = self._gateway.credentials
-        if credentials is None or credentials.admit(request.headers.get("authorization")):
+        if credentials is None:
             return None
+        address = request.client.host if request.client else ""
+        logins = self._gateway.logins
+        wait = logins.retry_after(address)
+        if wait is not None:
+            self._gateway.counters.add(throttled=1)
+            return _answer(429, {"error": "too many failed logins from this address; try "
+                                          f"again in {wait}s"},
+                           headers={"Retry-After": str(wait)})
+        header = request.headers.get("authorization")
+        if credentials.admit(header):
+            logins.succeeded(address)
+            return None
+        if header is not None:  # a guess: counted
+            logins.failed(address)
         self._gateway.counters.add(unauthorized=1)
         return _answer(401, {"error": "authentication required (HTTP basic)"},
                        headers={"WWW-Authenticate": 'Basic realm="idembus gateway", '
                                                     'charset="UTF-8"'})
+
+    def _unavailable(self, request: Request, error: StorageUnavailable) -> Response:
+        """503 with :data:`UNAVAILABLE`; the error in the log (throttled)."""
+        held = self._outage_lines.allow(type(error).__name__)
+        if held is not None:
+            log.warning("answering %s with 503: %s%s", ascii(request.url.path[:100]),
+                        redact(str(error)),
+                        self._outage_lines.said(held))
+        return _answer(503, {"error": UNAVAILABLE}, headers={"Retry-After": str(RETRY_AFTER)})
 
 
 def _failed(request: Request, error: Exception) -> Response:
@@ -158,10 +193,6 @@ def _failed(request: Request, error: Exception) -> Response:
               redact("".join(traceback.format_exception(error)).rstrip()))
     return _answer(500, {"error": f"the gateway failed to answer ({type(error).__name__}); "
                                   "its log says why"})
-
-
-def _unavailable(error: StorageUnavailable) -> dict[str, Any]:
-    return {"error": f"the storage cannot be reached ({redact(str(error))}); try again shortly"}
 
 
 def _busy(reason: str) -> Response:

@@ -27,9 +27,12 @@ from ..registry import MessageRegistry
 from ..runtime.journal import current_entry
 from ..runtime.shutdown import Deadline
 from ..storage.base import JournalEntry, JournalStore, StatusStore, Storage
+from .addresses import is_loopback
 from .auth import Credentials
 from .encoded import EventCache
 from .hub import JournalHub
+from .limits import ConnectionLimit
+from .logins import LoginThrottle
 from .server import build_app
 from .serving import ServedApp
 from .stream import StreamCounters, StreamSettings
@@ -56,16 +59,23 @@ class Gateway:
     journal; ``cors_origins``: web origins (such as ``https://app.example.com``) whose pages
     may read the stream and the status from another origin, with credentials — or ``*``:
     every origin, without credentials; ``max_clients``: streams open at once (more are
-    answered 503); ``idle_timeout``: seconds a connection may take to send a request, on
-    opening and between requests; ``write_timeout``: seconds a stream's client may accept
-    no data before its connection is aborted. The endpoint's own consumers are not started.
+    answered 503); ``max_connections``: connections held at once, streams included
+    (``max_clients`` + 100 by default; beyond it the connection idle the longest is closed,
+    or, if all are busy, the newcomer answered 503: :mod:`~idembus.gateway.limits`);
+    ``idle_timeout``: seconds a connection may take to send a request, on opening and
+    between requests; ``write_timeout``: seconds a stream's client may accept no data before
+    its connection is aborted; ``logins``: how failed logins are throttled per client
+    address (:class:`~idembus.gateway.logins.LoginThrottle`: 10 a minute by default). The
+    endpoint's own consumers are not started.
     """
 
     def __init__(self, endpoint: Endpoint, *, host: str = "127.0.0.1", port: int = 8042,
                  auth: str | Credentials | None = None, buffer: int = 1000,
                  heartbeat: float = 15.0, poll_interval: float = 0.05,
                  cors_origins: Sequence[str] = (), max_clients: int = 1000,
-                 idle_timeout: float = 10.0, write_timeout: float = 30.0) -> None:
+                 idle_timeout: float = 10.0, write_timeout: float = 30.0,
+                 max_connections: int | None = None,
+                 logins: LoginThrottle | None = None) -> None:
         if buffer < 1:
             raise ConfigurationError(f"the client buffer must hold at least 1 event, got {buffer}")
         if min(heartbeat, poll_interval, idle_timeout, write_timeout) <= 0:
@@ -83,6 +93,8 @@ class Gateway:
         #: Origins whose pages may read the stream and the status (``*``: any).
         self.cors_origins = origins
         self.max_clients = max_clients
+        #: Failed logins per client address.
+        self.logins = logins or LoginThrottle()
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self._address = (host, port)
@@ -101,8 +113,9 @@ class Gateway:
         #: The HTTP API (a Starlette app): what :meth:`start` serves, or what another app
         #: mounts (the dashboard's live stream) after :meth:`follow`.
         self.app = build_app(self)
-        self._served = ServedApp(self.app, host=host, port=port, idle_timeout=idle_timeout,
-                                 name="idembus-gateway")
+        self._served = ServedApp(
+            self.app, host=host, port=port, idle_timeout=idle_timeout, name="idembus-gateway",
+            max_connections=max_clients + 100 if max_connections is None else max_connections)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -122,6 +135,14 @@ class Gateway:
             self.stop(0)
             raise
         log.info("event gateway of %s listening on %s", self.endpoint.name, self.url)
+        if self.credentials is None and not is_loopback(self.address[0]):
+            log.warning("the event gateway of %s listens on %s without credentials: anyone "
+                        "who reaches it reads the journal", self.endpoint.name, self.url)
+
+    @property
+    def limit(self) -> ConnectionLimit:
+        """The connection cap, and what was done at it."""
+        return self._served.limit
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Turn new streams away, end every stream, close every connection and release the
@@ -165,6 +186,9 @@ class Gateway:
             **self.counters.snapshot(),
             "open_connections": self._served.open_connections,
             "max_clients": self.max_clients,
+            "max_connections": self.limit.cap,
+            "connections_turned_away": self.limit.turned_away,
+            "idle_connections_closed": self.limit.evicted,
             "overflows": self.hub.overflows,
             "encoded": self.hub.cache.encoded,
             "position": self.hub.position,

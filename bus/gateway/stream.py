@@ -124,6 +124,8 @@ class StreamCounters:
     replications: int = 0
     rejected: int = 0
     unauthorized: int = 0
+    #: Requests answered 429: their address had failed to log in too often.
+    throttled: int = 0
     #: Stream requests answered 503 because ``max_clients`` streams were open.
     over_capacity: int = 0
     lock: threading.Condition = dataclasses.field(default_factory=threading.Condition,

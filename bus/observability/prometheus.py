@@ -1,9 +1,17 @@
 """Serving the metrics of this process to Prometheus (``idembus run --metrics-port N``).
 
 An OpenTelemetry SDK meter provider whose reader is the OpenTelemetry Prometheus exporter,
-served in the Prometheus text format by ``prometheus_client``'s HTTP server at
+in the Prometheus text format of ``prometheus_client``'s ASGI app at
 ``http://HOST:PORT/metrics`` (any path answers), with the process's own
 ``process_*``/``python_*`` series. Needs ``pip install 'idembus[prometheus]'``.
+
+It listens on 127.0.0.1 unless told otherwise (``--metrics-host``), and is served by
+uvicorn on one asyncio thread of its own (:class:`~idembus.gateway.serving.ServedApp`, as
+the gateway's; uvicorn comes with the prometheus extra, Starlette is not needed): idle
+connections cost no thread, at most ``max_connections`` are held (beyond, the one idle the
+longest is closed: a scrape always gets through), and each must send its request within
+``idle_timeout`` seconds — so idle sockets can neither exhaust the worker's descriptors nor
+keep Prometheus out.
 """
 
 from __future__ import annotations
@@ -16,22 +24,33 @@ from ..errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
+#: Connections the metrics endpoint holds at once (Prometheus needs one or two).
+MAX_CONNECTIONS = 16
+#: Seconds a connection to the metrics endpoint may take to send its request.
+IDLE_TIMEOUT = 10.0
+#: Seconds :meth:`MetricsServer.stop` lets a scrape in progress finish.
+STOP_TIMEOUT = 5.0
+
 
 class MetricsServer:
     """A meter provider and the HTTP server that shows it, until :meth:`stop`.
 
     ``port`` 0 takes a free port (:attr:`port` tells which). ``service_name`` becomes the
     ``service.name`` of the provider's resource (the ``target_info`` series), unless
-    ``OTEL_SERVICE_NAME`` says otherwise.
+    ``OTEL_SERVICE_NAME`` says otherwise. ``max_connections`` and ``idle_timeout``: see the
+    module docstring.
     """
 
-    def __init__(self, port: int, host: str = "0.0.0.0", *,
-                 service_name: str | None = None) -> None:
+    def __init__(self, port: int, host: str = "127.0.0.1", *,
+                 service_name: str | None = None, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout: float = IDLE_TIMEOUT) -> None:
         try:
             from opentelemetry.exporter.prometheus import PrometheusMetricReader
             from opentelemetry.sdk.metrics import MeterProvider
             from opentelemetry.sdk.resources import Resource
-            from prometheus_client import start_http_server
+            from prometheus_client import REGISTRY, make_asgi_app
+
+            from ..gateway.serving import ServedApp
         except ImportError as missing:
             raise ConfigurationError(
                 f"serving metrics to Prometheus needs the prometheus extra: pip install "
@@ -43,30 +62,35 @@ class MetricsServer:
         #: The provider whose instruments the server shows.
         self.meter_provider = MeterProvider(metric_readers=[reader],
                                             resource=Resource.create(attributes))
+        self._served = ServedApp(make_asgi_app(REGISTRY), host=host, port=port,
+                                 idle_timeout=idle_timeout, name="idembus-metrics",
+                                 max_connections=max_connections)
         try:
-            self._server, self._thread = start_http_server(port, addr=host)
-        except OSError as error:
+            self._served.start()
+        except ConfigurationError as error:
             self.meter_provider.shutdown()
             raise ConfigurationError(
                 f"cannot serve metrics on {host}:{port}: {error}") from error
         self.host = host
         self._stopped = False
-        log.info("serving metrics for Prometheus at http://%s:%d/metrics", host, self.port)
+        log.info("serving metrics for Prometheus at %s/metrics", self._served.url)
 
     @property
     def port(self) -> int:
         """The port the server listens on."""
-        port: int = self._server.server_port
-        return port
+        return self._served.address[1]
+
+    @property
+    def open_connections(self) -> int:
+        """Connections held now."""
+        return self._served.open_connections
 
     def stop(self) -> None:
         """Stop serving, and shut the meter provider down (once; later calls do nothing)."""
         if self._stopped:
             return
         self._stopped = True
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._served.stop(STOP_TIMEOUT)
         self.meter_provider.shutdown()
 
     def __enter__(self) -> MetricsServer:
@@ -77,7 +101,7 @@ class MetricsServer:
         self.stop()
 
 
-def serve_endpoint_metrics(endpoint: Any, port: int, host: str = "0.0.0.0") -> MetricsServer:
+def serve_endpoint_metrics(endpoint: Any, port: int, host: str = "127.0.0.1") -> MetricsServer:
     """Serve ``endpoint``'s metrics: the server's provider becomes the process's global
     meter provider, which a :class:`~idembus.observability.metrics.Metrics` middleware created
     without
