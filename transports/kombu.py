@@ -818,6 +818,24 @@ class KombuTransport(Transport):
                     _give_back(taken)
                 raise
             _give_back(taken)
+            self._settled_round_trip(channel, queue, scope.connection)
+
+    def _settled_round_trip(self, channel: Any, queue: str,
+                            connection: kombu.Connection) -> None:
+        """Return once the broker has applied every acknowledgement sent on ``channel``:
+        a channel handles its methods in order, so the answer to a synchronous one (a
+        passive declare) comes after the acks before it were passed to their queue. A
+        channel closed at once after its acks may lose them (the messages come back)."""
+        if not self._is_amqp:
+            return
+        try:
+            channel.queue_declare(queue=queue, passive=True)
+        except Exception as exc:
+            classified = _classified(exc, connection, f"settling the messages of {queue!r}",
+                                     refusal=TransportUnavailable, url=self.safe_url)
+            if classified is None:
+                raise
+            raise classified from exc
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
@@ -1044,6 +1062,26 @@ class _KombuDelivery(Delivery):
     def _requeue(self) -> None:
         with self._outage_translated("requeue"):
             self._requeue_on_its_queue()
+
+    def requeue_fresh(self) -> None:
+        """Give the message back as a new one: a copy without the broker's delivery
+        count and dead-letter history is published to its queue (confirmed where the
+        broker confirms), then the original acknowledged. Unlike :meth:`requeue`, this
+        never counts as a redelivery towards a quorum queue's ``x-delivery-limit``."""
+        message = self._message
+        headers = {name: value for name, value
+                   in delays.without_dead_letter_headers(message.headers or {}).items()
+                   if name not in _BROKER_HEADERS}
+
+        def publish_then_ack() -> None:
+            with self._outage_translated("give back"):
+                kombu.Producer(message.channel).publish(
+                    message.body, exchange="", routing_key=self.queue, headers=headers,
+                    content_type=message.content_type,
+                    content_encoding=message.content_encoding, delivery_mode=2)
+                message.ack()
+
+        self._settle(publish_then_ack)
 
     @contextlib.contextmanager
     def _outage_translated(self, action: str) -> Iterator[None]:
