@@ -32,17 +32,24 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import headers as h
 from .envelope import Envelope, parse_utc, utc_now
 from .errors import ConfigurationError
 from .parking import ParkedDelivery, keep, parked_id
 from .recoverability import without_failure_headers
-from .storage.base import MOVED_FROM_ERROR_QUEUE, ParkedKey, ParkedMessage, parked_key
+from .storage.base import (
+    MOVED_FROM_ERROR_QUEUE,
+    SETTLED_FROM_ERROR_QUEUE,
+    ParkedKey,
+    ParkedMessage,
+    ParkingStore,
+    parked_key,
+)
 from .transports.base import Delivery
 
 if TYPE_CHECKING:
@@ -52,6 +59,11 @@ log = logging.getLogger(__name__)
 
 #: How many failed messages :func:`ingest` and :func:`reading` hold at a time.
 PAGE = 100
+#: How often :func:`ingest` asks the broker how many messages wait (at the start, then
+#: for what arrived meanwhile or was not counted yet).
+_LOOKS = 2
+#: How long what is left of a retried or purged message is kept (see :func:`settle`).
+SETTLED_KEPT = datetime.timedelta(days=14)
 
 
 @dataclass(frozen=True)
@@ -199,43 +211,81 @@ def ingest(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE)
     if page < 1:
         raise ValueError(f"page must be at least 1, got {page}")
     transport, queue = endpoint.transport, endpoint.error_queue
-    remaining = transport.pending(queue)
-    moved = 0
+    remaining, moved, copies = transport.pending(queue), 0, 0
     with ExitStack() as held_back:
-        while remaining > 0:
-            this_page = ExitStack()
-            with this_page:
-                taken = this_page.enter_context(transport.inspect(
-                    queue, limit=min(page, remaining)))
+        for _ in range(_LOOKS):
+            if remaining <= 0:  # what arrived meanwhile, or the broker had not counted yet
+                remaining = transport.pending(queue) - copies  # not the copies given back
+            while remaining > 0:
+                taken, moved_now, copied = _move_page(endpoint, min(page, remaining),
+                                                      held_back, all_endpoints=all_endpoints)
                 if not taken:
-                    break
-                remaining -= len(taken)
-                try:
-                    moved += _move(endpoint, taken, all_endpoints=all_endpoints)
-                except BaseException:
-                    _hand_back_all(taken)
-                    raise
-                others = [delivery for delivery in taken if not delivery.settled]
-                if others:  # kept aside, not read, until the end: see _hand_back
-                    for delivery in others:
-                        delivery.body, delivery.headers = b"", {}
-                    held_back.enter_context(this_page.pop_all())
+                    return moved
+                remaining, moved, copies = remaining - taken, moved + moved_now, copies + copied
     return moved
 
 
-def _move(endpoint: Endpoint, taken: Sequence[Delivery], *, all_endpoints: bool) -> int:
-    moved = 0
-    for delivery in taken:
-        failed_queue = delivery.headers.get(h.FAILED_QUEUE)
-        if failed_queue != endpoint.name and not all_endpoints:
-            _hand_back(delivery)
-            continue
-        owner = failed_queue or endpoint.name
-        keep(endpoint.storage, _stored(owner, endpoint.error_queue, delivery),
-             _envelope_of(delivery))
-        delivery.ack()  # only once the storage has it
-        moved += 1
-    return moved
+def _move_page(endpoint: Endpoint, limit: int, held_back: ExitStack, *,
+               all_endpoints: bool) -> tuple[int, int, int]:
+    """Move one page of the error queue: how many were taken, moved and given back as
+    copies. A transport that takes one at a time (``KombuTransport.take``) gets each
+    acknowledgement before the next message is taken. Otherwise the page is taken at
+    once (``Transport.inspect``), and another endpoint's messages that cannot be given
+    back as copies stay taken, without their contents, until ``held_back`` ends (see
+    :func:`_hand_back`)."""
+    transport, queue = endpoint.transport, endpoint.error_queue
+    if isinstance(transport, _Taking):
+        with transport.take(queue, limit=limit) as messages:
+            taken, moved = _move(endpoint, messages, all_endpoints=all_endpoints)
+        return taken, moved, taken - moved
+    with ExitStack() as this_page:
+        page = this_page.enter_context(transport.inspect(queue, limit=limit))
+        taken, moved = _move(endpoint, page, all_endpoints=all_endpoints)
+        others = [delivery for delivery in page if not delivery.settled]
+        for delivery in others:
+            delivery.body, delivery.headers = b"", {}
+        if others:
+            held_back.enter_context(this_page.pop_all())
+        return taken, moved, taken - moved - len(others)
+
+
+@runtime_checkable
+class _Taking(Protocol):
+    """A transport that takes a queue's messages one at a time (``KombuTransport.take``)."""
+
+    def take(self, queue: str, *,
+             limit: int) -> AbstractContextManager[Iterator[Delivery]]: ...
+
+
+def _stored_here(delivery: Delivery, endpoint: Endpoint, all_endpoints: bool) -> bool:
+    """Whether ``delivery`` is the endpoint's to move (else: another endpoint's)."""
+    return all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name
+
+
+def _move(endpoint: Endpoint, deliveries: Iterable[Delivery], *,
+          all_endpoints: bool) -> tuple[int, int]:
+    """Move each of ``deliveries`` that is the endpoint's into its storage, then
+    acknowledge it; give back the others. How many there were, and how many moved. On a
+    failure, what is unsettled is given back as fresh copies where the transport can."""
+    taken = moved = 0
+    held: list[Delivery] = []
+    try:
+        for delivery in deliveries:
+            held.append(delivery)
+            taken += 1
+            if not _stored_here(delivery, endpoint, all_endpoints):
+                _hand_back(delivery)
+                continue
+            owner = delivery.headers.get(h.FAILED_QUEUE) or endpoint.name
+            keep(endpoint.storage, _stored(owner, endpoint.error_queue, delivery),
+                 _envelope_of(delivery))
+            delivery.ack()  # only once the storage has it
+            moved += 1
+            held.clear()
+    except BaseException:
+        _hand_back_all(held)
+        raise
+    return taken, moved
 
 
 def _envelope_of(delivery: Delivery) -> Envelope:
@@ -293,11 +343,24 @@ def _pages(endpoint: Endpoint, *, all_endpoints: bool, page: int,
     while True:
         found = storage.parked_page(owner, after=after, limit=page)
         kept = [p for p in found if upto is None or parked_key(p) <= upto]
-        if kept:
-            yield [ParkedDelivery(storage, parked) for parked in kept]
+        _forget_settled(storage, kept)
+        failed = [ParkedDelivery(storage, parked) for parked in kept
+                  if parked.source != SETTLED_FROM_ERROR_QUEUE]
+        if failed:
+            yield failed
         if len(found) < page or len(kept) < len(found):
             return
         after = parked_key(found[-1])
+
+
+def _forget_settled(storage: ParkingStore, found: Sequence[ParkedMessage]) -> None:
+    """Remove what is left of messages retried or purged longer than :data:`SETTLED_KEPT`
+    ago (a copy the broker gave back came back long since)."""
+    expired = utc_now() - SETTLED_KEPT
+    old = [parked.parked_id for parked in found
+           if parked.source == SETTLED_FROM_ERROR_QUEUE and parked.parked_at < expired]
+    if old:
+        storage.unpark(old)
 
 
 @contextmanager
@@ -355,24 +418,39 @@ def chosen_pages(endpoint: Endpoint, selection: Selection, counted: Survey, *,
 
 def retry(endpoint: Endpoint, delivery: ParkedDelivery) -> Envelope:
     """Send ``delivery`` back where it failed — a parked one to its own destination, an
-    event without one published again — then remove it from the storage: a crash in
-    between leaves a copy in both places, never none. The envelope sent;
+    event without one published again — then remove it from the storage (:func:`settle`):
+    a crash in between leaves a copy in both places, never none. The envelope sent;
     ConfigurationError (and nothing changed) if it has no queue to go back to."""
     if delivery.parked.source == MOVED_FROM_ERROR_QUEUE:
         envelope = retried_envelope(delivery)
     else:
         envelope = delivery.retried()
     endpoint.transport.dispatch(envelope)
-    delivery.ack()  # only once the broker has the retried copy
+    settle(endpoint.storage, [delivery])  # only once the broker has the retried copy
     return envelope
 
 
 def purge(endpoint: Endpoint, deliveries: Sequence[ParkedDelivery]) -> int:
-    """Remove ``deliveries`` from the storage for good, in one write; how many were still
-    there (the others were retried or purged meanwhile)."""
+    """Remove ``deliveries`` from the storage for good (:func:`settle`); how many were
+    still there (the others were retried or purged meanwhile)."""
+    return settle(endpoint.storage, deliveries)
+
+
+def settle(storage: ParkingStore, deliveries: Sequence[ParkedDelivery]) -> int:
+    """Remove ``deliveries`` from ``storage``; how many were still there. Of a message
+    moved from the error queue, its id stays (without headers or body) for
+    :data:`SETTLED_KEPT`: should the broker give it back — RabbitMQ applies a quorum
+    queue's acknowledgements asynchronously, and a connection that closes before they
+    are applied returns the messages — :func:`ingest` finds the id taken and only
+    acknowledges it, so a purged or retried message never reappears."""
     if not deliveries:
         return 0
-    removed = endpoint.storage.unpark([delivery.parked.parked_id for delivery in deliveries])
+    removed = storage.unpark([delivery.parked.parked_id for delivery in deliveries])
     for delivery in deliveries:
         delivery.settled = True
+        parked = delivery.parked
+        if parked.source == MOVED_FROM_ERROR_QUEUE:
+            storage.park(ParkedMessage(parked.parked_id, parked.endpoint,
+                                       SETTLED_FROM_ERROR_QUEUE, Envelope({}, "", None),
+                                       utc_now()))
     return removed

@@ -250,6 +250,10 @@ PARKED_FROM_ERROR_QUEUE = "error-queue"
 #: Moved from the error queue into the storage (``idembus.error_queue.ingest``): every
 #: failed message is read, retried and purged from the storage, never from the broker.
 MOVED_FROM_ERROR_QUEUE = "moved-from-error-queue"
+#: What is left of a moved message once retried or purged: its id, without headers or
+#: body, so that a copy the broker gives back (an acknowledgement it did not apply before
+#: the connection closed) is recognised and not taken again.
+SETTLED_FROM_ERROR_QUEUE = "settled-from-error-queue"
 #: A committed outgoing message the broker refused for good (its queue refused, too large),
 #: or that the outbox failed to send a bounded number of times.
 PARKED_OUTGOING = "outgoing"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 import types
 import uuid
 import weakref

@@ -28,7 +28,7 @@ from idembus.dashboard.security import CSRF_COOKIE
 from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.parking import park
 from idembus.recovery import Recoverability
-from idembus.storage.base import AggregateRecord
+from idembus.storage.base import SETTLED_FROM_ERROR_QUEUE, AggregateRecord
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.kombu import KombuTransport
@@ -74,7 +74,8 @@ class Shop:
         """The ids of the endpoint's failed messages: those the dashboard moved into the
         storage, and those still waiting in the error queue."""
         kept = [parked.envelope.headers.get(h.MESSAGE_ID, "")
-                for parked in self.endpoint.storage.parked_messages(self.endpoint.name)]
+                for parked in self.endpoint.storage.parked_messages(self.endpoint.name)
+                if parked.source != SETTLED_FROM_ERROR_QUEUE]
         with self.endpoint.transport.inspect(self.endpoint.error_queue) as deliveries:
             return sorted([*kept, *(d.headers.get(h.MESSAGE_ID, "") for d in deliveries)])
 

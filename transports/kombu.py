@@ -820,6 +820,43 @@ class KombuTransport(Transport):
             _give_back(taken)
             self._settled_round_trip(channel, queue, scope.connection)
 
+    @contextlib.contextmanager
+    def take(self, queue: str, *, limit: int) -> Iterator[Iterator[Delivery]]:
+        """Take up to ``limit`` messages of ``queue`` one at a time, unsettled, on one
+        channel: ``with transport.take(queue, limit=100) as messages: for delivery in
+        messages: ... delivery.ack()``. Each is taken only when the previous one was
+        handled, so that its acknowledgement reaches the broker before the next is asked
+        for (a quorum queue applies acknowledgements asynchronously: a burst of them may
+        not be applied when the connection closes, and the messages come back). Settle
+        each: one left unsettled goes back as a fresh copy
+        (:meth:`_KombuDelivery.requeue_fresh`), never as a redelivery. Returns once the
+        broker has the acknowledgements (a round trip on the channel)."""
+        if limit < 0:
+            raise ValueError(f"limit must be at least 0, got {limit}")
+        scope = self._channel()
+        with scope as channel:
+            held: list[_KombuDelivery] = []
+
+            def taken() -> Generator[Delivery, None, None]:
+                for _ in range(limit):
+                    _give_fresh(held)
+                    held[:] = self._take(channel, queue, 1, scope.connection)
+                    if not held:
+                        return
+                    yield held[0]
+
+            messages = taken()
+            try:
+                yield messages
+            except BaseException:
+                messages.close()
+                with contextlib.suppress(Exception):  # logged; the caller's error matters
+                    _give_fresh(held)
+                raise
+            messages.close()
+            _give_fresh(held)
+            self._settled_round_trip(channel, queue, scope.connection)
+
     def _settled_round_trip(self, channel: Any, queue: str,
                             connection: kombu.Connection) -> None:
         """Return once the broker has applied every acknowledgement sent on ``channel``:
@@ -1159,6 +1196,13 @@ def _give_back(deliveries: list[_KombuDelivery]) -> None:
             failures.append(exc)
     if failures:
         raise failures[0]
+
+
+def _give_fresh(deliveries: list[_KombuDelivery]) -> None:
+    """Give back, as fresh copies, those of ``deliveries`` left unsettled."""
+    for delivery in deliveries:
+        if not delivery.settled:
+            delivery.requeue_fresh()
 
 
 def _broker_errors(connection: kombu.Connection) -> tuple[type[BaseException], ...]:

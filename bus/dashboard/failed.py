@@ -25,6 +25,7 @@ from .. import headers as h
 from ..error_queue import FailedMessage, Selection
 from ..errors import ConfigurationError
 from ..parking import ParkedDelivery
+from ..storage.base import SETTLED_FROM_ERROR_QUEUE
 from ..transports.base import Delivery
 from .html import Child, Markup, render, tag, url
 from .layout import hidden, moment, notice, pairs, pretty, table
@@ -327,7 +328,7 @@ def act(endpoint: Endpoint, action: str, form: Params) -> str:
         raise Refused(f"at most {CONFIRMED} messages at a time", 413)
     storage = endpoint.storage
     found = [parked for parked in storage.parked_by_ids(keys)
-             if parked.endpoint == endpoint.name]
+             if parked.endpoint == endpoint.name and parked.source != SETTLED_FROM_ERROR_QUEUE]
     if len(found) != len(keys):
         raise Refused(f"{len(keys) - len(found)} of the confirmed messages are no longer "
                       "among the failed messages of this endpoint (retried or purged "
