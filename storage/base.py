@@ -705,14 +705,14 @@ class ParkingStore(StorageRole, ABC):
         return [parked for parked in found if after is None or parked_key(parked) > after
                 ][:limit]
 
-    def parked_by_ids(self, parked_ids: Sequence[str]) -> list[ParkedMessage]:
-        """The parked messages of ``parked_ids`` still there (any endpoint's), in the
-        order of :func:`parked_key`. This default pages through :meth:`parked_page` (a
-        backend should override it)."""
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+        """The messages of ``parked_ids`` that ``endpoint`` parked and that are still
+        there, in the order of :func:`parked_key`. This default pages through
+        :meth:`parked_page` (a backend should override it)."""
         wanted: set[str] = set(parked_ids)
         found: list[ParkedMessage] = []
         after: ParkedKey | None = None
-        while page := self.parked_page(None, after=after):
+        while page := self.parked_page(endpoint, after=after):
             found.extend(parked for parked in page if parked.parked_id in wanted)
             after = parked_key(page[-1])
         return found

@@ -361,9 +361,10 @@ class MemoryStorage(Storage):
                      and (after is None or parked_key(p) > after)]
         return heapq.nsmallest(limit, found, key=parked_key)
 
-    def parked_by_ids(self, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
         with self._lock:
-            found = [self._parked[i] for i in dict.fromkeys(parked_ids) if i in self._parked]
+            found = [self._parked[i] for i in dict.fromkeys(parked_ids)
+                     if i in self._parked and self._parked[i].endpoint == endpoint]
         return sorted(found, key=parked_key)
 
     def report_status(self, report: StatusReport) -> None:

@@ -765,9 +765,10 @@ class MongoStorage(Storage):
                 [("parked_at", pymongo.ASCENDING), ("_id", pymongo.ASCENDING)]).limit(limit))
         return [_parked_of(d) for d in documents]
 
-    def parked_by_ids(self, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
         with self._guard, _translated():
-            documents = list(self.database[PARKED].find({"_id": {"$in": list(parked_ids)}}))
+            documents = list(self.database[PARKED].find(
+                {"_id": {"$in": list(parked_ids)}, "endpoint": endpoint}))
         return sorted((_parked_of(d) for d in documents), key=parked_key)
 
     def migrate(self) -> None:

@@ -860,12 +860,12 @@ class PostgresStorage(Storage):
                 (endpoint, endpoint, at, at, parked_id, limit)).fetchall()
         return [self._parked_of(row) for row in rows]
 
-    def parked_by_ids(self, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
         with self._connection() as connection:
             rows = connection.execute(
                 f"SELECT parked_id, endpoint, source, envelope, body, parked_at "
-                f"FROM {self._parked} WHERE parked_id = ANY(%s) ORDER BY parked_at, parked_id",
-                (list(parked_ids),)).fetchall()
+                f"FROM {self._parked} WHERE parked_id = ANY(%s) AND endpoint = %s "
+                "ORDER BY parked_at, parked_id", (list(parked_ids), endpoint)).fetchall()
         return [self._parked_of(row) for row in rows]
 
     @staticmethod

@@ -327,8 +327,8 @@ def act(endpoint: Endpoint, action: str, form: Params) -> str:
     if len(keys) > CONFIRMED:
         raise Refused(f"at most {CONFIRMED} messages at a time", 413)
     storage = endpoint.storage
-    found = [parked for parked in storage.parked_by_ids(keys)
-             if parked.endpoint == endpoint.name and parked.source != SETTLED_FROM_ERROR_QUEUE]
+    found = [parked for parked in storage.parked_by_ids(endpoint.name, keys)
+             if parked.source != SETTLED_FROM_ERROR_QUEUE]
     if len(found) != len(keys):
         raise Refused(f"{len(keys) - len(found)} of the confirmed messages are no longer "
                       "among the failed messages of this endpoint (retried or purged "
