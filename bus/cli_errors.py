@@ -5,6 +5,7 @@
     idembus errors export package.module:endpoint FILE [--type T] [--exception E]
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
+    idembus errors ingest package.module:endpoint
 
 The endpoint is loaded (not started) for its transport, ``error_queue`` and storage, and
 closed at the end. One whose broker or storage lives inside one process (memory://,
@@ -275,6 +276,15 @@ def _chosen(args: argparse.Namespace, endpoint: Endpoint,
                                              all_endpoints=args.all_endpoints, page=PAGE)
 
 
+def _ingest(args: argparse.Namespace) -> int:
+    """Move what waits in the error queue into the storage, and say how many (every other
+    command does it first; this is for a schedule that keeps the error queue empty)."""
+    with _endpoint(args) as endpoint:
+        moved = error_queue.ingest(endpoint, all_endpoints=args.all_endpoints, page=PAGE)
+    print(f"{moved} message(s) moved from {endpoint.error_queue!r} into the storage")
+    return 0
+
+
 def _retry(args: argparse.Namespace) -> int:
     selection = _selection(args)
     selection.require("retry")
@@ -349,6 +359,9 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                      "write failed messages as JSON lines for idembus spark replay", _export)
     export.add_argument("file", help="the JSON lines file to write")
     _add_filters(export)
+
+    _action(actions, common, "ingest",
+            "move the error queue's messages into the endpoint's storage", _ingest)
 
     for name, summary, handler in (
         ("retry", "send messages back to the queue that failed them, counters reset", _retry),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -168,13 +168,16 @@ class Selection:
     def pick(self, deliveries: Sequence[Delivery], queue: str) -> list[Delivery]:
         """The selected deliveries; ConfigurationError if a given id is not among them."""
         chosen = [delivery for delivery in deliveries if self.matches(delivery)]
-        found = {delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}
+        self.refuse_missing({delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}, queue)
+        return chosen
+
+    def refuse_missing(self, found: Collection[str | None], queue: str) -> None:
+        """ConfigurationError if a given id is not among the ids ``found``."""
         missing = [message_id for message_id in self.ids if message_id not in found]
         if missing:
             raise ConfigurationError(
                 f"no message {', '.join(missing)} in the error queue {queue!r}; nothing "
                 "was changed (see: idembus errors list)")
-        return chosen
 
 
 def retried_envelope(delivery: Delivery) -> Envelope:
@@ -387,18 +390,15 @@ def survey(endpoint: Endpoint, selection: Selection, *, all_endpoints: bool = Fa
     """Move the error queue into the storage, then count what ``selection`` chooses, a
     page at a time; ConfigurationError (and nothing changed) if a given id is not there."""
     ingest(endpoint, all_endpoints=all_endpoints, page=page)
-    count, upto, found = 0, None, set()
+    count, upto = 0, None
+    found: set[str | None] = set()
     for delivery in stored(endpoint, all_endpoints=all_endpoints, page=page):
         upto = parked_key(delivery.parked)
         if selection.matches(delivery):
             count += 1
             if selection.ids:
                 found.add(delivery.headers.get(h.MESSAGE_ID))
-    missing = [message_id for message_id in selection.ids if message_id not in found]
-    if missing:
-        raise ConfigurationError(
-            f"no message {', '.join(missing)} in the error queue {endpoint.error_queue!r}; "
-            "nothing was changed (see: idembus errors list)")
+    selection.refuse_missing(found, endpoint.error_queue)
     return Survey(count, upto)
 
 

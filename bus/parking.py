@@ -145,8 +145,3 @@ class ParkedDelivery(Delivery):
     def _requeue(self) -> None:
         """Nothing to give back: it stays parked."""
 
-
-def parked_deliveries(storage: ParkingStore, endpoint: str) -> list[Delivery]:
-    """The messages ``endpoint`` parked, as deliveries for ``idembus errors``; the
-    storage's error if it cannot say (never an empty list that hides them)."""
-    return [ParkedDelivery(storage, parked) for parked in storage.parked_messages(endpoint)]

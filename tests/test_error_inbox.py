@@ -330,3 +330,30 @@ def test_retry_and_purge_page_through_a_long_error_queue(
     if command == "retry":
         with transport.inspect(tool.name) as back:
             assert sorted(d.headers[h.MESSAGE_ID] for d in back) == ids
+
+
+def test_ingest_moves_the_error_queue_into_the_storage_and_leaves_other_endpoints_messages(
+    rabbit: Tool,
+) -> None:
+    # Given two failed messages of this endpoint and one of another in a shared error queue
+    ours = fill(rabbit, 2)
+    transport = rabbit.transport()
+    try:
+        theirs = failed_envelope("another-endpoint", rabbit.queue, 9)
+        transport.send(theirs)
+
+        # When the error queue is moved into the storage, four times
+        said = [rabbit.errors("ingest")[1].strip() for _ in range(4)]
+
+        # Then ours moved once, and theirs waits in the error queue as a fresh message: its
+        # delivery count not raised (a delivery limit of 3 would have dropped it)
+        assert said[0] == f"2 message(s) moved from {rabbit.queue!r} into the storage"
+        assert said[1:] == [f"0 message(s) moved from {rabbit.queue!r} into the storage"] * 3
+        assert rabbit.listed() == ours
+        with transport.inspect(rabbit.queue) as left:
+            assert [d.headers[h.MESSAGE_ID] for d in left] == [theirs.message_id]
+            assert left[0].body == theirs.body.encode()
+            raw_headers = left[0]._message.headers  # type: ignore[attr-defined]
+            assert raw_headers.get("x-delivery-count", 0) == 0
+    finally:
+        transport.close()
