@@ -239,8 +239,24 @@ class ParkedMessage:
     parked_at: datetime.datetime
 
 
+#: Where a parked message is in the order of pages (:meth:`ParkingStore.parked_page`).
+ParkedKey = tuple[datetime.datetime, str]
+
+
+def parked_key(parked: ParkedMessage) -> ParkedKey:
+    """The order parked messages are read in: when they were parked, then their id."""
+    return (parked.parked_at, parked.parked_id)
+
+
 #: The error queue refused the failed message's copy (too large, a broker policy).
 PARKED_FROM_ERROR_QUEUE = "error-queue"
+#: Moved from the error queue into the storage (``idembus.error_queue.ingest``): every
+#: failed message is read, retried and purged from the storage, never from the broker.
+MOVED_FROM_ERROR_QUEUE = "moved-from-error-queue"
+#: What is left of a moved message once retried or purged: its id, without headers or
+#: body, so that a copy the broker gives back (an acknowledgement it did not apply before
+#: the connection closed) is recognised and not taken again.
+SETTLED_FROM_ERROR_QUEUE = "settled-from-error-queue"
 #: A committed outgoing message the broker refused for good (its queue refused, too large),
 #: or that the outbox failed to send a bounded number of times.
 PARKED_OUTGOING = "outgoing"
@@ -679,6 +695,31 @@ class ParkingStore(StorageRole, ABC):
     @abstractmethod
     def unpark(self, parked_ids: Sequence[str]) -> int:
         """Remove parked messages (retried or purged); return how many were there."""
+
+    def parked_page(self, endpoint: str | None, *, after: ParkedKey | None = None,
+                    limit: int = 100) -> list[ParkedMessage]:
+        """At most ``limit`` messages parked by ``endpoint`` (every endpoint: ``None``), in
+        the order of :func:`parked_key`, those after ``after`` only: a page, for tools
+        that must not hold them all at once. This default reads them all (a backend
+        should override it); it cannot list every endpoint's."""
+        if endpoint is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot list the parked "
+                                      "messages of every endpoint")
+        found = sorted(self.parked_messages(endpoint), key=parked_key)
+        return [parked for parked in found if after is None or parked_key(parked) > after
+                ][:limit]
+
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+        """The messages of ``parked_ids`` that ``endpoint`` parked and that are still
+        there, in the order of :func:`parked_key`. This default pages through
+        :meth:`parked_page` (a backend should override it)."""
+        wanted: set[str] = set(parked_ids)
+        found: list[ParkedMessage] = []
+        after: ParkedKey | None = None
+        while page := self.parked_page(endpoint, after=after):
+            found.extend(parked for parked in page if parked.parked_id in wanted)
+            after = parked_key(page[-1])
+        return found
 
 
 class Storage(AggregateStore, OutboxStore, DelayedStore, JournalStore, AuditStore,

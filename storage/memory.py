@@ -24,12 +24,14 @@ from .base import (
     JournalEntry,
     Lease,
     Overdue,
+    ParkedKey,
     ParkedMessage,
     ProcessedMessage,
     StatusReport,
     Storage,
     Undispatched,
     committed_by,
+    parked_key,
     scheduled_key,
 )
 from .errors import StaleLease
@@ -350,6 +352,20 @@ class MemoryStorage(Storage):
     def unpark(self, parked_ids: Sequence[str]) -> int:
         with self._lock:
             return sum(self._parked.pop(parked_id, None) is not None for parked_id in parked_ids)
+
+    def parked_page(self, endpoint: str | None, *, after: ParkedKey | None = None,
+                    limit: int = 100) -> list[ParkedMessage]:
+        with self._lock:
+            found = [p for p in self._parked.values()
+                     if (endpoint is None or p.endpoint == endpoint)
+                     and (after is None or parked_key(p) > after)]
+        return heapq.nsmallest(limit, found, key=parked_key)
+
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+        with self._lock:
+            found = [self._parked[i] for i in dict.fromkeys(parked_ids)
+                     if i in self._parked and self._parked[i].endpoint == endpoint]
+        return sorted(found, key=parked_key)
 
     def report_status(self, report: StatusReport) -> None:
         with self._lock:

@@ -100,6 +100,7 @@ from .base import (
     JournalEntry,
     Lease,
     Overdue,
+    ParkedKey,
     ParkedMessage,
     PendingCommit,
     ProcessedMessage,
@@ -107,6 +108,7 @@ from .base import (
     Storage,
     Undispatched,
     committed_by,
+    parked_key,
     scheduled_key,
 )
 from .errors import (
@@ -823,14 +825,29 @@ class MongoStorage(Storage):
         with self._guard, _translated():
             documents = list(self.database[PARKED].find({"endpoint": endpoint})
                              .sort("parked_at", pymongo.ASCENDING))
-        return [ParkedMessage(d["_id"], d["endpoint"], d["source"],
-                              envelope_from(bytes(d["envelope"]), bytes(d["body"])),
-                              _utc(d["parked_at"]) or d["parked_at"]) for d in documents]
+        return [_parked_of(d) for d in documents]
 
     def unpark(self, parked_ids: Sequence[str]) -> int:
         with self._guard, _translated():
             return int(self.database[PARKED].delete_many(
                 {"_id": {"$in": list(parked_ids)}}).deleted_count)
+
+    def parked_page(self, endpoint: str | None, *, after: ParkedKey | None = None,
+                    limit: int = 100) -> list[ParkedMessage]:
+        query: dict[str, Any] = {} if endpoint is None else {"endpoint": endpoint}
+        if after is not None:
+            query["$or"] = [{"parked_at": {"$gt": after[0]}},
+                            {"parked_at": after[0], "_id": {"$gt": after[1]}}]
+        with self._guard, _translated():
+            documents = list(self.database[PARKED].find(query).sort(
+                [("parked_at", pymongo.ASCENDING), ("_id", pymongo.ASCENDING)]).limit(limit))
+        return [_parked_of(d) for d in documents]
+
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+        with self._guard, _translated():
+            documents = list(self.database[PARKED].find(
+                {"_id": {"$in": list(parked_ids)}, "endpoint": endpoint}))
+        return sorted((_parked_of(d) for d in documents), key=parked_key)
 
     def migrate(self) -> None:
         """Create the indexes: delayed messages by due time, the journal's, each aggregate
@@ -991,3 +1008,10 @@ def _utc(moment: datetime.datetime | None) -> datetime.datetime | None:
     if moment is not None and moment.tzinfo is None:
         return moment.replace(tzinfo=datetime.timezone.utc)
     return moment
+
+
+def _parked_of(document: Mapping[str, Any]) -> ParkedMessage:
+    """A parked message as the collection holds it."""
+    return ParkedMessage(document["_id"], document["endpoint"], document["source"],
+                         envelope_from(bytes(document["envelope"]), bytes(document["body"])),
+                         _utc(document["parked_at"]) or document["parked_at"])

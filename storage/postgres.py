@@ -86,6 +86,7 @@ from .base import (
     JournalEntry,
     Lease,
     Overdue,
+    ParkedKey,
     ParkedMessage,
     PendingCommit,
     ProcessedMessage,
@@ -336,6 +337,8 @@ class PostgresStorage(Storage):
                     body bytea NOT NULL,
                     parked_at timestamptz NOT NULL
                 )""")
+            connection.execute(f"CREATE INDEX IF NOT EXISTS {self._parked}_pages ON "
+                               f"{self._parked} (endpoint, parked_at, parked_id)")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._journal} (
                     position bigint PRIMARY KEY,
@@ -837,14 +840,38 @@ class PostgresStorage(Storage):
                 f"SELECT parked_id, endpoint, source, envelope, body, parked_at "
                 f"FROM {self._parked} WHERE endpoint = %s ORDER BY parked_at", (endpoint,),
             ).fetchall()
-        return [ParkedMessage(row[0], row[1], row[2], envelope_from(row[3], row[4]),
-                              _utc(row[5]) or row[5]) for row in rows]
+        return [self._parked_of(row) for row in rows]
 
     def unpark(self, parked_ids: Sequence[str]) -> int:
         with self._connection() as connection:
             return connection.execute(
                 f"DELETE FROM {self._parked} WHERE parked_id = ANY(%s)", (list(parked_ids),),
             ).rowcount
+
+    def parked_page(self, endpoint: str | None, *, after: ParkedKey | None = None,
+                    limit: int = 100) -> list[ParkedMessage]:
+        at, parked_id = after if after is not None else (None, "")
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT parked_id, endpoint, source, envelope, body, parked_at "
+                f"FROM {self._parked} WHERE (%s::text IS NULL OR endpoint = %s) AND "
+                "(%s::timestamptz IS NULL OR (parked_at, parked_id) > (%s, %s)) "
+                "ORDER BY parked_at, parked_id LIMIT %s",
+                (endpoint, endpoint, at, at, parked_id, limit)).fetchall()
+        return [self._parked_of(row) for row in rows]
+
+    def parked_by_ids(self, endpoint: str, parked_ids: Sequence[str]) -> list[ParkedMessage]:
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT parked_id, endpoint, source, envelope, body, parked_at "
+                f"FROM {self._parked} WHERE parked_id = ANY(%s) AND endpoint = %s "
+                "ORDER BY parked_at, parked_id", (list(parked_ids), endpoint)).fetchall()
+        return [self._parked_of(row) for row in rows]
+
+    @staticmethod
+    def _parked_of(row: Sequence[Any]) -> ParkedMessage:
+        return ParkedMessage(row[0], row[1], row[2], envelope_from(row[3], row[4]),
+                             _utc(row[5]) or row[5])
 
     def report_status(self, report: StatusReport) -> None:
         with self._connection() as connection:

@@ -376,6 +376,9 @@ class CannotListParked(MemoryStorage):
     def parked_messages(self, endpoint: str) -> list[Any]:
         raise StorageUnavailable("connection refused (simulated)")
 
+    def parked_page(self, endpoint: str | None, **_: Any) -> list[Any]:
+        raise StorageUnavailable("connection refused (simulated)")
+
 
 def test_errors_list_says_it_cannot_read_the_parked_messages_instead_of_showing_none(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

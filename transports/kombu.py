@@ -835,70 +835,57 @@ class KombuTransport(Transport):
                     _give_back(taken)
                 raise
             _give_back(taken)
+            self._settled_round_trip(channel, queue, scope.connection)
 
     @contextlib.contextmanager
-    def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
-        """Read the messages waiting in ``queue`` now, each once, holding at most ``page`` of
-        them in this process at a time (``idembus errors list`` of a long error queue).
-
-        ``with transport.browse(queue) as messages: for delivery in messages: ...`` — the
-        deliveries are for reading: settle none of them. They are taken as
-        :meth:`inspect` takes them, a page at a time, and nothing is lost whatever happens:
-
-        * RabbitMQ: every message read stays unacknowledged on this tool's channel, so
-          nobody else receives it meanwhile and it is not read twice; the process keeps
-          only the current page. When the block ends, however it ends, ``basic.recover``
-          gives them all back; where they go is the broker's choice, as for
-          :meth:`inspect` (a quorum queue puts what comes back behind what was never
-          taken, not always in the order it was read). Had the process died, the broker
-          would have given them back when its connection closed.
-        * memory:// and redis://: each page goes back once read, as :meth:`inspect` gives
-          messages back — a copy published to ``queue``, then the original acknowledged —
-          so it lands behind the messages not read yet. Reading stops after as many
-          messages as were waiting at the start: those copies, and whatever arrives
-          meanwhile, are not read again, and the order of the queue is kept.
-        """
-        if page < 1:
-            raise ValueError(f"page must be at least 1, got {page}")
-        waiting = self.pending(queue)  # also: a missing queue has nothing to read
+    def take(self, queue: str, *, limit: int) -> Iterator[Iterator[Delivery]]:
+        """Take up to ``limit`` messages of ``queue`` one at a time, unsettled, on one
+        channel: ``with transport.take(queue, limit=100) as messages: for delivery in
+        messages: ... delivery.ack()``. Each is taken only when the previous one was
+        handled, so that its acknowledgement reaches the broker before the next is asked
+        for (a quorum queue applies acknowledgements asynchronously: a burst of them may
+        not be applied when the connection closes, and the messages come back). Settle
+        each: one left unsettled goes back as a fresh copy
+        (:meth:`_KombuDelivery.requeue_fresh`), never as a redelivery. Returns once the
+        broker has the acknowledgements (a round trip on the channel)."""
+        if limit < 0:
+            raise ValueError(f"limit must be at least 0, got {limit}")
         scope = self._channel()
         with scope as channel:
             held: list[_KombuDelivery] = []
 
-            def read() -> Generator[Delivery, None, None]:
-                nonlocal held
-                remaining = waiting
-                while remaining > 0:
-                    held = self._take(channel, queue, min(page, remaining), scope.connection)
+            def taken() -> Generator[Delivery, None, None]:
+                for _ in range(limit):
+                    _give_fresh(held)
+                    held[:] = self._take(channel, queue, 1, scope.connection)
                     if not held:
                         return
-                    remaining -= len(held)
-                    yield from held
-                    if not self._is_amqp:
-                        _give_back(held)
-                    held = []  # RabbitMQ keeps them, unacknowledged, until the end
+                    yield held[0]
 
-            messages = read()
+            messages = taken()
             try:
                 yield messages
             except BaseException:
                 messages.close()
                 with contextlib.suppress(Exception):  # logged; the caller's error matters
-                    self._put_back(channel, queue, held, scope.connection)
+                    _give_fresh(held)
                 raise
             messages.close()
-            self._put_back(channel, queue, held, scope.connection)
+            _give_fresh(held)
+            self._settled_round_trip(channel, queue, scope.connection)
 
-    def _put_back(self, channel: Any, queue: str, held: list[_KombuDelivery],
-                  connection: kombu.Connection) -> None:
-        """The end of :meth:`browse`: every message still unacknowledged goes back."""
+    def _settled_round_trip(self, channel: Any, queue: str,
+                            connection: kombu.Connection) -> None:
+        """Return once the broker has applied every acknowledgement sent on ``channel``:
+        a channel handles its methods in order, so the answer to a synchronous one (a
+        passive declare) comes after the acks before it were passed to their queue. A
+        channel closed at once after its acks may lose them (the messages come back)."""
         if not self._is_amqp:
-            _give_back(held)  # the page being read when the block ended
             return
         try:
-            channel.basic_recover(requeue=True)
+            channel.queue_declare(queue=queue, passive=True)
         except Exception as exc:
-            classified = _classified(exc, connection, f"giving back the messages of {queue!r}",
+            classified = _classified(exc, connection, f"settling the messages of {queue!r}",
                                      refusal=TransportUnavailable, url=self.safe_url)
             if classified is None:
                 raise
@@ -1064,6 +1051,26 @@ class _KombuDelivery(Delivery):
         with self._outage_translated("requeue"):
             self._requeue_on_its_queue()
 
+    def requeue_fresh(self) -> None:
+        """Give the message back as a new one: a copy without the broker's delivery
+        count and dead-letter history is published to its queue (confirmed where the
+        broker confirms), then the original acknowledged. Unlike :meth:`requeue`, this
+        never counts as a redelivery towards a quorum queue's ``x-delivery-limit``."""
+        message = self._message
+        headers = {name: value for name, value
+                   in delays.without_dead_letter_headers(message.headers or {}).items()
+                   if name not in _BROKER_HEADERS}
+
+        def publish_then_ack() -> None:
+            with self._outage_translated("give back"):
+                kombu.Producer(message.channel).publish(
+                    message.body, exchange="", routing_key=self.queue, headers=headers,
+                    content_type=message.content_type,
+                    content_encoding=message.content_encoding, delivery_mode=2)
+                message.ack()
+
+        self._settle(publish_then_ack)
+
     @contextlib.contextmanager
     def _outage_translated(self, action: str) -> Iterator[None]:
         try:
@@ -1153,6 +1160,13 @@ def _give_back(deliveries: list[_KombuDelivery]) -> None:
             failures.append(exc)
     if failures:
         raise failures[0]
+
+
+def _give_fresh(deliveries: list[_KombuDelivery]) -> None:
+    """Give back, as fresh copies, those of ``deliveries`` left unsettled."""
+    for delivery in deliveries:
+        if not delivery.settled:
+            delivery.requeue_fresh()
 
 
 def _broker_errors(connection: kombu.Connection) -> tuple[type[BaseException], ...]:

@@ -5,6 +5,7 @@
     idembus errors export package.module:endpoint FILE [--type T] [--exception E]
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
+    idembus errors ingest package.module:endpoint
 
 The endpoint is loaded (not started) for its transport, ``error_queue`` and storage, and
 closed at the end. One whose broker or storage lives inside one process (memory://,
@@ -14,13 +15,15 @@ in the error queue are parked in the storage (:mod:`idembus.runtime.recoverabili
 they are listed, shown, retried and purged with the error queue's (``KEPT IN``: ``parked``);
 a retried one goes to its own destination.
 
-``list``, ``show`` and ``export`` only read: they go through the error queue a page
-(:data:`PAGE` messages) at a time with ``KombuTransport.browse``, printing as they go, so
-that a long error queue never has to fit in memory; nothing is lost, and no message is
-read twice (on RabbitMQ the messages read stay unacknowledged, out of everyone else's
-reach, until the end; on Redis and memory:// each page goes back behind the rest once
-read). ``retry`` and ``purge`` take the whole queue unsettled with ``Transport.inspect``
-and every message not retried or purged goes back (its place in the queue may change).
+Every command first moves what waits in the error queue into the endpoint's storage
+(:func:`idembus.error_queue.ingest`: each message acknowledged only once the storage has
+it), then reads the storage only, a page (:data:`PAGE` messages) at a time: looking never
+hands a message back to the broker, so a queue's delivery limit never counts a look, and
+a long error queue never has to fit in memory. Messages that failed in another endpoint's
+queue are given back to the shared error queue as fresh copies (with ``--all-endpoints``
+they are moved too, filed under the endpoint that failed them). ``retry`` and ``purge``
+count what the selection chooses, ask, and then act on exactly those, a page at a time: a
+message that failed after the count is not among them.
 
 ``retry`` sends each selected message back to the queue that failed it
 (``idembus.failed_queue``) with the failure headers removed, so its attempt counters start
@@ -57,6 +60,7 @@ from ..runtime.recoverability.error_queue import (
     PAGE,
     FailedMessage,
     Selection,
+    Survey,
     exception_matches,
     retried_envelope,
 )
@@ -134,16 +138,6 @@ def _endpoint(args: argparse.Namespace) -> Iterator[Endpoint]:
                                  f"{redact(str(unreadable))}") from unreadable
     finally:
         endpoint.close()
-
-
-@contextmanager
-def _error_queue(args: argparse.Namespace) -> Iterator[tuple[Endpoint, list[Delivery]]]:
-    """The endpoint and its failed messages, all taken unsettled for the block
-    (:func:`idembus.runtime.recoverability.error_queue.taking`): for commands that retry or
-    purge some of them."""
-    with _endpoint(args) as endpoint, \
-            error_queue.taking(endpoint, all_endpoints=args.all_endpoints) as deliveries:
-        yield endpoint, deliveries
 
 
 @contextmanager
@@ -273,13 +267,31 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chosen(args: argparse.Namespace, endpoint: Endpoint,
+            selection: Selection) -> tuple[Survey, Iterator[list[ParkedDelivery]]]:
+    """What the selection chooses now: counted, then a page at a time."""
+    counted = error_queue.survey(endpoint, selection, all_endpoints=args.all_endpoints,
+                                 page=PAGE)
+    return counted, error_queue.chosen_pages(endpoint, selection, counted,
+                                             all_endpoints=args.all_endpoints, page=PAGE)
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    """Move what waits in the error queue into the storage, and say how many (every other
+    command does it first; this is for a schedule that keeps the error queue empty)."""
+    with _endpoint(args) as endpoint:
+        moved = error_queue.ingest(endpoint, all_endpoints=args.all_endpoints, page=PAGE)
+    print(f"{moved} message(s) moved from {endpoint.error_queue!r} into the storage")
+    return 0
+
+
 def _retry(args: argparse.Namespace) -> int:
     selection = _selection(args)
     selection.require("retry")
-    status = 0
-    with _error_queue(args) as (endpoint, deliveries):
-        retried = 0
-        for delivery in selection.pick(deliveries, endpoint.error_queue):
+    status = retried = 0
+    with _endpoint(args) as endpoint:
+        _, pages = _chosen(args, endpoint, selection)
+        for delivery in (delivery for page in pages for delivery in page):
             try:
                 envelope = error_queue.retry(endpoint, delivery)
             except ConfigurationError as exc:
@@ -290,7 +302,7 @@ def _retry(args: argparse.Namespace) -> int:
             retried += 1
             where = ("from the storage to "
                      f"{envelope.destination or 'its subscribers'!r}"
-                     if isinstance(delivery, ParkedDelivery) else f"to {envelope.destination!r}")
+                     if FailedMessage.of(delivery).parked else f"to {envelope.destination!r}")
             print(f"retried {envelope.headers.get(h.MESSAGE_ID, '(without id)')} {where}")
     print(f"{retried} message(s) retried from {endpoint.error_queue!r}")
     return status
@@ -299,20 +311,21 @@ def _retry(args: argparse.Namespace) -> int:
 def _purge(args: argparse.Namespace) -> int:
     selection = _selection(args)
     selection.require("purge")
-    with _error_queue(args) as (endpoint, deliveries):
-        chosen = selection.pick(deliveries, endpoint.error_queue)
+    purged = 0
+    with _endpoint(args) as endpoint:
+        counted, pages = _chosen(args, endpoint, selection)
         if args.dry_run:
-            for delivery in chosen:
+            for delivery in (delivery for page in pages for delivery in page):
                 print(printable(f"would purge {delivery.headers.get(h.MESSAGE_ID, '-')}"))
-            print(f"{len(chosen)} message(s) would be purged from {endpoint.error_queue!r}")
+            print(f"{counted.count} message(s) would be purged from {endpoint.error_queue!r}")
             return 0
-        if chosen and not args.yes and not _confirmed(
-                f"purge {len(chosen)} message(s) from {endpoint.error_queue!r} for good?"):
+        if counted.count and not args.yes and not _confirmed(
+                f"purge {counted.count} message(s) from {endpoint.error_queue!r} for good?"):
             print("nothing purged")
             return EXIT_CONFIGURATION
-        for delivery in chosen:
-            error_queue.purge(delivery)
-    print(f"{len(chosen)} message(s) purged from {endpoint.error_queue!r}")
+        for page in pages:
+            purged += error_queue.purge(endpoint, page)
+    print(f"{purged} message(s) purged from {endpoint.error_queue!r}")
     return 0
 
 
@@ -346,6 +359,9 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                      "write failed messages as JSON lines for idembus spark replay", _export)
     export.add_argument("file", help="the JSON lines file to write")
     _add_filters(export)
+
+    _action(actions, common, "ingest",
+            "move the error queue's messages into the endpoint's storage", _ingest)
 
     for name, summary, handler in (
         ("retry", "send messages back to the queue that failed them, counters reset", _retry),

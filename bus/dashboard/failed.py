@@ -3,9 +3,12 @@ list with its groups and filters, one message whole, and retry or purge of one, 
 selection or a filter, each after a confirmation page. Every operation goes through
 :mod:`idembus.runtime.recoverability.error_queue`, as ``idembus errors`` does.
 
-Reading the error queue takes its messages out of everyone else's reach for the time of
-the request (``idembus errors list`` does the same) and gives them all back; only the
-confirmed POST settles any.
+Every page first moves what waits in the error queue into the endpoint's storage
+(:func:`idembus.error_queue.ingest`) and then reads the storage only: looking never hands a
+message back to the broker, whose delivery limit would otherwise drop it after a few
+looks. A confirmation page carries the storage ids of exactly the messages it lists (at
+most :data:`CONFIRMED`); the confirmed POST acts on those ids, never on a filter
+evaluated again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from .. import headers as h
 from ..errors import ConfigurationError
 from ..runtime.recoverability import error_queue
 from ..runtime.recoverability.error_queue import FailedMessage, Selection
+from ..runtime.recoverability.parking import ParkedDelivery
+from ..storage.base import SETTLED_FROM_ERROR_QUEUE, ParkingStore
 from ..transports.base import Delivery
 from .html import Child, Markup, render, tag, url
 from .layout import hidden, moment, notice, pairs, pretty, table
@@ -40,6 +45,10 @@ ACTIONS = {
     "purge": ("Purge", "purged", "Each is deleted from the error queue (or the storage, if "
                                  "parked) for good. This cannot be undone."),
 }
+#: The form field carrying the storage id of a confirmed message.
+KEY = "key"
+#: The most messages one confirmation acts on (their ids fit in a form).
+CONFIRMED = 2000
 #: The filter's query parameters.
 FILTERS = ("type", "exception", "after", "before")
 
@@ -269,14 +278,20 @@ def _copy(delivery: Delivery) -> Markup:
 
 def confirm(endpoint: Endpoint, params: Params, *, token: str, limit: int) -> Page:
     """What a retry or purge would act on, and the form that does it (POST, with the CSRF
-    token)."""
+    token and the storage id of each message listed)."""
     action = params.get("action", "")
     if action not in ACTIONS:
         raise Refused(f"no action {action[:20]!r}: retry or purge")
     verb, _, consequence = ACTIONS[action]
     selection = selection_of(params)
+    chosen: list[FailedMessage] = []
+    total = 0
     with error_queue.reading(endpoint) as deliveries:
-        chosen = [FailedMessage.of(d) for d in deliveries if selection.matches(d)]
+        for delivery in deliveries:
+            if selection.matches(delivery):
+                total += 1
+                if len(chosen) < CONFIRMED:
+                    chosen.append(FailedMessage.of(delivery))
     found = {failed.message_id for failed in chosen}
     missing = [message_id for message_id in selection.ids if message_id not in found]
     back = tag("a", "Back to the failed messages", href=url("/errors", {"endpoint": endpoint.name}))
@@ -288,9 +303,12 @@ def confirm(endpoint: Endpoint, params: Params, *, token: str, limit: int) -> Pa
             class_="question"),
         notice(f"not among the failed messages (retried or purged meanwhile?): "
                f"{', '.join(missing)}; the others are listed", "warn") if missing else None,
+        notice(f"{total} match: this confirms the first {CONFIRMED}; repeat for the rest",
+               "warn") if total > CONFIRMED else None,
         _table(endpoint.name, chosen[:limit]),
         notice(f"showing the first {limit} of {len(chosen)}") if len(chosen) > limit else None,
-        tag("form", hidden([("endpoint", endpoint.name), *_fields(selection),
+        tag("form", hidden([("endpoint", endpoint.name),
+                            *((KEY, failed.stored_id) for failed in chosen),
                             ("csrf_token", token)]),
             tag("button", f"Yes, {verb.lower()} {len(chosen)} message(s)", type="submit",
                 class_="danger" if action == "purge" else None, id="confirm"),
@@ -300,25 +318,32 @@ def confirm(endpoint: Endpoint, params: Params, *, token: str, limit: int) -> Pa
 
 
 def act(endpoint: Endpoint, action: str, form: Params) -> str:
-    """Retry or purge what ``form`` selects (confirmed, its token checked); where to go
-    next. :class:`~.pages.Refused` (409) changes nothing if a selected id is gone."""
-    selection = selection_of(form)
+    """Retry or purge the messages whose storage ids ``form`` carries (confirmed, its token
+    checked); where to go next. :class:`~.pages.Refused` (409) changes nothing if one of
+    them is gone (retried or purged meanwhile) or is not this endpoint's."""
+    keys = list(dict.fromkeys(value for value in form.getlist(KEY) if value))
+    if not keys:
+        raise Refused("choose the messages on the confirmation page")
+    if len(keys) > CONFIRMED:
+        raise Refused(f"at most {CONFIRMED} messages at a time", 413)
+    storage = endpoint.storage_as(ParkingStore)
+    found = [parked for parked in storage.parked_by_ids(endpoint.name, keys)
+             if parked.source != SETTLED_FROM_ERROR_QUEUE]
+    if len(found) != len(keys):
+        raise Refused(f"{len(keys) - len(found)} of the confirmed messages are no longer "
+                      "among the failed messages of this endpoint (retried or purged "
+                      "meanwhile?); nothing was changed: open the page again", 409)
+    deliveries = [ParkedDelivery(storage, parked) for parked in found]
     done = refused = 0
-    with error_queue.taking(endpoint) as deliveries:
+    if action == "purge":
+        done = error_queue.purge(endpoint, deliveries)
+    for delivery in deliveries if action == "retry" else ():
         try:
-            chosen = selection.pick(deliveries, endpoint.error_queue)
-        except ConfigurationError as missing:
-            raise Refused(f"{missing}", 409) from None
-        for delivery in chosen:
-            if action == "purge":
-                error_queue.purge(delivery)
-            else:
-                try:
-                    error_queue.retry(endpoint, delivery)
-                except ConfigurationError:
-                    refused += 1
-                    continue
-            done += 1
+            error_queue.retry(endpoint, delivery)
+        except ConfigurationError:
+            refused += 1
+            continue
+        done += 1
     outcome: dict[str, object] = {"endpoint": endpoint.name, ACTIONS[action][1]: done}
     if refused:
         outcome["refused"] = refused

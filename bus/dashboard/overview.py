@@ -7,8 +7,8 @@ import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..redaction import redact
+from ..runtime.recoverability import error_queue
 from ..runtime.status import HIDDEN_AFTER, summarise
-from ..storage.base import ParkingStore
 from . import charts
 from .history import CHARTED, PERCENTILES
 from .html import Markup, render, tag, url
@@ -73,13 +73,14 @@ def _queues(dashboard: Dashboard, endpoint: Endpoint) -> Markup:
     except Exception as error:
         waiting = f"unknown ({redact(str(error))})"
     try:
-        parked: Any = len(endpoint.storage_as(ParkingStore).parked_messages(endpoint.name))
+        parked: Any = sum(1 for _ in error_queue.stored(endpoint))  # a page at a time
     except Exception as error:
         parked = f"unknown ({redact(str(error))})"
     return tag("p", "Error queue ", tag("code", endpoint.error_queue), ": ",
                tag("a", str(waiting), href=url("/errors", {"endpoint": endpoint.name}),
                    data_counter="error_queue"),
-               " message(s) waiting (every endpoint's); parked in the storage: ",
+               " message(s) waiting to be moved (every endpoint's); failed messages in the "
+               "storage: ",
                tag("span", str(parked), data_counter="parked"), ".", class_="queues")
 
 

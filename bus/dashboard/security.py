@@ -12,6 +12,12 @@ something, and headers that keep the browser from running anything the pages did
   lives only in this process: a page of another origin can neither read the token nor
   make one. A POST without the cookie, with a token that does not match it, or with an
   ``Origin`` other than the dashboard's own is refused (403).
+* **Cross-site reads**: a page of another site can make the browser send a GET (an
+  ``<img>``, a link) with the credentials and cookies it holds, and the dashboard's pages
+  read the broker and the storage (moving the error queue into the storage). A request
+  whose ``Sec-Fetch-Site`` says it comes from another site (``cross-site``, or
+  ``same-site``: another port of the same host) is refused (403) before anything is read,
+  except the overview at ``/`` (a link to it may come from anywhere; it reads counts).
 * **Host**: without credentials, a request must name the dashboard by a loopback name or
   address (``Host``), so that a page of another site whose name was made to resolve to
   127.0.0.1 (DNS rebinding) cannot use it as its own origin (400 otherwise).
@@ -105,9 +111,17 @@ def _own_origin(request: Request) -> str:
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+#: What ``Sec-Fetch-Site`` says of a request the dashboard's own page (or the person, by
+#: typing the address: ``none``) made.
+SAME_ORIGIN = frozenset({"same-origin", "none"})
+#: The paths another site may link to.
+LINKABLE = frozenset({"/"})
+
+
 class Guard:
     """ASGI middleware: authentication on every HTTP request (with credentials), or else
-    a ``Host`` among ``hosts``; and :data:`HEADERS` on every response."""
+    a ``Host`` among ``hosts``; no request from another site but to :data:`LINKABLE`; and
+    :data:`HEADERS` on every response."""
 
     def __init__(self, app: ASGIApp, credentials: Credentials | None,
                  hosts: frozenset[str] = LOOPBACK_NAMES,
@@ -143,6 +157,12 @@ class Guard:
             if refused is not None:
                 await refused(scope, receive, send_guarded)
                 return
+        if scope.get("path", "/") not in LINKABLE and \
+                headers.get("sec-fetch-site", "same-origin") not in SAME_ORIGIN:
+            refused = PlainTextResponse("refused: this request comes from another site's page "
+                                        "(open the dashboard itself)", status_code=403)
+            await refused(scope, receive, send_guarded)
+            return
         await self._app(scope, receive, send_guarded)
 
     def _refusal(self, credentials: Credentials, headers: Headers,

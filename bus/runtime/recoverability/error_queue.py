@@ -1,42 +1,69 @@
-"""An endpoint's failed messages: the error queue's, and those parked in its storage.
+"""An endpoint's failed messages: kept in its storage, read, retried and purged from there.
 
-What ``idembus errors`` and the dashboard (:mod:`idembus.dashboard`) both do with them —
-read them, choose some, retry or purge them — in one place, so that the two cannot
-disagree about what a selection means or how a message goes back:
+The error queue is an inbox of failures, not where they are looked at: :func:`ingest` moves
+what is in it into the endpoint's storage (the store of parked messages, :mod:`idembus.
+parking`), acknowledging each broker message only after its storage write returned, and
+every view — ``idembus errors list/show/export``, the dashboard — reads the storage only, a
+page at a time. Reading a quorum queue with ``basic.get`` and giving the message back is a
+redelivery that raises its ``x-delivery-count``, and a delivery limit (a policy,
+``x-delivery-limit``, RabbitMQ 4's default of 20) then drops every failed message after a
+few looks; a row in the storage can be looked at any number of times. What :func:`ingest`
+reads is acknowledged (moved), or, when it failed in another endpoint's queue (a shared
+error queue), given back as a fresh copy (without the broker's delivery count) before the
+original is acknowledged: nothing read is ever requeued. On RabbitMQ, :func:`ingest`
+returns only once the broker has applied its acknowledgements.
 
 * :class:`FailedMessage`: one message's failure story, from its headers;
 * :class:`Selection`: message ids, everything, or a filter (type, exception, time of
   failure);
-* :func:`reading` goes through the failed messages for reading only (a page at a time where
-  the transport can browse); :func:`taking` takes them all unsettled, to retry or purge some;
-* :func:`retry` sends one back where it failed (a parked one to its own destination) and
-  only then removes it; :func:`purge` removes one for good.
+* :func:`reading` moves the error queue's messages into the storage, then goes through the
+  endpoint's failed messages a page at a time; :func:`survey` and :func:`chosen_pages`
+  select a page at a time what a retry or purge acts on, bounded by what was counted and
+  confirmed (a message failed meanwhile is not among them);
+* :func:`retry` sends one back where it failed and only then removes it; :func:`purge`
+  removes a page of them for good.
 
-Error queues are often shared: only the messages that failed in the endpoint's own queue
-are its own, unless ``all_endpoints``; its parked messages always are.
+A moved message is idempotent in the storage: its id derives from its queue, headers and
+body (:func:`idembus.parking.parked_id`), so the same message moved twice (the process died
+between the write and the acknowledgement) is kept once.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+import logging
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ... import headers as h
-from ...envelope import Envelope, parse_utc
+from ...envelope import Envelope, parse_utc, utc_now
 from ...errors import ConfigurationError
 from ...failures import without_failure_headers
-from ...storage.base import ParkingStore
+from ...storage.base import (
+    MOVED_FROM_ERROR_QUEUE,
+    SETTLED_FROM_ERROR_QUEUE,
+    ParkedKey,
+    ParkedMessage,
+    ParkingStore,
+    parked_key,
+)
 from ...transports.base import Delivery
-from .parking import ParkedDelivery, parked_deliveries
+from .parking import ParkedDelivery, keep, parked_id
 
 if TYPE_CHECKING:
     from ..endpoint import Endpoint
 
-#: How many messages of the error queue :func:`reading` holds at a time.
+log = logging.getLogger(__name__)
+
+#: How many failed messages :func:`ingest` and :func:`reading` hold at a time.
 PAGE = 100
+#: How often :func:`ingest` asks the broker how many messages wait (at the start, then
+#: for what arrived meanwhile or was not counted yet).
+_LOOKS = 2
+#: How long what is left of a retried or purged message is kept (see :func:`settle`).
+SETTLED_KEPT = datetime.timedelta(days=14)
 
 
 @dataclass(frozen=True)
@@ -51,16 +78,20 @@ class FailedMessage:
     time_of_failure: str | None
     immediate_attempts: str | None
     delayed_attempts: str | None
-    #: Kept in the storage because the broker refused it a place
-    # (``idembus.runtime.recoverability.parking``).
+    #: Kept in the storage because the broker refused it a place (:mod:`.parking`),
+    #: not moved there from the error queue.
     parked: bool = False
+    #: Its id in the storage (a copy of a message: each failure of it has its own).
+    stored_id: str | None = None
 
     @classmethod
     def of(cls, delivery: Delivery) -> FailedMessage:
         """Read the failure story from a delivery's headers."""
         headers = delivery.headers
+        stored = delivery.parked if isinstance(delivery, ParkedDelivery) else None
         return cls(
-            parked=isinstance(delivery, ParkedDelivery),
+            parked=stored is not None and stored.source != MOVED_FROM_ERROR_QUEUE,
+            stored_id=stored.parked_id if stored is not None else None,
             message_id=headers.get(h.MESSAGE_ID),
             message_type=headers.get(h.MESSAGE_TYPE),
             exception_type=headers.get(h.EXCEPTION_TYPE),
@@ -137,13 +168,16 @@ class Selection:
     def pick(self, deliveries: Sequence[Delivery], queue: str) -> list[Delivery]:
         """The selected deliveries; ConfigurationError if a given id is not among them."""
         chosen = [delivery for delivery in deliveries if self.matches(delivery)]
-        found = {delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}
+        self.refuse_missing({delivery.headers.get(h.MESSAGE_ID) for delivery in chosen}, queue)
+        return chosen
+
+    def refuse_missing(self, found: Collection[str | None], queue: str) -> None:
+        """ConfigurationError if a given id is not among the ids ``found``."""
         missing = [message_id for message_id in self.ids if message_id not in found]
         if missing:
             raise ConfigurationError(
                 f"no message {', '.join(missing)} in the error queue {queue!r}; nothing "
                 "was changed (see: idembus errors list)")
-        return chosen
 
 
 def retried_envelope(delivery: Delivery) -> Envelope:
@@ -163,62 +197,261 @@ def retried_envelope(delivery: Delivery) -> Envelope:
     )
 
 
-def retry(endpoint: Endpoint, delivery: Delivery) -> Envelope:
-    """Send ``delivery`` (taken with :func:`taking`) back where it failed — a parked one to
-    its own destination, an event without one published again — then remove it: a crash
-    in between leaves a copy in both places, never none. The envelope sent;
-    ConfigurationError (and nothing changed) if it has no queue to go back to."""
-    if isinstance(delivery, ParkedDelivery):
-        envelope = delivery.retried()
-        endpoint.transport.dispatch(envelope)
-    else:
-        envelope = retried_envelope(delivery)
-        endpoint.transport.send(envelope)
-    delivery.ack()  # only once the broker has the retried copy
-    return envelope
+# -- moving the error queue into the storage ----------------------------------------------
 
 
-def purge(delivery: Delivery) -> None:
-    """Remove ``delivery`` (taken with :func:`taking`) for good."""
-    delivery.ack()
+def ingest(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE) -> int:
+    """Move the messages waiting in the endpoint's error queue now into its storage, at
+    most ``page`` held at a time; how many were moved.
+
+    Each one that failed in the endpoint's own queue (every one, ``all_endpoints``: filed
+    under the endpoint whose queue failed it) is written to the storage, and only then
+    acknowledged; any other is given back as a fresh copy, then acknowledged (never
+    requeued: a requeue raises a quorum queue's delivery count). Returns once the broker
+    applied the acknowledgements (``KombuTransport.inspect`` ends with a round trip). A
+    process that dies between a write and its acknowledgement leaves the message in both
+    places; the next move writes the same id again, and the storage keeps one."""
+    if page < 1:
+        raise ValueError(f"page must be at least 1, got {page}")
+    transport, queue = endpoint.transport, endpoint.error_queue
+    remaining, moved, copies = transport.pending(queue), 0, 0
+    with ExitStack() as held_back:
+        for _ in range(_LOOKS):
+            if remaining <= 0:  # what arrived meanwhile, or the broker had not counted yet
+                remaining = transport.pending(queue) - copies  # not the copies given back
+            while remaining > 0:
+                taken, moved_now, copied = _move_page(endpoint, min(page, remaining),
+                                                      held_back, all_endpoints=all_endpoints)
+                if not taken:
+                    return moved
+                remaining, moved, copies = remaining - taken, moved + moved_now, copies + copied
+    return moved
 
 
-def own(endpoint: Endpoint, deliveries: Iterable[Delivery], *,
-        all_endpoints: bool = False) -> Iterator[Delivery]:
-    """The deliveries of the error queue that failed in the endpoint's own queue (every one
-    with ``all_endpoints``), then the messages it parked in its storage."""
-    for delivery in deliveries:
-        if all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name:
-            yield delivery
-    yield from parked_deliveries(endpoint.storage_as(ParkingStore), endpoint.name)
-
-
-@contextmanager
-def taking(endpoint: Endpoint, *,
-           all_endpoints: bool = False) -> Iterator[list[Delivery]]:
-    """The endpoint's failed messages (:func:`own`), all taken unsettled for the block
-    (``Transport.inspect``): retry or purge some inside it; the others go back."""
-    with endpoint.transport.inspect(endpoint.error_queue) as deliveries:
-        yield list(own(endpoint, deliveries, all_endpoints=all_endpoints))
+def _move_page(endpoint: Endpoint, limit: int, held_back: ExitStack, *,
+               all_endpoints: bool) -> tuple[int, int, int]:
+    """Move one page of the error queue: how many were taken, moved and given back as
+    copies. A transport that takes one at a time (``KombuTransport.take``) gets each
+    acknowledgement before the next message is taken. Otherwise the page is taken at
+    once (``Transport.inspect``), and another endpoint's messages that cannot be given
+    back as copies stay taken, without their contents, until ``held_back`` ends (see
+    :func:`_hand_back`)."""
+    transport, queue = endpoint.transport, endpoint.error_queue
+    if isinstance(transport, _Taking):
+        with transport.take(queue, limit=limit) as messages:
+            taken, moved = _move(endpoint, messages, all_endpoints=all_endpoints)
+        return taken, moved, taken - moved
+    with ExitStack() as this_page:
+        page = this_page.enter_context(transport.inspect(queue, limit=limit))
+        taken, moved = _move(endpoint, page, all_endpoints=all_endpoints)
+        others = [delivery for delivery in page if not delivery.settled]
+        for delivery in others:
+            delivery.body, delivery.headers = b"", {}
+        if others:
+            held_back.enter_context(this_page.pop_all())
+        return taken, moved, taken - moved - len(others)
 
 
 @runtime_checkable
-class _Browsing(Protocol):
-    """A transport that reads a queue a page at a time (``KombuTransport.browse``)."""
+class _Taking(Protocol):
+    """A transport that takes a queue's messages one at a time (``KombuTransport.take``)."""
 
-    def browse(self, queue: str, *,
-               page: int = ...) -> AbstractContextManager[Iterator[Delivery]]: ...
+    def take(self, queue: str, *,
+             limit: int) -> AbstractContextManager[Iterator[Delivery]]: ...
+
+
+def _stored_here(delivery: Delivery, endpoint: Endpoint, all_endpoints: bool) -> bool:
+    """Whether ``delivery`` is the endpoint's to move (else: another endpoint's)."""
+    return all_endpoints or delivery.headers.get(h.FAILED_QUEUE) == endpoint.name
+
+
+def _move(endpoint: Endpoint, deliveries: Iterable[Delivery], *,
+          all_endpoints: bool) -> tuple[int, int]:
+    """Move each of ``deliveries`` that is the endpoint's into its storage, then
+    acknowledge it; give back the others. How many there were, and how many moved. On a
+    failure, what is unsettled is given back as fresh copies where the transport can."""
+    taken = moved = 0
+    held: list[Delivery] = []
+    try:
+        for delivery in deliveries:
+            held.append(delivery)
+            taken += 1
+            if not _stored_here(delivery, endpoint, all_endpoints):
+                _hand_back(delivery)
+                continue
+            owner = delivery.headers.get(h.FAILED_QUEUE) or endpoint.name
+            keep(endpoint.storage_as(ParkingStore), _stored(owner, endpoint.error_queue, delivery),
+                 _envelope_of(delivery))
+            delivery.ack()  # only once the storage has it
+            moved += 1
+            held.clear()
+    except BaseException:
+        _hand_back_all(held)
+        raise
+    return taken, moved
+
+
+def _envelope_of(delivery: Delivery) -> Envelope:
+    """A failed delivery as the storage keeps it: addressed to the queue that failed it
+    (none if it does not say: a retry then refuses it)."""
+    return Envelope(dict(delivery.headers), delivery.body.decode("utf-8", "surrogateescape"),
+                    delivery.headers.get(h.FAILED_QUEUE) or None,
+                    delivery.content_type or h.CONTENT_TYPE, delivery.content_encoding)
+
+
+def _stored(owner: str, queue: str, delivery: Delivery) -> ParkedMessage:
+    envelope = _envelope_of(delivery)
+    return ParkedMessage(parked_id(MOVED_FROM_ERROR_QUEUE, owner, queue, envelope), owner,
+                         MOVED_FROM_ERROR_QUEUE, envelope, utc_now())
+
+
+def _hand_back(delivery: Delivery) -> None:
+    """Give back ``delivery``, which failed in another endpoint's queue, without counting a
+    redelivery: on a kombu broker as a fresh copy, then the original acknowledged. A
+    database queue's message (whose copy would be deduplicated against the original) is
+    left unsettled: :func:`ingest` keeps it aside, without its contents, until it ends,
+    and the transport then clears its lease (its place and counters unchanged)."""
+    fresh = getattr(delivery, "requeue_fresh", None)
+    if callable(fresh):
+        fresh()
+
+
+def _hand_back_all(taken: Sequence[Delivery]) -> None:
+    """After a failure: give back what is unsettled, as fresh copies, as far as possible."""
+    for delivery in taken:
+        if not delivery.settled:
+            try:
+                _hand_back(delivery)
+            except Exception as exc:  # the broker's own requeue takes over
+                log.warning("could not give a failed message back to %r: %s", delivery.queue,
+                            exc)
+
+
+# -- reading, selecting, acting -------------------------------------------------------------
+
+
+def stored(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE,
+           upto: ParkedKey | None = None) -> Iterator[ParkedDelivery]:
+    """The endpoint's failed messages in the storage (every endpoint's, ``all_endpoints``),
+    oldest first, ``page`` read at a time; none after ``upto``."""
+    for found in _pages(endpoint, all_endpoints=all_endpoints, page=page, upto=upto):
+        yield from found
+
+
+def _pages(endpoint: Endpoint, *, all_endpoints: bool, page: int,
+           upto: ParkedKey | None) -> Iterator[list[ParkedDelivery]]:
+    storage = endpoint.storage_as(ParkingStore)
+    owner = None if all_endpoints else endpoint.name
+    after: ParkedKey | None = None
+    while True:
+        found = storage.parked_page(owner, after=after, limit=page)
+        kept = [p for p in found if upto is None or parked_key(p) <= upto]
+        _forget_settled(storage, kept)
+        failed = [ParkedDelivery(storage, parked) for parked in kept
+                  if parked.source != SETTLED_FROM_ERROR_QUEUE]
+        if failed:
+            yield failed
+        if len(found) < page or len(kept) < len(found):
+            return
+        after = parked_key(found[-1])
+
+
+def _forget_settled(storage: ParkingStore, found: Sequence[ParkedMessage]) -> None:
+    """Remove what is left of messages retried or purged longer than :data:`SETTLED_KEPT`
+    ago (a copy the broker gave back came back long since)."""
+    expired = utc_now() - SETTLED_KEPT
+    old = [parked.parked_id for parked in found
+           if parked.source == SETTLED_FROM_ERROR_QUEUE and parked.parked_at < expired]
+    if old:
+        storage.unpark(old)
 
 
 @contextmanager
 def reading(endpoint: Endpoint, *, all_endpoints: bool = False,
-            page: int = PAGE) -> Iterator[Iterator[Delivery]]:
-    """The endpoint's failed messages (:func:`own`) one after the other, for reading only
-    (settle none): at most ``page`` of the error queue are held at a time where the
-    transport can browse, whatever the length of the queue."""
-    transport = endpoint.transport
-    browsing = (transport.browse(endpoint.error_queue, page=page)
-                if isinstance(transport, _Browsing)
-                else transport.inspect(endpoint.error_queue))
-    with browsing as deliveries:
-        yield own(endpoint, deliveries, all_endpoints=all_endpoints)
+            page: int = PAGE) -> Iterator[Iterator[ParkedDelivery]]:
+    """The endpoint's failed messages one after the other, read from its storage once
+    what waits in the error queue was moved there (:func:`ingest`): at most ``page`` are
+    held at a time, and reading changes nothing in the broker's count of deliveries."""
+    ingest(endpoint, all_endpoints=all_endpoints, page=page)
+    yield stored(endpoint, all_endpoints=all_endpoints, page=page)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a selection chose when it was counted (and confirmed): how many, and the last
+    stored message then (what a retry or purge acts on goes no further)."""
+
+    count: int
+    upto: ParkedKey | None
+
+
+def survey(endpoint: Endpoint, selection: Selection, *, all_endpoints: bool = False,
+           page: int = PAGE) -> Survey:
+    """Move the error queue into the storage, then count what ``selection`` chooses, a
+    page at a time; ConfigurationError (and nothing changed) if a given id is not there."""
+    ingest(endpoint, all_endpoints=all_endpoints, page=page)
+    count, upto = 0, None
+    found: set[str | None] = set()
+    for delivery in stored(endpoint, all_endpoints=all_endpoints, page=page):
+        upto = parked_key(delivery.parked)
+        if selection.matches(delivery):
+            count += 1
+            if selection.ids:
+                found.add(delivery.headers.get(h.MESSAGE_ID))
+    selection.refuse_missing(found, endpoint.error_queue)
+    return Survey(count, upto)
+
+
+def chosen_pages(endpoint: Endpoint, selection: Selection, counted: Survey, *,
+                 all_endpoints: bool = False,
+                 page: int = PAGE) -> Iterator[list[ParkedDelivery]]:
+    """What ``selection`` chose when it was ``counted``, a page at a time (those retried
+    or purged meanwhile are gone; those stored since are not among them)."""
+    if counted.upto is None:
+        return
+    for found in _pages(endpoint, all_endpoints=all_endpoints, page=page,
+                        upto=counted.upto):
+        chosen = [delivery for delivery in found if selection.matches(delivery)]
+        if chosen:
+            yield chosen
+
+
+def retry(endpoint: Endpoint, delivery: ParkedDelivery) -> Envelope:
+    """Send ``delivery`` back where it failed — a parked one to its own destination, an
+    event without one published again — then remove it from the storage (:func:`settle`):
+    a crash in between leaves a copy in both places, never none. The envelope sent;
+    ConfigurationError (and nothing changed) if it has no queue to go back to."""
+    if delivery.parked.source == MOVED_FROM_ERROR_QUEUE:
+        envelope = retried_envelope(delivery)
+    else:
+        envelope = delivery.retried()
+    endpoint.transport.dispatch(envelope)
+    # only once the broker has the retried copy
+    settle(endpoint.storage_as(ParkingStore), [delivery])
+    return envelope
+
+
+def purge(endpoint: Endpoint, deliveries: Sequence[ParkedDelivery]) -> int:
+    """Remove ``deliveries`` from the storage for good (:func:`settle`); how many were
+    still there (the others were retried or purged meanwhile)."""
+    return settle(endpoint.storage_as(ParkingStore), deliveries)
+
+
+def settle(storage: ParkingStore, deliveries: Sequence[ParkedDelivery]) -> int:
+    """Remove ``deliveries`` from ``storage``; how many were still there. Of a message
+    moved from the error queue, its id stays (without headers or body) for
+    :data:`SETTLED_KEPT`: should the broker give it back — RabbitMQ applies a quorum
+    queue's acknowledgements asynchronously, and a connection that closes before they
+    are applied returns the messages — :func:`ingest` finds the id taken and only
+    acknowledges it, so a purged or retried message never reappears."""
+    if not deliveries:
+        return 0
+    removed = storage.unpark([delivery.parked.parked_id for delivery in deliveries])
+    for delivery in deliveries:
+        delivery.settled = True
+        parked = delivery.parked
+        if parked.source == MOVED_FROM_ERROR_QUEUE:
+            storage.park(ParkedMessage(parked.parked_id, parked.endpoint,
+                                       SETTLED_FROM_ERROR_QUEUE, Envelope({}, "", None),
+                                       utc_now()))
+    return removed

@@ -71,20 +71,31 @@ def park(storage: ParkingStore, *, endpoint: str, source: str, envelope: Envelop
         envelope=Envelope(headers, envelope.body, envelope.destination, envelope.content_type,
                           envelope.content_encoding),
         parked_at=utc_now())
-    try:
-        storage.park(parked)
-    except StorageRefused as refused:
-        parked = _without_body(parked, envelope, refused)
-        storage.park(parked)  # refused too: the caller holds on to the message
-        log.error("parked %s of %s in the storage (%s) WITHOUT its body, which the storage "
-                  "refused (%s): %s; see idembus errors list",
-                  loggable(envelope.headers.get(h.MESSAGE_ID, "a message")), endpoint, source,
-                  redact(str(refused)),
-                  loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE))
-        return parked
+    kept = keep(storage, parked, envelope)
+    if kept is not parked:
+        return kept
     log.error("parked %s of %s in the storage (%s): %s; see idembus errors list",
               loggable(envelope.headers.get(h.MESSAGE_ID, "a message")), endpoint, source,
               loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE))
+    return parked
+
+
+def keep(storage: ParkingStore, parked: ParkedMessage, original: Envelope) -> ParkedMessage:
+    """Store ``parked`` (``original``: the message as it came); if the storage refuses it,
+    a copy without its body (:func:`park`). What was stored; the storage's error if it
+    refuses even that: the caller must then not let go of the message."""
+    try:
+        storage.park(parked)
+    except StorageRefused as refused:
+        kept = _without_body(parked, original, refused)
+        storage.park(kept)  # refused too: the caller holds on to the message
+        log.error("parked %s of %s in the storage (%s) WITHOUT its body, which the storage "
+                  "refused (%s): %s; see idembus errors list",
+                  loggable(original.headers.get(h.MESSAGE_ID, "a message")), parked.endpoint,
+                  parked.source, redact(str(refused)),
+                  loggable(parked.envelope.headers.get(h.EXCEPTION_MESSAGE, ""),
+                           MAX_EXCEPTION_MESSAGE))
+        return kept
     return parked
 
 
@@ -136,8 +147,3 @@ class ParkedDelivery(Delivery):
     def _requeue(self) -> None:
         """Nothing to give back: it stays parked."""
 
-
-def parked_deliveries(storage: ParkingStore, endpoint: str) -> list[Delivery]:
-    """The messages ``endpoint`` parked, as deliveries for ``idembus errors``; the
-    storage's error if it cannot say (never an empty list that hides them)."""
-    return [ParkedDelivery(storage, parked) for parked in storage.parked_messages(endpoint)]

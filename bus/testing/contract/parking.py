@@ -74,3 +74,25 @@ class ParkingStoreContract(RoleContract):
 
         assert [p.parked_id for p in storage.parked_messages("sales")] == ["p2"]
         assert storage.unpark(["p1"]) == 0
+
+    def test_parked_messages_are_read_a_page_at_a_time_in_order_and_looked_up_by_id(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        for number in range(7):  # two share a minute: their ids decide
+            storage.park(parked(f"p{number}", minute=number // 2 * 2))
+        storage.park(parked("other", endpoint="billing", minute=3))
+
+        pages, after = [], None
+        while page := storage.parked_page("sales", after=after, limit=3):
+            pages.append([p.parked_id for p in page])
+            after = (page[-1].parked_at, page[-1].parked_id)
+
+        assert pages == [["p0", "p1", "p2"], ["p3", "p4", "p5"], ["p6"]]
+        assert [p.parked_id for p in storage.parked_by_ids("sales", ["p4", "gone", "p1",
+                                                                     "other"])] == ["p1", "p4"]
+        assert storage.parked_by_ids("sales", ["p4"]) == [parked("p4", minute=4)]
+        if type(storage).parked_page is not ParkingStore.parked_page:  # every endpoint's
+            everyone = storage.parked_page(None, limit=100)
+            assert [p.parked_id for p in everyone] == ["p0", "p1", "p2", "p3", "other", "p4",
+                                                       "p5", "p6"]
