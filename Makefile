@@ -1,12 +1,15 @@
-# The two commands of README's quick start, plus lint and bench.
+# The two commands of README's quick start, plus lint, docs, dist and bench.
 #   make demo   virtualenv + only what the demo needs, then the ordering sample end to end
-#   make test   virtualenv + everything and the test extras, then the whole suite
+#   make test   virtualenv + everything and the test and docs extras, then the whole suite
+#               (which builds the docs site with mkdocs build --strict and runs its snippets)
+#   make docs   the documentation site into build/site; make docs-serve serves it
+#   make dist   a wheel in dist/ (pip install dist/idembus-*.whl)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo test lint bench torture screenshots clean
+.PHONY: demo test lint docs docs-serve dist bench torture screenshots clean
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
@@ -18,7 +21,7 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test]'
+	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,docs]'
 	touch $@
 
 $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
@@ -29,11 +32,28 @@ $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
 	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,lint]'
 	touch $@
 
+$(VENV)/.docs: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e '.[docs]'
+	touch $@
+
 demo: $(VENV)/.demo
 	$(BIN)/python -m samples.ordering
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The site's pages are docs/, its navigation mkdocs.yml; the API reference is read from the
+# docstrings of the public modules. Broken links and missing pages fail the build.
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site
+
+docs-serve: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8000
+
+# idembus is not on PyPI: this wheel is what to install elsewhere (no build frontend needed).
+dist: | $(BIN)/python
+	rm -rf dist
+	$(PIP) wheel --no-deps --wheel-dir dist .
 
 # mypy checks the package as it installs (the folders map onto the idembus namespace, which
 # an editable install provides through an import hook mypy does not run).
