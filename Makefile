@@ -55,10 +55,12 @@ dist: | $(BIN)/python
 	rm -rf dist
 	$(PIP) wheel --no-deps --wheel-dir dist .
 
-# mypy checks the package as it installs (the folders map onto the idembus namespace, which
+# Public names (those the API reference renders) must have docstrings:
+# tests/test_public_docstrings.py. mypy checks the package as it installs (the folders map onto the idembus namespace, which
 # an editable install provides through an import hook mypy does not run).
 lint: $(VENV)/.lint
 	$(BIN)/ruff check --target-version py310 --line-length 100 --select E,F,W,I,UP,B --ignore UP042,B027 --config "lint.isort.known-first-party = ['idembus', 'tests', 'samples', 'bench']" bus handlers storage transports samples bench tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_public_docstrings.py
 	rm -rf build/lint && $(PIP) install --no-deps --target build/lint .
 	cd build/lint && ../../$(BIN)/mypy --config-file ../../setup.cfg -p idembus
 
