@@ -1,12 +1,15 @@
-# The two commands of README's quick start, the three tiers of tests, lint and bench.
+# The two commands of README's quick start, the three tiers of tests, lint, docs and bench.
 #   make demo   virtualenv + only what the demo needs, then the ordering sample end to end
 #   make check  no services at all: the unit, property and contract tests on memory:// and
 #               mongomock (deselects the tests marked amqp, redis, postgres, mongodb,
 #               torture, spark or slow), in CHECK_WORKERS processes (pytest-xdist; most
 #               of its time is waiting, not computing); under a minute and a half on 2 cores
 #   make test   what CI runs (.ci/run): every test but the soaks, on RabbitMQ, PostgreSQL
-#               and Redis, the reduced torture test and Spark included; under 20 minutes
+#               and Redis, the reduced torture test, Spark, the docs site (mkdocs build
+#               --strict) and every snippet of the docs included; under 30 minutes
 #   make soak   the soaks (tests marked slow), then the full-size torture run
+#   make docs   the documentation site into build/site; make docs-serve serves it
+#   make dist   a wheel in dist/ (pip install dist/idembus-*.whl)
 # Every test has a time limit (setup.cfg: timeout, @pytest.mark.timeout for the long ones):
 # a hang fails its test with every thread's stack instead of stalling the run.
 # PYTEST_ARGS adds options to all three, e.g. make check PYTEST_ARGS="-x -k outbox".
@@ -15,7 +18,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo check test soak lint bench torture screenshots clean
+.PHONY: demo check test soak lint docs docs-serve dist bench torture screenshots clean
 
 #: The tests that need no service, no Spark session and no soak (make check).
 CHECK_MARKS := not amqp and not redis and not postgres and not mongodb and not torture \
@@ -32,7 +35,7 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: setup.cfg pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test]'
+	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,docs]'
 	touch $@
 
 $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
@@ -41,6 +44,10 @@ $(VENV)/.bench: setup.cfg pyproject.toml | $(BIN)/python
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(BIN)/python
 	$(PIP) install -e '.[redis,postgres,web,spark,otel,prometheus,test,lint]'
+	touch $@
+
+$(VENV)/.docs: setup.cfg pyproject.toml | $(BIN)/python
+	$(PIP) install -e '.[docs]'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -56,10 +63,25 @@ soak: $(VENV)/.test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
 
-# mypy checks the package as it installs (the folders map onto the idembus namespace, which
+# The site's pages are docs/, its navigation mkdocs.yml; the API reference is read from the
+# docstrings of the public modules. Broken links and missing pages fail the build.
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir build/site
+
+docs-serve: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8000
+
+# idembus is not on PyPI: this wheel is what to install elsewhere (no build frontend needed).
+dist: | $(BIN)/python
+	rm -rf dist
+	$(PIP) wheel --no-deps --wheel-dir dist .
+
+# Public names (those the API reference renders) must have docstrings:
+# tests/test_public_docstrings.py. mypy checks the package as it installs (the folders map onto the idembus namespace, which
 # an editable install provides through an import hook mypy does not run).
 lint: $(VENV)/.lint
 	$(BIN)/ruff check --target-version py310 --line-length 100 --select E,F,W,I,UP,B --ignore UP042,B027 --config "lint.isort.known-first-party = ['idembus', 'tests', 'samples', 'bench']" bus handlers storage transports samples bench tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_public_docstrings.py
 	rm -rf build/lint && $(PIP) install --no-deps --target build/lint .
 	cd build/lint && ../../$(BIN)/mypy --config-file ../../setup.cfg -p idembus
 

@@ -35,14 +35,17 @@ class MessageContext:
 
     @property
     def correlation_id(self) -> str:
+        """``idembus.correlation_id``, or this message's id when it starts a conversation."""
         return self.headers.get(h.CORRELATION_ID) or self.message_id
 
     @property
     def conversation_id(self) -> str:
+        """``idembus.conversation_id``, or this message's id when it is the first."""
         return self.headers.get(h.CONVERSATION_ID) or self.message_id
 
     @property
     def reply_to(self) -> str | None:
+        """The queue replies go to (``idembus.reply_to``), or None."""
         return self.headers.get(h.REPLY_TO) or None
 
     def outgoing_id(self, index: int) -> str:

@@ -34,14 +34,17 @@ class Envelope:
 
     @property
     def message_id(self) -> str:
+        """The ``idembus.message_id`` header (``KeyError`` without one)."""
         return self.headers[h.MESSAGE_ID]
 
     @property
     def message_type(self) -> str:
+        """The ``idembus.message_type`` header: the wire name (``KeyError`` without one)."""
         return self.headers[h.MESSAGE_TYPE]
 
     @property
     def intent(self) -> h.Intent:
+        """Send, publish or reply (``idembus.intent``; send when absent)."""
         return h.Intent(self.headers.get(h.INTENT, h.Intent.SEND.value))
 
     @property

@@ -177,24 +177,36 @@ class Middleware:
     def close(self) -> None:
         """Called when the endpoint closes: flush and release what the middleware holds."""
 
-    def before_message(self, incoming: IncomingMessage) -> None: ...
+    def before_message(self, incoming: IncomingMessage) -> None:
+        """Before a delivery is decoded; may raise SkipMessage, RetryLater or RejectMessage."""
 
-    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None: ...
+    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
+        """Once the delivery is settled, just before its ack; ``error`` ended it, or None."""
 
-    def before_handler(self, call: HandlerCall) -> None: ...
+    def before_handler(self, call: HandlerCall) -> None:
+        """Before one attempt of one handler (load, run, commit); may raise SkipMessage,
+        RetryLater or RejectMessage."""
 
-    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None: ...
+    def after_handler(self, call: HandlerCall, error: BaseException | None) -> None:
+        """After that attempt, with the exception that ended it, or None."""
 
-    def before_commit(self, call: HandlerCall) -> None: ...
+    def before_commit(self, call: HandlerCall) -> None:
+        """Before the handler's conditional write (again after a lost race)."""
 
-    def after_commit(self, call: HandlerCall, error: BaseException | None) -> None: ...
+    def after_commit(self, call: HandlerCall, error: BaseException | None) -> None:
+        """After the conditional write, with its exception (a conflict, a duplicate), or None."""
 
     def outgoing(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
+        """Each message sent, before it is committed: return it, or a changed copy (headers
+        added here are stored with it). ``origin`` is the incoming message's context, None
+        outside handlers."""
         return envelope
 
-    def before_dispatch(self, dispatch: Dispatch) -> None: ...
+    def before_dispatch(self, dispatch: Dispatch) -> None:
+        """Before each send of an outgoing message (a redispatch and an outbox repair too)."""
 
-    def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None: ...
+    def after_dispatch(self, dispatch: Dispatch, error: BaseException | None) -> None:
+        """After that send, with its exception, or None."""
 
 
 _STAGES = ("message", "handler", "commit", "dispatch")

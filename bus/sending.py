@@ -36,6 +36,11 @@ Emit = Callable[[Envelope], object]
 class Bus:
     """Sends commands, publishes events and replies.
 
+    Every method takes ``discard_after`` (seconds or a timedelta): the message is worthless
+    to its receiver that much later than it is sent — or, deferred, than it is due — and
+    discarded if received after that (:mod:`idembus.expiry`). Without it, the message
+    type's default applies (``class Quote(Event, discard_after=30)``), if it has one.
+
     Parameters
     ----------
     endpoint:
@@ -49,11 +54,6 @@ class Bus:
     clock:
         Where "now" comes from (the endpoint's :class:`~idembus.clock.Clock`): the time
         sent, when a deferred message is due, when a message expires.
-
-    Every method takes ``discard_after`` (seconds or a timedelta): the message is worthless
-    to its receiver that much later than it is sent — or, deferred, than it is due — and
-    discarded if received after that (:mod:`idembus.expiry`). Without it, the message
-    type's default applies (``class Quote(Event, discard_after=30)``), if it has one.
     """
 
     def __init__(

@@ -116,6 +116,7 @@ class AggregateHandler(Handler, Generic[StateT]):
 
     @classmethod
     def storage_name(cls) -> str:
+        """The aggregate type stored: ``aggregate_type``, or the state class's name."""
         return cls.aggregate_type or cls.state_type.__name__
 
     def request_timeout(self, message: Command, delay: float | datetime.timedelta) -> str:

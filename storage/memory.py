@@ -39,7 +39,19 @@ from .journal import resume_position
 
 
 class MemoryStorage(Storage):
-    """Keeps every aggregate record in a dict guarded by one lock."""
+    """Storage in this process's memory: dicts guarded by one lock (the default storage).
+
+    Nothing survives the process and no other process sees it: for trials and tests.
+
+    Parameters
+    ----------
+    processed_window:
+        How many processed messages each aggregate remembers for deduplication (the
+        newest; entries whose messages were not dispatched are always kept).
+    retention:
+        Delete dispatched processed records and completed sagas' tombstones once older
+        than this (``None``: keep them).
+    """
 
     process_local = True
 

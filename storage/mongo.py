@@ -167,7 +167,21 @@ def is_mongomock(client: Any) -> bool:
 
 
 class MongoStorage(Storage):
-    """Storage backend for MongoDB (pymongo) and mongomock."""
+    """Storage backend for MongoDB (pymongo) and mongomock; see the module docstring.
+
+    Parameters
+    ----------
+    client:
+        A ``mongodb://`` URL (the storage makes and closes its own client) or a client
+        (``pymongo.MongoClient``, ``mongomock.MongoClient``).
+    database:
+        The database of the aggregate collections and idembus's own.
+    processed_window:
+        How many processed messages each aggregate document remembers for deduplication.
+    retention:
+        Expire dispatched inbox records (a TTL index) and completed sagas' tombstones once
+        older than this (``None``: keep them).
+    """
 
     #: Documents must stay bounded, so the window always has a size here.
     processed_window: int

@@ -47,7 +47,7 @@ Connection String
 
 Options
 =======
-``table_prefix``   prefix of the two tables (``idembus``); one per endpoint sharing a database
+``table_prefix``   prefix of its eight tables (``idembus``); one per endpoint sharing a database
 ``pool_size``      most connections the pool opens (10)
 ``connect_timeout`` seconds to wait for a connection at start before failing (5)
 """
@@ -117,7 +117,24 @@ _SCHEMA_LOCK = 0x1DE3B05
 
 
 class PostgresStorage(Storage):
-    """Storage backend for PostgreSQL; see the module docstring."""
+    """Storage backend for PostgreSQL; see the module docstring.
+
+    Parameters
+    ----------
+    conninfo:
+        A libpq connection string or ``postgresql://`` URL.
+    table_prefix:
+        The prefix of the storage's eight tables (``<prefix>_aggregates``, ...): one per
+        endpoint that shares the database but not its data. Lower-case letters, digits
+        and ``_``; anything else raises ``ConfigurationError``.
+    pool_size:
+        The most connections the pool opens.
+    connect_timeout:
+        Seconds to wait for a connection at start before failing.
+    retention:
+        Delete dispatched processed rows and completed sagas' tombstones once older than
+        this (``None``: keep them).
+    """
 
     def __init__(
         self,

@@ -163,7 +163,27 @@ _MESSAGE_CAUSED: tuple[type[BaseException], ...] = (
 
 
 class KombuTransport(Transport):
-    """Transport for any kombu URL; see the module docstring."""
+    """Transport for any kombu URL; see the module docstring.
+
+    Parameters
+    ----------
+    url:
+        ``memory://``, ``amqp://user:password@host:5672/vhost`` or ``redis://host:6379/0``.
+    exchange:
+        The topic exchange events are published to.
+    confirm_publish:
+        Wait for publisher confirms where the broker has them.
+    polling_interval:
+        Seconds between polls of virtual transports (memory:// 5 ms, redis:// 0.1 s).
+    transport_options:
+        Passed to kombu unchanged.
+    reconnect_backoff:
+        The waits between attempts to reconnect a consumer.
+    queue_type:
+        RabbitMQ queues: ``"quorum"`` or ``"classic"``.
+    queue_arguments:
+        Further arguments of every queue declared (RabbitMQ ``x-*``), the error queue too.
+    """
 
     def __init__(
         self,

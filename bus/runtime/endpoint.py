@@ -657,6 +657,7 @@ class Endpoint:
 
     @property
     def running(self) -> bool:
+        """Whether any of the endpoint's consumer or helper threads is alive."""
         return any(thread.is_alive() for thread in self._threads)
 
 

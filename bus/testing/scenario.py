@@ -86,10 +86,12 @@ class Outgoing:
 
     @property
     def message_id(self) -> str:
+        """The message's id."""
         return self.envelope.message_id
 
     @property
     def intent(self) -> h.Intent:
+        """Send, publish or reply."""
         return self.envelope.intent
 
     @property
@@ -99,6 +101,7 @@ class Outgoing:
 
     @property
     def headers(self) -> Mapping[str, str]:
+        """The message's headers."""
         return self.envelope.headers
 
     @property
@@ -118,10 +121,12 @@ class FailedMessage:
 
     @property
     def message_id(self) -> str | None:
+        """The failed message's id (None if it had none)."""
         return self.envelope.headers.get(h.MESSAGE_ID)
 
     @property
     def headers(self) -> Mapping[str, str]:
+        """The message's headers."""
         return self.envelope.headers
 
     @property
@@ -136,6 +141,7 @@ class FailedMessage:
 
     @property
     def failed_queue(self) -> str | None:
+        """The queue the message failed in."""
         return self.envelope.headers.get(h.FAILED_QUEUE)
 
     @property

@@ -1,6 +1,6 @@
 """Run the ordering sample end to end and print one line computed from the stores.
 
-    python -m samples.ordering                       # memory:// and MemoryStorage
+    python -m samples.ordering                       # memory:// and embedded mongomock
     python -m samples.ordering --transport amqp://guest:guest@127.0.0.1:5672// --orders 1000
     python -m samples.ordering --transport postgresql://postgres@127.0.0.1:5432/test \\
         --storage postgresql://postgres@127.0.0.1:5432/test    # no broker: one transaction
