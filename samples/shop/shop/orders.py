@@ -14,7 +14,7 @@ import os
 
 from pydantic import BaseModel
 
-from idembus import Endpoint, RejectMessage
+from idembus import Endpoint, Message, RejectMessage
 from idembus.handlers import AggregateHandler, handles
 
 from . import settings
@@ -101,7 +101,7 @@ def payment_timeout() -> datetime.timedelta:
 
 
 #: Where the commands this service sends go: the queue of the service that handles them.
-ROUTES = {ChargePayment: "payments", ShipOrder: "shipping"}
+ROUTES: dict[type[Message], str] = {ChargePayment: "payments", ShipOrder: "shipping"}
 
 
 def make_endpoint() -> Endpoint:
