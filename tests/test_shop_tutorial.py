@@ -30,8 +30,12 @@ TUTORIAL = ROOT / "docs" / "tutorial"
 SERVICES = ("orders", "payments", "shipping")
 QUEUES = (*SERVICES, "storefront", "shop-errors")
 
-if str(SHOP) not in sys.path:  # the shop as `pip install -e samples/shop` would install it
-    sys.path.append(str(SHOP))
+
+
+@pytest.fixture(autouse=True)
+def shop_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shop importable as `pip install -e samples/shop` makes it (CI does not install it)."""
+    monkeypatch.syspath_prepend(str(SHOP))
 
 
 def python_blocks(page: pathlib.Path) -> list[tuple[bool, str]]:
