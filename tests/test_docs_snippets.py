@@ -124,6 +124,9 @@ def _page_id(page: pathlib.Path) -> str:
 
 @pytest.mark.parametrize("page", pages(), ids=_page_id)
 def test_python_blocks_of_the_page_run(page: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
+    # The tutorial's pages import its sample, a package of its own (samples/shop), as a
+    # reader who installed it would.
+    monkeypatch.syspath_prepend(str(ROOT / "samples" / "shop"))
     run = PageRun(monkeypatch)
     try:
         run.run(page)
