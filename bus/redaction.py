@@ -32,7 +32,9 @@ merely looks like one of these loses its value too.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 import traceback
 from collections.abc import Iterable
 
@@ -130,6 +132,25 @@ class RedactingFormatter(logging.Formatter):
 
 def redacted_traceback(error: BaseException) -> str:
     """``error``'s formatted traceback, passwords hidden (:func:`redact`): the last line
-    repeats the exception's message, which may name a URL with its password."""
-    return redact("".join(traceback.format_exception(type(error), error,
-                                                     error.__traceback__)))
+    repeats the exception's message, which may name a URL with its password. Each frame's
+    file is named relative to the ``sys.path`` entry it was imported from
+    (``idembus/runtime/processing.py``, ``shop/payments.py``), not by where the
+    application or the checkout lies on the disk of the machine that failed; a file
+    outside ``sys.path`` keeps its last two parts."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return redact(_FRAME_FILE.sub(lambda found: f'File "{_short_path(found.group(1))}"', text))
+
+
+_FRAME_FILE = re.compile(r'File "([^"\n]+)"')
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the longest ``sys.path`` entry holding it, else ``…/dir/file``."""
+    if not os.path.isabs(path):
+        return path  # "<string>", "<frozen ...>", already relative
+    roots = [root.rstrip(os.sep) for root in sys.path if root and os.path.isabs(root)]
+    holding = [root for root in roots if path.startswith(root + os.sep)]
+    if holding:
+        return path[len(max(holding, key=len)) + 1:]
+    parts = path.split(os.sep)
+    return os.sep.join(["…", *parts[-2:]])

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 
 import pytest
 
-from idembus.redaction import MASK, RedactingFormatter, redact
+from idembus.redaction import MASK, RedactingFormatter, redact, redacted_traceback
 
 SECRET = "Sup3r-s3cret"
 
@@ -107,3 +108,36 @@ def test_the_formatter_hides_passwords_in_messages_and_tracebacks() -> None:
 
     assert SECRET not in line
     assert "ConnectionError" in line
+
+
+def raised_from(path: pathlib.Path) -> BaseException:
+    """An exception raised in a module whose file is ``path``."""
+    path.write_text("def fail():\n    raise ValueError('boom')\n")
+    namespace: dict[str, object] = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    try:
+        namespace["fail"]()  # type: ignore[operator]
+    except ValueError as error:
+        return error
+    raise AssertionError("fail() did not raise")
+
+
+def test_a_stored_stack_trace_names_files_by_their_place_on_sys_path_not_on_the_disk(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given an application package under a deployment folder that is on sys.path
+    app = tmp_path / "srv" / "deploy-7f3a" / "shop"
+    app.mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "srv" / "deploy-7f3a"))
+
+    # When a handler in it fails
+    trace = redacted_traceback(raised_from(app / "payments.py"))
+
+    # Then the trace names the module's file as it is imported, not where it lies
+    assert 'File "shop/payments.py", line 2' in trace
+    assert str(tmp_path) not in trace and "deploy-7f3a" not in trace
+
+
+def test_a_file_outside_sys_path_keeps_only_its_last_two_parts(tmp_path: pathlib.Path) -> None:
+    trace = redacted_traceback(raised_from(tmp_path / "script.py"))
+    assert f'File "…/{tmp_path.name}/script.py"' in trace and str(tmp_path.parent) not in trace
