@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import os
 import re
 import socket
 import uuid
@@ -28,7 +29,7 @@ from idembus.dashboard.security import CSRF_COOKIE
 from idembus.envelope import Envelope, format_utc, utc_now
 from idembus.runtime.recoverability.parking import park
 from idembus.runtime.recoverability.policy import Recoverability
-from idembus.storage.base import SETTLED_FROM_ERROR_QUEUE, AggregateRecord
+from idembus.storage.base import SETTLED_FROM_ERROR_QUEUE, AggregateRecord, StatusReport
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.kombu import KombuTransport
@@ -353,25 +354,107 @@ def test_the_overview_shows_each_instance_and_the_counts_of_the_hour(shop: Shop)
     assert 'data-refresh="/fragment/overview"' in shop.client.get("/").text
 
 
-def test_without_credentials_no_host_or_pid_is_shown_and_only_loopback_names_answer(
+def test_on_loopback_without_credentials_host_and_pid_are_shown_and_only_loopback_names_answer(
     unique: str,
 ) -> None:
+    # Given a dashboard on 127.0.0.1 without credentials: only this machine's users see it
     storage = MemoryStorage()
     with Endpoint(f"plain-{unique}", storage=storage, status_interval=0.05) as endpoint:
-        endpoint.stop()
+        assert wait_until(lambda: storage.status_reports(endpoint.name))
         dashboard = Dashboard([endpoint], port=0)
         dashboard.start()
         try:
+            dashboard.sample()
             page = httpx.get(f"{dashboard.url}/", timeout=10)
             rebound = httpx.get(f"{dashboard.url}/errors", timeout=10,
                                 headers={"Host": f"rebound.example:{dashboard.address[1]}"})
         finally:
             dashboard.stop(5)
+    # Then the instance is named with its host and pid, as with credentials
     assert page.status_code == 200
-    assert "stopped" in text_of(page)
-    assert socket.gethostname() not in page.text
+    assert f"{socket.gethostname()}:{os.getpid()}:" in text_of(page)
     # and, without credentials, a page of another site resolved to 127.0.0.1 gets nothing
     assert rebound.status_code == 400 and "rebound" not in rebound.text
+
+
+def test_beyond_loopback_without_credentials_no_host_or_pid_is_shown(unique: str) -> None:
+    storage = MemoryStorage()
+    with Endpoint(f"open-{unique}", storage=storage, status_interval=0.05) as endpoint:
+        assert wait_until(lambda: storage.status_reports(endpoint.name))
+        dashboard = Dashboard([endpoint], host="0.0.0.0", port=0)
+        dashboard.start()
+        try:
+            dashboard.sample()
+            page = httpx.get(f"http://127.0.0.1:{dashboard.address[1]}/", timeout=10)
+        finally:
+            dashboard.stop(5)
+    assert page.status_code == 200 and "1 running" in text_of(page)
+    assert socket.gethostname() not in page.text
+
+
+def test_stopped_instances_collapse_after_a_while_and_a_silent_one_is_marked_lost(
+    unique: str,
+) -> None:
+    # Given an endpoint's three processes: one running, one that stopped, one that went
+    # silent without saying it stopped (killed)
+    storage = MemoryStorage()
+    name = f"fleet-{unique}"
+    now = utc_now()
+    storage.report_status(StatusReport(name, "host:1:aa", counters={}, started_at=now,
+                                       updated_at=now, stopped=False))
+    storage.report_status(StatusReport(name, "host:2:bb", counters={}, started_at=now,
+                                       updated_at=now - datetime.timedelta(minutes=2),
+                                       stopped=True))
+    storage.report_status(StatusReport(name, "host:3:cc", counters={}, started_at=now,
+                                       updated_at=now - datetime.timedelta(minutes=2),
+                                       stopped=False))
+    endpoint = Endpoint(name, storage=storage, status_interval=5.0)
+    shown = {}
+    try:
+        for after in (300.0, 60.0):
+            dashboard = Dashboard([endpoint], port=0, stopped_shown_for=after)
+            dashboard.sample()
+            shown[after] = text_of_markup(dashboard)
+    finally:
+        endpoint.close()
+    # Then within five minutes the stopped one is listed; after one minute it is counted
+    assert "host:2:bb" in shown[300.0] and "not listed" not in shown[300.0]
+    assert "host:2:bb" not in shown[60.0]
+    assert "1 instance(s) stopped more than 1 minute(s) ago not listed" in shown[60.0]
+    assert "1 stopped" in shown[60.0]
+    # and the silent one is marked lost, the running one running
+    assert "host:3:cc lost" in shown[60.0] and "host:1:aa running" in shown[60.0]
+    assert "1 lost" in shown[60.0]
+
+
+def text_of_markup(dashboard: Dashboard) -> str:
+    from idembus.dashboard.overview import overview
+
+    markup = str(overview(dashboard, utc_now()))
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", markup)).split())
+
+
+def test_the_confirmation_page_puts_the_confirmed_action_first_and_nothing_else(
+    shop: Shop,
+) -> None:
+    # Given one failed message
+    failed_id = shop.fail("d")
+    # When the operator asks to retry it
+    page = shop.client.get("/errors/confirm", params={"action": "retry", "id": failed_id})
+    assert page.status_code == 200
+    # Then the first button of the page is the one that does what is confirmed, and the
+    # listing under it has no other action to press
+    buttons = re.findall(r"<button[^>]*>([^<]*)</button>", page.text)
+    assert buttons == ["Yes, retry 1 message(s)"]
+    assert 'type="checkbox"' not in page.text
+
+
+def test_the_pages_have_an_icon_that_is_served(shop: Shop) -> None:
+    page = shop.client.get("/")
+    icon = re.search(r'<link rel="icon" href="([^"]+)"', page.text)
+    assert icon is not None
+    served = shop.client.get(icon.group(1))
+    assert served.status_code == 200 and served.text.startswith("<svg")
 
 
 def test_the_live_page_shows_recent_events_and_follows_the_gateways_stream(shop: Shop) -> None:

@@ -52,6 +52,9 @@ def register(commands: Any, common: argparse.ArgumentParser) -> None:
                            help="connections held at once, live streams included; beyond, "
                                 "the one idle the longest is closed, or, if all are busy, the "
                                 "new one answered 503 (100)")
+    dashboard.add_argument("--stopped-shown-for", type=float, default=300.0, metavar="SECONDS",
+                           help="how long an instance that stopped stays listed; after that "
+                                "it is only counted (300)")
     dashboard.add_argument("--shutdown-timeout", type=float, default=10.0,
                            help="seconds to end the streams after SIGINT/SIGTERM (10)")
     dashboard.set_defaults(handler=_serve)
@@ -77,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
             dashboard = dashboard_class(
                 endpoints, host=host, port=port, auth=credentials,
                 sample_interval=args.sample_interval, refresh=args.refresh,
-                idle_timeout=args.idle_timeout, max_connections=args.max_connections)
+                idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+                stopped_shown_for=args.stopped_shown_for)
             dashboard.start()
             print(f"idembus dashboard: {', '.join(dashboard.endpoints)} on {dashboard.url}",
                   flush=True)

@@ -190,12 +190,15 @@ def _bulk_form(endpoint: str, chosen: Selection, total: int) -> Markup:
                method="get", action="/errors/confirm", class_="bulk")
 
 
-def _table(endpoint: str, shown: Iterable[FailedMessage]) -> Markup:
+def _table(endpoint: str, shown: Iterable[FailedMessage], *, selectable: bool = True) -> Markup:
+    """The failed messages as a table; ``selectable``: with check boxes and the buttons that
+    act on the ones ticked (not on a confirmation page, whose only action is the one it
+    asks to confirm)."""
     rows: list[list[Child]] = []
     for failed in shown:
         rows.append([
             tag("input", type="checkbox", name="id", value=failed.message_id or "",
-                disabled=not failed.message_id, aria_label="select"),
+                disabled=not failed.message_id, aria_label="select") if selectable else "",
             tag("a", tag("code", failed.message_id or "(without id)"),
                 href=url("/errors/message", {"endpoint": endpoint, "id": failed.message_id}))
             if failed.message_id else tag("code", "(without id)"),
@@ -210,6 +213,8 @@ def _table(endpoint: str, shown: Iterable[FailedMessage]) -> Markup:
     listed = table(["", "message id", "type", "exception", "failed queue", "time of failure",
                     "attempts (imm./del.)", "kept in"], rows,
                    empty="no failed message", class_="failed")
+    if not selectable:
+        return listed
     return tag("form", hidden({"endpoint": endpoint}), listed,
                tag("div", tag("button", "Retry selected", type="submit", name="action",
                               value="retry"),
@@ -305,14 +310,14 @@ def confirm(endpoint: Endpoint, params: Params, *, token: str, limit: int) -> Pa
                f"{', '.join(missing)}; the others are listed", "warn") if missing else None,
         notice(f"{total} match: this confirms the first {CONFIRMED}; repeat for the rest",
                "warn") if total > CONFIRMED else None,
-        _table(endpoint.name, chosen[:limit]),
-        notice(f"showing the first {limit} of {len(chosen)}") if len(chosen) > limit else None,
         tag("form", hidden([("endpoint", endpoint.name),
                             *((KEY, failed.stored_id) for failed in chosen),
                             ("csrf_token", token)]),
             tag("button", f"Yes, {verb.lower()} {len(chosen)} message(s)", type="submit",
                 class_="danger" if action == "purge" else None, id="confirm"),
             " ", back, method="post", action=f"/errors/{action}", class_="confirm"),
+        _table(endpoint.name, chosen[:limit], selectable=False),
+        notice(f"showing the first {limit} of {len(chosen)}") if len(chosen) > limit else None,
     ]
     return Page(f"{verb} failed messages", render(body))
 

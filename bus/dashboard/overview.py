@@ -34,9 +34,13 @@ def overview(dashboard: Dashboard, now: datetime.datetime) -> Markup:
 def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) -> Markup:
     name = endpoint.name
     sampler = dashboard.samplers[name]
-    reports = [r for r in sampler.latest if now - r.updated_at <= HIDDEN_AFTER]
+    recent = [r for r in sampler.latest if now - r.updated_at <= HIDDEN_AFTER]
+    # Stopped instances collapse after a while: counted, no longer listed.
+    reports = [r for r in recent
+               if not r.stopped or now - r.updated_at <= dashboard.stopped_shown_for]
     stale_after = datetime.timedelta(seconds=STALE_AFTER_INTERVALS * endpoint.status_interval)
     summary = summarise(name, reports, now=now, stale_after=stale_after)
+    collapsed = len(recent) - len(reports)
     states = [instance["state"] for instance in summary["instances"]]
     history = sampler.history
     minutes = history.minutes(now)
@@ -45,9 +49,9 @@ def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) 
     return tag(
         "section",
         tag("h2", name, " ", tag("span", f"{states.count('running')} running", class_="badge ok"),
-            " ", tag("span", f"{states.count('stale')} stale",
+            " ", tag("span", f"{states.count('stale')} lost",
                      class_="badge warn" if "stale" in states else "badge"),
-            " ", tag("span", f"{states.count('stopped')} stopped", class_="badge")),
+            " ", tag("span", f"{states.count('stopped') + collapsed} stopped", class_="badge")),
         notice(f"status reports cannot be read: {problem}", "error") if problem else None,
         _queues(dashboard, endpoint),
         tag("div", [tag("div", tag("span", f"{sum(counts[key]):,}", class_="figure",
@@ -62,7 +66,10 @@ def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) 
                 "ms"), tag("figcaption", "Handling time (ms): p50, p95, p99"))],
             class_="charts"),
         tag("h3", "Instances"),
-        _instances(summary, private=dashboard.credentials is not None),
+        _instances(summary, private=dashboard.shows_hosts),
+        tag("p", f"{collapsed} instance(s) stopped more than "
+                 f"{_minutes(dashboard.stopped_shown_for)} ago not listed",
+            class_="caption collapsed") if collapsed else None,
         class_="endpoint", data_endpoint=name)
 
 
@@ -90,13 +97,31 @@ def _instances(summary: dict[str, Any], *, private: bool) -> Markup:
         name = instance["instance"] if private else instance["instance"].rsplit(":", 1)[-1]
         problems = [f"{source}: {text}" for source, text in sorted(instance["problems"].items())]
         rows.append([
-            tag("code", name), tag("span", instance["state"], class_=f"state {instance['state']}"),
+            tag("code", name), _state(instance["state"]),
             moment(instance["started_at"]), moment(instance["updated_at"]),
             *(tag("span", str(instance["counters"][key]), data_counter=key) for key in SHOWN),
             render([tag("div", problem, class_="problem") for problem in problems]) or "-",
         ])
-    head = ["instance" if private else "instance (host and pid with authentication)",
+    head = ["instance" if private else "instance (host and pid on loopback or with "
+            "authentication)",
             "state", "started", "last report",
             *(key.replace("_", "-") for key in SHOWN), "problems"]
     return table(head, rows, empty="no instance reported in the last hour",
                  class_="instances")
+
+
+#: How an instance's state reads: one that stopped reporting without saying it stopped was
+#: most likely killed (or hangs).
+_STATE_LABELS = {"stale": "lost", "running": "running", "stopped": "stopped"}
+
+
+def _state(state: str) -> Markup:
+    label = _STATE_LABELS.get(state, state)
+    title = ("no status report for three intervals and no word that it stopped: killed, "
+             "or hung" if state == "stale" else None)
+    return tag("span", label, class_=f"state {state}", title=title)
+
+
+def _minutes(span: datetime.timedelta) -> str:
+    minutes = span.total_seconds() / 60
+    return f"{minutes:g} minute(s)"

@@ -51,7 +51,8 @@ class Dashboard:
     def __init__(self, endpoints: Sequence[Endpoint], *, host: str = "127.0.0.1",
                  port: int = 8043, auth: str | Credentials | None = None,
                  sample_interval: float = 5.0, refresh: float = 5.0, list_limit: int = 500,
-                 idle_timeout: float = 10.0, max_connections: int = 100) -> None:
+                 idle_timeout: float = 10.0, max_connections: int = 100,
+                 stopped_shown_for: float = 300.0) -> None:
         if not endpoints:
             raise ConfigurationError("the dashboard needs at least one endpoint")
         names = [endpoint.name for endpoint in endpoints]
@@ -62,10 +63,18 @@ class Dashboard:
                                      "positive seconds")
         if list_limit < 1:
             raise ConfigurationError(f"list_limit must be at least 1, got {list_limit}")
+        if stopped_shown_for < 0:
+            raise ConfigurationError(
+                f"stopped_shown_for must be 0 or more seconds, got {stopped_shown_for!r}")
         #: The endpoints shown, by name, in the order given.
         self.endpoints = {endpoint.name: endpoint for endpoint in endpoints}
         #: Who may look and act (``None``: anybody who reaches the port).
         self.credentials = Credentials.parse(auth) if isinstance(auth, str) else auth
+        #: Whether instances are shown with their host and pid: to authenticated viewers,
+        #: and on a loopback address, where only this machine's users can look.
+        self.shows_hosts = self.credentials is not None or is_loopback(host)
+        #: How long a stopped instance stays listed (then it is counted, not shown).
+        self.stopped_shown_for = datetime.timedelta(seconds=stopped_shown_for)
         self.sample_interval = sample_interval
         self.refresh = refresh
         self.list_limit = list_limit
