@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="consumer threads per process (the endpoint's own setting)")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to finish messages in progress after SIGTERM (30)")
+    run.add_argument("--log-per-message", action="store_true",
+                     help="one INFO line per processed message: its outcome, type, id and "
+                          "duration (without it: at DEBUG on idembus.per_message)")
     _add_metrics_options(run)
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
@@ -80,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     logs.log_uncaught()
+    if getattr(args, "log_per_message", False):
+        logs.log_per_message()
     if getattr(args, "app_dir", None):
         sys.path.insert(0, os.path.abspath(args.app_dir))
     try:
@@ -161,6 +166,8 @@ def _run(args: argparse.Namespace) -> int:
         endpoint.close()
     worker_arguments = ["--log-level", args.log_level, "--log-format", args.log_format,
                         "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.log_per_message:
+        worker_arguments.append("--log-per-message")
     if args.concurrency is not None:
         worker_arguments += ["--concurrency", str(args.concurrency)]
     if args.app_dir:
