@@ -32,8 +32,8 @@ FIELDS = ("endpoint", "message_id", "message_type", "handler", "attempt")
 
 
 class Teller(AggregateHandler[Account]):
-    """Logs each deposit and publishes Deposited; fails the first attempt on account ``flaky`` and every attempt on
-    accounts ``broken`` and ``huge``."""
+    """Logs each deposit and publishes Deposited; fails the first attempt on account
+    ``flaky`` and every attempt on accounts ``broken`` and ``huge``."""
 
     def aggregate_id(self, message: Deposit) -> str:
         return message.account
