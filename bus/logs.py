@@ -60,6 +60,8 @@ PER_MESSAGE = logging.getLogger("idembus.per_message")
 TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s%(context)s: %(message)s"
 #: Fields a record may carry about its message, shown by the JSON lines.
 FIELDS = ("endpoint", "message_id", "message_type", "handler", "attempt")
+#: Fields of the per-message line (:func:`log_per_message`), shown by the JSON lines only.
+_RESULT_FIELDS = ("outcome", "duration_ms")
 #: The environment variable naming a worker of ``idembus run --workers`` (from 0).
 WORKER = "IDEMBUS_WORKER"
 _EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched", "not_found",
@@ -145,9 +147,9 @@ class JsonFormatter(RedactingFormatter):
         }
         if self.worker is not None:
             entry["worker"] = self.worker
-        for key in FIELDS:
+        for key in FIELDS + _RESULT_FIELDS:
             value = getattr(record, key, None)
-            if isinstance(value, int) and not isinstance(value, bool):
+            if isinstance(value, int | float) and not isinstance(value, bool):
                 entry[key] = value
             elif value is not None:
                 entry[key] = redact(_bounded(str(value)))

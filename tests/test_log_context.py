@@ -5,6 +5,7 @@ prefix, with the process id and the worker index in the JSON lines."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -153,6 +154,8 @@ def test_each_line_about_a_message_carries_its_endpoint_id_type_handler_and_atte
         assert done.levelno == logging.INFO and done.endpoint == name
         assert done.getMessage().startswith(f"{outcome} test.Deposit {message_id} in ")
         assert done.getMessage().endswith(" ms") and not hasattr(done, "handler")
+        entry = json.loads(JsonFormatter().format(done))
+        assert entry["outcome"] == outcome and entry["duration_ms"] >= 0
     # And no line outside a message carries a message's fields
     started = next(r for r in records if "started: queue" in r.getMessage())
     assert getattr(started, "message_id", None) is None
@@ -176,3 +179,30 @@ def test_values_from_the_wire_stay_escaped_and_capped_in_the_prefix(
         for text in (TextFormatter().format(record), JsonFormatter().format(record)):
             assert "\n" not in text and "(340 characters)" in text, text
             assert len(text) < 1000, text
+
+
+class AsyncTeller(AggregateHandler[Account]):
+    """An ``async def`` handler that logs after waiting on its loop."""
+
+    def aggregate_id(self, message: Deposit) -> str:
+        return message.account
+
+    @handles
+    async def deposit(self, message: Deposit) -> None:
+        await asyncio.sleep(0.01)  # the task resumes in a later turn of the loop
+        APP.info("async deposit %d", message.amount)
+        self.state.balance += message.amount
+
+
+def test_an_async_handlers_own_lines_carry_the_context_after_it_waited(
+        logged: pytest.LogCaptureFixture) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    endpoint = Endpoint(f"tellers-{suffix}", transport=KombuTransport("memory://"),
+                        storage=MemoryStorage(), handlers=[AsyncTeller],
+                        error_queue=f"tellers-error-{suffix}")
+    with endpoint:
+        message_id = endpoint.bus.send(Deposit(account="a", amount=1))
+        wait_until_idle([endpoint])
+    [own] = [r for r in logged.records if r.name == "shop.accounts"]
+    assert (own.endpoint, own.message_id, own.handler, own.attempt) == (
+        endpoint.name, message_id, "AsyncTeller", 1)

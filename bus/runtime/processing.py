@@ -144,10 +144,11 @@ class MessageProcessor:
         delivery.ack()
         level = per_message_level()
         if level is not None:
-            per_message.log(level, "%s %s %s in %.1f ms", incoming.outcome or "interrupted",
-                            _logged_type(headers) or "-", _logged_id(headers),
-                            (time.monotonic() - started) * 1000,
-                            extra={"outcome": incoming.outcome})
+            elapsed = round((time.monotonic() - started) * 1000, 1)
+            outcome = incoming.outcome or "interrupted"
+            per_message.log(level, "%s %s %s in %.1f ms", outcome, _logged_type(headers) or "-",
+                            _logged_id(headers), elapsed,
+                            extra={"outcome": outcome, "duration_ms": elapsed})
         if pause:
             self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
