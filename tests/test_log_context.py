@@ -79,6 +79,14 @@ def logged(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixtur
         caplog.handler.removeFilter(context)
 
 
+def on_memory(handler: type) -> Endpoint:
+    """An endpoint of ``handler`` on memory:// and a MemoryStorage."""
+    suffix = uuid.uuid4().hex[:8]
+    return Endpoint(f"tellers-{suffix}", transport=KombuTransport("memory://"),
+                    storage=MemoryStorage(), handlers=[handler],
+                    error_queue=f"tellers-error-{suffix}")
+
+
 def line(records: list[logging.LogRecord], text: str, message_id: str) -> logging.LogRecord:
     """The one record whose text has ``text`` and that is about ``message_id``."""
     found = [r for r in records if text in r.getMessage()
@@ -164,10 +172,7 @@ def test_each_line_about_a_message_carries_its_endpoint_id_type_handler_and_atte
 def test_values_from_the_wire_stay_escaped_and_capped_in_the_prefix(
         logged: pytest.LogCaptureFixture) -> None:
     # A message id with a line break and 300 characters, as a hostile sender sends it
-    suffix = uuid.uuid4().hex[:8]
-    endpoint = Endpoint(f"tellers-{suffix}", transport=KombuTransport("memory://"),
-                        storage=MemoryStorage(), handlers=[Teller],
-                        error_queue=f"tellers-error-{suffix}")
+    endpoint = on_memory(Teller)
     hostile = "m-1\nFORGED CRITICAL all accounts emptied" + "x" * 300
     with endpoint:
         endpoint.bus.send(Deposit(account="a", amount=1), message_id=hostile)
@@ -196,10 +201,7 @@ class AsyncTeller(AggregateHandler[Account]):
 
 def test_an_async_handlers_own_lines_carry_the_context_after_it_waited(
         logged: pytest.LogCaptureFixture) -> None:
-    suffix = uuid.uuid4().hex[:8]
-    endpoint = Endpoint(f"tellers-{suffix}", transport=KombuTransport("memory://"),
-                        storage=MemoryStorage(), handlers=[AsyncTeller],
-                        error_queue=f"tellers-error-{suffix}")
+    endpoint = on_memory(AsyncTeller)
     with endpoint:
         message_id = endpoint.bus.send(Deposit(account="a", amount=1))
         wait_until_idle([endpoint])
