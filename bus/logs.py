@@ -16,9 +16,16 @@
 * :func:`configure`: the logging of an ``idembus`` command — stderr, redacted, text or
   JSON — and :func:`log_uncaught`, which sends what Python would print raw (an uncaught
   exception's traceback, in any thread) through that same redacting handler.
+* :func:`message_context`, :class:`ContextFilter` and :func:`message_logger`: the message
+  being processed, its handler and attempt, on every record logged meanwhile — idembus's
+  own lines (through :func:`message_logger`) and, once the filter is on a handler (as
+  :func:`configure` puts it), a handler's own ``logging`` calls.
+* :func:`log_per_message`: one INFO line per processed message with its outcome and
+  duration (``idembus run --log-per-message``); at DEBUG without it.
 
-Records carry ``endpoint``, ``message_id``, ``message_type`` and ``handler`` where they
-concern one message (``extra=``); the JSON lines show them as fields. What came from a
+Records carry ``endpoint``, ``message_id``, ``message_type``, ``handler`` and ``attempt``
+where they concern one message; the JSON lines show them as fields (with ``pid``, and
+``worker`` in a worker of ``idembus run --workers``), the text lines in a prefix. What came from a
 message's sender (its id, its type name, a header) is written escaped and bounded
 (:func:`~idembus.loggable.loggable`): no line break of a sender's making starts a line of
 its own, and no 70 KB type name fills the log.
@@ -26,14 +33,19 @@ its own, and no 70 KB type name fills the log.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import json
 import logging
+import os
 import sys
 import threading
 import time
+import types
+from collections.abc import Iterator, Mapping, MutableMapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .redaction import RedactingFormatter, redact
 from .signals import EndpointSignals
@@ -42,10 +54,16 @@ from .signals import EndpointSignals
 MESSAGES = logging.getLogger("idembus.messages")
 #: The logger of exceptions nothing caught (:func:`log_uncaught`).
 UNCAUGHT = logging.getLogger("idembus.uncaught")
-#: The text lines of ``idembus`` commands.
-TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+#: The logger of the one line per processed message (:func:`log_per_message`).
+PER_MESSAGE = logging.getLogger("idembus.per_message")
+#: The text lines of ``idembus`` commands (:class:`TextFormatter` fills ``context``).
+TEXT_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s%(context)s: %(message)s"
 #: Fields a record may carry about its message, shown by the JSON lines.
-FIELDS = ("endpoint", "message_id", "message_type", "handler")
+FIELDS = ("endpoint", "message_id", "message_type", "handler", "attempt")
+#: Fields of the per-message line (:func:`log_per_message`), shown by the JSON lines only.
+_RESULT_FIELDS = ("outcome", "duration_ms")
+#: The environment variable naming a worker of ``idembus run --workers`` (from 0).
+WORKER = "IDEMBUS_WORKER"
 _EVENTS = ("received", "handled", "duplicate", "redispatched", "dispatched", "not_found",
            "timeout_dropped")
 
@@ -71,8 +89,11 @@ class MessageLog:
                 self._started.at = time.monotonic()
             started = getattr(self._started, "at", None)
             elapsed = (time.monotonic() - started) * 1000 if started is not None else 0.0
-            fields = {"endpoint": endpoint, **{key: _field(details.get(key))
-                                               for key in FIELDS[1:]}}
+            fields: dict[str, Any] = {
+                **_CONTEXT.get(), "endpoint": endpoint,
+                **{key: _field(details.get(key)) for key in FIELDS[1:4]}}
+            if event == "dispatched":  # about the message sent, not the one handled
+                fields["attempt"] = None
             by = f" by {details['handler']}" if details.get("handler") else ""
             MESSAGES.debug("%s %s %s %s%s (%.1f ms)", endpoint, event,
                            fields["message_type"] or "-", fields["message_id"] or "-",
@@ -106,8 +127,14 @@ class Throttle:
 
 
 class JsonFormatter(RedactingFormatter):
-    """One JSON object per record: time (UTC), level, logger, message, the message's
-    fields where the record has them, and the traceback; every value redacted."""
+    """One JSON object per record: time (UTC), level, logger, message, ``pid``, ``worker``
+    (the index of a worker of ``idembus run --workers``: ``worker``, by default the
+    ``IDEMBUS_WORKER`` environment variable its supervisor sets; absent elsewhere), the
+    message's fields where the record has them, and the traceback; every value redacted."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker if worker is not None else _worker_index()
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -116,14 +143,43 @@ class JsonFormatter(RedactingFormatter):
             "level": record.levelname,
             "logger": record.name,
             "message": redact(record.getMessage()),
+            "pid": record.process,
         }
-        for key in FIELDS:
+        if self.worker is not None:
+            entry["worker"] = self.worker
+        for key in FIELDS + _RESULT_FIELDS:
             value = getattr(record, key, None)
-            if value is not None:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                entry[key] = value
+            elif value is not None:
                 entry[key] = redact(_bounded(str(value)))
         if record.exc_info:
             entry["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
+
+
+class TextFormatter(RedactingFormatter):
+    """The text lines of ``idembus`` commands (:data:`TEXT_FORMAT`): after the logger's
+    name, the message's fields a record has, as ``[endpoint=orders message_id=…
+    message_type=shop.PlaceOrder handler=Billing attempt=2]``; redacted."""
+
+    def __init__(self, fmt: str = TEXT_FORMAT) -> None:
+        super().__init__(fmt)
+
+    def format(self, record: logging.LogRecord) -> str:
+        shown = [f"{key}={_bounded(str(value))}" for key in FIELDS
+                 if (value := getattr(record, key, None)) is not None]
+        record.context = f" [{' '.join(shown)}]" if shown else ""
+        return super().format(record)
+
+
+def _worker_index() -> int | None:
+    """This process's index among the workers of ``idembus run --workers`` (``None``
+    elsewhere)."""
+    try:
+        return int(os.environ[WORKER])
+    except (KeyError, ValueError):
+        return None
 
 
 def _bounded(text: str) -> str:
@@ -143,9 +199,96 @@ def configure(level: str, form: str) -> None:
     ``json`` objects — uncaught exceptions included (:func:`log_uncaught`): no line, and
     no traceback a driver or a thread wrote, carries a password."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if form == "json" else RedactingFormatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if form == "json" else TextFormatter())
+    handler.addFilter(ContextFilter())  # a handler's own lines carry the message's fields
     logging.basicConfig(level=level.upper(), handlers=[handler])
     log_uncaught()
+
+
+# -- the message being processed, on every record -------------------------------------
+
+#: The fields of the message this thread (or task) is processing: set by
+#: :func:`message_context`, read by :class:`ContextFilter` and :func:`message_logger`.
+_NO_FIELDS: Mapping[str, Any] = types.MappingProxyType({})
+_CONTEXT: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "idembus_message_context", default=_NO_FIELDS)
+
+
+@contextlib.contextmanager
+def message_context(**fields: Any) -> Iterator[None]:
+    """Within the block, records logged by this thread (and the tasks it starts) carry
+    ``fields`` (over those of an enclosing block; ``None`` removes one): the endpoint
+    sets ``endpoint``, ``message_id``, ``message_type`` around each message and
+    ``handler`` and ``attempt`` around each handler attempt. Values from the wire must be
+    passed through :func:`loggable` first."""
+    merged = {key: value for key, value in {**_CONTEXT.get(), **fields}.items()
+              if value is not None}
+    token = _CONTEXT.set(merged)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_context() -> dict[str, Any]:
+    """The fields :func:`message_context` set for this thread or task (empty outside)."""
+    return dict(_CONTEXT.get())
+
+
+class ContextFilter(logging.Filter):
+    """Adds the fields of the message being processed (:func:`message_context`) to every
+    record that has not got them: put it on a log handler and a handler's own
+    ``logging`` calls carry ``endpoint``, ``message_id``, ``message_type``, ``handler``
+    and ``attempt``, as Celery's task logger adds the task's id::
+
+        handler = logging.StreamHandler()
+        handler.addFilter(idembus.logs.ContextFilter())
+
+    ``idembus run`` puts it on its own handler. It never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in _CONTEXT.get().items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+if TYPE_CHECKING:
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:
+    _Adapter = logging.LoggerAdapter
+
+
+class MessageLogger(_Adapter):
+    """A logger whose records carry the fields of the message being processed
+    (:func:`message_context`) whatever handlers and filters the application has; what a
+    call passes in ``extra=`` wins."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
+        fields = _CONTEXT.get()
+        if fields:
+            kwargs["extra"] = {**fields, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
+def message_logger(name: str) -> MessageLogger:
+    """The :class:`MessageLogger` of logger ``name`` (a module's ``__name__``)."""
+    return MessageLogger(logging.getLogger(name), {})
+
+
+def log_per_message(enabled: bool = True) -> None:
+    """Log one INFO line per processed message on :data:`PER_MESSAGE` (``idembus run
+    --log-per-message``): its outcome and how long it took, as Celery's worker does;
+    without it the line is logged at DEBUG."""
+    PER_MESSAGE.setLevel(logging.INFO if enabled else logging.NOTSET)
+
+
+def per_message_level() -> int | None:
+    """The level of the per-message line: INFO once :func:`log_per_message` switched it
+    on, DEBUG if that is enabled for :data:`PER_MESSAGE`, else ``None`` (no line)."""
+    if PER_MESSAGE.level and PER_MESSAGE.level <= logging.INFO:
+        return logging.INFO
+    return logging.DEBUG if PER_MESSAGE.isEnabledFor(logging.DEBUG) else None
 
 
 def log_uncaught() -> None:

@@ -25,7 +25,6 @@ duplicates (README, "Sagas").
 from __future__ import annotations
 
 import datetime
-import logging
 import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar, overload
@@ -33,13 +32,13 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 from pydantic import BaseModel
 
 from ..context import MessageContext
-from ..logs import loggable
+from ..logs import loggable, message_logger
 from ..messages import Command, Message
 from ..policies import RetryPolicy
 from ..sending import Bus
 from .errors import HandlerDefinitionError
 
-log = logging.getLogger(__name__)
+log = message_logger(__name__)
 
 StateT = TypeVar("StateT", bound=BaseModel)
 F = TypeVar("F", bound=Callable[..., Any])

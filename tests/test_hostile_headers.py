@@ -28,12 +28,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from idembus import Endpoint, RetryPolicy
 from idembus import headers as h
 from idembus.envelope import Envelope
-from idembus.logs import TEXT_FORMAT, JsonFormatter
+from idembus.logs import JsonFormatter, TextFormatter
 from idembus.observability.metrics import Metrics
 from idembus.observability.tracing import Tracing
 from idembus.pipeline import IncomingMessage, Middleware
 from idembus.policies import Backoff
-from idembus.redaction import RedactingFormatter
 from idembus.runtime.recoverability.breaker import BreakerPolicy
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
@@ -263,7 +262,7 @@ FORGED = "FORGED 2026-11-28 CRITICAL idembus: all accounts emptied"
 
 def formatted_lines(records: list[logging.LogRecord]) -> list[str]:
     """Every record as ``idembus run`` writes it (text, then JSON), traceback included."""
-    text, json_lines = RedactingFormatter(TEXT_FORMAT), JsonFormatter()
+    text, json_lines = TextFormatter(), JsonFormatter()
     return [formatter.format(record) for record in records
             for formatter in (text, json_lines)]
 

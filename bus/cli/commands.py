@@ -1,15 +1,18 @@
 """The ``idembus`` command.
 
     idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
-                [--metrics-port N [--metrics-host HOST]]
+                [--metrics-port N [--metrics-host HOST]] [--on-worker-start package.module:fn]
+                [--log-per-message]
     idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~idembus.Endpoint`, or a function returning one, in an
 importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
 progress and exits; with ``--workers N`` it supervises N processes of the endpoint
-(:mod:`idembus.cli.supervisor`). Exit status: 0 after a clean stop; 1 if messages in progress had to
-be abandoned (they are redelivered) or the broker or database cannot be reached (try again);
-2 for a configuration error, including a broker or database refusing this endpoint's login
+(:mod:`idembus.cli.supervisor`), which never builds the endpoint itself: each worker runs the
+``--on-worker-start`` hook, then the factory (:mod:`idembus.cli.worker`).
+Exit status: 0 after a clean stop; 1 if messages in progress had to be abandoned (they are
+redelivered) or the broker or database cannot be reached (try again); 2 for a configuration
+error, including a broker or database refusing this endpoint's login
 or privileges (trying again would not help).
 """
 
@@ -28,7 +31,7 @@ from ..redaction import redact
 from ..runtime.loading import load_endpoint
 from ..storage.errors import StorageUnavailable
 from ..transports.errors import TransportUnavailable
-from . import dashboard, errors, gateway, outbox, schedules, spark, status
+from . import dashboard, errors, gateway, outbox, schedules, spark, status, worker
 from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
 
 #: Exit status when the broker or database cannot be reached: worth trying again later.
@@ -63,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="consumer threads per process (the endpoint's own setting)")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to finish messages in progress after SIGTERM (30)")
+    run.add_argument("--on-worker-start", metavar="package.module:function",
+                     help="call this function in each process before the endpoint is built "
+                          "(with which worker it is): where to set up an SDK such as "
+                          "OpenTelemetry's; the --workers supervisor itself builds nothing")
+    run.add_argument("--log-per-message", action="store_true",
+                     help="one INFO line per processed message: its outcome, type, id and "
+                          "duration (without it: at DEBUG on idembus.per_message)")
     _add_metrics_options(run)
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
@@ -80,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     logs.log_uncaught()
+    if getattr(args, "log_per_message", False):
+        logs.log_per_message()
     if getattr(args, "app_dir", None):
         sys.path.insert(0, os.path.abspath(args.app_dir))
     try:
@@ -130,45 +142,64 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             "--metrics-port serves the metrics of one process: with --workers, run one "
             "`idembus run` per process, each with a port of its own, or use --concurrency")
-    endpoint = load_endpoint(args.endpoint)
     if args.workers == 1:
-        if args.concurrency is not None:
-            endpoint.concurrency = args.concurrency
-        metrics_server = None
-        try:
-            if args.metrics_port is not None:
-                from ..observability.prometheus import serve_endpoint_metrics
-
-                metrics_server = serve_endpoint_metrics(endpoint, args.metrics_port,
-                                                        args.metrics_host)
-            stop_when_orphaned(endpoint.request_stop)
-            return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
-        finally:
-            endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
-            if metrics_server is not None:
-                metrics_server.stop()
-    try:
-        if endpoint.process_local:
-            raise ConfigurationError(
-                f"--workers {args.workers} needs a broker and a database that several "
-                f"processes can share; {endpoint.name!r} uses "
-                f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
-                "and memory://, MemoryStorage and mongomock live inside one process. Use "
-                "RabbitMQ, Redis or a postgresql:// transport and PostgreSQL or MongoDB, or "
-                "--concurrency for threads."
-            )
-    finally:
-        endpoint.close()
+        return _run_one(args)
+    worker.check_reference(args.endpoint)
+    if args.on_worker_start:
+        worker.check_reference(args.on_worker_start, "--on-worker-start")
     worker_arguments = ["--log-level", args.log_level, "--log-format", args.log_format,
                         "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.log_per_message:
+        worker_arguments.append("--log-per-message")
     if args.concurrency is not None:
         worker_arguments += ["--concurrency", str(args.concurrency)]
     if args.app_dir:
         worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
+    if args.on_worker_start:
+        worker_arguments += ["--on-worker-start", args.on_worker_start]
     supervisor = Supervisor(args.endpoint, workers=args.workers,
                             worker_arguments=worker_arguments,
                             shutdown_timeout=args.shutdown_timeout + 5.0)
     return supervisor.run()
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    """``idembus run`` in this process: alone, or as a worker of a supervisor."""
+    supervised = worker.current()
+    if args.on_worker_start:
+        worker.load_hook(args.on_worker_start)(supervised or worker.WorkerProcess(0, 1))
+    endpoint = load_endpoint(args.endpoint)
+    metrics_server = None
+    try:
+        if supervised is not None:
+            _refuse_process_local(endpoint, supervised.count)
+            worker.set_title(supervised.title(endpoint.name), supervised.name)
+        if args.concurrency is not None:
+            endpoint.concurrency = args.concurrency
+        if args.metrics_port is not None:
+            from ..observability.prometheus import serve_endpoint_metrics
+
+            metrics_server = serve_endpoint_metrics(endpoint, args.metrics_port,
+                                                    args.metrics_host)
+        stop_when_orphaned(endpoint.request_stop)
+        return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
+    finally:
+        endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
+        if metrics_server is not None:
+            metrics_server.stop()
+
+
+def _refuse_process_local(endpoint: Any, workers: int) -> None:
+    """Refuse, in a worker, an endpoint that several processes cannot share."""
+    if endpoint.process_local:
+        raise ConfigurationError(
+            f"--workers {workers} needs a broker and a database that several "
+            f"processes can share; {endpoint.name!r} uses "
+            f"{type(endpoint.transport).__name__} and {type(endpoint.storage).__name__}, "
+            "and memory://, MemoryStorage and mongomock live inside one process. Use "
+            "RabbitMQ, Redis or a postgresql:// transport and PostgreSQL or MongoDB, or "
+            "--concurrency for threads."
+        )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..policies import Backoff
 from ..runtime.shutdown import POLL_INTERVAL, StopSignals
+from .worker import WORKER_COUNT, WORKER_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,8 @@ class Supervisor:
 
     def _spawn(self, worker: _Worker) -> None:
         command = self.worker_command()
-        environment = {**os.environ, "IDEMBUS_WORKER": str(worker.index),
-                       SUPERVISOR_PID: str(os.getpid())}
+        environment = {**os.environ, WORKER_INDEX: str(worker.index),
+                       WORKER_COUNT: str(len(self._workers)), SUPERVISOR_PID: str(os.getpid())}
         worker.process = subprocess.Popen(command, env=environment)
         worker.started_at = time.monotonic()
         worker.restart_at = None

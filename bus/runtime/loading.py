@@ -26,12 +26,7 @@ def load_endpoint(reference: str) -> Any:
         raise ConfigurationError(
             f"{reference!r} is not of the form package.module:endpoint"
         )
-    if os.getcwd() not in sys.path:  # after the installed packages: never shadowing them
-        sys.path.append(os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    module = import_user_module(module_name)
     try:
         target = getattr(module, attribute)
     except AttributeError:
@@ -48,6 +43,18 @@ def load_endpoint(reference: str) -> Any:
             "returning one)"
         )
     return target
+
+
+def import_user_module(module_name: str, what: str = "") -> Any:
+    """Import the user's module ``module_name``, looked for in the working directory after
+    the installed packages; a :class:`~idembus.errors.ConfigurationError` (starting with
+    ``what``) if it cannot be imported."""
+    if os.getcwd() not in sys.path:  # after the installed packages: never shadowing them
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"{what}cannot import {module_name!r}: {exc}") from exc
 
 
 def working_directory_last(path: list[str]) -> None:

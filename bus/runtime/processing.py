@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from ..errors import BusError, MalformedMessage, MessageError
 from ..expiry import expiry_of
 from ..failures import MAX_EXCEPTION_MESSAGE, failure_headers
 from ..handlers.registration import HandlerBinding
-from ..logs import loggable
+from ..logs import loggable, message_context, message_logger, per_message_level
 from ..messages import Message
 from ..pipeline import (
     HandlerCall,
@@ -60,7 +61,9 @@ from .invocation import HandlerInvoker, Outcome
 from .recoverability.parking import park
 from .recoverability.policy import Recovery
 
-log = logging.getLogger(__name__)
+log = message_logger(__name__)
+#: The one line per processed message (:func:`idembus.logs.log_per_message`).
+per_message = logging.getLogger("idembus.per_message")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class _Failure:
     error: Exception
     attempts: int
     policy: RetryPolicy
+    #: The handler that failed (``""``: before any handler, a middleware's hook).
+    handler: str = ""
 
 
 @dataclass
@@ -111,6 +116,12 @@ class MessageProcessor:
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
+        with message_context(endpoint=self._endpoint, message_id=_logged_id(headers),
+                             message_type=_logged_type(headers)):
+            self._receive(delivery, headers)
+
+    def _receive(self, delivery: Delivery, headers: Mapping[str, str]) -> None:
+        started = time.monotonic()
         self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
         incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
@@ -131,6 +142,13 @@ class MessageProcessor:
             pause = self._after_failure(delivery, incoming, _Failure(
                 error, 1, self._recovery.settings.retries))
         delivery.ack()
+        level = per_message_level()
+        if level is not None:
+            elapsed = round((time.monotonic() - started) * 1000, 1)
+            outcome = incoming.outcome or "interrupted"
+            per_message.log(level, "%s %s %s in %.1f ms", outcome, _logged_type(headers) or "-",
+                            _logged_id(headers), elapsed,
+                            extra={"outcome": outcome, "duration_ms": elapsed})
         if pause:
             self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
@@ -233,45 +251,51 @@ class MessageProcessor:
         commit_may_have_landed = False
         while True:
             attempts += 1
-            try:
-                if outcome is None:
-                    call = HandlerCall(incoming, context, message, attempts)
-                    outcome = self._pipeline.handler(call, functools.partial(
-                        self._invoker.invoke, binding, call,
-                        commit_may_have_landed=commit_may_have_landed, expired=expired,
-                        settle=delivery if last else None))
-                    if outcome.discarded:
-                        self._discarded(binding.handler_name, delivery.headers)
-                self._dispatch(outcome, delivery.headers, dispatching)
-                self._recovery.recovered()
-                return outcome
-            except SkipMessage as skip:
-                self._skipped(binding.handler_name, delivery.headers, skip,
-                              handler=binding.handler_name)
-                return None
-            except PipelineControl:
-                raise
-            except (StorageUnavailable, TransportUnavailable) as outage:
-                attempts -= 1
-                commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
-                self._recovery.wait_out(outage, outages, who=binding.handler_name,
-                                        message_id=context.message_id)
-                outages += 1
-            except Exception as error:
-                details = {"message_id": context.message_id,
-                           "message_type": context.message_type,
-                           "handler": binding.handler_name, "error": error,
-                           "time_sent": delivery.headers.get(h.TIME_SENT)}
-                self._signals.emit("failed", attempt=attempts, **details)
-                if not policy.should_retry(error, attempts):
-                    return _Failure(error, attempts, policy)
-                log.info("%s failed on %s (attempt %d), retrying: %s", binding.handler_name,
-                         _logged_id(delivery.headers), attempts, loggable(repr(error), 500))
-                self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
+            with message_context(handler=binding.handler_name, attempt=attempts):
+                try:
+                    if outcome is None:
+                        call = HandlerCall(incoming, context, message, attempts)
+                        outcome = self._pipeline.handler(call, functools.partial(
+                            self._invoker.invoke, binding, call,
+                            commit_may_have_landed=commit_may_have_landed, expired=expired,
+                            settle=delivery if last else None))
+                        if outcome.discarded:
+                            self._discarded(binding.handler_name, delivery.headers)
+                    self._dispatch(outcome, delivery.headers, dispatching)
+                    self._recovery.recovered()
+                    return outcome
+                except SkipMessage as skip:
+                    self._skipped(binding.handler_name, delivery.headers, skip,
+                                  handler=binding.handler_name)
+                    return None
+                except PipelineControl:
+                    raise
+                except (StorageUnavailable, TransportUnavailable) as outage:
+                    attempts -= 1
+                    commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
+                    self._recovery.wait_out(outage, outages, who=binding.handler_name,
+                                            message_id=context.message_id)
+                    outages += 1
+                except Exception as error:
+                    details = {"message_id": context.message_id,
+                               "message_type": context.message_type,
+                               "handler": binding.handler_name, "error": error,
+                               "time_sent": delivery.headers.get(h.TIME_SENT)}
+                    self._signals.emit("failed", attempt=attempts, **details)
+                    if not policy.should_retry(error, attempts):
+                        return _Failure(error, attempts, policy, binding.handler_name)
+                    log.info("%s failed on %s (attempt %d), retrying: %s", binding.handler_name,
+                             _logged_id(delivery.headers), attempts, loggable(repr(error), 500))
+                    self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
 
     def _after_failure(self, delivery: Delivery, incoming: IncomingMessage,
                        failure: _Failure) -> float:
         """Schedule the next delayed round, or give up; return the breaker's pause."""
+        with message_context(handler=failure.handler or None, attempt=failure.attempts):
+            return self._retry_or_give_up(delivery, incoming, failure)
+
+    def _retry_or_give_up(self, delivery: Delivery, incoming: IncomingMessage,
+                          failure: _Failure) -> float:
         rounds = _header_count(delivery, h.DELAYED_ATTEMPTS)
         delay = failure.policy.delay_after(failure.error, rounds)
         if delay is None:
@@ -424,6 +448,12 @@ def _logged_id(headers: Mapping[str, str]) -> str:
     """The message id of ``headers`` as a log line carries it (:func:`loggable`)."""
     message_id = headers.get(h.MESSAGE_ID)
     return loggable(message_id) if message_id else "a message without id"
+
+
+def _logged_type(headers: Mapping[str, str]) -> str | None:
+    """The message type of ``headers`` as a log line carries it (:func:`loggable`)."""
+    message_type = headers.get(h.MESSAGE_TYPE)
+    return loggable(message_type) if message_type is not None else None
 
 
 def undecodable(error: Exception) -> MalformedMessage:

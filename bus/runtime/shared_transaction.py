@@ -33,11 +33,11 @@ The ``dispatch`` middleware hooks run for each message after the commit, around 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..envelope import Envelope
+from ..logs import message_logger
 from ..pipeline import Dispatch
 from ..storage.base import AggregateRecord
 from ..storage.errors import StorageRefused
@@ -45,7 +45,7 @@ from ..transports.base import Delivery
 from .endpoint_context import EndpointContext
 from .journal import Journal
 
-log = logging.getLogger(__name__)
+log = message_logger(__name__)
 
 
 class _Enqueued(Protocol):

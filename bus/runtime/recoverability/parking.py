@@ -20,19 +20,18 @@ caller must hold on to the message.
 from __future__ import annotations
 
 import hashlib
-import logging
 import uuid
 
 from ... import headers as h
 from ...envelope import Envelope, utc_now
 from ...failures import MAX_EXCEPTION_MESSAGE, failure_headers, without_failure_headers
-from ...logs import loggable
+from ...logs import loggable, message_logger
 from ...redaction import redact
 from ...storage.base import PARKED_OUTGOING, ParkedMessage, ParkingStore
 from ...storage.errors import StorageRefused
 from ...transports.base import Delivery
 
-log = logging.getLogger(__name__)
+log = message_logger(__name__)
 
 #: What ``idembus errors`` shows as the queue of a parked message.
 PARKED_QUEUE = "(parked in storage)"

@@ -9,19 +9,18 @@ says why a message waits, and weighs failures in the breaker.
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 
 from ...errors import BusError, EndpointBlocked, MessageRefused
-from ...logs import Throttle, loggable
+from ...logs import Throttle, loggable, message_logger
 from ...policies import Backoff, ConflictPolicy, RetryPolicy
 from ...redaction import redact
 from ...storage.errors import StorageUnavailable
 from ..health import Health
 from .breaker import BreakerPolicy, CircuitBreaker
 
-log = logging.getLogger(__name__)
+log = message_logger(__name__)
 
 
 @dataclass(frozen=True)
