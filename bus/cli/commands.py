@@ -1,7 +1,7 @@
 """The ``idembus`` command.
 
     idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
-                [--metrics-port N [--metrics-host HOST]]
+                [--metrics-port N [--metrics-host HOST]] [--strict-routes]
     idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~idembus.Endpoint`, or a function returning one, in an
@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="consumer threads per process (the endpoint's own setting)")
     run.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds to finish messages in progress after SIGTERM (30)")
+    run.add_argument("--strict-routes", action="store_true",
+                     help="fail the start when a command a handler sends has no route, or "
+                          "a handler that declares no `sends` sends what idembus cannot "
+                          "name (by default: a WARNING at start)")
     _add_metrics_options(run)
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
@@ -131,6 +135,8 @@ def _run(args: argparse.Namespace) -> int:
             "--metrics-port serves the metrics of one process: with --workers, run one "
             "`idembus run` per process, each with a port of its own, or use --concurrency")
     endpoint = load_endpoint(args.endpoint)
+    if args.strict_routes:
+        endpoint.strict_routes = True
     if args.workers == 1:
         if args.concurrency is not None:
             endpoint.concurrency = args.concurrency
@@ -163,6 +169,8 @@ def _run(args: argparse.Namespace) -> int:
                         "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.concurrency is not None:
         worker_arguments += ["--concurrency", str(args.concurrency)]
+    if args.strict_routes:
+        worker_arguments.append("--strict-routes")
     if args.app_dir:
         worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
     supervisor = Supervisor(args.endpoint, workers=args.workers,
