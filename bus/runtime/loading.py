@@ -31,7 +31,8 @@ def load_endpoint(reference: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}"
+                                 f"{_where_to_look(module_name, exc)}") from exc
     try:
         target = getattr(module, attribute)
     except AttributeError:
@@ -48,6 +49,18 @@ def load_endpoint(reference: str) -> Any:
             "returning one)"
         )
     return target
+
+
+def _where_to_look(module_name: str, error: ImportError) -> str:
+    """What to add to "cannot import" when the module itself (or its package) was not
+    found, rather than something it imports: where it was looked for, and ``--app-dir``."""
+    missing = getattr(error, "name", None)
+    if not isinstance(error, ModuleNotFoundError) or not missing or not (
+            module_name == missing or module_name.startswith(f"{missing}.")):
+        return ""
+    return (f" (looked for it in the installed packages and in the working directory "
+            f"{os.getcwd()}): run the command from the folder that holds it, or pass "
+            "--app-dir FOLDER")
 
 
 def working_directory_last(path: list[str]) -> None:

@@ -76,8 +76,10 @@ class FailedMessage:
     exception_message: str | None
     failed_queue: str | None
     time_of_failure: str | None
-    immediate_attempts: str | None
-    delayed_attempts: str | None
+    #: The attempts counted by the failure headers (``None``: no such header, or not a
+    #: whole number).
+    immediate_attempts: int | None
+    delayed_attempts: int | None
     #: Kept in the storage because the broker refused it a place (:mod:`.parking`),
     #: not moved there from the error queue.
     parked: bool = False
@@ -98,14 +100,22 @@ class FailedMessage:
             exception_message=headers.get(h.EXCEPTION_MESSAGE),
             failed_queue=headers.get(h.FAILED_QUEUE),
             time_of_failure=headers.get(h.TIME_OF_FAILURE),
-            immediate_attempts=headers.get(h.IMMEDIATE_ATTEMPTS),
-            delayed_attempts=headers.get(h.DELAYED_ATTEMPTS),
+            immediate_attempts=_count(headers.get(h.IMMEDIATE_ATTEMPTS)),
+            delayed_attempts=_count(headers.get(h.DELAYED_ATTEMPTS)),
         )
 
     @property
     def failed_at(self) -> datetime.datetime | None:
         """The time of failure, if its header is readable."""
         return parse_utc(self.time_of_failure)
+
+
+def _count(header: str | None) -> int | None:
+    """An attempt count header as a number (``None``: absent, or not a whole number)."""
+    try:
+        return int(header) if header is not None and header.strip().isdigit() else None
+    except ValueError:  # digits of another script that int() refuses
+        return None
 
 
 def exception_matches(exception_type: str | None, wanted: str) -> bool:
