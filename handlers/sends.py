@@ -27,7 +27,6 @@ An inferred command without a route, and unknown sends of a handler that declare
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import logging
 import sys
@@ -80,9 +79,9 @@ class HandlerSends:
         return found
 
 
-@functools.lru_cache(maxsize=512)
 def sends_of(handler_class: type[Handler]) -> HandlerSends:
-    """What ``handler_class`` sends (see the module docstring); read once per class."""
+    """What ``handler_class`` sends (see the module docstring), read from its source (as
+    ``linecache`` keeps it) each time: an endpoint's start asks once per handler."""
     inferred: list[FoundSend] = []
     unknown: list[FoundSend] = []
     for owner, name, function in _methods(handler_class):
