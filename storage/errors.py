@@ -52,6 +52,12 @@ class StorageAccessDenied(StorageUnavailable, EndpointBlocked):
     like an outage, logged at ERROR; met by ``verify`` at start, a configuration error."""
 
 
+class SchemaMissing(StorageAccessDenied):
+    """A table of the storage does not exist (PostgreSQL: SQLSTATE ``42P01``): its schema
+    was never created here. ``idembus migrate`` creates it (an endpoint's start does too
+    when its role may); meanwhile it is treated as every refusal of the endpoint."""
+
+
 class StorageRefused(StorageError, MessageRefused):
     """The database refused this operation for a reason of the data itself (a character
     it cannot store, a key too long, a document too large): permanent for this message."""

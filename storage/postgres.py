@@ -99,6 +99,7 @@ from .errors import StaleLease, StorageAccessDenied, StorageError, StorageUnavai
 from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
 from .postgres_errors import (
+    PoolAttempts,
     classified,
     discarding,
     is_privilege_refusal,
@@ -176,6 +177,7 @@ class PostgresStorage(Storage):
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
             kwargs={"autocommit": True}, name=f"idembus-{table_prefix}",
         )
+        self._pool_attempts = PoolAttempts(self._pool.name)
         self._opened = False
         self._opening = threading.Lock()
         # A commit is one statement, atomic on its own: the aggregate's conditional update
@@ -424,6 +426,7 @@ class PostgresStorage(Storage):
             if self._opened:
                 self._pool.close()
                 self._opened = False
+            self._pool_attempts.detach()
 
     def drop_tables(self) -> None:
         """Drop the tables and everything in them (tests and samples clean up with this)."""
@@ -1069,6 +1072,7 @@ class PostgresStorage(Storage):
             if not self._opened:
                 with self._opening:
                     if not self._opened:
+                        self._pool_attempts.attach()  # one clear line, not one per attempt
                         self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
             with self._pool.connection() as pooled, discarding(pooled) as connection:

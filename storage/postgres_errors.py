@@ -26,7 +26,8 @@ an ``InternalError``. So the SQLSTATE decides:
   ERROR, shown in ``idembus status``, and a configuration error at start: ``28`` (login
   refused), ``3D000`` (no such database), ``3F000`` (no such schema), ``42`` (a privilege
   missing, a table or column missing or of another type: the data of a message only ever
-  travels as parameters, so a class-42 error is the schema's, never the message's),
+  travels as parameters, so a class-42 error is the schema's, never the message's; a
+  missing table, ``42P01``, is :class:`~idembus.storage.errors.SchemaMissing`),
   ``0A000`` (a feature the server lacks), ``57P04`` (the database was dropped: no wait
   brings it back), ``XX001``/``XX002`` (data or index corrupted), ``F0`` (the server's
   configuration file). Without a SQLSTATE: libpq's words for a refused login.
@@ -42,6 +43,7 @@ more, directly, to tell the two apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,12 +51,22 @@ from typing import Any
 import psycopg
 
 from ..redaction import redact
-from .errors import StorageAccessDenied, StorageError, StorageRefused, StorageUnavailable
+from .errors import (
+    SchemaMissing,
+    StorageAccessDenied,
+    StorageError,
+    StorageRefused,
+    StorageUnavailable,
+)
+
+log = logging.getLogger(__name__)
 
 _TRANSIENT_CLASSES = ("08", "40", "53", "57")
 _TRANSIENT_STATES = frozenset({"55P03", "25P03", "25006", "58000", "58030", "72000"})
 _ENDPOINT_CLASSES = ("28", "42", "F0")
 _ENDPOINT_STATES = frozenset({"3D000", "3F000", "0A000", "57P04", "XX001", "XX002"})
+#: A table that does not exist: the schema was never created (``idembus migrate``).
+_UNDEFINED_TABLE = "42P01"
 #: The refusal after which a pooled connection must not be used again (it may be connected
 #: to a standby that a failover left behind).
 _DISCARDING_STATES = frozenset({"25006"})
@@ -89,6 +101,8 @@ def _one_line(text: str) -> str:
 
 def _kind_of(state: str) -> type[StorageError]:
     """The taxonomy's class for a SQLSTATE (see the module docstring)."""
+    if state == _UNDEFINED_TABLE:
+        return SchemaMissing
     if state in _ENDPOINT_STATES or state.startswith(_ENDPOINT_CLASSES):
         return StorageAccessDenied
     if state in _TRANSIENT_STATES or state.startswith(_TRANSIENT_CLASSES):
@@ -129,3 +143,39 @@ def login_problem(conninfo: str, timeout: float) -> StorageError | None:
     except psycopg.Error as error:
         return classified(error, redact(conninfo))
     return None
+
+
+#: What psycopg's pool logs at WARNING for each failed attempt to connect (the pool's
+#: name is the first argument of each).
+_POOL_ATTEMPT_LINES = frozenset({"error connecting in %r: %s",
+                                 "reconnection attempt in pool %r failed after %s sec"})
+
+
+class PoolAttempts(logging.Filter):
+    """Keeps the WARNING psycopg's pool logs at every failed connection attempt of the pool
+    ``pool_name`` (``psycopg.pool``: one every second or so, each with libpq's two-line
+    text, for as long as the database is unreachable) off the logs: idembus classifies the
+    failure and says it once (:func:`classified`), the endpoint logs the outage its own
+    way. Each attempt is logged at DEBUG instead (logger ``idembus.storage.postgres_errors``),
+    and counted in :attr:`attempts`. :meth:`attach` / :meth:`detach` put it on the
+    ``psycopg.pool`` logger and take it off."""
+
+    def __init__(self, pool_name: str) -> None:
+        super().__init__()
+        self.pool_name = pool_name
+        #: Failed attempts held back so far.
+        self.attempts = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg not in _POOL_ATTEMPT_LINES or not args or args[0] != self.pool_name:
+            return True
+        self.attempts += 1
+        log.debug("pool %s: %s", self.pool_name, _one_line(redact(record.getMessage())))
+        return False
+
+    def attach(self) -> None:
+        logging.getLogger("psycopg.pool").addFilter(self)
+
+    def detach(self) -> None:
+        logging.getLogger("psycopg.pool").removeFilter(self)

@@ -138,3 +138,26 @@ def test_python_dash_m_idembus_imports_no_module_of_the_working_directory_for_a_
         process.kill()
     assert "the user module" not in stderr, stderr
     assert handled == "handled from-cli" and process.returncode == 0, stderr
+
+
+def test_a_module_not_found_from_another_folder_suggests_app_dir(app_dir, tmp_path_factory):
+    # Given a command run from a folder that does not hold the app
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    process = idembus("errors", "list", "cli_app:make", cwd=elsewhere)
+    _, stderr = process.communicate(timeout=30)
+    # Then it says where it looked and how to say where the app is
+    assert process.returncode == 2
+    assert "No module named 'cli_app'" in stderr
+    assert f"working directory {elsewhere}" in stderr and "--app-dir FOLDER" in stderr
+
+
+def test_a_module_that_imports_something_missing_is_not_told_about_app_dir(
+    app_dir, monkeypatch
+):
+    (app_dir / "broken_app.py").write_text("import not_installed_anywhere\n")
+    monkeypatch.chdir(app_dir)
+    monkeypatch.syspath_prepend(str(app_dir))
+    with pytest.raises(ConfigurationError, match="No module named 'not_installed_anywhere'") \
+            as raised:
+        load_endpoint("broken_app:make")
+    assert "--app-dir" not in str(raised.value)

@@ -230,7 +230,7 @@ def test_list_shows_each_failed_message_with_its_type_exception_time_and_attempt
     for row in rows.values():
         assert row["failed_queue"] == app.endpoint.name
         assert row["time_of_failure"]
-        assert (row["immediate_attempts"], row["delayed_attempts"]) == ("1", "0")
+        assert (row["immediate_attempts"], row["delayed_attempts"]) == (1, 0)  # numbers
 
     # And the table says the same, one row per message
     status, out, _ = idembus(capsys, "list", app.reference)

@@ -73,6 +73,13 @@ def test_the_demo_runs_as_a_module_in_a_fresh_interpreter():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("orders=20 placed=20 billed=20 shipped=20 charges=20")
+    # no WARNING (events nobody subscribes to, the process-local parts): it says instead,
+    # truthfully, what it runs on
+    assert "WARNING" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[0] == (
+        "ordering sample: queues on memory://, stores on mongomock, an in-memory MongoDB "
+        "double; the queues and stores live in this process only and end with it (a trial: "
+        "--transport and --storage name real services)")
 
 
 @pytest.mark.postgres

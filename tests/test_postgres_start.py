@@ -114,3 +114,20 @@ def test_a_table_in_the_way_stops_the_start_with_status_2_and_one_line(tmp_path:
         cleaner = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
         cleaner.drop_tables()
         cleaner.close()
+
+
+def test_an_unreachable_database_is_one_clear_line_without_the_pools_warnings(
+    tmp_path: Path,
+) -> None:
+    # Given nothing listening where the endpoint's database should be
+    unreachable = "postgresql://postgres:secret@127.0.0.1:1/nowhere"
+
+    # When it is run
+    done = idembus_run(tmp_path, unreachable, f"t_{uuid.uuid4().hex[:8]}")
+
+    # Then it exits 1 (worth trying again) with one line, and psycopg's pool did not log
+    # a WARNING at each attempt to connect while idembus found out
+    assert done.returncode == 1, done.stderr
+    assert "is unreachable" in reason_of(done.stderr) and "secret" not in done.stderr
+    assert "error connecting" not in done.stderr and "psycopg.pool" not in done.stderr, \
+        done.stderr

@@ -9,7 +9,12 @@ import psycopg.errors
 import pytest
 from psycopg_pool import PoolTimeout
 
-from idembus.storage.errors import StorageAccessDenied, StorageRefused, StorageUnavailable
+from idembus.storage.errors import (
+    SchemaMissing,
+    StorageAccessDenied,
+    StorageRefused,
+    StorageUnavailable,
+)
 from idembus.storage.postgres_errors import classified, discards_connection
 
 WAIT, ENDPOINT, MESSAGE = StorageUnavailable, StorageAccessDenied, StorageRefused
@@ -40,7 +45,7 @@ SQLSTATES = {
     "3D000": (ENDPOINT, "no such database"),
     "3F000": (ENDPOINT, "no such schema"),
     "42501": (ENDPOINT, "privilege missing"),
-    "42P01": (ENDPOINT, "table missing: not migrated"),
+    "42P01": (SchemaMissing, "table missing: not migrated"),  # a StorageAccessDenied
     "42703": (ENDPOINT, "column missing: an older schema"),
     "42804": (ENDPOINT, "a column of another type"),
     "42883": (ENDPOINT, "a function the server lacks"),
@@ -139,3 +144,9 @@ def test_only_a_connection_that_may_be_attached_to_a_standby_is_discarded(
     sqlstate: str, discarded: bool,
 ) -> None:
     assert discards_connection(psycopg.errors.lookup(sqlstate)("refused")) is discarded
+
+
+def test_a_missing_table_is_schema_missing_a_refusal_of_the_endpoint() -> None:
+    found = classified(psycopg.errors.lookup("42P01")('relation "x_parked" does not exist'),
+                       "db.example:5432")
+    assert isinstance(found, SchemaMissing) and isinstance(found, StorageAccessDenied)

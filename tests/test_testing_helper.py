@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
+from pydantic import BaseModel
 
 from idembus import Command, Event
-from idembus.handlers import Handler, handles
+from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.testing import handle
 from tests.support import Account, AccountHandler, Deposit, Deposited
 
@@ -65,3 +68,46 @@ def test_handle_lets_the_handlers_exception_through():
 
     with pytest.raises(LookupError, match="no oracle today"):
         handle(Broken, Ask(question="?"))
+
+
+class Remind(Command, message_name="th.Remind"):
+    question: str
+
+
+class GiveUp(Command, message_name="th.GiveUp"):
+    question: str
+
+
+class Pending(BaseModel):
+    asked: int = 0
+
+
+class Patient(AggregateHandler[Pending]):
+    def aggregate_id(self, message: Ask) -> str:
+        return message.question
+
+    @handles
+    def on(self, message: Ask) -> None:
+        self.state.asked += 1
+        self.bus.send(Escalate(question=message.question))
+        self.bus.defer(Remind(question=message.question), datetime.timedelta(hours=1))
+        self.request_timeout(GiveUp(question=message.question), datetime.timedelta(days=1))
+
+    @handles
+    def later(self, message: Remind | GiveUp) -> None:
+        pass
+
+
+def test_handle_tells_deferred_messages_and_timeouts_apart_from_those_sent_now():
+    before = datetime.datetime.now(datetime.timezone.utc)
+    result = handle(Patient, Ask(question="why"), routes={Escalate: "humans"})
+    after = datetime.datetime.now(datetime.timezone.utc)
+    # The command sent now is in `sent`; the deferred one and the timeout are not
+    assert result.sent == [Escalate(question="why")]
+    assert result.deferred == [Remind(question="why"), GiveUp(question="why")]
+    remind, give_up = result.deferrals
+    assert (remind.timeout, give_up.timeout) == (False, True)
+    assert (remind.destination, give_up.destination) == ("test", "test")
+    hour, day = datetime.timedelta(hours=1), datetime.timedelta(days=1)
+    assert before + hour <= remind.deliver_at <= after + hour
+    assert before + day <= give_up.deliver_at <= after + day

@@ -2,7 +2,7 @@
 
     idembus run package.module:endpoint [--workers N] [--concurrency N] [--shutdown-timeout S]
                 [--metrics-port N [--metrics-host HOST]] [--on-worker-start package.module:fn]
-                [--log-per-message]
+                [--log-per-message] [--strict-routes]
     idembus migrate package.module:endpoint
 
 ``endpoint`` names an :class:`~idembus.Endpoint`, or a function returning one, in an
@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--log-per-message", action="store_true",
                      help="one INFO line per processed message: its outcome, type, id and "
                           "duration (without it: at DEBUG on idembus.per_message)")
+    run.add_argument("--strict-routes", action="store_true",
+                     help="fail the start when a command a handler sends has no route, or "
+                          "a handler that declares no `sends` sends what idembus cannot "
+                          "name (by default: a WARNING at start)")
     _add_metrics_options(run)
     run.set_defaults(handler=_run)
     migrate = commands.add_parser(
@@ -153,6 +157,8 @@ def _run(args: argparse.Namespace) -> int:
         worker_arguments.append("--log-per-message")
     if args.concurrency is not None:
         worker_arguments += ["--concurrency", str(args.concurrency)]
+    if args.strict_routes:
+        worker_arguments.append("--strict-routes")
     if args.app_dir:
         worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
     if args.on_worker_start:
@@ -169,6 +175,8 @@ def _run_one(args: argparse.Namespace) -> int:
     if args.on_worker_start:
         worker.load_hook(args.on_worker_start)(supervised or worker.WorkerProcess(0, 1))
     endpoint = load_endpoint(args.endpoint)
+    if args.strict_routes:
+        endpoint.strict_routes = True
     metrics_server = None
     try:
         if supervised is not None:

@@ -65,7 +65,8 @@ from ..runtime.recoverability.error_queue import (
     retried_envelope,
 )
 from ..runtime.recoverability.parking import ParkedDelivery
-from ..storage.errors import StorageError
+from ..storage.base import ParkingStore
+from ..storage.errors import SchemaMissing, StorageError
 from ..transports.base import Delivery
 from ..transports.errors import TransportUnavailable
 from .supervisor import EXIT_CONFIGURATION
@@ -134,8 +135,10 @@ def _endpoint(args: argparse.Namespace) -> Iterator[Endpoint]:
                              unseen="parked messages")
         yield endpoint
     except (TransportUnavailable, StorageError) as unreadable:
+        cure = (f"; the storage has no tables yet — run `idembus migrate {args.endpoint}`"
+                if isinstance(unreadable, SchemaMissing) else "")
         raise ConfigurationError(f"cannot read the failed messages of {endpoint.name}: "
-                                 f"{redact(str(unreadable))}") from unreadable
+                                 f"{redact(str(unreadable))}{cure}") from unreadable
     finally:
         endpoint.close()
 
@@ -161,12 +164,43 @@ def printable(text: str, *, lines: bool = False) -> str:
 
 def _list(args: argparse.Namespace) -> int:
     selection = Selection(message_type=args.type, exception=args.exception)
-    with _failed_messages(args) as (endpoint, deliveries):
-        failed = (FailedMessage.of(d) for d in deliveries if selection.matches(d))
-        count = _print_json(failed) if args.json else _print_rows(failed)
+    with _endpoint(args) as endpoint:
+        if _has_tables(endpoint):
+            with error_queue.reading(endpoint, all_endpoints=args.all_endpoints,
+                                     page=PAGE) as deliveries:
+                failed = (FailedMessage.of(d) for d in deliveries if selection.matches(d))
+                count = _print_json(failed) if args.json else _print_rows(failed)
+        else:
+            count = _list_without_tables(args, endpoint, selection)
     if not args.json:
         print(f"{count} failed message(s) in {endpoint.error_queue!r}")
     return 0
+
+
+def _has_tables(endpoint: Endpoint) -> bool:
+    """Whether the endpoint's storage can keep failed messages: False when its tables were
+    never created (``idembus migrate``); other failures are raised."""
+    try:
+        endpoint.storage_as(ParkingStore).parked_page(endpoint.name, limit=1)
+    except SchemaMissing:
+        return False
+    return True
+
+
+def _list_without_tables(args: argparse.Namespace, endpoint: Endpoint,
+                         selection: Selection) -> int:
+    """``errors list`` on a storage whose tables were never created: what waits in the
+    error queue, looked at and left there (:func:`~idembus.runtime.recoverability.
+    error_queue.look`), and a line saying there are no parked messages and what to run."""
+    failed: list[FailedMessage] = []
+    error_queue.look(endpoint, lambda delivery: failed.append(FailedMessage.of(delivery))
+                     if selection.matches(delivery) else None,
+                     all_endpoints=args.all_endpoints, page=PAGE)
+    count = _print_json(failed) if args.json else _print_rows(failed)
+    print(f"no parked messages: the storage has no tables yet — run `idembus migrate "
+          f"{args.endpoint}` (the error queue's messages were listed and left in it)",
+          file=sys.stderr if args.json else sys.stdout)
+    return count
 
 
 def _print_json(messages: Iterable[FailedMessage]) -> int:

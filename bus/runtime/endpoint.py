@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ from ..errors import BusError, ConfigurationError
 from ..evolution import check_upcasters, version_of
 from ..handlers.base import AggregateHandler, Handler
 from ..handlers.registration import HandlerTable
+from ..handlers.sends import check_sent_routes
 from ..hierarchy import check_routing_keys
 from ..logs import MessageLog, Throttle
 from ..messages import Command, Event, Message, is_message_type, message_name
@@ -146,6 +148,17 @@ class Endpoint:
         occurrence by one scheduler among the endpoint's processes
         (:mod:`idembus.runtime.scheduler`); or a :class:`~idembus.schedules.SchedulerPolicy` with
         them and the scheduler's lease. They need the storage's outbox role (leases).
+    strict_routes:
+        Fail :meth:`start` (:class:`~idembus.errors.ConfigurationError` naming the handler
+        and the command) when a command a handler sends has no route, or when a handler
+        that declares no ``sends`` sends something its source does not name; by default
+        these are WARNING lines at start (:mod:`idembus.handlers.sends` says what is
+        inferred). ``idembus run --strict-routes`` sets it.
+    warn_unrouted_events:
+        Log an event that reached no queue at WARNING (once per type every 10 s); by
+        default it is logged at INFO the first time for its type and at DEBUG after
+        (publishing for subscribers still to come is normal). The ``unrouted`` signal and
+        counter count every one either way.
     """
 
     #: How deliveries are taken in batches (``None``: one at a time).
@@ -183,12 +196,13 @@ class Endpoint:
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING,
+        strict_routes: bool = False, warn_unrouted_events: bool = False,
     ) -> None:
         _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
                        max_message_bytes=max_message_bytes, error_queue=error_queue,
                        batching=batching, storage=storage)
         self.name, self.error_queue, self.batching = name, error_queue, batching
-        self.concurrency, self.prefetch = concurrency, prefetch
+        self.concurrency, self.prefetch, self.strict_routes = concurrency, prefetch, strict_routes
         self.table = HandlerTable(handlers)
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
@@ -214,7 +228,7 @@ class Endpoint:
             health=Health(), recoverability=self.recoverability, router=self.router,
             table=self.table, registry=self.registry, error_queue=error_queue,
             max_message_bytes=max_message_bytes)
-        self._unrouted_lines = Throttle(10.0)
+        self.warn_unrouted_events = warn_unrouted_events
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
         self._check_evolution(settings.journal)
@@ -227,6 +241,8 @@ class Endpoint:
         self.counters = Counters(self.signals)
         self._message_log = MessageLog(self.signals)
         self._message_log_connected = False
+        self._unrouted_lines = Throttle(10.0)  # warn_unrouted_events: a WARNING per 10 s
+        self._unrouted_seen = Throttle(math.inf)  # otherwise: INFO once per type, DEBUG after
         self._threads: list[threading.Thread] = []
         self._activity = threading.Condition()
         self._in_flight = 0
@@ -363,18 +379,25 @@ class Endpoint:
 
     def unrouted(self, envelope: Envelope) -> None:
         """Note an event the broker reported no queue took: the ``unrouted`` signal (and
-        counter), and a WARNING per type every 10 s at most. It is not kept: an event
-        nobody subscribes to is not a failure of the message (README, "Message
-        hierarchies")."""
+        counter), and a line at INFO the first time for its type, at DEBUG after (with
+        ``warn_unrouted_events=True``: a WARNING per type every 10 s at most). It is not
+        kept: publishing for subscribers still to come is normal, and an event nobody
+        subscribes to is not a failure of the message (README, "Message hierarchies")."""
         self.signals.emit("unrouted", message_id=envelope.message_id,
                           message_type=envelope.message_type, envelope=envelope)
-        held = self._unrouted_lines.allow(envelope.message_type)
-        if held is not None:
-            log.warning("event %s %s reached no queue: no endpoint subscribes to it or to a "
-                        "type it derives from%s", envelope.message_type, envelope.message_id,
-                        self._unrouted_lines.said(held),
-                        extra={"endpoint": self.name, "message_id": envelope.message_id,
-                               "message_type": envelope.message_type})
+        if self.warn_unrouted_events:
+            held = self._unrouted_lines.allow(envelope.message_type)
+            if held is None:
+                return
+            level, said = logging.WARNING, self._unrouted_lines.said(held)
+        elif self._unrouted_seen.allow(envelope.message_type) is not None:
+            level, said = logging.INFO, "; further ones of this type are logged at DEBUG"
+        else:
+            level, said = logging.DEBUG, ""
+        log.log(level, "event %s %s reached no queue: no endpoint subscribes to it or to "
+                "a type it derives from%s", envelope.message_type, envelope.message_id, said,
+                extra={"endpoint": self.name, "message_id": envelope.message_id,
+                       "message_type": envelope.message_type})
 
     def unit_of_work(
         self,
@@ -430,6 +453,8 @@ class Endpoint:
         """Check the storage, declare the topology and start the consumer threads."""
         if self._threads:
             raise RuntimeError(f"endpoint {self.name!r} is already running")
+        check_sent_routes(self.table.handlers, self.router, self.name,
+                          strict=self.strict_routes)
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)

@@ -54,7 +54,20 @@ def import_user_module(module_name: str, what: str = "") -> Any:
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigurationError(f"{what}cannot import {module_name!r}: {exc}") from exc
+        raise ConfigurationError(f"{what}cannot import {module_name!r}: {exc}"
+                                 f"{_where_to_look(module_name, exc)}") from exc
+
+
+def _where_to_look(module_name: str, error: ImportError) -> str:
+    """What to add to "cannot import" when the module itself (or its package) was not
+    found, rather than something it imports: where it was looked for, and ``--app-dir``."""
+    missing = getattr(error, "name", None)
+    if not isinstance(error, ModuleNotFoundError) or not missing or not (
+            module_name == missing or module_name.startswith(f"{missing}.")):
+        return ""
+    return (f" (looked for it in the installed packages and in the working directory "
+            f"{os.getcwd()}): run the command from the folder that holds it, or pass "
+            "--app-dir FOLDER")
 
 
 def working_directory_last(path: list[str]) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -66,6 +67,7 @@ from .transport import ScenarioTransport
 
 __all__ = [
     "FailedMessage",
+    "Deferral",
     "FakeClock",
     "HandlerResult",
     "Outgoing",
@@ -82,8 +84,21 @@ _SEED_KEY = "bus.testing/initial-state"
 
 
 @dataclass(frozen=True)
+class Deferral:
+    """A message a handler run deferred: what, when it is due, where it goes, and whether it
+    is a saga's timeout (:meth:`~idembus.handlers.AggregateHandler.request_timeout`)."""
+
+    message: Message
+    deliver_at: datetime.datetime
+    destination: str | None
+    timeout: bool
+
+
+@dataclass(frozen=True)
 class HandlerResult(ByIntent):
-    """What one handler run left behind."""
+    """What one handler run left behind: ``sent`` (the commands sent now), ``deferred``
+    (those held back until later, saga timeouts included; ``deferrals`` tells when and
+    where), ``published``, ``replied``, and the state."""
 
     envelopes: tuple[Envelope, ...]
     state: BaseModel | None
@@ -94,7 +109,26 @@ class HandlerResult(ByIntent):
 
     def _of(self, intent: h.Intent) -> list[Message]:
         return [decoded(envelope, strict=True) for envelope in self.envelopes
-                if envelope.intent is intent]
+                if envelope.intent is intent and envelope.deliver_at is None]
+
+    @property
+    def sent(self) -> list[Message]:
+        """The commands sent now (those deferred, timeouts too, are in :attr:`deferred`)."""
+        return self._of(h.Intent.SEND)
+
+    @property
+    def deferred(self) -> list[Message]:
+        """The messages deferred (``bus.defer``, ``deliver_at=``, ``request_timeout``), in
+        the order they were; :attr:`deferrals` adds when and where."""
+        return [deferral.message for deferral in self.deferrals]
+
+    @property
+    def deferrals(self) -> list[Deferral]:
+        """The messages deferred, with when they are due, where they go and whether each
+        is a saga's timeout."""
+        return [Deferral(decoded(envelope, strict=True), envelope.deliver_at,
+                         envelope.destination, h.SAGA_TIMEOUT in envelope.headers)
+                for envelope in self.envelopes if envelope.deliver_at is not None]
 
 
 def handle(

@@ -15,6 +15,8 @@ import sys
 import uuid
 from collections.abc import Callable
 
+from idembus import Endpoint
+from idembus.redaction import redact
 from idembus.storage.base import Storage
 from idembus.storage.mongo import MongoStorage
 from idembus.testing.faults import RandomCrashes
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="threads per endpoint (2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("idembus.runtime.endpoint").addFilter(_SaidAbove())
 
     duplicates = max(1, int(args.orders * args.duplicates)) if args.duplicates > 0 else 0
     namespace = uuid.uuid4().hex[:8]
@@ -51,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     system = build(broker.transport, namespace=namespace, concurrency=args.concurrency,
                    storage=_storages(args.storage, namespace, storages),
                    middleware=[RandomCrashes(args.crash_rate, seed=args.seed)])
+    print(runs_on(system.sales), file=sys.stderr, flush=True)
     try:
         result = run(system, args.orders, duplicates, seed=args.seed)
     finally:
@@ -61,6 +65,30 @@ def main(argv: list[str] | None = None) -> int:
             _drop(storage)
     print(result.line())
     return 0 if result.ok else 1
+
+
+def runs_on(endpoint: Endpoint) -> str:
+    """What the sample's endpoints run on, truthfully: where the queues and the stores are,
+    and whether they outlive this process."""
+    transport, storage = endpoint.transport, endpoint.storage
+    queues = getattr(transport, "safe_url", None) or type(transport).__name__
+    if isinstance(storage, MongoStorage) and storage.process_local:
+        stores = "mongomock, an in-memory MongoDB double"
+    else:
+        stores = f"{type(storage).__name__} ({redact(str(getattr(storage, 'conninfo', '')))})"
+    local = [part for part, there in (("queues", transport.process_local),
+                                      ("stores", storage.process_local)) if there]
+    kept = (f"; the {' and '.join(local)} live in this process only and end with it (a trial: "
+            "--transport and --storage name real services)" if local else "")
+    return f"ordering sample: queues on {redact(queues)}, stores on {stores}{kept}"
+
+
+class _SaidAbove(logging.Filter):
+    """Drops the endpoints' warning that they run inside this process: the sample says it
+    itself, once, before it starts (:func:`runs_on`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "process-local and not durable" not in str(record.msg)
 
 
 def _drop(storage: Storage) -> None:

@@ -16,6 +16,8 @@ returns only once the broker has applied its acknowledgements.
 * :class:`FailedMessage`: one message's failure story, from its headers;
 * :class:`Selection`: message ids, everything, or a filter (type, exception, time of
   failure);
+* :func:`look` goes through the error queue's messages without moving them, for a
+  storage whose tables were never created;
 * :func:`reading` moves the error queue's messages into the storage, then goes through the
   endpoint's failed messages a page at a time; :func:`survey` and :func:`chosen_pages`
   select a page at a time what a retry or purge acts on, bounded by what was counted and
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -76,8 +78,10 @@ class FailedMessage:
     exception_message: str | None
     failed_queue: str | None
     time_of_failure: str | None
-    immediate_attempts: str | None
-    delayed_attempts: str | None
+    #: The attempts counted by the failure headers (``None``: no such header, or not a
+    #: whole number).
+    immediate_attempts: int | None
+    delayed_attempts: int | None
     #: Kept in the storage because the broker refused it a place (:mod:`.parking`),
     #: not moved there from the error queue.
     parked: bool = False
@@ -98,14 +102,22 @@ class FailedMessage:
             exception_message=headers.get(h.EXCEPTION_MESSAGE),
             failed_queue=headers.get(h.FAILED_QUEUE),
             time_of_failure=headers.get(h.TIME_OF_FAILURE),
-            immediate_attempts=headers.get(h.IMMEDIATE_ATTEMPTS),
-            delayed_attempts=headers.get(h.DELAYED_ATTEMPTS),
+            immediate_attempts=_count(headers.get(h.IMMEDIATE_ATTEMPTS)),
+            delayed_attempts=_count(headers.get(h.DELAYED_ATTEMPTS)),
         )
 
     @property
     def failed_at(self) -> datetime.datetime | None:
         """The time of failure, if its header is readable."""
         return parse_utc(self.time_of_failure)
+
+
+def _count(header: str | None) -> int | None:
+    """An attempt count header as a number (``None``: absent, or not a whole number)."""
+    try:
+        return int(header) if header is not None and header.strip().isdigit() else None
+    except ValueError:  # digits of another script that int() refuses
+        return None
 
 
 def exception_matches(exception_type: str | None, wanted: str) -> bool:
@@ -211,6 +223,50 @@ def ingest(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE)
     applied the acknowledgements (``KombuTransport.inspect`` ends with a round trip). A
     process that dies between a write and its acknowledgement leaves the message in both
     places; the next move writes the same id again, and the storage keeps one."""
+    return _through_queue(endpoint, page, lambda deliveries: _move(
+        endpoint, deliveries, all_endpoints=all_endpoints))
+
+
+def look(endpoint: Endpoint, seen: Callable[[Delivery], object], *,
+         all_endpoints: bool = False, page: int = PAGE) -> int:
+    """Go through the messages waiting in the endpoint's error queue without moving them
+    into its storage — for a storage that cannot keep them yet (its tables were never
+    created, :class:`~idembus.storage.errors.SchemaMissing`): each that failed in the
+    endpoint's queue (every one, ``all_endpoints``) is shown to ``seen``, and every one is
+    given back as :func:`ingest` gives back another endpoint's (a fresh copy, never a
+    requeue that a quorum queue counts). How many were shown."""
+    shown = 0
+
+    def glance(deliveries: Iterable[Delivery]) -> tuple[int, int]:
+        nonlocal shown
+        taken = 0
+        held: list[Delivery] = []
+        try:
+            for delivery in deliveries:
+                held.append(delivery)
+                taken += 1
+                if _stored_here(delivery, endpoint, all_endpoints):
+                    seen(delivery)
+                    shown += 1
+                _hand_back(delivery)
+                held.clear()
+        except BaseException:
+            _hand_back_all(held)
+            raise
+        return taken, 0
+
+    _through_queue(endpoint, page, glance)
+    return shown
+
+
+#: What :func:`_through_queue` does with the messages of a page: how many it took and how
+#: many it moved into the storage (the others it gave back).
+_PageMover = Callable[[Iterable[Delivery]], tuple[int, int]]
+
+
+def _through_queue(endpoint: Endpoint, page: int, mover: _PageMover) -> int:
+    """Take what waits in the error queue now, a page at a time, each page given to
+    ``mover``; how many it moved."""
     if page < 1:
         raise ValueError(f"page must be at least 1, got {page}")
     transport, queue = endpoint.transport, endpoint.error_queue
@@ -221,29 +277,29 @@ def ingest(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE)
                 remaining = transport.pending(queue) - copies  # not the copies given back
             while remaining > 0:
                 taken, moved_now, copied = _move_page(endpoint, min(page, remaining),
-                                                      held_back, all_endpoints=all_endpoints)
+                                                      held_back, mover)
                 if not taken:
                     return moved
                 remaining, moved, copies = remaining - taken, moved + moved_now, copies + copied
     return moved
 
 
-def _move_page(endpoint: Endpoint, limit: int, held_back: ExitStack, *,
-               all_endpoints: bool) -> tuple[int, int, int]:
-    """Move one page of the error queue: how many were taken, moved and given back as
-    copies. A transport that takes one at a time (``KombuTransport.take``) gets each
-    acknowledgement before the next message is taken. Otherwise the page is taken at
+def _move_page(endpoint: Endpoint, limit: int, held_back: ExitStack,
+               mover: _PageMover) -> tuple[int, int, int]:
+    """Move one page of the error queue (``mover``): how many were taken, moved and given
+    back as copies. A transport that takes one at a time (``KombuTransport.take``) gets
+    each acknowledgement before the next message is taken. Otherwise the page is taken at
     once (``Transport.inspect``), and another endpoint's messages that cannot be given
     back as copies stay taken, without their contents, until ``held_back`` ends (see
     :func:`_hand_back`)."""
     transport, queue = endpoint.transport, endpoint.error_queue
     if isinstance(transport, _Taking):
         with transport.take(queue, limit=limit) as messages:
-            taken, moved = _move(endpoint, messages, all_endpoints=all_endpoints)
+            taken, moved = mover(messages)
         return taken, moved, taken - moved
     with ExitStack() as this_page:
         page = this_page.enter_context(transport.inspect(queue, limit=limit))
-        taken, moved = _move(endpoint, page, all_endpoints=all_endpoints)
+        taken, moved = mover(page)
         others = [delivery for delivery in page if not delivery.settled]
         for delivery in others:
             delivery.body, delivery.headers = b"", {}
