@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -114,9 +115,26 @@ class MessageProcessor:
         self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
         incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
-        pause = 0.0
+        started = time.perf_counter()
         try:
-            pause = self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
+            pause = self._settle(delivery, incoming)
+        finally:  # interrupted too (outcome None): what counts in-flight deliveries needs it
+            self._signals.emit("settled", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE),
+                               outcome=incoming.outcome, seconds=time.perf_counter() - started,
+                               time_sent=headers.get(h.TIME_SENT))
+        delivery.ack()
+        if pause:
+            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
+            self._recovery.stopping.wait(pause)
+
+    def _settle(self, delivery: Delivery, incoming: IncomingMessage) -> float:
+        """The delivery through the message stage until it is settled (not acknowledged);
+        returns how long the breaker pauses."""
+        headers = delivery.headers
+        try:
+            return self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
         except PipelineControl as control:  # raised by a before_message hook
             self._steer(delivery, incoming, control)
         except (StorageUnavailable, TransportUnavailable):
@@ -128,13 +146,9 @@ class MessageProcessor:
             self._signals.emit("failed", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE), error=error,
                                attempt=1, time_sent=headers.get(h.TIME_SENT))
-            pause = self._after_failure(delivery, incoming, _Failure(
+            return self._after_failure(delivery, incoming, _Failure(
                 error, 1, self._recovery.settings.retries))
-        delivery.ack()
-        if pause:
-            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
-                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
-            self._recovery.stopping.wait(pause)
+        return 0.0
 
     def _process(self, delivery: Delivery, incoming: IncomingMessage) -> float:
         """Everything but the acknowledgement; returns how long the breaker pauses."""
@@ -235,7 +249,8 @@ class MessageProcessor:
             attempts += 1
             try:
                 if outcome is None:
-                    call = HandlerCall(incoming, context, message, attempts)
+                    call = HandlerCall(incoming, context, message, attempts,
+                                       handler_object=binding.handler)
                     outcome = self._pipeline.handler(call, functools.partial(
                         self._invoker.invoke, binding, call,
                         commit_may_have_landed=commit_may_have_landed, expired=expired,
