@@ -246,6 +246,8 @@ def declared_handler_options(readers: Iterable[object]) -> dict[str, str]:
 
 
 def _every_middleware_class(root: type = Middleware) -> Iterator[type]:
+    """Every subclass of ``root`` defined so far, at any depth."""
+    subclass: type
     for subclass in root.__subclasses__():
         yield subclass
         yield from _every_middleware_class(subclass)

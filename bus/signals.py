@@ -20,6 +20,7 @@ Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from blinker import Signal
@@ -88,11 +89,24 @@ class EndpointSignals:
     settled: Signal
 
     def emit(self, name: str, **details: Any) -> None:
-        """Send signal ``name``; a receiver's exception is logged, never propagated."""
+        """Send signal ``name``; a receiver's exception is logged, never propagated, and
+        the other receivers still run.
+
+        Calls the receivers blinker's ``receivers_for`` yields itself, as ``Signal.send``
+        does without its per-receiver coroutine check and result list: a signal the
+        endpoint's own observers always receive (``settled``) is sent for every delivery.
+        A coroutine function cannot receive a signal (it would never run)."""
         signal: Signal = getattr(self, name)
         if not signal.receivers:
             return
-        try:
-            signal.send(self.endpoint, **details)
-        except Exception:
-            log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
+        for receiver in signal.receivers_for(self.endpoint):
+            try:
+                result = receiver(self.endpoint, **details)
+            except Exception:
+                log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
+                continue
+            if isinstance(result, Coroutine):
+                result.close()
+                log.error("a receiver of the %r signal of %s is a coroutine function; "
+                          "signals are sent from the consumer's thread and call receivers "
+                          "directly", name, self.endpoint)
