@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench import middleware_cost
-from bench.common import TRANSPORT_URLS
+from bench.common import SLOWDOWN, TRANSPORT_URLS
 from bench.idembus_flow import STORAGES
 
 #: driver -> its variants, the first being the one the others are compared with.
@@ -220,7 +220,8 @@ def instructions(driver: str, variant: str, count: int, *, transport: str = "mem
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                    sys.executable, "-m", "bench.instructions", "--inside", driver, variant,
                    str(count), transport, storage, *(["--queue-only"] if queue_only else [])]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        # Callgrind runs Python some fifty times slower: the flow's wait scales with it.
+        env = {**os.environ, "PYTHONHASHSEED": "0", SLOWDOWN: "100"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             raise SystemExit(f"callgrind run failed ({done.returncode}):\n{done.stderr[-3000:]}")

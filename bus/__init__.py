@@ -30,7 +30,7 @@ from .errors import (
 )
 from .evolution import upcaster
 from .messages import Command, Event, Message, message_name
-from .pipeline import Middleware, RejectMessage, RetryLater, SkipMessage
+from .pipeline import Middleware, PropagateHeaders, RejectMessage, RetryLater, SkipMessage
 from .policies import Backoff, Batching, ConflictPolicy, OutboxPolicy, RetryPolicy
 from .runtime.recoverability.breaker import BreakerPolicy
 from .sending import Bus
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .observability.metrics import Metrics
     from .observability.tracing import Tracing
     from .runtime.aio import LoopLocal
-    from .runtime.endpoint import Endpoint
+    from .runtime.endpoint import Endpoint, default_middleware
     from .runtime.journal import JournalPolicy
     from .runtime.recoverability.policy import Recoverability
     from .schedules import Schedule, SchedulerPolicy
@@ -68,6 +68,7 @@ _LAZY = {
     "PostgresStorage": ".storage.postgres",
     "Tracing": ".observability.tracing",
     "handles": ".handlers",
+    "default_middleware": ".runtime.endpoint",
 }
 
 #: Names whose module needs an optional dependency: (what, the extra that installs it).
@@ -105,6 +106,7 @@ __all__ = [
     "MongoStorage",
     "OutboxPolicy",
     "PostgresStorage",
+    "PropagateHeaders",
     "Recoverability",
     "RejectMessage",
     "RetryLater",
@@ -115,6 +117,7 @@ __all__ = [
     "SkipMessage",
     "Tracing",
     "UnknownMessageType",
+    "default_middleware",
     "handles",
     "headers",
     "message_name",

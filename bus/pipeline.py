@@ -49,8 +49,9 @@ failure and follows the retry policy.
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -143,6 +144,9 @@ class HandlerCall:
     #: The messages the attempt recorded (set before the commit).
     outgoing: Sequence[Envelope] = ()
     items: dict[str, Any] = field(default_factory=dict)
+    #: The handler object, whose options a middleware reads with
+    #: :meth:`Middleware.option` (``None`` where no handler is at hand).
+    handler_object: Any = None
 
     @property
     def handler(self) -> str:
@@ -170,6 +174,15 @@ class Middleware:
     #: The storage roles this middleware writes to (``"audit"``): an endpoint given it
     #: checks at construction that its storage has them.
     storage_roles: ClassVar[frozenset[str]] = frozenset()
+    #: The handler class attributes this middleware reads (``("time_limit",)``), through
+    #: :meth:`option`: an endpoint refuses a handler that sets an option none of its
+    #: policies reads (a misspelling, or a middleware left out).
+    handler_options: ClassVar[tuple[str, ...]] = ()
+
+    def option(self, handler: object, name: str, default: Any = None) -> Any:
+        """The handler option ``name`` of ``handler`` (its class attribute), ``default`` if it
+        sets none; ``name`` must be one of this middleware's :attr:`handler_options`."""
+        return handler_option(self, handler, name, default)
 
     def setup(self, endpoint: Any) -> None:
         """Called once by the endpoint that was given this middleware, at construction."""
@@ -210,6 +223,79 @@ class Middleware:
 
 
 _STAGES = ("message", "handler", "commit", "dispatch")
+
+
+def handler_option(reader: object, handler: object, name: str, default: Any = None) -> Any:
+    """The class attribute ``name`` of ``handler`` (a handler option), ``default`` if unset
+    or ``None``, for ``reader``: a policy that declares ``name`` in its ``handler_options``
+    (a TypeError otherwise: an undeclared option would escape the endpoint's check)."""
+    if name not in getattr(reader, "handler_options", ()):
+        raise TypeError(f"{type(reader).__name__} reads the handler option {name!r} without "
+                        "declaring it in its handler_options")
+    value = getattr(type(handler), name, None)
+    return default if value is None else value
+
+
+def declared_handler_options(readers: Iterable[object]) -> dict[str, str]:
+    """Handler option -> the name of the first of ``readers`` that declares it."""
+    declared: dict[str, str] = {}
+    for reader in readers:
+        for name in getattr(reader, "handler_options", ()):
+            declared.setdefault(name, type(reader).__name__)
+    return declared
+
+
+def _every_middleware_class(root: type = Middleware) -> Iterator[type]:
+    """Every subclass of ``root`` defined so far, at any depth."""
+    subclass: type
+    for subclass in root.__subclasses__():
+        yield subclass
+        yield from _every_middleware_class(subclass)
+
+
+def check_handler_options(handler: type, readers: Iterable[object]) -> None:
+    """Refuse ``handler`` (a handler class) if it sets a class attribute that looks like a
+    handler option no policy of the endpoint reads: an option some middleware class declares
+    but the endpoint was not given (``time_limit`` without the middleware that reads it), or
+    a near miss of a known one (``retry_polcy``). The attributes of idembus's own base
+    classes (``handler_name``, ``sends``, ``retry_policy``, ...) are options; ``readers``:
+    the endpoint's policies and middleware, with their ``handler_options``. A handler's
+    methods, and attributes unlike any option (its own constants), are left alone."""
+    ours = [cls for cls in handler.__mro__ if cls.__module__.startswith("idembus.")]
+    declared = set(declared_handler_options(readers))
+    # Every public name of idembus's own bases (methods included) is a handler's to set;
+    # those that are not code are the options a near miss is compared with.
+    defined = {name: value for cls in ours for name, value in vars(cls).items()
+               if not name.startswith("_")}
+    annotated = {name for cls in ours for name in vars(cls).get("__annotations__", ())
+                 if not name.startswith("_")}
+    known = set(defined) | annotated | declared
+    options = {name for name, value in defined.items() if not _is_code(value)}
+    options |= annotated | declared
+    elsewhere = {name: cls.__name__ for cls in _every_middleware_class()
+                 for name in getattr(cls, "handler_options", ()) if name not in known}
+    for cls in handler.__mro__:
+        if cls in ours or cls is object:
+            continue
+        for name, value in vars(cls).items():
+            if name.startswith("_") or name in known or _is_code(value):
+                continue
+            if name in elsewhere:
+                raise ConfigurationError(
+                    f"handler {handler.__name__} sets {name!r}, which {elsewhere[name]} reads, "
+                    "but this endpoint has no such middleware. Did you forget to add a "
+                    "middleware?")
+            close = difflib.get_close_matches(name, [*options, *elsewhere], n=1, cutoff=0.85)
+            if close:
+                raise ConfigurationError(
+                    f"handler {handler.__name__} sets {name!r}, which is no handler option: "
+                    f"did you mean {close[0]!r}? Did you forget to add a middleware?")
+
+
+def _is_code(value: object) -> bool:
+    """A method, a property or another descriptor of a class: code, not an option."""
+    return (isinstance(value, (staticmethod, classmethod, property))
+            or (callable(value) and not isinstance(value, type)))
 
 
 def _overrides(middleware: Middleware, hook: str) -> bool:

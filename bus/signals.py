@@ -1,19 +1,26 @@
 """Per-endpoint blinker signals: observation only, never control flow.
 
+Signals are how anything watches an endpoint: its counters, its message log, the audit
+trail, the handling-time buckets and the OpenTelemetry metrics all subscribe to them (the
+middleware of :mod:`idembus.pipeline` is for what changes or wraps the work: tracing,
+propagated headers, your own policies). A signal nobody receives costs a call and a look-up.
+
 Every signal is sent with the endpoint name as sender and keyword arguments
 ``message_id``, ``message_type`` and, where a handler is involved, ``handler`` and
 ``time_sent`` (the incoming message's header).
-``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``.
 The ``schedule_*`` signals carry the id and type of the occurrence's message (``None`` for
 a type a message function did not get to build), ``schedule`` and ``occurrence``.
 ``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``;
-``discarded`` adds ``discard_after`` (the header).
+``discarded`` adds ``discard_after`` (the header); ``settled`` adds ``outcome`` (as
+:attr:`idembus.pipeline.IncomingMessage.outcome` has it, ``None``: interrupted) and
+``seconds`` (from the arrival of the delivery, measured once for every observer).
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from blinker import Signal
@@ -45,6 +52,8 @@ SIGNAL_NAMES = (
     "not_found",      # a saga's message found no saga and does not start one (acknowledged)
     "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
     "unrouted",       # a published event the broker reported no queue took (envelope)
+    "settled",        # a received delivery is done with, just before its ack (outcome,
+                      # seconds, time_sent)
 )
 
 
@@ -77,13 +86,27 @@ class EndpointSignals:
     not_found: Signal
     timeout_dropped: Signal
     unrouted: Signal
+    settled: Signal
 
     def emit(self, name: str, **details: Any) -> None:
-        """Send signal ``name``; a receiver's exception is logged, never propagated."""
+        """Send signal ``name``; a receiver's exception is logged, never propagated, and
+        the other receivers still run.
+
+        Calls the receivers blinker's ``receivers_for`` yields itself, as ``Signal.send``
+        does without its per-receiver coroutine check and result list: a signal the
+        endpoint's own observers always receive (``settled``) is sent for every delivery.
+        A coroutine function cannot receive a signal (it would never run)."""
         signal: Signal = getattr(self, name)
         if not signal.receivers:
             return
-        try:
-            signal.send(self.endpoint, **details)
-        except Exception:
-            log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
+        for receiver in signal.receivers_for(self.endpoint):
+            try:
+                result = receiver(self.endpoint, **details)
+            except Exception:
+                log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
+                continue
+            if isinstance(result, Coroutine):
+                result.close()
+                log.error("a receiver of the %r signal of %s is a coroutine function; "
+                          "signals are sent from the consumer's thread and call receivers "
+                          "directly", name, self.endpoint)

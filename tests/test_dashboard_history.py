@@ -5,13 +5,14 @@ endpoint and read back as percentiles; memory bounded to sixty minutes."""
 from __future__ import annotations
 
 import datetime
+from types import SimpleNamespace
 
 import pytest
 
 from idembus import Endpoint
 from idembus.dashboard.history import MINUTES, History, Sampler
-from idembus.pipeline import IncomingMessage
 from idembus.runtime.timings import BOUNDS_MS, KEYS, SLOWER, HandlingTimes, bucket_key, percentile
+from idembus.signals import EndpointSignals
 from idembus.storage.base import StatusReport
 from idembus.storage.memory import MemoryStorage
 from tests.support import AccountHandler, Deposit, SignalCounter
@@ -101,11 +102,11 @@ def test_percentiles_per_minute_come_from_the_buckets_reported() -> None:
 
 def test_handling_times_count_only_handled_deliveries_in_their_bucket() -> None:
     times = HandlingTimes()
+    endpoint = SimpleNamespace(signals=EndpointSignals("shop"))
+    times.setup(endpoint)
     for outcome in ("handled", "dead_lettered", "retrying", None):
-        incoming = IncomingMessage("shop", "shop", {})
-        times.before_message(incoming)
-        incoming.outcome = outcome
-        times.after_message(incoming, None)
+        endpoint.signals.emit("settled", message_id="m", message_type="t", outcome=outcome,
+                              seconds=0.0004, time_sent=None)
     times.record(7.0)
     times.record(120_000.0)
     snapshot = times.snapshot()
@@ -113,6 +114,10 @@ def test_handling_times_count_only_handled_deliveries_in_their_bucket() -> None:
     assert sum(snapshot.values()) == 3
     assert snapshot[bucket_key(BOUNDS_MS.index(10))] == 1
     assert snapshot[SLOWER] == 1
+    assert snapshot[bucket_key(0)] == 1  # the handled one, 0.4 ms
+    times.close()  # and it stops watching
+    endpoint.signals.emit("settled", outcome="handled", seconds=0.0004)
+    assert times.snapshot() == snapshot
 
 
 def test_an_endpoint_reports_its_handling_time_buckets_with_its_counters() -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from idembus import Command, Endpoint, Event
+from idembus import Command, ConfigurationError, Endpoint, Event, Middleware, RetryPolicy
 from idembus.handlers import AggregateHandler, Handler, HandlerDefinitionError, handles
 from idembus.handlers.registration import HandlerTable
+from idembus.pipeline import HandlerCall
+from idembus.runtime.recoverability.policy import Recovery
 from idembus.storage.memory import MemoryStorage
+from idembus.testing import wait_until_idle
 
 
 class Open(Command, message_name="hd.Open"):
@@ -228,3 +231,80 @@ def test_the_endpoint_reports_handler_errors_when_it_is_created():
 
     with pytest.raises(HandlerDefinitionError, match="handles nothing"):
         Endpoint("accounts", storage=MemoryStorage(), handlers=[Idle])
+
+
+# -- handler options: the class attributes a policy of the endpoint reads ------------------
+
+
+class TimeLimit(Middleware):
+    """A policy reading a handler option it declares (this test's own)."""
+
+    handler_options = ("time_limit_seconds",)
+
+    def __init__(self) -> None:
+        self.limits: list[float] = []
+
+    def before_handler(self, call: HandlerCall) -> None:
+        self.limits.append(self.option(call.handler_object, "time_limit_seconds", 60.0))
+
+
+class Patient(Handler):
+    time_limit_seconds = 30.0
+
+    @handles
+    def on(self, message: Open) -> None:
+        pass
+
+
+def test_a_misspelled_handler_option_fails_at_construction_with_the_likely_name():
+    # Before: nothing read ``retry_polcy``; the handler silently kept the endpoint's retries.
+    class Misspelled(Handler):
+        retry_polcy = RetryPolicy(immediate_retries=0)
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with pytest.raises(ConfigurationError, match=r"'retry_polcy'.*did you mean 'retry_policy'"
+                                                 r"\? Did you forget to add a middleware\?"):
+        Endpoint("opts", handlers=[Misspelled])
+
+
+def test_an_option_whose_middleware_is_missing_fails_and_names_the_middleware():
+    # Before: the endpoint never looked at options no policy of its own reads.
+    with pytest.raises(ConfigurationError, match="'time_limit_seconds', which TimeLimit reads,"
+                                                 ".*Did you forget to add a middleware"):
+        Endpoint("opts", handlers=[Patient])
+    # With the middleware that reads it, the same handler is fine, and its option is read
+    limit = TimeLimit()
+    with Endpoint("opts", handlers=[Patient], middleware=[limit]) as endpoint:
+        endpoint.bus.send(Open(account="a"))
+        wait_until_idle([endpoint])
+    assert limit.limits == [30.0]
+
+
+def test_a_handler_s_own_attributes_and_methods_are_not_taken_for_options():
+    class Own(Handler):
+        greeting = "hello"
+        retries_seen = 0
+
+        def retry_policies(self) -> list[str]:  # a method close to an option's name
+            return []
+
+        @handles
+        def on(self, message: Open) -> None:
+            pass
+
+    with Endpoint("opts", handlers=[Own, Accounts]):
+        pass
+
+
+def test_a_policy_reads_only_the_handler_options_it_declares():
+    class Sneaky(Middleware):
+        handler_options = ("time_limit_seconds",)
+
+    assert Sneaky().option(Patient(), "time_limit_seconds") == 30.0
+    assert Sneaky().option(Accounts(), "time_limit_seconds", 5.0) == 5.0
+    with pytest.raises(TypeError, match="without declaring it"):
+        Sneaky().option(Patient(), "retry_policy")
+    assert "retry_policy" in Recovery.handler_options

@@ -449,3 +449,27 @@ def test_the_debug_lines_of_messages_escape_and_bound_ids_and_types(
     assert "(70000 characters)" in line
     assert json.loads(JsonFormatter().format(record))["message_type"].endswith(
         "(70000 characters)")
+
+
+def test_a_receiver_that_raises_is_logged_and_the_others_still_receive(caplog):
+    # Before: one ``Signal.send`` ran every receiver, so the first that raised kept the rest
+    # (in blinker's set order) from seeing the signal.
+    from idembus.signals import EndpointSignals
+
+    signals = EndpointSignals("shop")
+    seen: list[str] = []
+    clumsy = [lambda sender, **details: 1 / 0 for _ in range(20)]
+    for receiver in clumsy:
+        signals.handled.connect(receiver)
+    signals.handled.connect(lambda sender, **details: seen.append(details["message_id"]),
+                            weak=False)
+
+    async def too_late(sender: str, **details: Any) -> None:  # never awaited: refused
+        seen.append("async")
+
+    signals.handled.connect(too_late)
+    with caplog.at_level(logging.ERROR, logger="idembus.signals"):
+        signals.emit("handled", message_id="m-1")
+    assert seen == ["m-1"]
+    assert caplog.text.count("ZeroDivisionError") == 20
+    assert "coroutine function" in caplog.text

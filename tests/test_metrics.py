@@ -1,11 +1,11 @@
-"""idembus.observability.metrics: counters from the endpoint's signals, durations and in-flight
-from the
-message stage, read with the OpenTelemetry SDK's in-memory reader (no global state)."""
+"""idembus.observability.metrics: counters, durations and in-flight from the endpoint's
+signals (``received`` ... ``settled``), read with the OpenTelemetry SDK's in-memory reader (no
+global state)."""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,16 +13,19 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
 
+from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import format_utc, utc_now
 from idembus.handlers import Handler, handles
 from idembus.observability.metrics import Metrics
-from idembus.pipeline import IncomingMessage, Pipeline
+from idembus.pipeline import IncomingMessage, Middleware, SkipMessage
 from idembus.policies import RetryPolicy
 from idembus.registry import MessageRegistry
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.signals import EndpointSignals
 from idembus.testing import wait_until_idle
+from idembus.testing.faults import SimulatedCrash
+from idembus.transports.base import Delivery
 from tests.support import AccountHandler, Deposit, Deposited, SignalCounter
 
 
@@ -111,51 +114,56 @@ def test_a_type_the_endpoint_does_not_know_is_counted_as_unknown(provider_and_re
         labels(endpoint="accounts", message_type="unknown"): 50, labels(endpoint="accounts"): 1}
 
 
-def test_in_flight_duration_and_critical_time_come_from_the_message_stage(
+def deliver(signals: EndpointSignals, headers: dict[str, str], outcome: str | None,
+            during: Callable[[], None] = lambda: None, seconds: float = 0.01) -> None:
+    """One delivery as its endpoint reports it: ``received``, then (after ``during``)
+    ``settled`` with ``outcome``."""
+    details = {"message_id": headers.get(h.MESSAGE_ID),
+               "message_type": headers.get(h.MESSAGE_TYPE)}
+    signals.emit("received", **details)
+    during()
+    signals.emit("settled", outcome=outcome, seconds=seconds,
+                 time_sent=headers.get(h.TIME_SENT), **details)
+
+
+def test_in_flight_duration_and_critical_time_come_from_the_received_and_settled_signals(
     provider_and_reader,
 ):
     provider, reader = provider_and_reader
     endpoint = fake_endpoint()
-    metrics = Metrics(meter_provider=provider)
-    metrics.setup(endpoint)
-    pipeline = Pipeline([metrics])
+    Metrics(meter_provider=provider).setup(endpoint)
     sent = utc_now() - datetime.timedelta(seconds=2)
     headers = {h.MESSAGE_ID: "m-1", h.MESSAGE_TYPE: "test.Deposit",
                h.TIME_SENT: format_utc(sent)}
     during: dict[str, Any] = {}
 
-    def process(incoming: IncomingMessage, outcome: str) -> None:
+    def look() -> None:
         during.update(values(reader, "idembus.messages.in_flight"))
-        incoming.outcome = outcome
 
     # When one delivery is handled and another goes to the error queue
-    handled = IncomingMessage("accounts", "accounts", headers)
-    pipeline.message(handled, lambda: process(handled, "handled"))
-    failed = IncomingMessage("accounts", "accounts", headers)
-    pipeline.message(failed, lambda: process(failed, "dead_lettered"))
+    deliver(endpoint.signals, headers, "handled", look, seconds=0.25)
+    deliver(endpoint.signals, headers, "dead_lettered", look)
 
     # Then one was in flight while it was processed, none afterwards
     assert during == {labels(endpoint="accounts"): 1}
     assert values(reader, "idembus.messages.in_flight") == {labels(endpoint="accounts"): 0}
-    # And both have a duration, by outcome; only the handled one a critical time (>= 2 s)
+    # And both have a duration, by outcome, the seconds the signal carried; only the handled
+    # one a critical time (>= 2 s)
     durations: list[HistogramDataPoint] = points(reader)["idembus.message.handling.duration"]
     assert sorted(point.attributes["outcome"] for point in durations) == [
         "dead_lettered", "handled"]
     assert all(point.count == 1 for point in durations)
+    assert [point.sum for point in durations if point.attributes["outcome"] == "handled"] == [
+        0.25]
     [critical] = points(reader)["idembus.message.critical_time"]
     assert critical.count == 1 and critical.sum >= 2.0
     assert dict(critical.attributes) == {"endpoint": "accounts", "message_type": "test.Deposit"}
 
 
-def handle(pipeline: Pipeline, message_id: str, time_sent: str) -> None:
+def handle(signals: EndpointSignals, message_id: str, time_sent: str) -> None:
     """One delivery of a Deposit sent at ``time_sent``, handled."""
-    incoming = IncomingMessage("accounts", "accounts", {
-        h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit", h.TIME_SENT: time_sent})
-
-    def process() -> None:
-        incoming.outcome = "handled"
-
-    pipeline.message(incoming, process)
+    deliver(signals, {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit",
+                      h.TIME_SENT: time_sent}, "handled")
 
 
 def test_a_time_sent_in_the_future_or_decades_back_is_counted_apart_from_critical_times(
@@ -165,9 +173,7 @@ def test_a_time_sent_in_the_future_or_decades_back_is_counted_apart_from_critica
     # message sent "in 1970" added 56 years to its sum.
     provider, reader = provider_and_reader
     endpoint = fake_endpoint()
-    metrics = Metrics(meter_provider=provider)
-    metrics.setup(endpoint)
-    pipeline = Pipeline([metrics])
+    Metrics(meter_provider=provider).setup(endpoint)
     now = utc_now()
     sent_times = {
         "1970": "1970-01-01T00:00:00+00:00",
@@ -178,7 +184,7 @@ def test_a_time_sent_in_the_future_or_decades_back_is_counted_apart_from_critica
         "ten seconds ago": format_utc(now - datetime.timedelta(seconds=10)),
     }
     for message_id, sent in sent_times.items():
-        handle(pipeline, message_id, sent)
+        handle(endpoint.signals, message_id, sent)
 
     # Only the plausible two are critical times: the skewed clock's as 0 s
     [critical] = points(reader)["idembus.message.critical_time"]
@@ -194,10 +200,11 @@ def test_the_plausible_window_of_critical_times_can_be_set(provider_and_reader):
     provider, reader = provider_and_reader
     metrics = Metrics(meter_provider=provider, plausible_critical_time=datetime.timedelta(
         days=60), clock_skew=datetime.timedelta(0))
-    metrics.setup(fake_endpoint())
+    endpoint = fake_endpoint()
+    metrics.setup(endpoint)
     for sent in (utc_now() - datetime.timedelta(days=30),
                  utc_now() + datetime.timedelta(seconds=30)):
-        handle(Pipeline([metrics]), "m", format_utc(sent))
+        handle(endpoint.signals, "m", format_utc(sent))
     [critical] = points(reader)["idembus.message.critical_time"]
     assert critical.count == 1 and critical.sum >= 30 * 86400
     assert values(reader, "idembus.message.critical_time.implausible") == {
@@ -206,20 +213,78 @@ def test_the_plausible_window_of_critical_times_can_be_set(provider_and_reader):
         Metrics(plausible_critical_time=datetime.timedelta(0))
 
 
+class Received(Delivery):
+    """A delivery handed straight to a processor; settling it changes nothing."""
+
+    def _ack(self) -> None:
+        pass
+
+    def _requeue(self) -> None:
+        pass
+
+
 def test_an_interrupted_delivery_is_no_longer_in_flight(provider_and_reader):
+    # Given an endpoint whose middleware crashes (the process dying) before a message
     provider, reader = provider_and_reader
-    pipeline = Pipeline([Metrics(meter_provider=provider)])
-    incoming = IncomingMessage("accounts", "accounts", {h.MESSAGE_ID: "m-1",
-                                                        h.MESSAGE_TYPE: "test.Deposit"})
 
-    def crash() -> None:
-        raise KeyboardInterrupt
+    class Dies(Middleware):
+        def before_message(self, incoming: IncomingMessage) -> None:
+            raise SimulatedCrash("dies here")
 
-    with pytest.raises(KeyboardInterrupt):
-        pipeline.message(incoming, crash)
+    accounts = Endpoint("accounts", handlers=[AccountHandler],
+                        middleware=[Metrics(meter_provider=provider), Dies()])
+    delivery = Received(queue="accounts", headers={
+        h.MESSAGE_ID: "m-1", h.MESSAGE_TYPE: "test.Deposit"}, body=b"{}",
+        content_type=h.CONTENT_TYPE, redelivered=False)
+    # When a delivery is processed and the crash goes through
+    with pytest.raises(SimulatedCrash):
+        accounts._processor(delivery)
+    # Then it is no longer in flight, and its duration says it was interrupted
     assert values(reader, "idembus.messages.in_flight") == {labels(endpoint="accounts"): 0}
     [duration] = points(reader)["idembus.message.handling.duration"]
     assert duration.attributes["outcome"] == "interrupted"
+
+
+def test_a_delivery_s_handling_time_is_measured_once_for_every_observer(provider_and_reader):
+    # Issue 25, point 4: HandlingTimes and Metrics each timed the message stage with their
+    # own clock readings; now the processor measures it once and says it with ``settled``.
+    # Before: EndpointSignals had no ``settled`` signal (AttributeError).
+    provider, reader = provider_and_reader
+    accounts = Endpoint("accounts", handlers=[AccountHandler],
+                        middleware=[Metrics(meter_provider=provider)])
+    settled: list[dict[str, Any]] = []
+    accounts.signals.settled.connect(lambda sender, **details: settled.append(details),
+                                     weak=False)
+    with accounts:
+        accounts.bus.send(Deposit(account="a", amount=1))
+        wait_until_idle([accounts])
+    [once] = settled
+    assert once["outcome"] == "handled" and once["seconds"] > 0
+    [duration] = points(reader)["idembus.message.handling.duration"]
+    assert duration.count == 1 and duration.sum == once["seconds"]
+    assert accounts.handling_times is not None
+    assert sum(accounts.handling_times.snapshot().values()) == 1
+
+
+def test_a_message_skipped_by_middleware_is_timed_as_skipped_not_interrupted(
+    provider_and_reader,
+):
+    # Before: Metrics timed its own message stage, which ended before the endpoint decided
+    # what the SkipMessage meant, so the histogram said "interrupted".
+    provider, reader = provider_and_reader
+
+    class Skips(Middleware):
+        def before_message(self, incoming: IncomingMessage) -> None:
+            raise SkipMessage("not for us")
+
+    accounts = Endpoint("accounts", handlers=[AccountHandler],
+                        middleware=[Metrics(meter_provider=provider), Skips()])
+    with accounts:
+        accounts.bus.send(Deposit(account="a", amount=1))
+        wait_until_idle([accounts])
+    [duration] = points(reader)["idembus.message.handling.duration"]
+    assert duration.attributes["outcome"] == "skipped"
+    assert values(reader, "idembus.messages.in_flight") == {labels(endpoint="accounts"): 0}
 
 
 # -- an endpoint's traffic ------------------------------------------------------------------

@@ -14,9 +14,11 @@ import pytest
 from idembus import (
     Endpoint,
     Middleware,
+    PropagateHeaders,
     RejectMessage,
     RetryLater,
     SkipMessage,
+    default_middleware,
 )
 from idembus import headers as h
 from idembus.context import MessageContext
@@ -25,6 +27,7 @@ from idembus.errors import ConfigurationError
 from idembus.handlers import Handler, handles
 from idembus.pipeline import Dispatch, HandlerCall, IncomingMessage
 from idembus.policies import OutboxPolicy
+from idembus.runtime.timings import HandlingTimes
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
 from idembus.testing.faults import CrashPoint, FaultInjector, SimulatedCrash
@@ -366,6 +369,52 @@ def test_propagated_headers_reach_every_outgoing_message_and_are_stored() -> Non
 def test_propagating_idembus_headers_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="idembus"):
         endpoint("bad", propagate_headers=(h.MESSAGE_ID,))
+
+
+def test_the_default_middleware_is_one_visible_ordered_list_before_the_user_s() -> None:
+    # Before: idembus had no default_middleware; the endpoint built its list inline.
+    defaults = default_middleware(("tenant",))
+    assert [type(item) for item in defaults] == [HandlingTimes, PropagateHeaders]
+    assert defaults[1] == PropagateHeaders(("tenant",))
+    assert [type(item) for item in default_middleware()] == [HandlingTimes]
+    sent = Sent()
+    shop = endpoint("shop", propagate_headers=("tenant",), middleware=[sent])
+    assert [type(item) for item in shop.pipeline.middleware] == [
+        HandlingTimes, PropagateHeaders, Sent]
+
+
+def test_the_default_middleware_can_be_reordered_or_replaced() -> None:
+    # Given the defaults reordered (propagation first) and an endpoint without timings
+    calls: list[str] = []
+    first = Recorder("first", calls)
+    reordered = [first, *reversed(default_middleware(("tenant",)))]
+    forwarder = endpoint("forwarder", handlers=[Forwarder], default_middleware=reordered,
+                         middleware=[Recorder("user", calls)])
+    assert [type(item) for item in forwarder.pipeline.middleware] == [
+        Recorder, PropagateHeaders, HandlingTimes, Recorder]
+    bare = endpoint("bare", handlers=[AccountHandler], default_middleware=[])
+    assert bare.pipeline.middleware == () and bare.handling_times is None
+    # When a message goes through each
+    sent = Sent()
+    forwarder.add_middleware(sent)
+    with forwarder, bare:
+        forwarder.bus.send(Deposit(account="x", amount=1), headers={"tenant": "acme"})
+        bare.bus.send(Deposit(account="x", amount=1))
+        wait_until_idle([forwarder, bare])
+    # Then the replaced list is the one that ran, and the endpoint without timings still
+    # reports its counters
+    messages = [call for call in calls if call.endswith("before_message")]
+    assert messages == ["first.before_message", "user.before_message"]
+    [published] = [e for source, e in sent.sent if source == "handler"]
+    assert published.headers["tenant"] == "acme"
+    assert forwarder.handling_times is not None
+    assert sum(forwarder.handling_times.snapshot().values()) == 1
+    assert bare._reported_counters()["handled"] == 1
+
+
+def test_propagate_headers_and_a_default_middleware_list_are_not_given_together() -> None:
+    with pytest.raises(ConfigurationError, match="PropagateHeaders"):
+        endpoint("both", propagate_headers=("tenant",), default_middleware=[])
 
 
 def test_middleware_must_be_middleware() -> None:

@@ -1,8 +1,12 @@
-"""OpenTelemetry metrics of an endpoint, as middleware (:mod:`idembus.pipeline`)::
+"""OpenTelemetry metrics of an endpoint, from its signals (:mod:`idembus.signals`)::
 
     from idembus.observability.metrics import Metrics
 
     Endpoint("sales", middleware=[Metrics()], ...)  # the global meter provider
+
+``Metrics`` is given as middleware (:mod:`idembus.pipeline`) so that the endpoint sets it up
+and closes it, but it overrides no per-message hook: every instrument is fed by a signal, so
+a figure ``idembus status`` shows and its OpenTelemetry instrument come from one report.
 
 Needs ``opentelemetry-api`` only (``pip install 'idembus[otel]'``); the application chooses
 an SDK and an exporter (``idembus run --metrics-port N`` serves them to Prometheus).
@@ -61,14 +65,12 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import headers as h
 from ..envelope import parse_utc, utc_now
 from ..messages import message_aliases, message_name
-from ..pipeline import IncomingMessage, Middleware
+from ..pipeline import Middleware
 
 try:
     from opentelemetry import metrics
@@ -159,20 +161,21 @@ class Metrics(Middleware):
         self._attributes: dict[tuple[str, ...], Attributes] = {}
         #: (signal, receiver) pairs to disconnect on close.
         self._connected: list[tuple[Any, Callable[..., None]]] = []
-        self._key = f"idembus.observability.metrics.{id(self):x}"
 
     def setup(self, endpoint: Any) -> None:
-        """Count the endpoint's signals; learn the message types it knows."""
+        """Watch the endpoint's signals; learn the message types it knows."""
         self._known[endpoint.name] = frozenset(
             name for t in endpoint.registry for name in (message_name(t), *message_aliases(t)))
-        for signal_name in COUNTERS:
+        receivers = {name: self._receiver(name) for name in COUNTERS}
+        receivers["received"] = self._received(receivers["received"])
+        receivers["settled"] = self._settled
+        for signal_name, receiver in receivers.items():
             signal = getattr(endpoint.signals, signal_name)
-            receiver = self._receiver(signal_name)
             signal.connect(receiver, weak=False)
             self._connected.append((signal, receiver))
 
     def close(self) -> None:
-        """Stop counting the signals of the endpoints set up."""
+        """Stop watching the signals of the endpoints set up."""
         for signal, receiver in self._connected:
             signal.disconnect(receiver)
         self._connected.clear()
@@ -195,23 +198,25 @@ class Metrics(Middleware):
 
         return count
 
-    # -- message stage --------------------------------------------------------------------
+    # -- deliveries: received ... settled -------------------------------------------------
 
-    def before_message(self, incoming: IncomingMessage) -> None:
-        self._in_flight.add(1, self._labels(incoming.endpoint))
-        incoming.items[self._key] = time.perf_counter()
+    def _received(self, count: Callable[..., None]) -> Callable[..., None]:
+        def received(endpoint: str, **details: Any) -> None:
+            count(endpoint, **details)
+            self._in_flight.add(1, self._labels(endpoint))
 
-    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
-        elapsed = time.perf_counter() - incoming.items.pop(self._key)
-        endpoint = incoming.endpoint
+        return received
+
+    def _settled(self, endpoint: str, *, outcome: str | None = None, seconds: float = 0.0,
+                 message_type: str | None = None, time_sent: str | None = None,
+                 **details: Any) -> None:
         self._in_flight.add(-1, self._labels(endpoint))
-        message_type = incoming.headers.get(h.MESSAGE_TYPE)
-        outcome = incoming.outcome or "interrupted"
-        self._duration.record(elapsed, self._labels(endpoint, message_type, None,
+        outcome = outcome or "interrupted"
+        self._duration.record(seconds, self._labels(endpoint, message_type, None,
                                                     "outcome", outcome))
         if outcome != "handled":
             return
-        sent = parse_utc(incoming.headers.get(h.TIME_SENT))
+        sent = parse_utc(time_sent)
         if sent is None:
             return
         critical = (utc_now() - sent).total_seconds()

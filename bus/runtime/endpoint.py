@@ -39,7 +39,7 @@ from ..handlers.sends import check_sent_routes
 from ..hierarchy import check_routing_keys
 from ..logs import MessageLog, Throttle
 from ..messages import Command, Event, Message, is_message_type, message_name
-from ..pipeline import Middleware, Pipeline, PropagateHeaders
+from ..pipeline import Middleware, Pipeline, PropagateHeaders, check_handler_options
 from ..policies import DEFAULT_BATCHING, Batching, OutboxPolicy
 from ..redaction import redact
 from ..registry import MessageRegistry
@@ -117,10 +117,17 @@ class Endpoint:
         list of Event types, or a :class:`~idembus.runtime.journal.JournalPolicy` with a retention.
     middleware:
         :class:`~idembus.pipeline.Middleware` around every message, handler, commit and
-        dispatch, in this order (tracing, metrics, audit, fault injection, your own).
+        dispatch, in this order (tracing, metrics, audit, fault injection, your own), after
+        the default middleware.
     propagate_headers:
         Names of incoming headers copied to every message the handlers send (stored with
         them, so a redispatch carries them too).
+    default_middleware:
+        The built-in middleware that comes first, in order; ``None``: those of
+        :func:`default_middleware` (the handling-time buckets, then the propagated
+        headers). Take that list and reorder, drop or replace what you need; with it,
+        ``propagate_headers`` goes into your list as a
+        :class:`~idembus.pipeline.PropagateHeaders`.
     max_message_bytes:
         Larger bodies go to the error queue unread, with the reason (default 1 MiB,
         :data:`idembus.wire.DEFAULT_MAX_MESSAGE_BYTES`).
@@ -169,8 +176,6 @@ class Endpoint:
     recoverability: Recoverability
     #: Where its aggregates, outbox and the rest are kept (the roles its options use).
     storage: StorageRole
-    #: How long handled deliveries took, by bucket (reported with the counters).
-    handling_times: HandlingTimes
     #: What this endpoint shares with its collaborators (:mod:`.endpoint_context`).
     context: EndpointContext
 
@@ -190,6 +195,7 @@ class Endpoint:
         journal: bool | Sequence[type[Event]] | JournalPolicy = False,
         middleware: Sequence[Middleware] = (),
         propagate_headers: Sequence[str] = (),
+        default_middleware: Sequence[Middleware] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         delayed_poll_interval: float = 0.5,
         status_interval: float = 5.0,
@@ -219,12 +225,10 @@ class Endpoint:
             _check_roles(storage, settings, self.transport, middleware)
         self.storage = storage if storage is not None else _embedded_storage()
         self._check_retention()
-        self.handling_times = HandlingTimes()
         self.context = EndpointContext(
             name=name, transport=self.transport, storage=self.storage,
             clock=clock or SystemClock(), signals=EndpointSignals(name),
-            pipeline=Pipeline([self.handling_times, *_propagating(propagate_headers),
-                               *middleware]),
+            pipeline=_pipeline(default_middleware, propagate_headers, middleware),
             health=Health(), recoverability=self.recoverability, router=self.router,
             table=self.table, registry=self.registry, error_queue=error_queue,
             max_message_bytes=max_message_bytes)
@@ -232,6 +236,7 @@ class Endpoint:
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
         self._check_evolution(settings.journal)
+        self._check_handler_options()
         self._watch_and_consume()
         self.pipeline.setup(self)
 
@@ -318,10 +323,20 @@ class Endpoint:
         read it; a ConfigurationError if it lacks that role."""
         return self.context.role(role)
 
+    @property
+    def handling_times(self) -> HandlingTimes | None:
+        """How long handled deliveries took, by bucket (reported with the counters): the
+        first :class:`~idembus.runtime.timings.HandlingTimes` of the pipeline, if any."""
+        for item in self.pipeline.middleware:
+            if isinstance(item, HandlingTimes):
+                return item
+        return None
+
     def _reported_counters(self) -> dict[str, int]:
         """What the status reports carry: the signal counters and the handling-time
         buckets (:mod:`idembus.runtime.timings`)."""
-        return {**self.counters.snapshot(), **self.handling_times.snapshot()}
+        times = self.handling_times
+        return {**self.counters.snapshot(), **(times.snapshot() if times else {})}
 
     def add_middleware(self, middleware: Middleware) -> None:
         """Add ``middleware`` after those given at construction (innermost), and set it up;
@@ -363,6 +378,14 @@ class Endpoint:
                         f"{self.name!r} has no route for it: add "
                         f"routes={{{sent.__name__}: '<endpoint name>'}}"
                     )
+
+    def _check_handler_options(self) -> None:
+        """Every handler option a handler sets is read by a policy of this endpoint (its
+        recoverability or a middleware that declares it): a misspelled option, or one whose
+        middleware is missing, fails here rather than being silently ignored."""
+        readers = [self._recovery, *self.pipeline.middleware]
+        for handler in self.table.handlers:
+            check_handler_options(type(handler), readers)
 
     def _check_evolution(self, journal: JournalPolicy) -> None:
         """Upcaster chains without gaps, state versions that are whole numbers, routing keys
@@ -781,6 +804,26 @@ def _check_roles(storage: StorageRole, settings: Settings, transport: Transport,
         status=bool(settings.status_interval), schedules=bool(settings.scheduling.schedules))
 
 
-def _propagating(headers: Sequence[str]) -> list[Middleware]:
-    """The middleware copying ``propagate_headers=`` to every outgoing message, if any."""
-    return [PropagateHeaders(tuple(headers))] if headers else []
+def default_middleware(propagate_headers: Sequence[str] = ()) -> list[Middleware]:
+    """The built-in middleware an endpoint puts before yours, in order: the handling-time
+    buckets of its status reports (:class:`~idembus.runtime.timings.HandlingTimes`), then,
+    if ``propagate_headers`` names any, the headers copied to every outgoing message
+    (:class:`~idembus.pipeline.PropagateHeaders`). A new list each call: take it, reorder
+    or replace items, and give it as ``Endpoint(default_middleware=...)``."""
+    defaults: list[Middleware] = [HandlingTimes()]
+    if propagate_headers:
+        defaults.append(PropagateHeaders(tuple(propagate_headers)))
+    return defaults
+
+
+def _pipeline(defaults: Sequence[Middleware] | None, propagate_headers: Sequence[str],
+              middleware: Sequence[Middleware]) -> Pipeline:
+    """The endpoint's pipeline: the default middleware (given, or
+    :func:`default_middleware`), then the user's."""
+    if defaults is None:
+        defaults = default_middleware(propagate_headers)
+    elif propagate_headers:
+        raise ConfigurationError(
+            "give either default_middleware or propagate_headers: with default_middleware, "
+            "put PropagateHeaders(...) in that list where it belongs")
+    return Pipeline([*defaults, *middleware])

@@ -121,13 +121,36 @@ class MessageProcessor:
             self._receive(delivery, headers)
 
     def _receive(self, delivery: Delivery, headers: Mapping[str, str]) -> None:
-        started = time.monotonic()
         self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
         incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
-        pause = 0.0
+        started = time.perf_counter()
         try:
-            pause = self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
+            pause = self._settle(delivery, incoming)
+        finally:  # interrupted too (outcome None): what counts in-flight deliveries needs it
+            self._signals.emit("settled", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE),
+                               outcome=incoming.outcome, seconds=time.perf_counter() - started,
+                               time_sent=headers.get(h.TIME_SENT))
+        delivery.ack()
+        level = per_message_level()
+        if level is not None:
+            elapsed = round((time.perf_counter() - started) * 1000, 1)
+            outcome = incoming.outcome or "interrupted"
+            per_message.log(level, "%s %s %s in %.1f ms", outcome, _logged_type(headers) or "-",
+                            _logged_id(headers), elapsed,
+                            extra={"outcome": outcome, "duration_ms": elapsed})
+        if pause:
+            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
+                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
+            self._recovery.stopping.wait(pause)
+
+    def _settle(self, delivery: Delivery, incoming: IncomingMessage) -> float:
+        """The delivery through the message stage until it is settled (not acknowledged);
+        returns how long the breaker pauses."""
+        headers = delivery.headers
+        try:
+            return self._pipeline.message(incoming, lambda: self._process(delivery, incoming))
         except PipelineControl as control:  # raised by a before_message hook
             self._steer(delivery, incoming, control)
         except (StorageUnavailable, TransportUnavailable):
@@ -139,20 +162,9 @@ class MessageProcessor:
             self._signals.emit("failed", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE), error=error,
                                attempt=1, time_sent=headers.get(h.TIME_SENT))
-            pause = self._after_failure(delivery, incoming, _Failure(
+            return self._after_failure(delivery, incoming, _Failure(
                 error, 1, self._recovery.settings.retries))
-        delivery.ack()
-        level = per_message_level()
-        if level is not None:
-            elapsed = round((time.monotonic() - started) * 1000, 1)
-            outcome = incoming.outcome or "interrupted"
-            per_message.log(level, "%s %s %s in %.1f ms", outcome, _logged_type(headers) or "-",
-                            _logged_id(headers), elapsed,
-                            extra={"outcome": outcome, "duration_ms": elapsed})
-        if pause:
-            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
-                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
-            self._recovery.stopping.wait(pause)
+        return 0.0
 
     def _process(self, delivery: Delivery, incoming: IncomingMessage) -> float:
         """Everything but the acknowledgement; returns how long the breaker pauses."""
@@ -254,7 +266,8 @@ class MessageProcessor:
             with message_context(handler=binding.handler_name, attempt=attempts):
                 try:
                     if outcome is None:
-                        call = HandlerCall(incoming, context, message, attempts)
+                        call = HandlerCall(incoming, context, message, attempts,
+                                           handler_object=binding.handler)
                         outcome = self._pipeline.handler(call, functools.partial(
                             self._invoker.invoke, binding, call,
                             commit_may_have_landed=commit_may_have_landed, expired=expired,

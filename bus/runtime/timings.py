@@ -2,24 +2,26 @@
 with its counters (:mod:`idembus.runtime.status`), so that a reader of the status reports — the
 dashboard — can draw handling-time percentiles without OpenTelemetry.
 
-Every endpoint has one :class:`HandlingTimes`, its outermost middleware: the time from the
-arrival of a delivery until it is settled, for each delivery whose outcome is ``handled``
-(every handler handled it, found it a duplicate or skipped it; the same span as the
-``idembus.message.handling.duration`` histogram of :mod:`idembus.observability.metrics`). The
-counts go
-into the status report under one key per bucket (:func:`bucket_key`); memory and report
-size stay the same whatever the traffic. :func:`percentile` reads a percentile back from
-bucket counts (added up, or the difference of two reports).
+Every endpoint has one :class:`HandlingTimes` in its default middleware
+(:func:`idembus.runtime.endpoint.default_middleware`); it watches the endpoint's ``settled``
+signal (:mod:`idembus.signals`): the time from the arrival of a delivery until it is
+settled, for each delivery whose outcome is ``handled`` (every handler handled it, found it
+a duplicate or skipped it). The processor measures that time once, for every observer: the
+``idembus.message.handling.duration`` histogram of :mod:`idembus.observability.metrics`
+records the same figure. The counts go into the status report under one key per bucket
+(:func:`bucket_key`); memory and report size stay the same whatever the traffic.
+:func:`percentile` reads a percentile back from bucket counts (added up, or the difference
+of two reports).
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from ..pipeline import IncomingMessage, Middleware
+from ..pipeline import Middleware
 
 #: Upper bounds of the buckets, in milliseconds; one more bucket holds what is slower.
 BOUNDS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000)
@@ -37,21 +39,33 @@ KEYS = tuple(bucket_key(index) for index in range(len(BOUNDS_MS) + 1))
 
 
 class HandlingTimes(Middleware):
-    """Counts handled deliveries by how long they took (see the module docstring)."""
+    """Counts handled deliveries by how long they took (see the module docstring).
+
+    A middleware only to be set up and closed with its endpoint: it overrides no hook, so
+    the pipeline never calls it per message; it observes the ``settled`` signal."""
 
     def __init__(self) -> None:
         self._counts = [0] * len(KEYS)
         self._lock = threading.Lock()
-        self._key = f"idembus.runtime.timings.{id(self):x}"
+        #: (signal, receiver) pairs to disconnect on close.
+        self._connected: list[tuple[Any, Callable[..., None]]] = []
 
-    def before_message(self, incoming: IncomingMessage) -> None:
-        incoming.items[self._key] = time.perf_counter()
+    def setup(self, endpoint: Any) -> None:
+        """Watch the endpoint's ``settled`` signal."""
+        signal = endpoint.signals.settled
+        signal.connect(self.settled, weak=False)
+        self._connected.append((signal, self.settled))
 
-    def after_message(self, incoming: IncomingMessage, error: BaseException | None) -> None:
-        started = incoming.items.pop(self._key, None)
-        if started is None or incoming.outcome != "handled":
-            return
-        self.record((time.perf_counter() - started) * 1000)
+    def close(self) -> None:
+        for signal, receiver in self._connected:
+            signal.disconnect(receiver)
+        self._connected.clear()
+
+    def settled(self, endpoint: str, *, outcome: str | None = None, seconds: float = 0.0,
+                **details: Any) -> None:
+        """The ``settled`` receiver: count a ``handled`` delivery in its bucket."""
+        if outcome == "handled":
+            self.record(seconds * 1000)
 
     def record(self, milliseconds: float) -> None:
         """Count one delivery handled in ``milliseconds``."""

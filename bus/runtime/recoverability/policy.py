@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ...errors import BusError, EndpointBlocked, MessageRefused
 from ...logs import Throttle, loggable, message_logger
+from ...pipeline import handler_option
 from ...policies import Backoff, ConflictPolicy, RetryPolicy
 from ...redaction import redact
 from ...storage.errors import StorageUnavailable
@@ -41,6 +42,9 @@ class Recoverability:
 class Recovery:
     """Applies one endpoint's :class:`Recoverability`; safe to share between consumers."""
 
+    #: The handler options it reads (:func:`idembus.pipeline.handler_option`).
+    handler_options = ("retry_policy",)
+
     def __init__(self, endpoint: str, settings: Recoverability, *, stopping: threading.Event,
                  health: Health) -> None:
         self.endpoint = endpoint
@@ -53,7 +57,9 @@ class Recovery:
 
     def retry_policy(self, handler: object) -> RetryPolicy:
         """The retry policy of ``handler``: its class's own, else the endpoint's."""
-        return getattr(type(handler), "retry_policy", None) or self.settings.retries
+        policy: RetryPolicy = handler_option(self, handler, "retry_policy",
+                                             self.settings.retries)
+        return policy
 
     def wait_out(self, outage: BusError, waits: int, *, who: str, message_id: str) -> None:
         """Wait before attempt ``waits + 1`` of something an outage stopped, saying why; when
