@@ -2,11 +2,13 @@
 #   make demo   virtualenv + only what the demo needs, then the ordering sample end to end
 #   make check  no services at all: the unit, property and contract tests on memory:// and
 #               mongomock (deselects the tests marked amqp, redis, postgres, mongodb,
-#               torture, spark or slow), in CHECK_WORKERS processes (pytest-xdist; most
+#               torture, spark, slow or guard), in CHECK_WORKERS processes (pytest-xdist; most
 #               of its time is waiting, not computing); under a minute and a half on 2 cores
 #   make test   what CI runs (.ci/run): every test but the soaks, on RabbitMQ, PostgreSQL
 #               and Redis, the reduced torture test, Spark, the docs site (mkdocs build
-#               --strict) and every snippet of the docs included; under 30 minutes
+#               --strict), every snippet of the docs and the performance guard (calls per
+#               message of the memory:// flow against bench/results/guard.json) included;
+#               under 30 minutes
 #   make soak   the soaks (tests marked slow), then the full-size torture run
 #   make docs   the documentation site into build/site; make docs-serve serves it
 #   make dist   a wheel in dist/ (pip install dist/idembus-*.whl)
@@ -22,7 +24,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
 #: The tests that need no service, no Spark session and no soak (make check).
 CHECK_MARKS := not amqp and not redis and not postgres and not mongodb and not torture \
-	and not spark and not slow
+	and not spark and not slow and not guard
 CHECK_WORKERS ?= 4
 
 $(BIN)/python:

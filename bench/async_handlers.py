@@ -161,14 +161,16 @@ def cleanup(orders_run: Orders) -> None:
     idembus_flow.drop_storage(orders_run.storage, endpoint.name)
 
 
-def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int) -> float:
-    """One timed run; returns the seconds taken for ``count`` handled messages."""
+def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int, *,
+        timeout: float | None = None) -> float:
+    """One timed run; returns the seconds taken for ``count`` handled messages. It fails
+    after ``timeout`` seconds (by default :func:`~bench.common.timeout_for` the messages)."""
     orders_run = build(url, storage, handler, count)
     endpoint = orders_run.endpoint
     try:
         preload(orders_run, count)
         endpoint.start()
-        seconds = orders_run.clock.wait(timeout_for(count))
+        seconds = orders_run.clock.wait(timeout_for(count) if timeout is None else timeout)
     finally:
         cleanup(orders_run)
     counts = endpoint.counters.snapshot()

@@ -160,16 +160,18 @@ def cleanup(flow: Flow) -> None:
 
 def run(url: str, storage: str, count: int, *, confirm: bool = True,
         transport: TransportFactory = KombuTransport,
-        middleware: Callable[[], list[Middleware]] = list) -> float:
+        middleware: Callable[[], list[Middleware]] = list,
+        timeout: float | None = None) -> float:
     """One timed run; returns the seconds taken for 2 x ``count`` handled messages, with
-    ``middleware()`` on each endpoint."""
+    ``middleware()`` on each endpoint. It fails after ``timeout`` seconds (by default
+    :func:`~bench.common.timeout_for` the messages)."""
     flow = build_flow(url, storage, count, confirm=confirm, transport=transport,
                       middleware=middleware)
     try:
         preload(flow, count)
         flow.billing.start()
         flow.sales.start()
-        seconds = flow.clock.wait(timeout_for(2 * count))
+        seconds = flow.clock.wait(timeout_for(2 * count) if timeout is None else timeout)
     finally:
         for each in flow.endpoints:
             each.close()

@@ -67,6 +67,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 #: Messages handled per unit counted (the flow handles an order twice: Sales, Billing).
 HANDLED_PER_UNIT = {"pipeline": 1, "flow": 2, "async": 1}
+#: Seconds a handled message may take under callgrind before a run counts as stuck: the
+#: interpreter runs some 50 times slower there, and several times slower again on a busy
+#: machine (a run of 600 messages once did 232 in a minute, under load).
+CALLGRIND_SECONDS_PER_MESSAGE = 1.0
+
+
+def callgrind_timeout(messages: int) -> float:
+    """How long a run under callgrind waits for ``messages`` handled messages: a minute,
+    and :data:`CALLGRIND_SECONDS_PER_MESSAGE` more for each."""
+    return 60.0 + messages * CALLGRIND_SECONDS_PER_MESSAGE
 
 
 def _middleware(variant: str) -> Callable[[], list[Any]]:
@@ -178,7 +188,8 @@ def run_flow(variant: str, count: int, url: str, storage: str, *,
     from bench import idembus_flow
 
     if not queue_only:
-        idembus_flow.run(url, storage, count, middleware=_middleware(variant))
+        idembus_flow.run(url, storage, count, middleware=_middleware(variant),
+                         timeout=callgrind_timeout(2 * count))
         return
     flow = idembus_flow.build_flow(url, storage, count, confirm=True,
                                    middleware=_middleware(variant))
@@ -199,7 +210,7 @@ def run_async(variant: str, count: int, url: str, storage: str, *,
     logging.getLogger("idembus.runtime.endpoint").setLevel(logging.ERROR)
     handler = async_handlers.VARIANTS[variant][1]
     if not queue_only:
-        async_handlers.run(url, storage, handler, count)
+        async_handlers.run(url, storage, handler, count, timeout=callgrind_timeout(count))
         return
     orders = async_handlers.build(url, storage, handler, count)
     try:
