@@ -146,6 +146,12 @@ class Endpoint:
         occurrence by one scheduler among the endpoint's processes
         (:mod:`idembus.runtime.scheduler`); or a :class:`~idembus.schedules.SchedulerPolicy` with
         them and the scheduler's lease. They need the storage's outbox role (leases).
+    send_only:
+        An endpoint that only sends (a web app, a script): no queue is declared, no
+        consumer runs, nothing is subscribed and no status is reported; ``start()`` runs
+        only the outbox relay and, on a transport without native delay, the delayed
+        poller. It takes no handlers and no schedules. Send with :attr:`bus`, through the
+        outbox with ``endpoint.outbox(operation_id=...)``, or with :meth:`unit_of_work`.
     """
 
     #: How deliveries are taken in batches (``None``: one at a time).
@@ -183,12 +189,14 @@ class Endpoint:
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING,
+        send_only: bool = False,
     ) -> None:
         _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
                        max_message_bytes=max_message_bytes, error_queue=error_queue,
-                       batching=batching, storage=storage)
+                       batching=batching, storage=storage, send_only=send_only,
+                       handlers=handlers, schedules=schedules)
         self.name, self.error_queue, self.batching = name, error_queue, batching
-        self.concurrency, self.prefetch = concurrency, prefetch
+        self.concurrency, self.prefetch, self.send_only = concurrency, prefetch, send_only
         self.table = HandlerTable(handlers)
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
@@ -196,7 +204,7 @@ class Endpoint:
         self.transport = _transport_from(transport)
         self.recoverability = recoverability or Recoverability()
         settings = Settings(
-            outbox=_outbox_policy(outbox), journal=_journal_policy(journal),
+            outbox=_outbox_policy(outbox), journal=_journal_policy(journal), send_only=send_only,
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
             delayed_poll_interval=delayed_poll_interval, status_interval=status_interval)
         self.schedules = tuple(settings.scheduling.schedules)
@@ -214,7 +222,6 @@ class Endpoint:
             health=Health(), recoverability=self.recoverability, router=self.router,
             table=self.table, registry=self.registry, error_queue=error_queue,
             max_message_bytes=max_message_bytes)
-        self._unrouted_lines = Throttle(10.0)
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
         self._check_evolution(settings.journal)
@@ -225,6 +232,8 @@ class Endpoint:
         """The counters and the message log on the endpoint's signals, and the state of
         its consumer threads (none running, nothing in flight)."""
         self.counters = Counters(self.signals)
+        self._unrouted_lines = Throttle(10.0)
+        self._started = False
         self._message_log = MessageLog(self.signals)
         self._message_log_connected = False
         self._threads: list[threading.Thread] = []
@@ -280,7 +289,10 @@ class Endpoint:
 
     @property
     def outbox(self) -> OutboxRelay:
-        """Repairs crashes between commit and dispatch (one active per storage)."""
+        """Repairs crashes between commit and dispatch (one active per storage); called,
+        sends through the outbox from outside handlers without an aggregate: ``with
+        endpoint.outbox(operation_id=key) as work: work.bus.send(...)``
+        (:class:`~.unit_of_work.OutboxWork`)."""
         return self._assembly.outbox
 
     @property
@@ -291,11 +303,19 @@ class Endpoint:
 
     @property
     def _recovery(self) -> Recovery:
+        if self._assembly.recovery is None:
+            raise self._processes_nothing()
         return self._assembly.recovery
 
     @property
     def _processor(self) -> MessageProcessor:
+        if self._assembly.processor is None:
+            raise self._processes_nothing()
         return self._assembly.processor
+
+    def _processes_nothing(self) -> ConfigurationError:
+        return ConfigurationError(f"endpoint {self.name!r} is send-only: it processes no "
+                                  "message (it has no queue and no handlers)")
 
     def storage_as(self, role: type[RoleT]) -> RoleT:
         """The storage as one of its roles (:mod:`idembus.storage.base`), for tools that
@@ -311,7 +331,7 @@ class Endpoint:
         """Add ``middleware`` after those given at construction (innermost), and set it up;
         for tools that wrap an endpoint they loaded (``idembus run --metrics-port``). Not
         while the endpoint runs."""
-        if self._threads:
+        if self._threads or self._started:
             raise RuntimeError(f"endpoint {self.name!r} is running: add middleware before "
                                "starting it")
         self.pipeline.append(middleware)
@@ -427,9 +447,14 @@ class Endpoint:
     # -- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check the storage, declare the topology and start the consumer threads."""
-        if self._threads:
+        """Check the storage, declare the topology and start the consumer threads. A
+        send-only endpoint declares nothing and starts only what sending through the
+        outbox needs (:meth:`_start_sending_only`)."""
+        if self._threads or self._started:
             raise RuntimeError(f"endpoint {self.name!r} is already running")
+        if self.send_only:
+            self._start_sending_only()
+            return
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)
@@ -470,6 +495,22 @@ class Endpoint:
                      "queues are in its storage's database", self.name,
                      extra={"endpoint": self.name})
 
+    def _start_sending_only(self) -> None:
+        """Check the storage; start the outbox relay (unless ``outbox=False``) and, on a
+        transport without native delay, the delayed poller. No queue is declared and no
+        consumer, scheduler or status reporter runs."""
+        self.storage.verify()
+        if self._assembly.delayed is not None:
+            self._assembly.delayed.start()
+        if self.outbox_policy.run:
+            self.outbox.start()
+        self._started = True
+        log.info("endpoint %s started, send-only: no queue, no consumer; outbox relay %s; "
+                 "transport %s, storage %s", self.name,
+                 "running" if self.outbox_policy.run else "off (outbox=False)",
+                 _described(self.transport), _described(self.storage),
+                 extra={"endpoint": self.name})
+
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Stop taking messages, let the ones in progress finish; True if all threads ended
         within ``timeout`` seconds (one budget for every thread, not one each)."""
@@ -491,7 +532,7 @@ class Endpoint:
                 f"{name} {counts[name]}" for name in sorted(counts) if counts[name]) or
                 "no messages", extra={"endpoint": self.name})
         if stopped:
-            self._threads = []
+            self._threads, self._started = [], False
             self._stop.clear()  # ready to start again
         return stopped
 
@@ -639,10 +680,11 @@ class Endpoint:
         self._processor.reject(delivery, reason)
 
     def is_idle(self) -> bool:
-        """True when no message is being processed and none waits in the queue."""
+        """True when no message is being processed and none waits in the queue (a
+        send-only endpoint has neither)."""
         with self._activity:
             busy = self._in_flight > 0
-        return not busy and self.transport.pending(self.name) == 0
+        return self.send_only or (not busy and self.transport.pending(self.name) == 0)
 
     def wait_for_activity(self, timeout: float) -> None:
         """Block until a message finishes processing here, or ``timeout`` passes."""
@@ -657,8 +699,9 @@ class Endpoint:
 
     @property
     def running(self) -> bool:
-        """Whether any of the endpoint's consumer or helper threads is alive."""
-        return any(thread.is_alive() for thread in self._threads)
+        """Whether any of the endpoint's consumer or helper threads is alive (a send-only
+        endpoint: whether it was started and not stopped)."""
+        return self._started or any(thread.is_alive() for thread in self._threads)
 
 
 def _with_own_commands(
@@ -720,9 +763,22 @@ def _journal_policy(option: bool | Sequence[type[Event]] | JournalPolicy) -> Jou
 
 def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock | None,
                    max_message_bytes: int, error_queue: str, batching: Batching | None,
-                   storage: StorageRole | None) -> None:
+                   storage: StorageRole | None, send_only: bool = False,
+                   handlers: Sequence[object] = (),
+                   schedules: Sequence[Schedule] | SchedulerPolicy = ()) -> None:
     """The endpoint's options that can be checked alone; a ConfigurationError saying what
     to fix for the first that is wrong."""
+    if send_only is not True and send_only is not False:
+        raise ConfigurationError(f"send_only must be True or False, got {send_only!r}")
+    if send_only and handlers:
+        raise ConfigurationError(
+            f"endpoint {name!r} is send-only: it has no queue, so it cannot handle messages; "
+            "give its handlers to an endpoint that consumes, or drop send_only=True")
+    if send_only and (schedules.schedules if isinstance(schedules, SchedulerPolicy)
+                      else schedules):
+        raise ConfigurationError(
+            f"endpoint {name!r} is send-only: it runs no scheduler; give its schedules to an "
+            "endpoint that consumes, or drop send_only=True")
     if not isinstance(name, str) or not _ENDPOINT_NAME.fullmatch(name):
         raise ConfigurationError(
             f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'")
@@ -753,7 +809,8 @@ def _check_roles(storage: StorageRole, settings: Settings, transport: Transport,
         storage, outbox=settings.outbox.run, delayed=not transport.native_delay,
         journal=bool(settings.journal.events),
         audit=any("audit" in getattr(item, "storage_roles", ()) for item in middleware),
-        status=bool(settings.status_interval), schedules=bool(settings.scheduling.schedules))
+        status=bool(settings.status_interval) and not settings.send_only,
+        schedules=bool(settings.scheduling.schedules))
 
 
 def _propagating(headers: Sequence[str]) -> list[Middleware]:
