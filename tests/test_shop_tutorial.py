@@ -215,6 +215,26 @@ def consumers(queue: str) -> int:
             return 0
 
 
+def answers(url: str) -> bool:
+    """Whether the storefront answers at ``url`` (any status)."""
+    try:
+        httpx.get(url, timeout=2)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def queue_exists(queue: str) -> bool:
+    import kombu
+
+    with kombu.Connection(AMQP_URL) as connection:
+        try:
+            connection.default_channel.queue_declare(queue=queue, passive=True)
+        except connection.channel_errors:
+            return False
+    return True
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -250,7 +270,8 @@ def shop(tmp_path: pathlib.Path) -> Iterator[Shop]:
              "--port", str(port), "--log-level", "warning"],
             env=environment, cwd=tmp_path, stdout=logs["storefront"],
             stderr=subprocess.STDOUT, start_new_session=True)
-        wait_until(lambda: consumers("storefront") >= 1, 60, "the storefront's endpoint")
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/orders/none"), 60,
+                   "the storefront answering")
         yield Shop(environment, f"http://127.0.0.1:{port}", processes)
     finally:
         for process in processes.values():
@@ -274,6 +295,7 @@ def test_the_tutorial_shop_end_to_end(shop: Shop) -> None:
     retried as it is, and completes when retried once its card is approved."""
     with httpx.Client(base_url=shop.base_url, timeout=10) as client:
         check_the_shop(shop, client)
+    assert not queue_exists("storefront")  # a send-only endpoint: no queue, no consumer
 
 
 def check_the_shop(shop: Shop, client: httpx.Client) -> None:

@@ -28,7 +28,7 @@ from .delayed import DelayedDeliveries
 from .dispatching import Dispatcher
 from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker
-from .journal import JournalPolicy, journal_for
+from .journal import Journal, JournalPolicy, journal_for
 from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recovery
@@ -46,6 +46,9 @@ class Settings:
     scheduling: SchedulerPolicy
     delayed_poll_interval: float = 0.5
     status_interval: float = 5.0
+    #: A send-only endpoint: no queue, consumer, processor or status reports; only what
+    #: sending through the outbox needs.
+    send_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,10 @@ class Assembly:
 
     dispatcher: Dispatcher
     shared_transaction: SharedTransaction | None
-    recovery: Recovery
-    processor: MessageProcessor
+    #: ``None`` in a send-only endpoint, which processes no message.
+    recovery: Recovery | None
+    #: ``None`` in a send-only endpoint.
+    processor: MessageProcessor | None
     bus: Bus
     delayed: DelayedDeliveries | None
     outbox: OutboxRelay
@@ -68,30 +73,27 @@ def assemble(context: EndpointContext, settings: Settings, *,
              on_unrouted: Callable[[Envelope], None],
              counters: Callable[[], Mapping[str, int]]) -> Assembly:
     """Build the collaborators of the endpoint of ``context``: ``on_unrouted`` is called
-    with each event no queue took, ``counters`` gives what the status reports carry."""
+    with each event no queue took, ``counters`` gives what the status reports carry. A
+    send-only endpoint gets only its dispatcher, outbox relay, bus and delayed poller
+    (:func:`_sending_only`)."""
+    if settings.send_only:
+        return _sending_only(context, settings, on_unrouted=on_unrouted)
     # A database queue reads a message's size before its body and moves larger ones aside.
     context.transport.limit_bodies(context.name, max_bytes=context.max_message_bytes,
                                    error_queue=context.error_queue)
     policy = settings.outbox
-    events = settings.journal.events
-    journal = (None if events is False or events is None
-               else journal_for(context.role(JournalStore), events))
+    journal = _journal(context, settings)
     keep_bodies = not policy.compact_after_dispatch
-    dispatcher = Dispatcher(context, journal, keep_bodies=keep_bodies, on_unrouted=on_unrouted)
+    dispatcher, outbox, bus, delayed = _sending(context, settings, journal,
+                                                on_unrouted=on_unrouted)
     shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
                                 on_unrouted=on_unrouted)
     invoker = HandlerInvoker(context, defer_fresh_redispatch=policy.defer_fresh_redispatch,
                              shared=shared)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
-    outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
-                         journal_retention=settings.journal.retention if journal else None)
     processor = MessageProcessor(context, invoker, dispatcher, recovery,
                                  left_to_outbox=lambda: outbox.wake_in(policy.grace))
-    bus = Bus(context.name, context.router,
-              context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock)
-    delayed = None if context.transport.native_delay else DelayedDeliveries(
-        context, interval=settings.delayed_poll_interval)
     scheduler = (Scheduler(context, settings.scheduling, dispatcher)
                  if settings.scheduling.schedules else None)
     status = StatusReporter(context.role(StatusStore), context.name, counters,
@@ -100,3 +102,37 @@ def assemble(context: EndpointContext, settings: Settings, *,
     return Assembly(dispatcher=dispatcher, shared_transaction=shared, recovery=recovery,
                     processor=processor, bus=bus, delayed=delayed, outbox=outbox,
                     scheduler=scheduler, status=status)
+
+
+def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
+    events = settings.journal.events
+    return (None if events is False or events is None
+            else journal_for(context.role(JournalStore), events))
+
+
+def _sending(context: EndpointContext, settings: Settings, journal: Journal | None, *,
+             on_unrouted: Callable[[Envelope], None],
+             ) -> tuple[Dispatcher, OutboxRelay, Bus, DelayedDeliveries | None]:
+    """What every endpoint needs to send: the dispatcher, the outbox relay, the bus and,
+    on a transport without native delay, the delayed poller."""
+    policy = settings.outbox
+    dispatcher = Dispatcher(context, journal, keep_bodies=not policy.compact_after_dispatch,
+                            on_unrouted=on_unrouted)
+    outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
+                         journal_retention=settings.journal.retention if journal else None)
+    bus = Bus(context.name, context.router,
+              context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock)
+    delayed = None if context.transport.native_delay else DelayedDeliveries(
+        context, interval=settings.delayed_poll_interval)
+    return dispatcher, outbox, bus, delayed
+
+
+def _sending_only(context: EndpointContext, settings: Settings, *,
+                  on_unrouted: Callable[[Envelope], None]) -> Assembly:
+    """A send-only endpoint's collaborators: no queue limits, no shared transaction,
+    invoker, recovery, processor, scheduler or status reporter."""
+    dispatcher, outbox, bus, delayed = _sending(context, settings, _journal(context, settings),
+                                                on_unrouted=on_unrouted)
+    return Assembly(dispatcher=dispatcher, shared_transaction=None, recovery=None,
+                    processor=None, bus=bus, delayed=delayed, outbox=outbox, scheduler=None,
+                    status=None)

@@ -166,6 +166,12 @@ class Endpoint:
         default it is logged at INFO the first time for its type and at DEBUG after
         (publishing for subscribers still to come is normal). The ``unrouted`` signal and
         counter count every one either way.
+    send_only:
+        An endpoint that only sends (a web app, a script): no queue is declared, no
+        consumer runs, nothing is subscribed and no status is reported; ``start()`` runs
+        only the outbox relay and, on a transport without native delay, the delayed
+        poller. It takes no handlers and no schedules. Send with :attr:`bus`, through the
+        outbox with ``endpoint.outbox(operation_id=...)``, or with :meth:`unit_of_work`.
     """
 
     #: How deliveries are taken in batches (``None``: one at a time).
@@ -202,13 +208,15 @@ class Endpoint:
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING,
-        strict_routes: bool = False, warn_unrouted_events: bool = False,
+        strict_routes: bool = False, warn_unrouted_events: bool = False, send_only: bool = False,
     ) -> None:
         _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
                        max_message_bytes=max_message_bytes, error_queue=error_queue,
-                       batching=batching, storage=storage)
+                       batching=batching, storage=storage, send_only=send_only,
+                       handlers=handlers, schedules=schedules)
         self.name, self.error_queue, self.batching = name, error_queue, batching
-        self.concurrency, self.prefetch, self.strict_routes = concurrency, prefetch, strict_routes
+        self.concurrency, self.prefetch = concurrency, prefetch
+        self.strict_routes, self.send_only = strict_routes, send_only
         self.table = HandlerTable(handlers)
         self.registry = MessageRegistry(self.table.message_types)
         self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
@@ -216,13 +224,12 @@ class Endpoint:
         self.transport = _transport_from(transport)
         self.recoverability = recoverability or Recoverability()
         settings = Settings(
-            outbox=_outbox_policy(outbox), journal=_journal_policy(journal),
+            outbox=_outbox_policy(outbox), journal=_journal_policy(journal), send_only=send_only,
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
             delayed_poll_interval=delayed_poll_interval, status_interval=status_interval)
         self.schedules = tuple(settings.scheduling.schedules)
         self.outbox_policy, self.status_interval = settings.outbox, status_interval
-        if storage is not None:
-            _check_roles(storage, settings, self.transport, middleware)
+        _check_roles(storage, settings, self.transport, middleware)
         self.storage = storage if storage is not None else _embedded_storage()
         self._check_retention()
         self.context = EndpointContext(
@@ -235,8 +242,7 @@ class Endpoint:
         self.warn_unrouted_events = warn_unrouted_events
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
-        self._check_evolution(settings.journal)
-        self._check_handler_options()
+        self._check_definitions(settings.journal)
         self._watch_and_consume()
         self.pipeline.setup(self)
 
@@ -244,6 +250,8 @@ class Endpoint:
         """The counters and the message log on the endpoint's signals, and the state of
         its consumer threads (none running, nothing in flight)."""
         self.counters = Counters(self.signals)
+        self._unrouted_lines = Throttle(10.0)
+        self._started = False
         self._message_log = MessageLog(self.signals)
         self._message_log_connected = False
         self._unrouted_lines = Throttle(10.0)  # warn_unrouted_events: a WARNING per 10 s
@@ -301,7 +309,10 @@ class Endpoint:
 
     @property
     def outbox(self) -> OutboxRelay:
-        """Repairs crashes between commit and dispatch (one active per storage)."""
+        """Repairs crashes between commit and dispatch (one active per storage); called,
+        sends through the outbox from outside handlers without an aggregate: ``with
+        endpoint.outbox(operation_id=key) as work: work.bus.send(...)``
+        (:class:`~.unit_of_work.OutboxWork`)."""
         return self._assembly.outbox
 
     @property
@@ -312,11 +323,19 @@ class Endpoint:
 
     @property
     def _recovery(self) -> Recovery:
+        if self._assembly.recovery is None:
+            raise self._processes_nothing()
         return self._assembly.recovery
 
     @property
     def _processor(self) -> MessageProcessor:
+        if self._assembly.processor is None:
+            raise self._processes_nothing()
         return self._assembly.processor
+
+    def _processes_nothing(self) -> ConfigurationError:
+        return ConfigurationError(f"endpoint {self.name!r} is send-only: it processes no "
+                                  "message (it has no queue and no handlers)")
 
     def storage_as(self, role: type[RoleT]) -> RoleT:
         """The storage as one of its roles (:mod:`idembus.storage.base`), for tools that
@@ -342,7 +361,7 @@ class Endpoint:
         """Add ``middleware`` after those given at construction (innermost), and set it up;
         for tools that wrap an endpoint they loaded (``idembus run --metrics-port``). Not
         while the endpoint runs."""
-        if self._threads:
+        if self._threads or self._started:
             raise RuntimeError(f"endpoint {self.name!r} is running: add middleware before "
                                "starting it")
         self.pipeline.append(middleware)
@@ -383,9 +402,16 @@ class Endpoint:
         """Every handler option a handler sets is read by a policy of this endpoint (its
         recoverability or a middleware that declares it): a misspelled option, or one whose
         middleware is missing, fails here rather than being silently ignored."""
+        if not self.table.handlers:
+            return  # a send-only endpoint among them: it has no recovery to read options
         readers = [self._recovery, *self.pipeline.middleware]
         for handler in self.table.handlers:
             check_handler_options(type(handler), readers)
+
+    def _check_definitions(self, journal: JournalPolicy) -> None:
+        """The message and state types' evolution, and the handlers' options."""
+        self._check_evolution(journal)
+        self._check_handler_options()
 
     def _check_evolution(self, journal: JournalPolicy) -> None:
         """Upcaster chains without gaps, state versions that are whole numbers, routing keys
@@ -473,9 +499,14 @@ class Endpoint:
     # -- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Check the storage, declare the topology and start the consumer threads."""
-        if self._threads:
+        """Check the storage, declare the topology and start the consumer threads. A
+        send-only endpoint declares nothing and starts only what sending through the
+        outbox needs (:meth:`_start_sending_only`)."""
+        if self._threads or self._started:
             raise RuntimeError(f"endpoint {self.name!r} is already running")
+        if self.send_only:
+            self._start_sending_only()
+            return
         check_sent_routes(self.table.handlers, self.router, self.name,
                           strict=self.strict_routes)
         self.storage.verify()
@@ -518,6 +549,22 @@ class Endpoint:
                      "queues are in its storage's database", self.name,
                      extra={"endpoint": self.name})
 
+    def _start_sending_only(self) -> None:
+        """Check the storage; start the outbox relay (unless ``outbox=False``) and, on a
+        transport without native delay, the delayed poller. No queue is declared and no
+        consumer, scheduler or status reporter runs."""
+        self.storage.verify()
+        if self._assembly.delayed is not None:
+            self._assembly.delayed.start()
+        if self.outbox_policy.run:
+            self.outbox.start()
+        self._started = True
+        log.info("endpoint %s started, send-only: no queue, no consumer; outbox relay %s; "
+                 "transport %s, storage %s", self.name,
+                 "running" if self.outbox_policy.run else "off (outbox=False)",
+                 _described(self.transport), _described(self.storage),
+                 extra={"endpoint": self.name})
+
     def stop(self, timeout: float | None = 30.0) -> bool:
         """Stop taking messages, let the ones in progress finish; True if all threads ended
         within ``timeout`` seconds (one budget for every thread, not one each)."""
@@ -539,7 +586,7 @@ class Endpoint:
                 f"{name} {counts[name]}" for name in sorted(counts) if counts[name]) or
                 "no messages", extra={"endpoint": self.name})
         if stopped:
-            self._threads = []
+            self._threads, self._started = [], False
             self._stop.clear()  # ready to start again
         return stopped
 
@@ -687,10 +734,11 @@ class Endpoint:
         self._processor.reject(delivery, reason)
 
     def is_idle(self) -> bool:
-        """True when no message is being processed and none waits in the queue."""
+        """True when no message is being processed and none waits in the queue (a
+        send-only endpoint has neither)."""
         with self._activity:
             busy = self._in_flight > 0
-        return not busy and self.transport.pending(self.name) == 0
+        return self.send_only or (not busy and self.transport.pending(self.name) == 0)
 
     def wait_for_activity(self, timeout: float) -> None:
         """Block until a message finishes processing here, or ``timeout`` passes."""
@@ -705,8 +753,9 @@ class Endpoint:
 
     @property
     def running(self) -> bool:
-        """Whether any of the endpoint's consumer or helper threads is alive."""
-        return any(thread.is_alive() for thread in self._threads)
+        """Whether any of the endpoint's consumer or helper threads is alive (a send-only
+        endpoint: whether it was started and not stopped)."""
+        return self._started or any(thread.is_alive() for thread in self._threads)
 
 
 def _with_own_commands(
@@ -768,9 +817,22 @@ def _journal_policy(option: bool | Sequence[type[Event]] | JournalPolicy) -> Jou
 
 def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock | None,
                    max_message_bytes: int, error_queue: str, batching: Batching | None,
-                   storage: StorageRole | None) -> None:
+                   storage: StorageRole | None, send_only: bool = False,
+                   handlers: Sequence[object] = (),
+                   schedules: Sequence[Schedule] | SchedulerPolicy = ()) -> None:
     """The endpoint's options that can be checked alone; a ConfigurationError saying what
     to fix for the first that is wrong."""
+    if send_only is not True and send_only is not False:
+        raise ConfigurationError(f"send_only must be True or False, got {send_only!r}")
+    if send_only and handlers:
+        raise ConfigurationError(
+            f"endpoint {name!r} is send-only: it has no queue, so it cannot handle messages; "
+            "give its handlers to an endpoint that consumes, or drop send_only=True")
+    if send_only and (schedules.schedules if isinstance(schedules, SchedulerPolicy)
+                      else schedules):
+        raise ConfigurationError(
+            f"endpoint {name!r} is send-only: it runs no scheduler; give its schedules to an "
+            "endpoint that consumes, or drop send_only=True")
     if not isinstance(name, str) or not _ENDPOINT_NAME.fullmatch(name):
         raise ConfigurationError(
             f"endpoint name {name!r} must be non-empty letters, digits, '_', '-' or '.'")
@@ -793,15 +855,19 @@ def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock |
             f"storage must be a storage backend such as MongoStorage(...), got {storage!r}")
 
 
-def _check_roles(storage: StorageRole, settings: Settings, transport: Transport,
+def _check_roles(storage: StorageRole | None, settings: Settings, transport: Transport,
                  middleware: Sequence[Middleware]) -> None:
     """The storage has every role the endpoint's options use (one error naming all that
-    are missing, :func:`~idembus.storage.roles.check_storage_roles`)."""
+    are missing, :func:`~idembus.storage.roles.check_storage_roles`); the embedded one
+    (``None``) has them all."""
+    if storage is None:
+        return
     check_storage_roles(
         storage, outbox=settings.outbox.run, delayed=not transport.native_delay,
         journal=bool(settings.journal.events),
         audit=any("audit" in getattr(item, "storage_roles", ()) for item in middleware),
-        status=bool(settings.status_interval), schedules=bool(settings.scheduling.schedules))
+        status=bool(settings.status_interval) and not settings.send_only,
+        schedules=bool(settings.scheduling.schedules))
 
 
 def default_middleware(propagate_headers: Sequence[str] = ()) -> list[Middleware]:

@@ -54,6 +54,7 @@ from .background import LeasedPeriodic
 from .dispatching import Dispatcher, DispatchProgress
 from .endpoint_context import EndpointContext
 from .recoverability.parking import park_outgoing
+from .unit_of_work import OutboxWork
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class OutboxRelay(LeasedPeriodic):
         self._parking = context.role(ParkingStore)
         self._journal = context.role(JournalStore) if journal_retention is not None else None
         self._dispatcher = dispatcher
+        self._context = context
         #: Whose entries this relay repairs.
         self.endpoint = context.name
         self.grace = grace
@@ -97,6 +99,14 @@ class OutboxRelay(LeasedPeriodic):
         self.journal_retention = journal_retention
         #: Journal entries this relay trimmed.
         self.trimmed = 0
+
+    def __call__(self, *, operation_id: str) -> OutboxWork:
+        """Send through the outbox from outside handlers, with no aggregate: ``with
+        endpoint.outbox(operation_id=key) as work: work.bus.send(...)`` (or ``async
+        with``) commits what the block sends keyed by ``operation_id``, once, then sends
+        it; this relay sends it if a crash came between (:class:`~.unit_of_work.OutboxWork`).
+        """
+        return OutboxWork(self._context, self._dispatcher, operation_id=operation_id)
 
     def run_once(self) -> int:
         """Take or renew the lease; if held, send one batch entry by entry, then expire and

@@ -29,6 +29,7 @@ from .messages import (
     PlaceOrder,
     ShipOrder,
 )
+from .order_status import OrderOutcomes
 
 DEFAULT_PAYMENT_TIMEOUT = datetime.timedelta(minutes=15)
 
@@ -110,7 +111,8 @@ def make_endpoint() -> Endpoint:
         "orders",
         transport=settings.broker_url(),
         storage=settings.storage("orders"),
-        handlers=[OrderSaga(payment_timeout())],
+        # OrderOutcomes keeps how each order ended (shop.order_status), for the storefront
+        handlers=[OrderSaga(payment_timeout()), OrderOutcomes],
         routes=ROUTES,
         error_queue=settings.ERROR_QUEUE,
         journal=True,  # the dashboard's live page shows its events as they are published
