@@ -2,9 +2,12 @@
 
 Who needs whom, in the order they are built:
 
-* the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
 * the shared transaction, when the queues are in the storage's database, commits, sends
   and acknowledges in one transaction;
+* when the endpoint batches (``Endpoint(batching=...)``, no shared transaction), the ports
+  of the per-message path are wrapped in :mod:`.batching_ports`' decorators, which group a
+  batch's loads, commits and dispatches; otherwise that path calls the ports directly;
+* the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
 * the :class:`~.invocation.HandlerInvoker` loads, runs a handler and commits;
 * :class:`~.recoverability.policy.Recovery` applies the retries and the circuit breaker;
 * the :class:`~.processing.MessageProcessor` takes a delivery through all of them;
@@ -17,13 +20,14 @@ Who needs whom, in the order they are built:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..envelope import Envelope
-from ..policies import OutboxPolicy
+from ..policies import Batching, OutboxPolicy
 from ..schedules import SchedulerPolicy
 from ..sending import Bus
-from ..storage.base import JournalStore, StatusStore
+from ..storage.base import AggregateStore, JournalStore, StatusStore
+from .batching_ports import BatchingStorage, BatchingTransport
 from .delayed import DelayedDeliveries
 from .dispatching import Dispatcher
 from .endpoint_context import EndpointContext
@@ -46,6 +50,8 @@ class Settings:
     scheduling: SchedulerPolicy
     delayed_poll_interval: float = 0.5
     status_interval: float = 5.0
+    #: Deliveries taken in batches (``None``: one at a time).
+    batching: Batching | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,9 @@ class Assembly:
 
     dispatcher: Dispatcher
     shared_transaction: SharedTransaction | None
+    #: Whether deliveries are processed in batches: batching asked for, and no shared
+    #: transaction (whose commit, send and acknowledgement are one already).
+    batched: bool
     recovery: Recovery
     processor: MessageProcessor
     bus: Bus
@@ -77,11 +86,15 @@ def assemble(context: EndpointContext, settings: Settings, *,
     journal = (None if events is False or events is None
                else journal_for(context.role(JournalStore), events))
     keep_bodies = not policy.compact_after_dispatch
-    dispatcher = Dispatcher(context, journal, keep_bodies=keep_bodies, on_unrouted=on_unrouted)
     shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
                                 on_unrouted=on_unrouted)
-    invoker = HandlerInvoker(context, defer_fresh_redispatch=policy.defer_fresh_redispatch,
-                             shared=shared)
+    batched = settings.batching is not None and shared is None
+    dispatcher = Dispatcher(
+        replace(context, transport=BatchingTransport(context.transport)) if batched else context,
+        journal, keep_bodies=keep_bodies, on_unrouted=on_unrouted)
+    invoker = HandlerInvoker(
+        replace(context, storage=BatchingStorage(context.role(AggregateStore))) if batched
+        else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
     outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
@@ -97,6 +110,6 @@ def assemble(context: EndpointContext, settings: Settings, *,
     status = StatusReporter(context.role(StatusStore), context.name, counters,
                             interval=settings.status_interval,
                             problems=context.health.problems) if settings.status_interval else None
-    return Assembly(dispatcher=dispatcher, shared_transaction=shared, recovery=recovery,
-                    processor=processor, bus=bus, delayed=delayed, outbox=outbox,
-                    scheduler=scheduler, status=status)
+    return Assembly(dispatcher=dispatcher, shared_transaction=shared, batched=batched,
+                    recovery=recovery, processor=processor, bus=bus, delayed=delayed,
+                    outbox=outbox, scheduler=scheduler, status=status)

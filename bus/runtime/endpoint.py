@@ -198,7 +198,8 @@ class Endpoint:
         settings = Settings(
             outbox=_outbox_policy(outbox), journal=_journal_policy(journal),
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
-            delayed_poll_interval=delayed_poll_interval, status_interval=status_interval)
+            delayed_poll_interval=delayed_poll_interval, status_interval=status_interval,
+            batching=batching)
         self.schedules = tuple(settings.scheduling.schedules)
         self.outbox_policy, self.status_interval = settings.outbox, status_interval
         if storage is not None:
@@ -586,7 +587,7 @@ class Endpoint:
     def batch_size(self) -> int | None:
         """The most deliveries a batch holds; ``None`` when they go one at a time (no
         batching, or a shared transaction)."""
-        if self.batching is None or self.shared_transaction is not None:
+        if self.batching is None or not self._assembly.batched:
             return None
         return self.batching.size_for(self.prefetch)
 
