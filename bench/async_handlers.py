@@ -161,14 +161,16 @@ def cleanup(orders_run: Orders) -> None:
     idembus_flow.drop_storage(orders_run.storage, endpoint.name)
 
 
-def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int) -> float:
-    """One timed run; returns the seconds taken for ``count`` handled messages."""
+def run(url: str, storage: str, handler: type[AggregateHandler[Order]], count: int, *,
+        least_rate: float = 20.0) -> float:
+    """One timed run; returns the seconds taken for ``count`` handled messages; a run
+    slower than ``least_rate`` messages/s fails (:func:`~bench.common.timeout_for`)."""
     orders_run = build(url, storage, handler, count)
     endpoint = orders_run.endpoint
     try:
         preload(orders_run, count)
         endpoint.start()
-        seconds = orders_run.clock.wait(timeout_for(count))
+        seconds = orders_run.clock.wait(timeout_for(count, least_rate=least_rate))
     finally:
         cleanup(orders_run)
     counts = endpoint.counters.snapshot()

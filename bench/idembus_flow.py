@@ -160,16 +160,17 @@ def cleanup(flow: Flow) -> None:
 
 def run(url: str, storage: str, count: int, *, confirm: bool = True,
         transport: TransportFactory = KombuTransport,
-        middleware: Callable[[], list[Middleware]] = list) -> float:
+        middleware: Callable[[], list[Middleware]] = list, least_rate: float = 20.0) -> float:
     """One timed run; returns the seconds taken for 2 x ``count`` handled messages, with
-    ``middleware()`` on each endpoint."""
+    ``middleware()`` on each endpoint; a run slower than ``least_rate`` messages/s fails
+    (:func:`~bench.common.timeout_for`)."""
     flow = build_flow(url, storage, count, confirm=confirm, transport=transport,
                       middleware=middleware)
     try:
         preload(flow, count)
         flow.billing.start()
         flow.sales.start()
-        seconds = flow.clock.wait(timeout_for(2 * count))
+        seconds = flow.clock.wait(timeout_for(2 * count, least_rate=least_rate))
     finally:
         for each in flow.endpoints:
             each.close()
