@@ -9,6 +9,7 @@ confirm wait) and one for its acknowledgements.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -521,3 +522,91 @@ def test_batching_rejects_a_size_below_one():
     with pytest.raises(ValueError, match="linger"):
         Batching(linger=-1)
     assert Batching().size_for(16) == 16 and Batching(size=4).size_for(16) == 4
+
+
+def batching_frames() -> list[str]:
+    """The modules of the batching machinery (the batch runner, the batching ports) on the
+    caller's stack."""
+    found = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("idembus.runtime.batch_runner", "idembus.runtime.batching_ports")):
+            found.append(module)
+        frame = frame.f_back
+    return found
+
+
+class StackNotingStorage(SpyStorage):
+    """SpyStorage noting, at each plain ``load`` and ``commit``, the batching machinery on
+    the stack."""
+
+    def load(self, aggregate_type: str, aggregate_id: str,
+             key: str | None = None) -> AggregateRecord:
+        self.journal.note("load reached through", batching_frames())
+        return super().load(aggregate_type, aggregate_id, key)
+
+    def commit(self, loaded: AggregateRecord, **fields: Any) -> None:
+        self.journal.note("commit reached through", batching_frames())
+        super().commit(loaded, **fields)
+
+
+class StackNotingTransport(SpyTransport):
+    """SpyTransport noting, at each ``publish``, the batching machinery on the stack."""
+
+    def publish(self, envelope: Envelope) -> bool | None:
+        self.journal.note("publish reached through", batching_frames())
+        return super().publish(envelope)
+
+
+def noting_endpoint(journal: Journal, batching: Batching | None) -> Endpoint:
+    return Endpoint(QUEUE, transport=StackNotingTransport(journal),
+                    storage=StackNotingStorage(journal), handlers=[BookHandler],
+                    error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+                    batching=batching)
+
+
+def test_without_batching_the_ports_are_called_directly_not_through_the_batch_runner():
+    """Before the batching ports, every load, commit and dispatch went through the batch
+    runner's functions even with ``batching=None`` (the stacks held
+    ``idembus.runtime.batch_runner``)."""
+    journal = Journal()
+    endpoint = noting_endpoint(journal, batching=None)
+    try:
+        # When three messages are processed by an endpoint that does not batch
+        deliveries = [received(message_id, f"account-{n}", n + 1)
+                      for n, message_id in enumerate(ids(3))]
+        endpoint.process_batch(deliveries)
+
+        # Then each was loaded, committed and published by a plain call of the port, with
+        # no batching machinery on the stack, and no group call was made
+        assert journal.details("load reached through") == [[], [], []]
+        assert journal.details("commit reached through") == [[], [], []]
+        assert journal.details("publish reached through") == [[], [], []]
+        assert [journal.count(name) for name in (
+            "load_many", "commit_many", "dispatch_many", "ack_many")] == [0, 0, 0, 0]
+        assert all(d.acked for d in deliveries)
+    finally:
+        endpoint.close()
+
+
+def test_with_batching_the_assembled_ports_group_a_batch_in_one_call_each():
+    """A regression guard of the assembly: it passed before the batching ports too, and
+    fails if the assembly leaves the ports of a batching endpoint unwrapped."""
+    journal = Journal()
+    endpoint = noting_endpoint(journal, batching=Batching(size=8))
+    try:
+        # When five messages of five aggregates come in one batch
+        deliveries = [received(message_id, f"account-{n}", n + 1)
+                      for n, message_id in enumerate(ids(5))]
+        endpoint.process_batch(deliveries)
+
+        # Then the batch loaded, committed and dispatched in one call each, acknowledged
+        # together
+        assert journal.details("load_many") == [[f"account-{n}" for n in range(5)]]
+        assert [len(keys) for keys in journal.details("commit_many")] == [5]
+        assert [len(sent) for sent in journal.details("dispatch_many")] == [5]
+        assert [len(acked) for acked in journal.details("ack_many")] == [5]
+        assert all(d.acked and not d.requeued for d in deliveries)
+    finally:
+        endpoint.close()

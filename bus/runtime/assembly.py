@@ -2,9 +2,12 @@
 
 Who needs whom, in the order they are built:
 
-* the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
 * the shared transaction, when the queues are in the storage's database, commits, sends
   and acknowledges in one transaction;
+* when the endpoint batches (``Endpoint(batching=...)``, no shared transaction), the ports
+  of the per-message path are wrapped in :mod:`.batching_ports`' decorators, which group a
+  batch's loads, commits and dispatches; otherwise that path calls the ports directly;
+* the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
 * the :class:`~.invocation.HandlerInvoker` loads, runs a handler and commits;
 * :class:`~.recoverability.policy.Recovery` applies the retries and the circuit breaker;
 * the :class:`~.processing.MessageProcessor` takes a delivery through all of them;
@@ -17,13 +20,15 @@ Who needs whom, in the order they are built:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..envelope import Envelope
-from ..policies import OutboxPolicy
+from ..policies import Batching, OutboxPolicy
 from ..schedules import SchedulerPolicy
 from ..sending import Bus
-from ..storage.base import JournalStore, StatusStore
+from ..storage.base import AggregateStore, JournalStore, StatusStore
+from ..transports.base import Transport
+from .batching_ports import BatchingStorage, BatchingTransport
 from .delayed import DelayedDeliveries
 from .dispatching import Dispatcher
 from .endpoint_context import EndpointContext
@@ -49,6 +54,8 @@ class Settings:
     #: A send-only endpoint: no queue, consumer, processor or status reports; only what
     #: sending through the outbox needs.
     send_only: bool = False
+    #: Deliveries taken in batches (``None``: one at a time).
+    batching: Batching | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,9 @@ class Assembly:
 
     dispatcher: Dispatcher
     shared_transaction: SharedTransaction | None
+    #: Whether deliveries are processed in batches: batching asked for, and no shared
+    #: transaction (whose commit, send and acknowledgement are one already).
+    batched: bool
     #: ``None`` in a send-only endpoint, which processes no message.
     recovery: Recovery | None
     #: ``None`` in a send-only endpoint.
@@ -84,12 +94,15 @@ def assemble(context: EndpointContext, settings: Settings, *,
     policy = settings.outbox
     journal = _journal(context, settings)
     keep_bodies = not policy.compact_after_dispatch
-    dispatcher, outbox, bus, delayed = _sending(context, settings, journal,
-                                                on_unrouted=on_unrouted)
     shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
                                 on_unrouted=on_unrouted)
-    invoker = HandlerInvoker(context, defer_fresh_redispatch=policy.defer_fresh_redispatch,
-                             shared=shared)
+    batched = settings.batching is not None and shared is None
+    dispatcher, outbox, bus, delayed = _sending(
+        context, settings, journal, on_unrouted=on_unrouted,
+        dispatch_through=BatchingTransport(context.transport) if batched else None)
+    invoker = HandlerInvoker(
+        replace(context, storage=BatchingStorage(context.role(AggregateStore))) if batched
+        else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
     processor = MessageProcessor(context, invoker, dispatcher, recovery,
@@ -99,9 +112,9 @@ def assemble(context: EndpointContext, settings: Settings, *,
     status = StatusReporter(context.role(StatusStore), context.name, counters,
                             interval=settings.status_interval,
                             problems=context.health.problems) if settings.status_interval else None
-    return Assembly(dispatcher=dispatcher, shared_transaction=shared, recovery=recovery,
-                    processor=processor, bus=bus, delayed=delayed, outbox=outbox,
-                    scheduler=scheduler, status=status)
+    return Assembly(dispatcher=dispatcher, shared_transaction=shared, batched=batched,
+                    recovery=recovery, processor=processor, bus=bus, delayed=delayed,
+                    outbox=outbox, scheduler=scheduler, status=status)
 
 
 def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
@@ -111,13 +124,15 @@ def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
 
 
 def _sending(context: EndpointContext, settings: Settings, journal: Journal | None, *,
-             on_unrouted: Callable[[Envelope], None],
+             on_unrouted: Callable[[Envelope], None], dispatch_through: Transport | None = None,
              ) -> tuple[Dispatcher, OutboxRelay, Bus, DelayedDeliveries | None]:
-    """What every endpoint needs to send: the dispatcher, the outbox relay, the bus and,
-    on a transport without native delay, the delayed poller."""
+    """What every endpoint needs to send: the dispatcher (dispatching through
+    ``dispatch_through``, a batching decorator of the transport, if given), the outbox
+    relay, the bus and, on a transport without native delay, the delayed poller."""
     policy = settings.outbox
-    dispatcher = Dispatcher(context, journal, keep_bodies=not policy.compact_after_dispatch,
-                            on_unrouted=on_unrouted)
+    dispatcher = Dispatcher(
+        replace(context, transport=dispatch_through) if dispatch_through else context,
+        journal, keep_bodies=not policy.compact_after_dispatch, on_unrouted=on_unrouted)
     outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
                          journal_retention=settings.journal.retention if journal else None)
     bus = Bus(context.name, context.router,
@@ -133,6 +148,6 @@ def _sending_only(context: EndpointContext, settings: Settings, *,
     invoker, recovery, processor, scheduler or status reporter."""
     dispatcher, outbox, bus, delayed = _sending(context, settings, _journal(context, settings),
                                                 on_unrouted=on_unrouted)
-    return Assembly(dispatcher=dispatcher, shared_transaction=None, recovery=None,
+    return Assembly(dispatcher=dispatcher, shared_transaction=None, batched=False, recovery=None,
                     processor=None, bus=bus, delayed=delayed, outbox=outbox, scheduler=None,
                     status=None)

@@ -4,12 +4,15 @@ Each delivery of a batch is processed by the ordinary per-message code
 (:class:`idembus.runtime.processing.MessageProcessor`: its handlers, deduplication, retries and
 failure path) in a greenlet of its own on the consumer's thread, one at a time: a message
 runs until it needs the database or the broker — a load, a commit, a dispatch — and **parks**
-there (:func:`load`, :func:`commit`, :func:`dispatch`; outside a batch they simply do the
-work). When every message of the batch is parked or done, the runner does the parked work
-of all of them at once: their commits in one ``commit_many`` of the storage (each still its
-own conditional write), their dispatches in one ``dispatch_many`` of the transport (one wait
-for the publisher confirms), their loads in one ``load_many``. Each message then goes on
-with its own answer: a result, or the very error it would have met alone — a conflict, a
+there (:meth:`Member.park`): when the endpoint batches, the assembly wraps the storage and
+the transport of that path in :class:`~.batching_ports.BatchingStorage` and
+:class:`~.batching_ports.BatchingTransport`, which park a message running in a batch (and,
+outside one, where :func:`running_member` is ``None``, simply do the work). When every
+message of the batch is parked or done, the runner does the parked work of all of them at
+once: their commits in one ``commit_many`` of the storage (each still its own conditional
+write), their dispatches in one ``dispatch_many`` of the transport (one wait for the
+publisher confirms), their loads in one ``load_many``. Each message then goes on with its
+own answer: a result, or the very error it would have met alone — a conflict, a
 duplicate, a refusal, an outage. One message's failure never fails another.
 
 Several messages of one aggregate in one batch are applied in delivery order: a message
@@ -45,50 +48,17 @@ from typing import Any
 
 import greenlet
 
-from ..envelope import Envelope
-from ..storage.base import AggregateRecord, PendingCommit
 from ..transports.base import Delivery, Transport
 
 #: What a message parks on.
 LOAD, COMMIT, DISPATCH = "load", "commit", "dispatch"
 
 
-def _current() -> _Member | None:
-    """The batch member running now, if any."""
+def running_member() -> Member | None:
+    """The batch member running now, if any: ``None`` outside a batch (a message processed
+    alone, the outbox relay, a tool), where the ports do their work at once."""
     running = greenlet.getcurrent()
     return running.member if isinstance(running, _MemberGreenlet) else None
-
-
-def load(storage: Any, aggregate_type: str, aggregate_id: str,
-         key: str | None) -> AggregateRecord:
-    """``storage.load(...)``; in a batch, with the batch's other loads."""
-    member = _current()
-    if member is None:
-        record: AggregateRecord = storage.load(aggregate_type, aggregate_id, key)
-        return record
-    result: AggregateRecord = member.park(_Parked(
-        LOAD, storage, (aggregate_type, aggregate_id, key), (aggregate_type, aggregate_id)))
-    return result
-
-
-def commit(storage: Any, loaded: AggregateRecord, *, key: str, state: Any,
-           outgoing: Sequence[Envelope], **options: Any) -> None:
-    """``storage.commit(...)``; in a batch, with the batch's other commits."""
-    member = _current()
-    if member is None:
-        storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
-        return
-    member.park(_Parked(COMMIT, storage, PendingCommit(loaded, key, state, tuple(outgoing),
-                                                      dict(options))))
-
-
-def dispatch(transport: Transport, envelope: Envelope) -> bool | None:
-    """``transport.dispatch(envelope)``; in a batch, with the batch's other dispatches."""
-    member = _current()
-    if member is None:
-        return transport.dispatch(envelope)
-    result: bool | None = member.park(_Parked(DISPATCH, transport, envelope))
-    return result
 
 
 @dataclass
@@ -132,7 +102,7 @@ class _HeldDelivery(Delivery):
         self.original.requeue()
 
 
-class _Member:
+class Member:
     """One message of the batch."""
 
     def __init__(self, index: int, delivery: Delivery, *, ack_at_once: bool = False) -> None:
@@ -147,8 +117,14 @@ class _Member:
         self.escaped: BaseException | None = None
         self.greenlet: _MemberGreenlet | None = None
 
-    def park(self, parked: _Parked) -> Any:
-        """Wait (in the message's greenlet) until the runner did ``parked``."""
+    def park(self, kind: str, target: Any, request: Any,
+             aggregate: tuple[str, str] | None = None) -> Any:
+        """Wait (in the message's greenlet) until the runner did ``request`` of ``kind``
+        (:data:`LOAD`, :data:`COMMIT`, :data:`DISPATCH`) with ``target`` (the storage or
+        transport whose ``load_many``, ``commit_many`` or ``dispatch_many`` does it; a load
+        names the ``aggregate`` it reads) in one call with the batch's others; return its
+        outcome, or raise the error it met."""
+        parked = _Parked(kind, target, request, aggregate)
         if parked.kind == LOAD:  # a new attempt, or the next handler
             self.holds = None
         self.parked = parked
@@ -163,7 +139,7 @@ class _Member:
 class _MemberGreenlet(greenlet.greenlet):  # type: ignore[misc]
     """The greenlet a batch member runs in."""
 
-    def __init__(self, run: Callable[[], None], member: _Member) -> None:
+    def __init__(self, run: Callable[[], None], member: Member) -> None:
         super().__init__(run)
         self.member = member
 
@@ -186,12 +162,12 @@ class BatchRunner:
     def run(self, deliveries: Sequence[Delivery], transport: Transport, *,
             one_at_a_time: bool = False) -> None:
         """Process ``deliveries`` (at most ``size``), then acknowledge together those their
-        messages acknowledged; raise what escaped a message (see :class:`_Member`).
+        messages acknowledged; raise what escaped a message (see :class:`Member`).
         ``one_at_a_time`` (the circuit breaker is open): each message is processed and
         acknowledged before the next one starts."""
         if len(deliveries) > self.size:
             raise ValueError(f"a batch of {len(deliveries)} deliveries, more than {self.size}")
-        members = [_Member(index, delivery, ack_at_once=one_at_a_time)
+        members = [Member(index, delivery, ack_at_once=one_at_a_time)
                    for index, delivery in enumerate(deliveries)]
         for wave in ([member] for member in members) if one_at_a_time else [members]:
             self._settle(wave)
@@ -202,7 +178,7 @@ class BatchRunner:
             if member.escaped is not None:
                 raise member.escaped
 
-    def _settle(self, members: list[_Member]) -> None:
+    def _settle(self, members: list[Member]) -> None:
         """Run ``members`` to their end, doing their parked work together."""
         for member in members:
             member.greenlet = _MemberGreenlet(self._runner_of(member), member)
@@ -215,7 +191,7 @@ class BatchRunner:
                 assert member.greenlet is not None
                 member.greenlet.switch()
 
-    def _runner_of(self, member: _Member) -> Callable[[], None]:
+    def _runner_of(self, member: Member) -> Callable[[], None]:
         def run() -> None:
             try:
                 if self._requeue_escaped:
@@ -231,12 +207,12 @@ class BatchRunner:
         return run
 
 
-def _do_parked(parked: list[_Member]) -> list[_Member]:
+def _do_parked(parked: list[Member]) -> list[Member]:
     """Do the work the ``parked`` members (in delivery order) wait for, as one call per
     kind and target, except loads of an aggregate an earlier member holds or loads now;
     return the members whose work is done, in delivery order."""
     blocked: set[tuple[str, str]] = set()
-    chosen: dict[str, list[_Member]] = {COMMIT: [], DISPATCH: [], LOAD: []}
+    chosen: dict[str, list[Member]] = {COMMIT: [], DISPATCH: [], LOAD: []}
     for member in parked:
         work = member.parked
         assert work is not None
@@ -252,7 +228,7 @@ def _do_parked(parked: list[_Member]) -> list[_Member]:
         raise RuntimeError("a batch's messages wait for each other")  # cannot happen
     for kind in (COMMIT, DISPATCH, LOAD):  # commits first: a load sees them
         members = chosen[kind]
-        by_target: dict[int, list[_Member]] = {}
+        by_target: dict[int, list[Member]] = {}
         for member in members:
             assert member.parked is not None
             by_target.setdefault(id(member.parked.target), []).append(member)
@@ -269,7 +245,7 @@ def _do_parked(parked: list[_Member]) -> list[_Member]:
     return done
 
 
-def _do_group(kind: str, group: list[_Member]) -> None:
+def _do_group(kind: str, group: list[Member]) -> None:
     """One call of the target's ``commit_many``, ``dispatch_many`` or ``load_many``."""
     works = [member.parked for member in group if member.parked is not None]
     target = works[0].target

@@ -20,7 +20,6 @@ from ..envelope import Envelope
 from ..pipeline import Dispatch
 from ..storage.base import AggregateStore, DelayedStore, Lease, ParkingStore
 from ..transports.errors import DestinationRefused
-from . import batch_runner
 from .endpoint_context import EndpointContext
 from .journal import Journal
 from .recoverability.parking import park_outgoing
@@ -80,7 +79,7 @@ class Dispatcher:
         due = envelope.deliver_at
         if due is not None and not self._transport.native_delay and due > self._clock.now():
             self._context.role(DelayedStore).schedule(envelope, due, owner=self.endpoint)
-        elif (batch_runner.dispatch(self._transport, envelope) is False
+        elif (self._transport.dispatch(envelope) is False
               and self._on_unrouted is not None):
             self._on_unrouted(envelope)
 

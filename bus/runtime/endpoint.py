@@ -226,10 +226,11 @@ class Endpoint:
         settings = Settings(
             outbox=_outbox_policy(outbox), journal=_journal_policy(journal), send_only=send_only,
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
-            delayed_poll_interval=delayed_poll_interval, status_interval=status_interval)
-        self.schedules = tuple(settings.scheduling.schedules)
-        self.outbox_policy, self.status_interval = settings.outbox, status_interval
+            delayed_poll_interval=delayed_poll_interval, status_interval=status_interval,
+            batching=batching)
         _check_roles(storage, settings, self.transport, middleware)
+        self.schedules, self.outbox_policy = tuple(settings.scheduling.schedules), settings.outbox
+        self.status_interval, self.warn_unrouted_events = status_interval, warn_unrouted_events
         self.storage = storage if storage is not None else _embedded_storage()
         self._check_retention()
         self.context = EndpointContext(
@@ -239,7 +240,6 @@ class Endpoint:
             health=Health(), recoverability=self.recoverability, router=self.router,
             table=self.table, registry=self.registry, error_queue=error_queue,
             max_message_bytes=max_message_bytes)
-        self.warn_unrouted_events = warn_unrouted_events
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
         self._check_definitions(settings.journal)
@@ -681,7 +681,7 @@ class Endpoint:
     def batch_size(self) -> int | None:
         """The most deliveries a batch holds; ``None`` when they go one at a time (no
         batching, or a shared transaction)."""
-        if self.batching is None or self.shared_transaction is not None:
+        if self.batching is None or not self._assembly.batched:
             return None
         return self.batching.size_for(self.prefetch)
 

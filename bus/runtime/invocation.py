@@ -25,7 +25,7 @@ from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
 from ..errors import EndpointBlocked, HandlerContractError
-from ..evolution import VersionKeyword, load_state, version_keyword
+from ..evolution import load_state, version_keyword
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
@@ -40,7 +40,6 @@ from ..storage.errors import (
     StorageUnavailable,
 )
 from ..transports.base import Delivery
-from . import batch_runner
 from .aio import run_to_completion
 from .endpoint_context import EndpointContext
 from .shared_transaction import SharedTransaction
@@ -128,7 +127,7 @@ class HandlerInvoker:
         details = {"message_id": context.message_id, "message_type": context.message_type,
                    "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
         for attempt in range(self._conflicts.attempts):
-            loaded = batch_runner.load(self._storage, aggregate_type, aggregate_id, key)
+            loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
             committed_at: datetime.datetime | None  # of the entry a duplicate found
             if previous is None:
@@ -146,16 +145,13 @@ class HandlerInvoker:
                                    binding.handler_name)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
-                commit: Callable[..., Any] = functools.partial(
-                    batch_runner.commit, self._storage, loaded, key=key, state=state,
-                    outgoing=outgoing)
-                if self._shared is not None:
-                    commit = functools.partial(self._shared.commit, loaded, key=key,
-                                               state=state, outgoing=outgoing, settle=settle)
-                if completed:  # only then: a backend from before completion still commits
-                    commit = functools.partial(commit, completed=True)
-                else:  # a version only above 1: a backend from before versions still commits
-                    commit = functools.partial(commit, **_versioned(binding))
+                version = None if completed else _state_version(binding)
+                committer: Callable[..., bool | None] = (
+                    self._storage.commit if self._shared is None
+                    else functools.partial(self._shared.commit, settle=settle))
+                commit = functools.partial(committer, loaded, key=key, state=state,
+                                           outgoing=outgoing, completed=completed,
+                                           state_version=version)
                 try:
                     sent = self._pipeline.commit(call, commit)
                 except StorageUnavailable as outage:
@@ -339,12 +335,14 @@ def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[st
     return NOT_FOUND
 
 
-def _versioned(binding: HandlerBinding) -> VersionKeyword:
-    """The ``state_version`` keyword of an aggregate handler's commit
-    (:func:`idembus.evolution.version_keyword`); none for a stateless handler."""
+def _state_version(binding: HandlerBinding) -> int | None:
+    """The ``state_version`` an aggregate handler's commit stores: its state model's
+    version, ``None`` at version 1 (read back as 1, as units of work store it too); ``None``
+    for a stateless handler."""
     handler = binding.handler
-    return (version_keyword(type(handler).state_type)
-            if isinstance(handler, AggregateHandler) else VersionKeyword())
+    if not isinstance(handler, AggregateHandler):
+        return None
+    return version_keyword(type(handler).state_type).get("state_version")
 
 
 def _shown(value: object) -> str:
