@@ -35,6 +35,7 @@ import pytest
 from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope, format_utc, utc_now
+from idembus.runtime.recoverability import error_queue
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, IN_CI, POSTGRES_URL, require_service
@@ -220,10 +221,15 @@ def browser(shop: Shop) -> Iterator[Any]:
 def page(browser: Any, shop: Shop) -> Iterator[Any]:
     opened = browser.new_page()
     errors: list[str] = []
+    missing: list[str] = []
     opened.on("pageerror", lambda error: errors.append(str(error)))
+    opened.on("response", lambda response: missing.append(response.url)
+              if response.status == 404 and ("favicon" in response.url
+                                              or "/static/" in response.url) else None)
     yield opened
     opened.close()
     assert errors == []  # the shipped script ran without an error
+    assert missing == []  # nor did the page ask for an icon or a file it does not have
 
 
 def expect(locator: Any) -> Any:
@@ -270,7 +276,9 @@ def test_the_failed_messages_show_the_exception_and_script_in_them_runs_nothing(
     page.goto(shop.url + "/errors")
     rows = page.locator("table.failed tbody tr")
     expect(rows).to_have_count(4)  # three declined cards, one hostile message
-    assert shop.endpoint.transport.pending(shop.endpoint.error_queue) == 4
+    # Looking moved them out of the error queue into the storage, where they stay
+    assert shop.endpoint.transport.pending(shop.endpoint.error_queue) == 0
+    assert len(list(error_queue.stored(shop.endpoint))) == 4
     expect(page.locator("table.failed")).to_contain_text("CardDeclined")
     expect(page.locator("table.failed")).to_contain_text("card declined for order c3-1003")
     expect(page.locator("table.failed")).to_contain_text(HOSTILE)  # as text
@@ -305,6 +313,8 @@ def test_a_failed_message_is_retried_through_the_pages_and_handled(
     # When the operator asks to retry it, is asked to confirm, and confirms
     page.click('button[value="retry"]')
     expect(page.locator("p.question")).to_contain_text("Retry 1 message(s)")
+    expect(page.locator("main button, body button").first).to_have_attribute("id", "confirm")
+    assert page.locator("button").count() == 1
     page.screenshot(path=str(shop.screenshots / "confirm-retry.png"), full_page=True)
     before = shop.handled.count
     page.click("#confirm")
