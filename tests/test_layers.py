@@ -282,3 +282,27 @@ def test_the_endpoint_constructor_validates_and_assembles_in_at_most_60_lines():
     [init] = [node for node in endpoint.body
               if isinstance(node, ast.FunctionDef) and node.name == "__init__"]
     assert init.end_lineno is not None and init.end_lineno - init.lineno + 1 <= 60
+
+
+#: Most lines a module of ``transports/`` may hold: a transport is split by concern (the
+#: kombu transport's topology, publishing, consuming, inspection; the database queues'
+#: engine, statements and rows) before it grows past this.
+TRANSPORT_MODULE_LINES = 600
+
+
+def long_modules(root: pathlib.Path, folder: str, limit: int) -> list[str]:
+    """The modules of ``folder`` longer than ``limit`` lines, as ``path: N lines``."""
+    return [f"{path.relative_to(root)}: {len(path.read_text().splitlines())} lines"
+            for path in sorted((root / folder).rglob("*.py"))
+            if len(path.read_text().splitlines()) > limit]
+
+
+def test_no_transport_module_exceeds_600_lines():
+    assert long_modules(REPOSITORY, "transports", TRANSPORT_MODULE_LINES) == []
+
+
+def test_a_transport_module_over_600_lines_is_found(tmp_path):
+    root = copy_of_the_package(tmp_path)
+    (root / "transports" / "planted.py").write_text("x = 1\n" * 601)
+    assert "transports/planted.py: 601 lines" in long_modules(root, "transports",
+                                                              TRANSPORT_MODULE_LINES)

@@ -1,4 +1,5 @@
-"""What the transports that keep their queues in a database share (PostgreSQL, MongoDB).
+"""What the transports that keep their queues in a database share (PostgreSQL, MongoDB);
+their consume loop, built on these, is :mod:`.db_engine`.
 
 * Failures: the database's own taxonomy (:mod:`idembus.storage.postgres_errors`, the
   MongoDB storage's codes) decides, then :func:`transport_error` says it in the transport's

@@ -92,15 +92,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import secrets
-import threading
-import time
 import urllib.parse
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeGuard
+from typing import Any
 
 import bson
 import pymongo
@@ -114,39 +111,39 @@ from ..policies import Backoff
 from ..redaction import redact
 from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
-from .base import Delivery, OnDelivery, Transport
+from .base import Delivery
 from .database import (
     MAX_METADATA_BYTES,
-    BodyLimits,
-    BodyOnDemand,
-    LeaseKeeper,
-    Reconnects,
     check_prefix,
-    deliver_claimed,
     encode_headers,
     failure_story,
-    oversize,
     read_headers,
     routing_names,
     transport_error,
 )
-from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
+from .db_engine import Claim, DatabaseTransport
+from .errors import BrokerAccessDenied, DestinationRefused, TransportError
+from .mongo_documents import (
+    _aware,
+    _client_lock,
+    _document_id,
+    _due,
+    _flaws,
+    _MongoDelivery,
+    _now,
+    _readable,
+)
+from .mongo_watch import _Watch
 
 log = logging.getLogger(__name__)
 
+
 #: Size of the capped signal collection, in bytes (signals are a few dozen bytes each).
 SIGNALS_SIZE = 1 << 20
-#: The first wait of an idle consumer on mongomock, doubled up to ``poll_interval``.
-_FIRST_POLL = 0.005
-#: How long one wait lasts before the stop flag is looked at again.
-_STOP_CHECK = 0.1
 
 
-class MongoTransport(BodyLimits, Transport):
+class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
     """Transport on MongoDB collections; see the module docstring."""
-
-    native_delay = True
-    publisher_confirms = True
 
     def __init__(
         self,
@@ -190,16 +187,14 @@ class MongoTransport(BodyLimits, Transport):
         self._signals_name = f"{collection_prefix}_signals"
         #: The capped collection idle consumers tail; ``None`` until made, or on mongomock.
         self._signals: Any = None
-        self.visibility_timeout = visibility_timeout
-        self.max_idle_wait = max_idle_wait
         self.poll_interval = poll_interval
-        self._reconnects = Reconnects(reconnect_backoff, self.safe_url)
+        self._start_engine(url=self.safe_url, visibility_timeout=visibility_timeout,
+                           max_idle_wait=max_idle_wait, backoff=reconnect_backoff,
+                           name="idembus-mongo-leases")
         self._guard: AbstractContextManager[Any] = (
             _client_lock(client) if self.process_local else contextlib.nullcontext())
         self._known_queues: set[str] = set()
         self._indexed = False
-        self._leases: LeaseKeeper[_MongoDelivery] = LeaseKeeper(
-            self.renew, visibility_timeout, name="idembus-mongo-leases")
 
     @classmethod
     def embedded(cls, database: str = "idembus", **options: Any) -> MongoTransport:
@@ -335,35 +330,30 @@ class MongoTransport(BodyLimits, Transport):
         except pymongo.errors.PyMongoError:
             log.debug("could not signal %s", queues, exc_info=True)
 
-    # -- consuming --------------------------------------------------------------------
+    # -- consuming: the engine's primitives ------------------------------------------
 
-    def consume(
-        self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event, prefetch: int = 1
-    ) -> None:
-        """See the contract; outages are waited out here, and a refusal only an operator
-        can end (``BrokerAccessDenied``) is raised."""
-        failures = 0
+    def _session(self, queue: str) -> AbstractContextManager[None]:
+        """Nothing of its own: a consumer claims through the client's pool."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _waiter(self, queue: str) -> Iterator[_Watch]:
         watch = _Watch(self, queue)
         try:
-            while not stop.is_set():
-                try:
-                    deliveries, moved = self._claim(queue, max(1, prefetch),
-                                                    move_aside=True)
-                    failures = 0
-                    if not deliveries:
-                        if not moved:
-                            watch.wait(self._idle_wait(queue), stop)
-                        continue
-                    watch.busy()
-                    deliver_claimed(deliveries, on_delivery, stop, self._give_back)
-                except BrokerAccessDenied:
-                    raise
-                except TransportUnavailable as exc:
-                    failures = self._reconnects.pause(queue, exc, failures, stop)
+            yield watch
         finally:
             watch.close()
 
-    def _claim(self, queue: str, limit: int | None, *,
+    def _claim(self, session: None, queue: str, limit: int) -> Claim[_MongoDelivery]:
+        """Up to ``limit`` documents, unusable ones moved aside; claim again at once while
+        anything was claimed or moved."""
+        claimed, moved = self._claim_documents(queue, limit, move_aside=True)
+        return Claim(claimed, again=bool(claimed) or moved > 0)
+
+    def _take(self, queue: str, limit: int | None) -> list[_MongoDelivery]:
+        return self._claim_documents(queue, limit, move_aside=False)[0]
+
+    def _claim_documents(self, queue: str, limit: int | None, *,
                move_aside: bool) -> tuple[list[_MongoDelivery], int]:
         """Up to ``limit`` due messages of ``queue`` (all for ``None``), leased here, oldest
         due first (their leases are renewed until they are settled), and how many were
@@ -435,7 +425,7 @@ class MongoTransport(BodyLimits, Transport):
                     limits.error_queue, reason)
         self._signal([limits.error_queue])
 
-    def _idle_wait(self, queue: str) -> float:
+    def _idle_wait(self, session: None, queue: str, claim: Claim[_MongoDelivery]) -> float:
         """Seconds until the next delayed message or lease of ``queue`` is due, at most
         ``max_idle_wait``."""
         now = _now()
@@ -453,21 +443,17 @@ class MongoTransport(BodyLimits, Transport):
 
     # -- settling ---------------------------------------------------------------------
 
-    def _delete(self, delivery: _MongoDelivery) -> None:
+    def _delete_row(self, delivery: _MongoDelivery) -> None:
         with self._op(f"acknowledging a message of {delivery.queue!r}"):
             self.messages.delete_one({"_id": delivery.document_id})
-        self._leases.drop([delivery])
 
-    def _give_back(self, deliveries: Sequence[_MongoDelivery]) -> None:
+    def _clear_leases(self, deliveries: Sequence[_MongoDelivery]) -> None:
         """Clear the leases their claims still hold (they keep their places); wake the
         queue's idle consumers."""
-        if not deliveries:
-            return
         with self._op(f"requeueing messages of {deliveries[0].queue!r}"):
             for delivery in deliveries:
                 self.messages.update_one({"_id": delivery.document_id, "lease": delivery.lease},
                                          {"$set": {"leased_until": None, "lease": None}})
-        self._leases.drop(deliveries)
         self._signal(sorted({delivery.queue for delivery in deliveries}))
 
     def renew(self, deliveries: Sequence[_MongoDelivery]) -> None:
@@ -490,18 +476,6 @@ class MongoTransport(BodyLimits, Transport):
     def pending(self, queue: str) -> int:
         with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
             return int(self.messages.count_documents(_due(queue, _now())))
-
-    @contextlib.contextmanager
-    def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
-        """The messages due in ``queue`` now, claimed (leases renewed while the block runs);
-        those left unsettled go back to their places; see the contract."""
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be at least 0, got {limit}")
-        taken = [] if limit == 0 else self._claim(queue, limit, move_aside=False)[0]
-        try:
-            yield list(taken)
-        finally:
-            self._give_back([delivery for delivery in taken if not delivery.settled])
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
@@ -568,185 +542,6 @@ class MongoTransport(BodyLimits, Transport):
         except UnicodeEncodeError as exc:  # text that cannot be stored as UTF-8
             raise refusal(f"{what} on {self.safe_url}: {exc}") from exc
 
-    def close(self) -> None:
-        self._leases.close()
+    def _disconnect(self) -> None:
         if self._owns_client:
             self.client.close()
-
-
-class _MongoDelivery(BodyOnDemand, Delivery):
-    """A document of the queue collection, claimed (or read): whatever its fields hold,
-    what cannot be used is said in ``wire_error``; a body not read with it (over the
-    limit: no ``body`` field, a numeric ``size``) is fetched on demand."""
-
-    def __init__(self, transport: MongoTransport, queue: str, document: Mapping[str, Any], *,
-                 lease: int, settled: bool = False) -> None:
-        content_type, content_encoding = (
-            value if value is None or isinstance(value, str) else wire.shown(value)
-            for value in (document.get("content_type"), document.get("content_encoding")))
-        headers, problem = read_headers(document.get("headers"), content_encoding)
-        problem = wire.joined(problem, *(
-            f"its {name} is {wire.shown(document.get(field))}, not text"
-            for name, field in (("content type", "content_type"),
-                                ("content encoding", "content_encoding"))
-            if not isinstance(document.get(field), (str, type(None)))))
-        size = document.get("size")
-        left = "body" not in document
-        body = b"" if left else document.get("body")
-        if not isinstance(body, bytes):
-            problem = problem or f"its body is {type(body).__name__}, not bytes"
-            body = b"" if body is None else str(body).encode("utf-8", "surrogateescape")
-        deliveries = document.get("deliveries")
-        super().__init__(queue=queue, headers=headers, body=bytes(body),
-                         content_type=content_type, content_encoding=content_encoding,
-                         redelivered=_is_count(deliveries) and deliveries > 1,
-                         wire_error=problem)
-        if left:
-            document_id = document["_id"]
-            self.leave_body(int(size) if _is_count(size) else None,
-                            lambda: transport._body_of(document_id, queue))
-        self.settled = settled
-        self.document_id = document["_id"]
-        self.lease = lease
-        self._transport = transport
-
-    def _ack(self) -> None:
-        self._transport._delete(self)
-
-    def _requeue(self) -> None:
-        self._transport._give_back([self])
-
-
-class _Watch:
-    """How an idle consumer of one queue waits: following the signal collection with a
-    tailable cursor on a real server (unverified here, guarded), polling with growing waits
-    on mongomock or when the cursor fails."""
-
-    def __init__(self, transport: MongoTransport, queue: str) -> None:
-        self._transport = transport
-        self._queue = queue
-        self._poll = _FIRST_POLL
-        self._cursor: Any = None
-        self._failed = False
-
-    def busy(self) -> None:
-        """A message came: the next idle wait polls quickly again."""
-        self._poll = _FIRST_POLL
-
-    def wait(self, seconds: float, stop: threading.Event) -> None:
-        if self._transport._signals is not None and not self._failed:
-            try:
-                self._follow(seconds, stop)
-                return
-            except pymongo.errors.PyMongoError as exc:
-                self._failed = True
-                log.warning("idle consumers of %r will poll: following %s failed (%s)",
-                            self._queue, self._transport._signals_name, redact(str(exc)))
-        stop.wait(min(seconds, self._poll))
-        self._poll = min(self._poll * 2, self._transport.poll_interval)
-
-    def _follow(self, seconds: float, stop: threading.Event) -> None:
-        """Wait for a signal of this queue (or ``seconds``, or ``stop``) on a tailable,
-        awaiting cursor over the capped signal collection."""
-        deadline = time.monotonic() + seconds
-        while not stop.is_set() and time.monotonic() < deadline:
-            if self._cursor is None or not self._cursor.alive:
-                newest = self._transport._signals.find_one(sort=[("$natural", -1)])
-                after = newest["_id"] if newest is not None else bson.ObjectId()
-                self._cursor = self._transport._signals.find(
-                    {"_id": {"$gt": after}, "queue": self._queue},
-                    cursor_type=pymongo.CursorType.TAILABLE_AWAIT,
-                ).max_await_time_ms(int(_STOP_CHECK * 1000))
-            for _ in self._cursor:
-                return
-
-    def close(self) -> None:
-        if self._cursor is not None:
-            with contextlib.suppress(Exception):
-                self._cursor.close()
-
-
-def _due(queue: str, now: datetime.datetime) -> dict[str, Any]:
-    """The filter of ``queue``'s messages that are due and not leased at ``now``."""
-    return {"queue": queue, "visible_at": {"$lte": now},
-            "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
-
-
-#: Delivery counts a claim increments: from 2**31 - 1 on, ``$inc`` could overflow a
-#: 32-bit count on a server.
-_MAX_DELIVERIES = 2**31 - 1
-
-
-def _either(field: str, *conditions: Any) -> dict[str, Any]:
-    """``field`` meets one of ``conditions`` (``None``: null or absent)."""
-    return {"$or": [{field: condition} for condition in conditions]}
-
-
-def _readable(max_bytes: int) -> dict[str, Any]:
-    """The filter of documents a claim can use as they are, and read whole: fields of the
-    types idembus writes, a delivery count that can grow, a body within ``max_bytes`` (or
-    of no recorded size: written by another client)."""
-    return {
-        "deliveries": {"$type": "number", "$lt": _MAX_DELIVERIES},
-        "body": {"$type": "binData"},
-        "$and": [
-            _either("headers", {"$type": "string"}, {"$type": "object"}),
-            _either("content_type", None, {"$type": "string"}),
-            _either("content_encoding", None, {"$type": "string"}),
-            _either("size", {"$exists": False}, {"$type": "number", "$lte": max_bytes}),
-        ],
-    }
-
-
-def _is_count(value: Any) -> TypeGuard[float]:
-    """A number that counts: an int, or a finite float (not a bool)."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and value == value and abs(value) != float("inf"))
-
-
-def _flaws(document: Mapping[str, Any], *, is_bytes: bool, max_bytes: int) -> list[str]:
-    """What keeps a claim from using ``document`` (due, read without its body) as it
-    is."""
-    flaws = []
-    deliveries = document.get("deliveries")
-    if not _is_count(deliveries) or deliveries >= _MAX_DELIVERIES:
-        flaws.append(f"its delivery count is {wire.shown(deliveries)}, not a number below "
-                     f"{_MAX_DELIVERIES}")
-    if not is_bytes:
-        flaws.append("its body is missing or not bytes")
-    headers = document.get("headers")
-    if not isinstance(headers, (str, Mapping)):
-        flaws.append(f"its headers are {wire.shown(headers)}, not text or a document")
-    for name, field in (("content type", "content_type"),
-                        ("content encoding", "content_encoding")):
-        if not isinstance(document.get(field), (str, type(None))):
-            flaws.append(f"its {name} is {wire.shown(document.get(field))}, not text")
-    size = document.get("size")
-    if "size" in document and not _is_count(size):
-        flaws.append(f"its size is {wire.shown(size)}, not a number")
-    elif _is_count(size):
-        flaws.append(oversize(int(size), None, max_bytes) or "")
-    return [flaw for flaw in flaws if flaw]
-
-
-def _document_id(envelope: Envelope, queue: str, headers: str, body: bytes) -> str:
-    """The message id, then a digest of what makes this copy this copy: the same bytes to
-    the same queue are the same document."""
-    digest = hashlib.sha256(b"\0".join((queue.encode("utf-8", "surrogateescape"),
-                                         headers.encode("ascii"), body))).hexdigest()[:32]
-    return f"{envelope.headers.get(h.MESSAGE_ID, '')}:{digest}"
-
-
-def _client_lock(client: Any) -> Any:
-    """The lock of every transport on this mongomock client, kept on the client itself."""
-    attributes = vars(client)
-    return attributes.setdefault("_idembus_transport_lock", threading.RLock())
-
-
-def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
-
-
-def _aware(moment: datetime.datetime) -> datetime.datetime:
-    """A stored time in UTC (mongomock, and clients without tz_aware, return it naive)."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)

@@ -86,20 +86,16 @@ Options
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import secrets
 import threading
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .. import headers as h
-from .. import wire
 from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..policies import Backoff
@@ -107,156 +103,45 @@ from ..redaction import redact
 from ..storage.postgres_errors import (
     classified,
     discarding,
-    is_privilege_refusal,
     login_problem,
 )
-from .base import Delivery, OnDelivery, Transport
+from .base import Delivery
 from .database import (
     MAX_METADATA_BYTES,
-    STORY_TAIL,
-    BodyLimits,
-    BodyOnDemand,
-    LeaseKeeper,
-    Reconnects,
-    deliver_claimed,
-    encode_headers,
-    failure_story,
     oversize,
-    read_headers,
-    routing_names,
-    story_at_end,
     transport_error,
 )
-from .errors import BrokerAccessDenied, DestinationRefused, TransportError, TransportUnavailable
+from .db_engine import Claim, DatabaseTransport, check_times
+from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .postgres_listener import Listener
-from .postgres_schema import QueueSchema, channel
+from .postgres_rows import (
+    _close_quietly,
+    _database_of,
+    _PostgresDelivery,
+    _seam,
+    consumer_connection,
+    moved_aside,
+)
+from .postgres_schema import QueueSchema, cannot_create, channel
+from .postgres_statements import (
+    COLUMNS,
+    NO_DISK_WAIT,
+    SIZED_COLUMNS,
+    Enqueued,
+    QueuePart,
+    Statements,
+)
 
 log = logging.getLogger(__name__)
 
-#: In a statement of its own (autocommit), lets its transaction commit without waiting for
-#: the disk: for what a crash of the database may forget (a notification, a requeue).
-_NO_DISK_WAIT = "set_config('synchronous_commit', 'off', true)"
-#: The columns :meth:`PostgresTransport.get` returns (a message taken whole), in the order
-#: :class:`_PostgresDelivery` reads them.
-_COLUMNS = "m.id, m.headers::text, m.body, m.content_type, m.content_encoding, m.deliveries"
-#: The bytes of a row's headers, content type and content encoding.
-_METADATA = ("(octet_length(m.headers::text) + coalesce(octet_length(m.content_type), 0)"
-             " + coalesce(octet_length(m.content_encoding), 0))")
-#: The columns a claim or a read returns: :data:`_COLUMNS`, but the body only if it is
-#: within ``%(max_body)s`` bytes and the rest only within ``%(max_metadata)s`` (else NULL,
-#: never read), then the sizes of the body and of the rest, and, where the headers were not
-#: read, their end (where a move aside wrote the failure story: :func:`story_at_end`).
-_SIZED_COLUMNS = (
-    f"m.id, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.headers::text END,"
-    f" CASE WHEN {_METADATA} <= %(max_metadata)s AND octet_length(m.body) <= %(max_body)s"
-    f" THEN m.body END, CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_type END,"
-    f" CASE WHEN {_METADATA} <= %(max_metadata)s THEN m.content_encoding END, m.deliveries,"
-    f" octet_length(m.body), {_METADATA}, CASE WHEN {_METADATA} > %(max_metadata)s"
-    f" THEN right(m.headers::text, {STORY_TAIL}) END")
-#: Largest value of the ``integer`` column ``deliveries``: the count stops there.
-_MAX_DELIVERIES = 2**31 - 1
+__all__ = ["Enqueued", "PostgresTransport", "QueuePart"]
 
 
-@dataclass(frozen=True)
-class Enqueued:
-    """What one insert of envelopes did: copies per envelope, in order, and the queues
-    that got any (whose consumers to wake once it committed)."""
-
-    copies: tuple[int, ...]
-    queues: tuple[str, ...] = ()
-
-    def refused(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
-        """The sent ones (with a destination) that found no declared queue."""
-        return [e for e, n in zip(envelopes, self.copies, strict=True)
-                if e.destination is not None and n == 0]
-
-    def unrouted(self, envelopes: Sequence[Envelope]) -> list[Envelope]:
-        """The published ones no queue subscribed to."""
-        return [e for e, n in zip(envelopes, self.copies, strict=True)
-                if e.destination is None and n == 0]
-
-
-@dataclass(frozen=True)
-class QueuePart:
-    """The transport's part of a statement (named parameters, all ``bus_*``): insert
-    ``envelopes`` — each sent one into its destination queue if that queue was declared,
-    each published one into every queue subscribed to one of its types — and delete the
-    row ``remove`` (or nothing). :meth:`PostgresTransport.enqueue` runs it alone; the
-    shared transaction runs it inside the storage's commit statement
-    (:mod:`idembus.storage.postgres_shared`), its effects guarded by the commit's write."""
-
-    schema: QueueSchema
-    envelopes: tuple[Envelope, ...]
-    params: dict[str, Any]
-
-    @property
-    def inputs(self) -> str:
-        return ("bus_m(ord, headers, body, content_type, content_encoding, delay) AS ("
-                "SELECT * FROM unnest(%(bus_ord)s::int[], %(bus_headers)s::text[],"
-                " %(bus_body)s::bytea[], %(bus_content_type)s::text[],"
-                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[])), "
-                "bus_t(ord, name, published) AS (SELECT * FROM unnest("
-                "%(bus_target_ord)s::int[], %(bus_target)s::text[], %(bus_published)s::bool[]))")
-
-    @property
-    def precondition(self) -> str:
-        """Every sent envelope has a declared queue."""
-        return ("NOT EXISTS (SELECT 1 FROM bus_t WHERE NOT bus_t.published AND NOT EXISTS ("
-                f"SELECT 1 FROM {self.schema.queues} q WHERE q.name = bus_t.name))")
-
-    def effects(self, guard: str) -> str:
-        schema = self.schema
-        return (
-            f"bus_targets AS (SELECT t.ord, q.name AS queue FROM bus_t t JOIN {schema.queues} q"
-            f" ON NOT t.published AND q.name = t.name WHERE {guard} "
-            f"UNION SELECT t.ord, s.queue FROM bus_t t JOIN {schema.subscriptions} s"
-            f" ON t.published AND s.message_type = t.name WHERE {guard}), "
-            f"bus_inserted AS (INSERT INTO {schema.messages}"
-            " (queue, headers, body, content_type, content_encoding, visible_at)"
-            " SELECT bus_targets.queue, m.headers::json, m.body, m.content_type,"
-            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second'"
-            " FROM bus_targets JOIN bus_m m USING (ord) ORDER BY m.ord, bus_targets.queue), "
-            f"bus_removed AS (DELETE FROM {schema.messages} WHERE id = %(bus_remove)s"
-            f" AND {guard})")
-
-    @property
-    def after(self) -> str:
-        """Wake the consumers of the queues written to (a statement of its own, after the
-        commit: see :mod:`.postgres_schema`). Each queue the envelopes may go to is
-        notified, written to or not: a consumer woken for nothing claims nothing. A NOTIFY
-        gives its transaction an id, whose commit would wait for the disk while holding
-        the database's notification lock: this one does not wait (a notification lost in
-        a crash of the database only leaves a consumer to look ``max_idle_wait`` later)."""
-        schema = self.schema
-        return (f"WITH {self.inputs} SELECT {_NO_DISK_WAIT}, pg_notify(%(bus_prefix)s || '_' "
-                "|| left(md5(q.queue), 16), '') FROM ("
-                f"SELECT q.name AS queue FROM bus_t t JOIN {schema.queues} q"
-                " ON NOT t.published AND q.name = t.name "
-                f"UNION SELECT s.queue FROM bus_t t JOIN {schema.subscriptions} s"
-                " ON t.published AND s.message_type = t.name) AS q")
-
-    @property
-    def result(self) -> str:
-        """How many copies each envelope got and the queues that got any, as JSON
-        ``[[[ordinal, copies], ...], [queue, ...]]``."""
-        return ("json_build_array((SELECT coalesce(json_agg(json_build_array(ord, n)), '[]') "
-                "FROM (SELECT ord, count(*) AS n FROM bus_targets GROUP BY ord) AS routed), "
-                "(SELECT coalesce(json_agg(DISTINCT queue), '[]') FROM bus_targets))")
-
-    def enqueued(self, result: Any) -> Enqueued:
-        """What :attr:`result` says, per envelope."""
-        routed, queues = result or ((), ())
-        copies = {int(ordinal): int(count) for ordinal, count in routed}
-        return Enqueued(tuple(copies.get(ordinal, 0) for ordinal in range(len(self.envelopes))),
-                        tuple(queues))
-
-
-class PostgresTransport(BodyLimits, Transport):
+class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection[Any]"]):
     """Transport on PostgreSQL tables; see the module docstring."""
 
-    native_delay = True
-    publisher_confirms = True
     process_local = False
+    connects_per_consumer = True
 
     def __init__(
         self,
@@ -270,10 +155,7 @@ class PostgresTransport(BodyLimits, Transport):
         reconnect_backoff: Backoff | None = None,
         shared_transactions: bool = True,
     ) -> None:
-        if visibility_timeout <= 0 or max_idle_wait <= 0:
-            raise ConfigurationError(
-                f"visibility_timeout and max_idle_wait must be positive seconds, got "
-                f"{visibility_timeout!r} and {max_idle_wait!r}")
+        check_times(visibility_timeout, max_idle_wait)
         if pool_size < 1:
             raise ConfigurationError(f"pool_size must be at least 1, got {pool_size}")
         super().__init__()
@@ -281,13 +163,13 @@ class PostgresTransport(BodyLimits, Transport):
         #: The URL as it may be shown: without its password.
         self.safe_url = redact(url)
         self.schema = QueueSchema(table_prefix)
-        self.visibility_timeout = visibility_timeout
-        self.max_idle_wait = max_idle_wait
         #: Whether an endpoint whose PostgresStorage is in this database commits, sends and
         #: acknowledges in one transaction (:meth:`shares_database_with`).
         self.shared_transactions = shared_transactions
         self._connect_timeout = connect_timeout
-        self._reconnects = Reconnects(reconnect_backoff, self.safe_url)
+        self._start_engine(url=self.safe_url, visibility_timeout=visibility_timeout,
+                           max_idle_wait=max_idle_wait, backoff=reconnect_backoff,
+                           name="idembus-postgres-leases")
         try:
             self._pool = ConnectionPool(
                 url, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
@@ -300,51 +182,10 @@ class PostgresTransport(BodyLimits, Transport):
         self._opened = False
         self._opening = threading.Lock()
         self._schema_ready = False
-        self._leases: LeaseKeeper[_PostgresDelivery] = LeaseKeeper(
-            self.renew, visibility_timeout, name="idembus-postgres-leases")
         self._consumers: set[psycopg.Connection[Any]] = set()
         self._listeners: dict[str, Listener] = {}
         self._consumers_lock = threading.Lock()
-        schema = self.schema
-        # Claims up to a limit; one row more says in how many seconds the next delayed
-        # message or lease of the queue is due (NULL: none). Whatever a row holds, the
-        # statement succeeds: the count saturates, and a due time of 'infinity' (a row
-        # written by another client) is never waited for.
-        due = ("visible_at <= clock_timestamp() AND (leased_until IS NULL"
-               " OR leased_until <= clock_timestamp())")
-        self._claim_sql = (
-            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} WHERE queue = %(queue)s"
-            f" AND {due} ORDER BY visible_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
-            f"u AS (UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() +"
-            " %(lease)s * interval '1 second', lease = %(token)s,"
-            f" deliveries = least(m.deliveries, {_MAX_DELIVERIES - 1}) + 1 FROM c"
-            f" WHERE m.id = c.id RETURNING {_SIZED_COLUMNS}, c.visible_at) "
-            "SELECT *, NULL::float8 FROM u UNION ALL "
-            "SELECT NULL::bigint, NULL::text, NULL::bytea, NULL::text, NULL::text, NULL::int,"
-            " NULL::int, NULL::int, NULL::text, NULL::timestamptz, extract(epoch FROM least("
-            f"(SELECT min(visible_at) FROM {schema.messages} WHERE queue = %(queue)s"
-            " AND visible_at > clock_timestamp() AND isfinite(visible_at)), "
-            f"(SELECT min(leased_until) FROM {schema.messages} WHERE queue = %(queue)s"
-            " AND visible_at <= clock_timestamp() AND leased_until > clock_timestamp()"
-            " AND isfinite(leased_until))) - clock_timestamp())::float8")
-        # Moves claimed rows (ids, leases) to an error queue inside the database, their
-        # failure headers (JSON members, %(stories)s) written after the original ones —
-        # or, where those are not a JSON object, beside their text — body untouched.
-        headers = (
-            "CASE WHEN json_typeof(m.headers) <> 'object' THEN '{' || d.story"
-            " || ', \"idembus.wire.original_headers\": ' || to_json(m.headers::text)::text"
-            " || '}' WHEN btrim(m.headers::text, E'{} \\t\\n\\r') = '' THEN '{' || d.story"
-            " || '}' ELSE left(rtrim(m.headers::text, E' \\t\\n\\r'), -1) || ', ' || d.story"
-            " || '}' END")
-        self._move_sql = (
-            "WITH d AS (SELECT * FROM unnest(%(ids)s::bigint[], %(leases)s::bigint[],"
-            " %(stories)s::text[]) AS d(id, lease, story)), "
-            f"moved AS (UPDATE {schema.messages} AS m SET queue = %(error_queue)s,"
-            f" headers = ({headers})::json, visible_at = clock_timestamp(),"
-            " leased_until = NULL, lease = NULL, deliveries = 0 FROM d"
-            " WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
-            f"SELECT {_NO_DISK_WAIT}, pg_notify(%(channel)s, '') "
-            "WHERE EXISTS (SELECT 1 FROM moved)")
+        self._statements = Statements.of(self.schema)
 
     # -- schema -----------------------------------------------------------------------
 
@@ -371,23 +212,13 @@ class PostgresTransport(BodyLimits, Transport):
             try:
                 self.migrate()
             except BrokerAccessDenied as refused:
-                if is_privilege_refusal(refused):
-                    raise ConfigurationError(
-                        f"PostgreSQL at {self.safe_url} lacks {', '.join(missing)} and this "
-                        f"role may not create them ({refused}); run `idembus migrate "
-                        "package.module:endpoint` once with a role that may, then start "
-                        "again") from refused
-                raise ConfigurationError(
-                    f"PostgreSQL at {self.safe_url}: {', '.join(missing)} cannot be created "
-                    f"({refused}); a table of that name that idembus did not create is in "
-                    "the way: rename or drop it, or give the transport another "
-                    "table_prefix") from refused
+                raise cannot_create(missing, refused, self.safe_url) from refused
         self._schema_ready = True
 
     def drop_tables(self) -> None:
         """Drop the tables and every message in them (tests and samples clean up; works
         after :meth:`close` too)."""
-        with _seam(self, "dropping the transport's tables"), psycopg.connect(
+        with _seam(self.url, "dropping the transport's tables"), psycopg.connect(
                 self.url, autocommit=True,
                 connect_timeout=max(1, int(self._connect_timeout))) as connection:
             self.schema.drop(connection)
@@ -465,27 +296,9 @@ class PostgresTransport(BodyLimits, Transport):
         """The statement part that inserts ``envelopes`` and deletes ``remove``'s row —
         if it is a delivery of this transport's table (another one, a tool's own, is left
         to be acknowledged as usual); see :class:`QueuePart`."""
-        remove = self._own(remove)
-        now = datetime.datetime.now(datetime.timezone.utc)
-        params: dict[str, Any] = {name: [] for name in (
-            "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
-            "bus_delay", "bus_target_ord", "bus_target", "bus_published")}
-        for ordinal, envelope in enumerate(envelopes):
-            due = envelope.deliver_at
-            for name, value in (
-                    ("bus_ord", ordinal), ("bus_headers", encode_headers(envelope.headers)),
-                    ("bus_body", envelope.body.encode("utf-8", "surrogateescape")),
-                    ("bus_content_type", envelope.content_type),
-                    ("bus_content_encoding", envelope.content_encoding),
-                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0)):
-                params[name].append(value)
-            for target in _targets(envelope):
-                params["bus_target_ord"].append(ordinal)
-                params["bus_target"].append(target)
-                params["bus_published"].append(envelope.destination is None)
-        params["bus_remove"] = remove.row_id if remove is not None else None
-        params["bus_prefix"] = self.schema.prefix
-        return QueuePart(self.schema, tuple(envelopes), params)
+        own = self._own(remove)
+        return QueuePart.of(self.schema, envelopes,
+                            remove=own.row_id if own is not None else None)
 
     def removed(self, delivery: Delivery) -> None:
         """``delivery``'s row was deleted by a transaction that committed: acknowledging or
@@ -513,54 +326,60 @@ class PostgresTransport(BodyLimits, Transport):
         return (self.shared_transactions and isinstance(storage, PostgresStorage)
                 and _database_of(storage.conninfo) == _database_of(self.url))
 
-    # -- consuming --------------------------------------------------------------------
+    # -- consuming: the engine's primitives ------------------------------------------
 
-    def consume(
-        self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event, prefetch: int = 1
-    ) -> None:
-        """See the contract; outages are waited out here (reconnecting with backoff), and a
-        refusal only an operator can end (``BrokerAccessDenied``) is raised."""
+    @contextlib.contextmanager
+    def _session(self, queue: str) -> Iterator[psycopg.Connection[Any]]:
+        """A consumer's own connection, hung up when it ends."""
+        connection = self._consumer_connection("consume", queue)
+        try:
+            yield connection
+        finally:
+            self._hang_up(connection)
+
+    @contextlib.contextmanager
+    def _waiter(self, queue: str) -> Iterator[Listener]:
+        """The listener of ``queue`` in this process, joined while the consumer runs."""
         listener = self._listener(queue)
         listener.join()
         try:
-            failures = 0
-            while not stop.is_set():
-                try:
-                    connection = self._consumer_connection("consume", queue)
-                except BrokerAccessDenied:
-                    raise
-                except TransportUnavailable as exc:
-                    failures = self._reconnects.pause(queue, exc, failures, stop)
-                    continue
-                try:
-                    failures = 0
-                    self._consume_on(connection, listener, on_delivery, stop, max(1, prefetch))
-                except BrokerAccessDenied:
-                    raise
-                except TransportUnavailable as exc:
-                    failures = self._reconnects.pause(queue, exc, failures, stop)
-                finally:
-                    self._hang_up(connection)
+            yield listener
         finally:
             listener.leave()
 
-    def _consume_on(self, connection: psycopg.Connection[Any], listener: Listener,
-                    on_delivery: OnDelivery, stop: threading.Event, prefetch: int) -> None:
-        queue = listener.queue
-        while not stop.is_set():
-            with _seam(self, f"consuming {queue!r}", refusal=BrokerAccessDenied):
-                deliveries, due, full = self._claim(connection, queue, prefetch,
-                                                    move_oversized=True)
-            if full:
-                listener.pass_on()  # more may be waiting: another idle consumer looks
-            deliver_claimed(deliveries, on_delivery, stop, self._give_back)
-            if not full:
-                # The queue had no more when claimed: what came since has notified, and
-                # what comes due has its time (no claim that would find nothing)
-                wait = self.max_idle_wait if due is None else min(due, self.max_idle_wait)
-                listener.wait(max(0.0, wait), stop)
+    def _claim(self, session: psycopg.Connection[Any], queue: str,
+               limit: int) -> Claim[_PostgresDelivery]:
+        """Up to ``limit`` rows, oversized ones moved aside; claim again at once if all
+        ``limit`` were claimed (the queue had no more otherwise: what came since has
+        notified, and what comes due has its time)."""
+        with _seam(self.url, f"consuming {queue!r}", refusal=BrokerAccessDenied):
+            deliveries, due, full = self._claim_rows(session, queue, limit,
+                                                     move_oversized=True)
+        return Claim(deliveries, again=full, due=due)
 
-    def _claim(self, connection: psycopg.Connection[Any], queue: str, limit: int | None, *,
+    def _idle_wait(self, session: psycopg.Connection[Any], queue: str,
+                   claim: Claim[_PostgresDelivery]) -> float:
+        wait = self.max_idle_wait if claim.due is None else min(claim.due, self.max_idle_wait)
+        return max(0.0, wait)
+
+    def _take(self, queue: str, limit: int | None) -> list[_PostgresDelivery]:
+        """A tool's claim (see :meth:`inspect`): a body over the queue's limit is read when a
+        tool reads it; a message whose headers are too large to read is given back at once
+        (a tool that retried it without them would lose them): ``browse`` lists it, and SQL
+        removes it."""
+        with self._connection(f"taking the messages of {queue!r}") as connection:
+            taken, _, _ = self._claim_rows(connection, queue, limit, move_oversized=False)
+        unread = [delivery for delivery in taken if delivery.headers_left]
+        if unread:
+            log.warning("%d message(s) of %r left out: their headers are too large to read "
+                        "(see them with browse; remove them with SQL)", len(unread), queue)
+            self._give_back(unread)
+            taken = [delivery for delivery in taken if not delivery.headers_left]
+        for delivery in taken:
+            delivery.connection = None  # settled through the pool, from any thread
+        return taken
+
+    def _claim_rows(self, connection: psycopg.Connection[Any], queue: str, limit: int | None, *,
                move_oversized: bool) -> tuple[list[_PostgresDelivery], float | None, bool]:
         """Up to ``limit`` due messages of ``queue`` (every one for ``None``), leased to
         this process, oldest due first (their leases are renewed until they are settled),
@@ -572,7 +391,7 @@ class PostgresTransport(BodyLimits, Transport):
         consumer), or delivered with its body left there (a tool)."""
         token = secrets.randbits(63)
         limits = self.body_limit(queue)
-        rows = connection.execute(self._claim_sql, {
+        rows = connection.execute(self._statements.claim, {
             "queue": queue, "limit": limit, "lease": self.visibility_timeout,
             "token": token, "max_body": limits.max_bytes,
             "max_metadata": MAX_METADATA_BYTES}).fetchall()
@@ -592,23 +411,15 @@ class PostgresTransport(BodyLimits, Transport):
         self._leases.hold(deliveries)
         return deliveries, due, full
 
+
     def _move_aside(self, connection: psycopg.Connection[Any], queue: str,
                     rows: Sequence[Sequence[Any]], lease: int) -> None:
         """Move the claimed ``rows`` (sizes and what was read) to ``queue``'s error queue
         in one statement, with their failure headers; their bodies never leave the
         database."""
         limits = self.body_limit(queue)
-        stories = []
-        for row in rows:
-            reason = oversize(row[6], row[7], limits.max_bytes) or "too large"
-            headers, _ = read_headers(row[1], row[4]) if row[1] is not None else ({}, None)
-            story = failure_story(headers, f"{reason} (moved to {limits.error_queue!r} by "
-                                  "the database, unread)", queue=queue)
-            stories.append(encode_headers(story)[1:-1])
-            log.warning("moved %s from %r to %r inside the database, unread: %s",
-                        wire.shown(headers.get(h.MESSAGE_ID, "a message without id")), queue,
-                        limits.error_queue, reason)
-        connection.execute(self._move_sql, {
+        stories = moved_aside(rows, queue, limits)
+        connection.execute(self._statements.move, {
             "ids": [row[0] for row in rows], "leases": [lease] * len(rows),
             "stories": stories, "error_queue": limits.error_queue,
             "channel": channel(self.schema.prefix, limits.error_queue)})
@@ -630,19 +441,7 @@ class PostgresTransport(BodyLimits, Transport):
         ``pg_stat_activity``."""
         if not self._schema_ready:
             self.verify()
-        try:
-            connection = psycopg.connect(
-                self.url, autocommit=True, connect_timeout=max(1, int(self._connect_timeout)),
-                application_name=f"idembus {role} {queue}"[:63])
-        except psycopg.Error as exc:
-            raise transport_error(classified(exc, self.url), f"consuming {queue!r}") from exc
-        try:
-            # Claims and acknowledgements need not wait for the disk: one a crash of the
-            # database forgets only delivers its message again, which is deduplicated.
-            connection.execute("SET synchronous_commit TO off")
-        except psycopg.Error as exc:
-            _close_quietly(connection)
-            raise transport_error(classified(exc, self.url), f"consuming {queue!r}") from exc
+        connection = consumer_connection(self.url, self._connect_timeout, role, queue)
         with self._consumers_lock:
             self._consumers.add(connection)
         return connection
@@ -654,27 +453,23 @@ class PostgresTransport(BodyLimits, Transport):
 
     # -- settling -----------------------------------------------------------------------
 
-    def _delete(self, delivery: _PostgresDelivery) -> None:
+    def _delete_row(self, delivery: _PostgresDelivery) -> None:
         with self._settling(delivery, "acknowledge") as connection:
             connection.execute(f"DELETE FROM {self.schema.messages} WHERE id = %s",
                                (delivery.row_id,))
-        self._leases.drop([delivery])
 
-    def _give_back(self, deliveries: Sequence[_PostgresDelivery]) -> None:
+    def _clear_leases(self, deliveries: Sequence[_PostgresDelivery]) -> None:
         """Clear the leases of ``deliveries`` still held by their claims (they keep their
         places) and wake the queue's idle consumers."""
-        if not deliveries:
-            return
         first = deliveries[0]
         with self._settling(first, "requeue") as connection:
             connection.execute(
                 f"WITH back AS (UPDATE {self.schema.messages} AS m SET leased_until = NULL, "
                 "lease = NULL FROM unnest(%s::bigint[], %s::bigint[]) AS d(id, lease) "
                 "WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
-                f"SELECT {_NO_DISK_WAIT}, pg_notify(%s, '') WHERE EXISTS (SELECT 1 FROM back)",
+                f"SELECT {NO_DISK_WAIT}, pg_notify(%s, '') WHERE EXISTS (SELECT 1 FROM back)",
                 ([d.row_id for d in deliveries], [d.lease for d in deliveries],
                  channel(self.schema.prefix, first.queue)))
-        self._leases.drop(deliveries)
 
     @contextlib.contextmanager
     def _settling(self, delivery: _PostgresDelivery,
@@ -684,7 +479,7 @@ class PostgresTransport(BodyLimits, Transport):
         what = f"{action} a message of {delivery.queue!r}"
         own = delivery.connection
         if own is not None and not own.closed:
-            with _seam(self, what):
+            with _seam(self.url, what):
                 yield own
             return
         with self._connection(what) as connection:
@@ -711,7 +506,7 @@ class PostgresTransport(BodyLimits, Transport):
                 f"SELECT id FROM {self.schema.messages} WHERE queue = %s"
                 " AND visible_at <= clock_timestamp() AND (leased_until IS NULL"
                 " OR leased_until <= clock_timestamp()) ORDER BY visible_at, id LIMIT 1"
-                f" FOR UPDATE SKIP LOCKED) RETURNING {_COLUMNS}", (queue,)).fetchone()
+                f" FOR UPDATE SKIP LOCKED) RETURNING {COLUMNS}", (queue,)).fetchone()
         if row is None:
             return None
         return _PostgresDelivery(self, queue, row, lease=0, settled=True)
@@ -724,34 +519,6 @@ class PostgresTransport(BodyLimits, Transport):
                 " AND visible_at <= clock_timestamp() AND (leased_until IS NULL"
                 " OR leased_until <= clock_timestamp())", (queue,)).fetchone()
         return int(row[0]) if row else 0
-
-    @contextlib.contextmanager
-    def inspect(self, queue: str, *, limit: int | None = None) -> Iterator[list[Delivery]]:
-        """The messages due in ``queue`` now, claimed (their leases renewed while the block
-        runs); see the contract. Those left unsettled go back to their places; had the
-        process died, they would be due again after ``visibility_timeout``. A body over the
-        queue's limit is read when a tool reads it; a message whose headers are too large
-        to read is given back at once (a tool that retried it without them would lose
-        them): ``browse`` lists it, and SQL removes it."""
-        if limit is not None and limit < 0:
-            raise ValueError(f"limit must be at least 0, got {limit}")
-        if limit == 0:
-            yield []
-            return
-        with self._connection(f"taking the messages of {queue!r}") as connection:
-            taken, _, _ = self._claim(connection, queue, limit, move_oversized=False)
-        unread = [delivery for delivery in taken if delivery.headers_left]
-        if unread:
-            log.warning("%d message(s) of %r left out: their headers are too large to read "
-                        "(see them with browse; remove them with SQL)", len(unread), queue)
-            self._give_back(unread)
-            taken = [delivery for delivery in taken if not delivery.headers_left]
-        for delivery in taken:
-            delivery.connection = None  # settled through the pool, from any thread
-        try:
-            yield list(taken)
-        finally:
-            self._give_back([delivery for delivery in taken if not delivery.settled])
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:
@@ -773,7 +540,7 @@ class PostgresTransport(BodyLimits, Transport):
             while after < last:
                 with self._connection(f"reading {queue!r}") as connection:
                     rows = connection.execute(
-                        f"SELECT {_SIZED_COLUMNS} FROM {self.schema.messages} AS m WHERE "
+                        f"SELECT {SIZED_COLUMNS} FROM {self.schema.messages} AS m WHERE "
                         "queue = %(queue)s AND id > %(after)s AND id <= %(last)s ORDER BY id"
                         " LIMIT %(page)s", {
                             "queue": queue, "after": after, "last": last, "page": page,
@@ -811,15 +578,14 @@ class PostgresTransport(BodyLimits, Transport):
                     if not self._opened:
                         self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
-            with self._pool.connection() as pooled, _seam(self, what, refusal=refusal), \
+            with self._pool.connection() as pooled, _seam(self.url, what, refusal=refusal), \
                     discarding(pooled) as connection:
                 yield connection
         except PoolTimeout as exc:
             found = login_problem(self.url, self._connect_timeout)
             raise transport_error(found or classified(exc, self.url), what) from exc
 
-    def close(self) -> None:
-        self._leases.close()
+    def _disconnect(self) -> None:
         with self._consumers_lock:
             consumers, self._consumers = self._consumers, set()
             listeners, self._listeners = list(self._listeners.values()), {}
@@ -832,85 +598,3 @@ class PostgresTransport(BodyLimits, Transport):
                 self._pool.close()
                 self._opened = False
 
-
-class _PostgresDelivery(BodyOnDemand, Delivery):
-    """A row of the messages table, claimed (or read): the columns of :data:`_COLUMNS`,
-    or of :data:`_SIZED_COLUMNS` (a body or headers not read are fetched on demand)."""
-
-    def __init__(self, transport: PostgresTransport, queue: str, row: Sequence[Any], *,
-                 lease: int, connection: psycopg.Connection[Any] | None = None,
-                 settled: bool = False) -> None:
-        row_id, raw_headers, body, content_type, content_encoding, deliveries = row[:6]
-        body_size, metadata_size, tail = row[6:9] if len(row) >= 9 else (None, None, None)
-        unread = (oversize(None, metadata_size, MAX_METADATA_BYTES)
-                  if raw_headers is None else None)
-        headers, problem = ((story_at_end(tail), unread) if unread
-                            else read_headers(raw_headers, content_encoding))
-        super().__init__(queue=queue, headers=headers,
-                         body=b"" if body is None else bytes(body),
-                         content_type=content_type, content_encoding=content_encoding,
-                         redelivered=int(deliveries) > 1, wire_error=problem)
-        if body is None and body_size is not None:
-            self.leave_body(body_size, lambda: transport._body_of(row_id, queue))
-        #: Its headers were too large to read: :attr:`headers` holds only the failure
-        #: story found at their end, if any.
-        self.headers_left = unread is not None
-        self.settled = settled
-        #: The row's id and the claim's lease token.
-        self.row_id: int = row_id
-        self.lease = lease
-        #: The consumer connection it was claimed on (``None``: settled through the pool).
-        self.connection = connection
-        self._transport = transport
-        #: The table its row is in.
-        self.table = transport.schema.messages
-        #: Its row was deleted by a committed transaction (the shared transaction).
-        self.removed = False
-
-    def _ack(self) -> None:
-        if not self.removed:
-            self._transport._delete(self)
-
-    def _requeue(self) -> None:
-        if not self.removed:
-            self._transport._give_back([self])
-
-
-@contextlib.contextmanager
-def _seam(transport: PostgresTransport, what: str, *,
-          refusal: type[TransportError] = DestinationRefused) -> Iterator[None]:
-    """The driver's failures met while doing ``what``, as transport errors; ``refusal``
-    stands for what the database refuses that is not an outage or the endpoint's."""
-    try:
-        yield
-    except psycopg.Error as exc:
-        error = transport_error(classified(exc, transport.url), what)
-        if isinstance(error, DestinationRefused) and refusal is not DestinationRefused:
-            error = refusal(str(error))
-        raise error from exc
-    except UnicodeEncodeError as exc:  # text the database cannot hold as UTF-8
-        raise refusal(f"{what}: {exc}") from exc
-
-
-def _targets(envelope: Envelope) -> list[str]:
-    """The queue a sent envelope goes to, or the type names a published one is routed by."""
-    return [envelope.destination] if envelope.destination is not None else routing_names(
-        envelope)
-
-
-def _database_of(conninfo: str) -> tuple[str, str, str, str]:
-    """Host, port, database and role a conninfo names (libpq's defaults where absent)."""
-    try:
-        parts = conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        return (conninfo, "", "", "")
-    user = str(parts.get("user") or "")
-    return (str(parts.get("host") or ""), str(parts.get("port") or "5432"),
-            str(parts.get("dbname") or user), user)
-
-
-def _close_quietly(connection: psycopg.Connection[Any]) -> None:
-    try:
-        connection.close()
-    except Exception:  # closing a broken connection may raise; nothing to do about it
-        log.debug("closing a PostgreSQL connection failed", exc_info=True)

@@ -18,13 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from ..errors import BusError
 from .database import Reconnects
+
+if TYPE_CHECKING:
+    from .db_engine import Claim
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,12 @@ class Listener:
                     return
                 self._wakeups.wait(min(left, STOP_CHECK))
             self._tokens -= 1
+
+    def claimed(self, claim: Claim[Any]) -> None:
+        """A consumer claimed ``claim``: if it was full, more may be waiting, and another
+        idle consumer looks (:meth:`pass_on`)."""
+        if claim.again:
+            self.pass_on()
 
     def pass_on(self) -> None:
         """Wake one more idle consumer (more messages may be waiting)."""

@@ -29,11 +29,15 @@ DDL rights can start an endpoint once ``idembus migrate`` has run.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 
+from ..errors import ConfigurationError
+from ..storage.postgres_errors import is_privilege_refusal
 from .database import check_prefix
+from .errors import BrokerAccessDenied
 
 #: Key of the advisory lock that serialises the creation of these tables.
 _SCHEMA_LOCK = 0x1DE3B06
@@ -101,3 +105,18 @@ class QueueSchema:
     def drop(self, connection: psycopg.Connection[Any]) -> None:
         """Drop the tables, with every message."""
         connection.execute(f"DROP TABLE IF EXISTS {', '.join(self.tables)}")
+
+
+def cannot_create(missing: Sequence[str], refused: BrokerAccessDenied,
+                  safe_url: str) -> ConfigurationError:
+    """What to do when the tables ``missing`` at ``safe_url`` cannot be created
+    (``refused``): a role that may not, or a table in the way."""
+    if is_privilege_refusal(refused):
+        return ConfigurationError(
+            f"PostgreSQL at {safe_url} lacks {', '.join(missing)} and this role may not "
+            f"create them ({refused}); run `idembus migrate package.module:endpoint` once "
+            "with a role that may, then start again")
+    return ConfigurationError(
+        f"PostgreSQL at {safe_url}: {', '.join(missing)} cannot be created ({refused}); a "
+        "table of that name that idembus did not create is in the way: rename or drop it, "
+        "or give the transport another table_prefix")

@@ -1,0 +1,167 @@
+"""The kombu transport's consumers: one delivery or a batch at a time, reconnecting with
+backoff after an outage (one WARNING per queue and cause every 10 s), raising what only an
+operator can end; and acknowledging a batch with one ``basic.ack``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import kombu
+from kombu import Queue
+
+from ..redaction import redact
+from .base import Delivery, OnBatch, OnDelivery
+from .errors import BrokerAccessDenied, TransportUnavailable
+from .kombu_core import _DRAIN_TIMEOUT, KombuCore
+from .kombu_delivery import _KombuDelivery
+from .kombu_errors import _broker_errors, _classified
+
+log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
+
+
+class KombuConsuming(KombuCore):
+    """Consuming a queue, one delivery or a batch at a time."""
+
+    def consume(
+        self, queue: str, on_delivery: OnDelivery, *, stop: threading.Event, prefetch: int = 1
+    ) -> None:
+        """See the contract; outages are waited out here, and a refusal that only an
+        operator can end (``BrokerAccessDenied``) is raised."""
+        self._consuming(queue, stop, prefetch,
+                        lambda connection: self._delivering(queue, on_delivery, connection),
+                        lambda connection: None)
+
+    def consume_batches(
+        self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,
+        size: int = 1, linger: float = 0.0,
+    ) -> None:
+        """See the contract: once a delivery is ready, the next ones are taken as they come,
+        up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`.
+
+        On Redis batches hold one delivery: a wait for more leaves a ``BRPOP`` pending while
+        the batch is processed, which takes the message a stopping consumer gives back.
+        A subclass that overrides :meth:`consume` gets its batches through it, one delivery
+        each."""
+        if self._overrides("consume"):
+            super().consume_batches(queue, on_batch, stop=stop, prefetch=prefetch)
+            return
+        if self._is_redis:
+            size = 1
+        ready: list[Delivery] = []
+
+        def receiving(connection: kombu.Connection) -> Callable[[kombu.Message], None]:
+            ready.clear()  # what a lost connection had delivered, the broker delivers again
+            outage = _broker_errors(connection)
+
+            def on_message(message: kombu.Message) -> None:
+                ready.append(_KombuDelivery(queue, message, outage=outage,
+                                            native_requeue=self._is_amqp,
+                                            events_exchange=self.exchange_name))
+
+            return on_message
+
+        def after_drain(connection: kombu.Connection) -> None:
+            deadline = time.monotonic() + linger
+            while ready and len(ready) < size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    connection.drain_events(timeout=remaining)
+                except TimeoutError:
+                    break
+            while ready:  # a drain may bring more than one: never more than size a batch
+                batch = ready[:size]
+                del ready[:size]
+                self.deliver_batch(batch, on_batch)
+
+        self._consuming(queue, stop, prefetch, receiving, after_drain)
+
+    def _consuming(
+        self, queue: str, stop: threading.Event, prefetch: int,
+        receiving: Callable[[kombu.Connection], Callable[[kombu.Message], None]],
+        after_drain: Callable[[kombu.Connection], None],
+    ) -> None:
+        """Consume ``queue`` with the callback ``receiving(connection)`` makes, calling
+        ``after_drain`` after each delivery, until ``stop`` is set; reconnect after outages."""
+        failures = 0
+        while not stop.is_set():
+            try:
+                connection = self._connect()
+            except BrokerAccessDenied:
+                raise
+            except TransportUnavailable as exc:
+                failures = self._pause_after_failure(queue, exc, failures, stop)
+                continue
+            try:
+                channel = self._raw_channel(connection)
+                with kombu.Consumer(
+                    channel, [Queue(queue, durable=True, no_declare=True)],
+                    on_message=receiving(connection), prefetch_count=prefetch,
+                ):
+                    failures = 0
+                    while not stop.is_set():
+                        try:
+                            connection.drain_events(timeout=_DRAIN_TIMEOUT)
+                        except TimeoutError:
+                            continue
+                        after_drain(connection)
+            except TransportUnavailable as exc:  # a delivery's connection went away
+                failures = self._pause_after_failure(queue, exc, failures, stop)
+            except Exception as exc:
+                classified = _classified(exc, connection, f"consuming {queue!r}",
+                                         refusal=BrokerAccessDenied, url=self.safe_url)
+                if classified is None:
+                    raise
+                if isinstance(classified, BrokerAccessDenied):
+                    raise classified from exc
+                failures = self._pause_after_failure(queue, classified, failures, stop)
+            finally:
+                self._release(connection)
+
+    def ack_many(self, deliveries: Sequence[Delivery]) -> None:
+        """On RabbitMQ, deliveries with consecutive tags on one channel (a batch, every
+        earlier delivery settled) are acknowledged with one ``basic.ack`` (``multiple``);
+        others one by one."""
+        held = [delivery for delivery in deliveries if isinstance(delivery, _KombuDelivery)]
+        if not self._is_amqp or len(held) < 2 or len(held) != len(deliveries):
+            super().ack_many(deliveries)
+            return
+        tags = sorted(delivery.delivery_tag for delivery in held)
+        channels = {id(delivery.channel) for delivery in held}
+        if (len(channels) != 1 or any(delivery.settled for delivery in held)
+                or tags != list(range(tags[0], tags[0] + len(tags)))):
+            super().ack_many(deliveries)
+            return
+        last = max(held, key=lambda delivery: delivery.delivery_tag)
+        last.ack_up_to_here()
+        for delivery in held:
+            delivery.settled = True
+
+    def _delivering(self, queue: str, on_delivery: OnDelivery,
+                    connection: kombu.Connection) -> Callable[[kombu.Message], None]:
+        """The kombu callback that hands each message of ``queue`` to ``on_delivery``."""
+        outage = _broker_errors(connection)
+
+        def on_message(message: kombu.Message) -> None:
+            delivery = _KombuDelivery(queue, message, outage=outage,
+                                      native_requeue=self._is_amqp,
+                                      events_exchange=self.exchange_name)
+            self.deliver(delivery, on_delivery)
+
+        return on_message
+
+    def _pause_after_failure(
+        self, queue: str, error: BaseException, failures: int, stop: threading.Event
+    ) -> int:
+        delay = self._reconnect_backoff.delay(failures)
+        held = self.reconnect_lines.allow(f"{queue} {type(error).__name__}")
+        if held is not None:
+            log.warning("consuming %r from %s failed (%s); reconnecting in %.1fs%s",
+                        queue, self.safe_url, redact(str(error)), delay,
+                        self.reconnect_lines.said(held))
+        stop.wait(delay)
+        return failures + 1
