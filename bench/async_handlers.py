@@ -282,8 +282,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Every run says that MemoryStorage is process-local; the table says it once.
-    logging.getLogger("idembus.runtime.endpoint").setLevel(logging.ERROR)
-    report, lines = bench(args)
+    endpoint_log = logging.getLogger("idembus.runtime.endpoint")
+    level = endpoint_log.level
+    endpoint_log.setLevel(logging.ERROR)
+    try:
+        report, lines = bench(args)
+    finally:  # main() also runs inside the tests: leave the logger as it was
+        endpoint_log.setLevel(level)
     print()
     for line in lines:
         print(line)

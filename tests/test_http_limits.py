@@ -289,6 +289,10 @@ class DownStorage(MemoryStorage):
         self._fail()
         return super().parked_messages(endpoint)
 
+    def parked_page(self, *args: Any, **options: Any) -> Any:  # what the failed pages read
+        self._fail()
+        return super().parked_page(*args, **options)
+
 
 def assert_told_nothing(body: bytes, caplog: pytest.LogCaptureFixture) -> None:
     text = body.decode()

@@ -26,7 +26,7 @@ from ..envelope import Envelope
 from ..policies import Batching, OutboxPolicy
 from ..schedules import SchedulerPolicy
 from ..sending import Bus
-from ..storage.base import AggregateStore, JournalStore, StatusStore
+from ..storage.base import AggregateStore, JournalStore, OutboxStore, StatusStore
 from ..transports.base import Transport
 from .batching_ports import BatchingStorage, BatchingTransport
 from .delayed import DelayedDeliveries
@@ -73,7 +73,8 @@ class Assembly:
     processor: MessageProcessor | None
     bus: Bus
     delayed: DelayedDeliveries | None
-    outbox: OutboxRelay
+    #: ``None`` on a storage without the outbox role (``outbox=False`` allows that).
+    outbox: OutboxRelay | None
     scheduler: Scheduler | None
     #: ``None`` when the endpoint makes no status reports (``status_interval=0``).
     status: StatusReporter | None
@@ -105,8 +106,12 @@ def assemble(context: EndpointContext, settings: Settings, *,
         else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
+    def wake_outbox() -> None:  # a duplicate left an entry to the outbox: look sooner
+        if outbox is not None:
+            outbox.wake_in(policy.grace)
+
     processor = MessageProcessor(context, invoker, dispatcher, recovery,
-                                 left_to_outbox=lambda: outbox.wake_in(policy.grace))
+                                 left_to_outbox=wake_outbox)
     scheduler = (Scheduler(context, settings.scheduling, dispatcher)
                  if settings.scheduling.schedules else None)
     status = StatusReporter(context.role(StatusStore), context.name, counters,
@@ -125,16 +130,19 @@ def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
 
 def _sending(context: EndpointContext, settings: Settings, journal: Journal | None, *,
              on_unrouted: Callable[[Envelope], None], dispatch_through: Transport | None = None,
-             ) -> tuple[Dispatcher, OutboxRelay, Bus, DelayedDeliveries | None]:
+             ) -> tuple[Dispatcher, OutboxRelay | None, Bus, DelayedDeliveries | None]:
     """What every endpoint needs to send: the dispatcher (dispatching through
     ``dispatch_through``, a batching decorator of the transport, if given), the outbox
-    relay, the bus and, on a transport without native delay, the delayed poller."""
+    relay (none on a storage without the outbox role, which only an endpoint with
+    ``outbox=False`` may have), the bus and, on a transport without native delay, the delayed
+    poller."""
     policy = settings.outbox
     dispatcher = Dispatcher(
         replace(context, transport=dispatch_through) if dispatch_through else context,
         journal, keep_bodies=not policy.compact_after_dispatch, on_unrouted=on_unrouted)
     outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
-                         journal_retention=settings.journal.retention if journal else None)
+                         journal_retention=settings.journal.retention if journal else None
+                         ) if isinstance(context.storage, OutboxStore) else None
     bus = Bus(context.name, context.router,
               context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock)
     delayed = None if context.transport.native_delay else DelayedDeliveries(

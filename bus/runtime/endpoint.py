@@ -312,7 +312,12 @@ class Endpoint:
         """Repairs crashes between commit and dispatch (one active per storage); called,
         sends through the outbox from outside handlers without an aggregate: ``with
         endpoint.outbox(operation_id=key) as work: work.bus.send(...)``
-        (:class:`~.unit_of_work.OutboxWork`)."""
+        (:class:`~.unit_of_work.OutboxWork`). A ConfigurationError on a storage without the
+        outbox role."""
+        if self._assembly.outbox is None:
+            raise ConfigurationError(
+                f"{type(self.storage).__name__} lacks the OutboxStore role: endpoint "
+                f"{self.name!r} has no outbox (run it on a storage that has one)")
         return self._assembly.outbox
 
     @property
@@ -576,7 +581,8 @@ class Endpoint:
             self._assembly.delayed.stop(deadline.left())
         if self._assembly.status is not None:
             self._assembly.status.stop(deadline.left())
-        self.outbox.stop(deadline.left())
+        if self._assembly.outbox is not None:
+            self._assembly.outbox.stop(deadline.left())
         if self.scheduler is not None:
             self.scheduler.stop(deadline.left())
         stopped = not any(thread.is_alive() for thread in self._threads)

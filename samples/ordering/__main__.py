@@ -45,7 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=2, help="threads per endpoint (2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("idembus.runtime.endpoint").addFilter(_SaidAbove())
+    said_above = _SaidAbove()
+    logging.getLogger("idembus.runtime.endpoint").addFilter(said_above)
+    try:
+        return _run(args)
+    finally:  # main() also runs inside tests: leave the logger as it was
+        logging.getLogger("idembus.runtime.endpoint").removeFilter(said_above)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     duplicates = max(1, int(args.orders * args.duplicates)) if args.duplicates > 0 else 0
     namespace = uuid.uuid4().hex[:8]
