@@ -59,12 +59,7 @@ def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
             parts = list(path.relative_to(root / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            name = ".".join([package, *parts])
-            if name.startswith("idembus.") and name.split(".")[1] in {"handlers", "storage",
-                                                                      "transports"} \
-                    and package == "idembus":
-                continue  # never: those names are other folders
-            found[name] = path
+            found[".".join([package, *parts])] = path
     return found
 
 

@@ -12,7 +12,6 @@ context for the storage *roles* it uses (:meth:`EndpointContext.role`) and decla
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -77,7 +76,3 @@ class EndpointContext:
                 f"{type(self.storage).__name__} lacks the {role.__name__} role that endpoint "
                 f"{self.name!r} needs here")
         return self.storage
-
-    def roles_missing(self, roles: Sequence[type[StorageRole]]) -> list[str]:
-        """The names of ``roles`` the storage lacks."""
-        return [role.__name__ for role in roles if not isinstance(self.storage, role)]
