@@ -12,11 +12,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import amqp.transport
-import kombu
 import pytest
 
 from idembus.transports import amqp_reads
-from tests.conftest import AMQP_URL
+from tests.conftest import AMQP_URL, foreign_connection
 
 FRAME_END = b"\xce"
 
@@ -111,7 +110,7 @@ def test_deliveries_of_every_size_reach_a_consumer_intact(rabbitmq):
     bodies = [os.urandom(size).hex().encode() for size in
               (1, 5, 300, amqp_reads.CHUNK // 2 - 40, amqp_reads.CHUNK, 2 * amqp_reads.CHUNK + 3,
                *range(10, 30))]
-    with kombu.Connection(AMQP_URL) as connection:
+    with foreign_connection(AMQP_URL) as connection:
         producer = connection.Producer()
         for index, body in enumerate(bodies):
             producer.publish(body, exchange="", routing_key=queue, headers={"n": index},

@@ -15,12 +15,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import kombu
-
 from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.testing import wait_until_idle
+from tests.conftest import foreign_connection
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
 MakeEndpoint = Callable[..., Endpoint]
@@ -78,7 +77,7 @@ def put_on_queue(endpoint: Endpoint, transport_url: str, bad: BadInput) -> None:
             headers=headers, body=bad.body.decode("utf-8"), destination=endpoint.name
         ))
         return
-    with kombu.Connection(transport_url) as connection:
+    with foreign_connection(transport_url) as connection:
         connection.Producer().publish(
             bad.body, exchange="", routing_key=endpoint.name, headers=headers,
             content_type=bad.raw_content_type, declare=[],
@@ -205,7 +204,7 @@ def test_a_json_content_type_with_a_charset_parameter_is_processed(
     accounts.start()
 
     # When a client labels its JSON "application/json; charset=utf-8"
-    with kombu.Connection(transport_url) as connection:
+    with foreign_connection(transport_url) as connection:
         connection.Producer().publish(
             b'{"account": "a", "amount": 7}', exchange="", routing_key=accounts.name,
             headers=_valid_headers(), content_type="application/json; charset=utf-8",

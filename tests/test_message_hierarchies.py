@@ -39,6 +39,7 @@ from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport, event_routing_key
+from tests.conftest import foreign_connection
 from tests.support import SignalCounter
 
 MakeEndpoint = Callable[..., Endpoint]
@@ -364,7 +365,7 @@ def test_a_foreign_publisher_setting_only_the_message_type_reaches_the_exact_sub
     base.start()
 
     # When a client that knows nothing of idembus publishes one with the type name as key
-    with kombu.Connection(transport_url) as connection:
+    with foreign_connection(transport_url) as connection:
         exchange = kombu.Exchange(transport.exchange_name, type="topic", durable=True)
         connection.Producer().publish(
             b'{"order_id": "o-9"}', exchange=exchange,

@@ -26,7 +26,7 @@ from idembus import headers as h
 from idembus.handlers import Handler, handles
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport
-from tests.conftest import AMQP_URL, require_service
+from tests.conftest import AMQP_URL, foreign_connection, require_service
 from tests.hostile import plain_amqp
 from tests.support import SignalCounter
 
@@ -90,7 +90,7 @@ def test_a_delivery_whose_key_belongs_to_another_type_goes_to_the_error_queue(
 
     # When a client publishes an OrderEvent with PartnerEvent's routing key (which its
     # permissions allow), then the real thing through idembus
-    with kombu.Connection(transport_url) as connection:
+    with foreign_connection(transport_url) as connection:
         exchange = kombu.Exchange(transport.exchange_name, type="topic", durable=True)
         connection.Producer().publish(
             b'{"order_id": "forged"}', exchange=exchange, routing_key="shop.PartnerEvent",

@@ -23,6 +23,7 @@ from idembus.testing import wait_until_idle
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport, _encoding_problem
 from idembus.wire import DROPPED_HEADERS, MAX_MESSAGE_ID_LENGTH, problem_with, text_headers
+from tests.conftest import foreign_connection
 from tests.hostile import plain_amqp
 from tests.support import Account, AccountHandler, Deposit, SignalCounter
 
@@ -232,7 +233,7 @@ def _publish_raw(transport_url: str, queue: str, body: bytes, headers: dict[Any,
             channel.basic_publish(amqp.Message(body, application_headers=headers,
                                                **properties), exchange="", routing_key=queue)
         return
-    with kombu.Connection(transport_url) as connection:
+    with foreign_connection(transport_url) as connection:
         compression = "bzip2" if headers.pop("compression", None) else None
         connection.Producer().publish(
             bz2.decompress(body) if compression else body, exchange="", routing_key=queue,
