@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .runtime.aio import LoopLocal
     from .runtime.endpoint import Endpoint, default_middleware
     from .runtime.journal import JournalPolicy
+    from .runtime.limits import ConcurrencyLimit, Limits, RateLimit
     from .runtime.recoverability.policy import Recoverability
     from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
@@ -54,6 +55,9 @@ if TYPE_CHECKING:
 _LAZY = {
     "AggregateHandler": ".handlers",
     "Audit": ".observability.audit",
+    "ConcurrencyLimit": ".runtime.limits",
+    "Limits": ".runtime.limits",
+    "RateLimit": ".runtime.limits",
     "JournalPolicy": ".runtime.journal",
     "LoopLocal": ".runtime.aio",
     "Recoverability": ".runtime.recoverability.policy",
@@ -85,6 +89,7 @@ __all__ = [
     "Bus",
     "BusError",
     "Command",
+    "ConcurrencyLimit",
     "ConfigurationError",
     "ConflictPolicy",
     "Endpoint",
@@ -95,6 +100,7 @@ __all__ = [
     "InvalidMessage",
     "JournalPolicy",
     "KombuTransport",
+    "Limits",
     "LoopLocal",
     "MalformedMessage",
     "MemoryStorage",
@@ -107,6 +113,7 @@ __all__ = [
     "OutboxPolicy",
     "PostgresStorage",
     "PropagateHeaders",
+    "RateLimit",
     "Recoverability",
     "RejectMessage",
     "RetryLater",

@@ -53,6 +53,9 @@ IMMEDIATE_ATTEMPTS = "idembus.attempts.immediate"
 DELAYED_ATTEMPTS = "idembus.attempts.delayed"
 #: How often in a row middleware or a handler postponed the message (``RetryLater``).
 POSTPONEMENTS = "idembus.attempts.postponed"
+#: The rate limits whose slot a postponed message reserved and holds (a JSON list of
+#: names): coming back at that slot, it is not charged again (``idembus.runtime.limits``).
+LIMITS_RESERVED = "idembus.limits.reserved"
 
 CONTENT_TYPE = "application/json"
 

@@ -84,10 +84,13 @@ class RetryLater(PipelineControl):
 
     Handlers that already committed their effects find it processed when it comes back.
     After ``give_up_after`` postponements in a row the message goes to the error queue with
-    ``reason``: nothing is postponed forever.
+    ``reason``: nothing is postponed forever — except a postponement with ``counted=False``,
+    which a limit that frees up by itself uses (:mod:`idembus.runtime.limits`): it neither
+    counts nor spends a retry. ``headers`` are set on the message put back.
     """
 
-    def __init__(self, delay: float, reason: str = "", *, give_up_after: int = 100) -> None:
+    def __init__(self, delay: float, reason: str = "", *, give_up_after: int = 100,
+                 counted: bool = True, headers: Mapping[str, str] | None = None) -> None:
         if delay < 0:
             raise ValueError(f"delay cannot be negative, got {delay!r}")
         if give_up_after < 1:
@@ -95,6 +98,8 @@ class RetryLater(PipelineControl):
         super().__init__(reason or f"retry in {delay:g}s")
         self.delay = float(delay)
         self.give_up_after = give_up_after
+        self.counted = counted
+        self.headers: Mapping[str, str] = dict(headers or {})
 
 
 class RejectMessage(PipelineControl):

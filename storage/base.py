@@ -18,6 +18,9 @@ the roles its options need (:func:`idembus.storage.roles.check_storage_roles`), 
 - :class:`AuditStore` (the ``Audit`` middleware): ``write_audit``, ``read_audit``.
 - :class:`StatusStore` (status reports, ``idembus status``): ``report_status``,
   ``status_reports``, ``forget_status``.
+- :class:`LimitStore` (the ``Limits`` middleware): ``reserve_rate``, ``acquire_slot``,
+  ``release_slot``; rate and concurrency limits shared by every process of a storage.
+  Not part of :class:`Storage`: a backend adds it (the three of idembus do).
 
 Each shares :class:`StorageRole`: ``process_local``, ``migrate``, ``verify``, ``close``.
 
@@ -679,6 +682,49 @@ class StatusStore(StorageRole, ABC):
         (processes long gone); return how many."""
 
 
+class LimitStore(StorageRole, ABC):
+    """Rate and concurrency limits shared by every process that uses the storage (the
+    :class:`~idembus.runtime.limits.Limits` middleware). Times come from the caller's clock
+    (``now``, aware), as for :class:`DelayedStore`: processes on several machines need
+    synchronised clocks.
+
+    A rate limit is a virtual schedule (the generic cell rate algorithm): each name keeps
+    the time its next unit of work is due (``tat``). A reservation takes the next slot
+    whether or not it is free now, and says how long to wait for it; so a backlog is spread
+    out evenly instead of every waiting message coming back at the same moment.
+    """
+
+    @abstractmethod
+    def reserve_rate(self, name: str, *, interval: float, burst: int,
+                     now: datetime.datetime) -> float:
+        """Reserve the next slot of the rate limit ``name`` (one unit every ``interval``
+        seconds, up to ``burst`` at once after a quiet spell) and return the seconds from
+        ``now`` until it: 0 when it may run at once. Atomic: concurrent reservations from
+        any process get distinct slots. In effect, with ``tat`` the name's due time (``now``
+        if unknown), the new ``tat`` is ``max(tat, now) + interval`` and the wait is
+        ``max(0, new tat - now - burst * interval)``."""
+
+    @abstractmethod
+    def acquire_slot(self, name: str, *, slots: int, holder: str, lease: float,
+                     now: datetime.datetime) -> bool:
+        """Take one of the ``slots`` of the concurrency limit ``name`` for ``holder`` until
+        ``lease`` seconds from ``now``, if one is free (never taken, released, or its lease
+        ran out); True if taken. A holder that has a slot of ``name`` already keeps it (its
+        lease is renewed) and gets True."""
+
+    @abstractmethod
+    def release_slot(self, name: str, holder: str) -> None:
+        """Give back the slot of ``name`` that ``holder`` holds, if it still does."""
+
+
+def rate_wait(tat: float, *, now: float, interval: float, burst: int) -> tuple[float, float]:
+    """The generic cell rate algorithm of :meth:`LimitStore.reserve_rate` on epoch seconds:
+    ``(new tat, seconds to wait)`` for a reservation at ``now`` when the due time is
+    ``tat``."""
+    new_tat = max(tat, now) + interval
+    return new_tat, max(0.0, new_tat - now - burst * interval)
+
+
 class ParkingStore(StorageRole, ABC):
     """Where idembus keeps what neither the broker nor the error queue took, with the
     reason, so that nothing is lost (``idembus errors`` lists, retries and purges it).
@@ -731,7 +777,8 @@ class Storage(AggregateStore, OutboxStore, DelayedStore, JournalStore, AuditStor
 
 #: Every role, in the order :class:`Storage` combines them.
 ROLES: tuple[type[StorageRole], ...] = (AggregateStore, OutboxStore, DelayedStore,
-                                         JournalStore, AuditStore, StatusStore, ParkingStore)
+                                         JournalStore, AuditStore, StatusStore, ParkingStore,
+                                         LimitStore)
 
 
 def _aware(moment: datetime.datetime, name: str) -> datetime.datetime:

@@ -23,6 +23,7 @@ from .base import (
     JournalBounds,
     JournalEntry,
     Lease,
+    LimitStore,
     Overdue,
     ParkedKey,
     ParkedMessage,
@@ -32,13 +33,14 @@ from .base import (
     Undispatched,
     committed_by,
     parked_key,
+    rate_wait,
     scheduled_key,
 )
 from .errors import StaleLease
 from .journal import resume_position
 
 
-class MemoryStorage(Storage):
+class MemoryStorage(Storage, LimitStore):
     """Storage in this process's memory: dicts guarded by one lock (the default storage).
 
     Nothing survives the process and no other process sees it: for trials and tests.
@@ -72,6 +74,8 @@ class MemoryStorage(Storage):
         self._journal: list[JournalEntry] = []
         self._journaled: set[str] = set()
         self._parked: dict[str, ParkedMessage] = {}
+        self._rates: dict[str, float] = {}
+        self._slots: dict[str, dict[str, float]] = {}  # name -> holder -> lease ends
         self._lock = threading.Lock()
 
     def load(
@@ -378,6 +382,31 @@ class MemoryStorage(Storage):
             found = [self._parked[i] for i in dict.fromkeys(parked_ids)
                      if i in self._parked and self._parked[i].endpoint == endpoint]
         return sorted(found, key=parked_key)
+
+    def reserve_rate(self, name: str, *, interval: float, burst: int,
+                     now: datetime.datetime) -> float:
+        moment = now.timestamp()
+        with self._lock:
+            self._rates[name], wait = rate_wait(self._rates.get(name, moment), now=moment,
+                                                interval=interval, burst=burst)
+        return wait
+
+    def acquire_slot(self, name: str, *, slots: int, holder: str, lease: float,
+                     now: datetime.datetime) -> bool:
+        moment = now.timestamp()
+        with self._lock:
+            held = self._slots.setdefault(name, {})
+            for other, ends in list(held.items()):
+                if ends <= moment:
+                    del held[other]
+            if holder not in held and len(held) >= slots:
+                return False
+            held[holder] = moment + lease
+            return True
+
+    def release_slot(self, name: str, holder: str) -> None:
+        with self._lock:
+            self._slots.get(name, {}).pop(holder, None)
 
     def report_status(self, report: StatusReport) -> None:
         with self._lock:

@@ -76,7 +76,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import bson
 import bson.errors
@@ -99,6 +99,7 @@ from .base import (
     JournalBounds,
     JournalEntry,
     Lease,
+    LimitStore,
     Overdue,
     ParkedKey,
     ParkedMessage,
@@ -109,6 +110,7 @@ from .base import (
     Undispatched,
     committed_by,
     parked_key,
+    rate_wait,
     scheduled_key,
 )
 from .errors import (
@@ -119,6 +121,8 @@ from .errors import (
 )
 from .journal import journal_size, resume_position
 from .parked import body_bytes, envelope_bytes, envelope_from
+
+T = TypeVar("T")
 
 #: Collection of delayed messages waiting for their time (transports without native delay).
 SCHEDULED = "idembus_scheduled"
@@ -140,8 +144,10 @@ TOMBSTONES_INDEX = "idembus_tombstones"
 PARKED = "idembus_parked"
 #: The aggregate collections idembus wrote, one document ``{_id: <collection name>}`` each.
 AGGREGATES = "idembus_aggregates"
+#: Rate and concurrency limits (the ``Limits`` middleware), one document per name.
+LIMITS = "idembus_limits"
 _INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED,
-                                   AGGREGATES, mongo_spill.SPILL})
+                                   AGGREGATES, LIMITS, mongo_spill.SPILL})
 #: How often one entry's append may lose the race for the next position before giving up.
 _APPEND_TRIES = 1000
 
@@ -166,7 +172,7 @@ def is_mongomock(client: Any) -> bool:
     return type(client).__module__.split(".")[0] == "mongomock"
 
 
-class MongoStorage(Storage):
+class MongoStorage(Storage, LimitStore):
     """Storage backend for MongoDB (pymongo) and mongomock; see the module docstring.
 
     Parameters
@@ -800,6 +806,61 @@ class MongoStorage(Storage):
         self._journal.create_index([("message_id", pymongo.ASCENDING)], unique=True)
         self._journal.create_index([("recorded_at", pymongo.ASCENDING)])
         self._journal_indexed = True
+
+    def reserve_rate(self, name: str, *, interval: float, burst: int,
+                     now: datetime.datetime) -> float:
+        moment = now.timestamp()
+
+        def change(document: dict[str, Any] | None) -> tuple[dict[str, Any], float]:
+            tat, wait = rate_wait(moment if document is None else document["tat"],
+                                  now=moment, interval=interval, burst=burst)
+            return {"tat": tat}, wait
+
+        return self._compare_and_set(f"rate:{name}", change)
+
+    def acquire_slot(self, name: str, *, slots: int, holder: str, lease: float,
+                     now: datetime.datetime) -> bool:
+        moment = now.timestamp()
+
+        def change(document: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+            held = [entry for entry in (document or {}).get("holders", [])
+                    if entry["expires"] > moment and entry["holder"] != holder]
+            mine = any(entry["holder"] == holder
+                       for entry in (document or {}).get("holders", []))
+            if not mine and len(held) >= slots:
+                return {"holders": held}, False
+            return {"holders": [*held, {"holder": holder, "expires": moment + lease}]}, True
+
+        return self._compare_and_set(f"slots:{name}", change)
+
+    def release_slot(self, name: str, holder: str) -> None:
+        with self._guard, _translated():
+            self.database[LIMITS].update_one({"_id": f"slots:{name}"},
+                                             {"$pull": {"holders": {"holder": holder}}})
+
+    def _compare_and_set(
+        self, key: str,
+        change: Callable[[dict[str, Any] | None], tuple[dict[str, Any], T]],
+    ) -> T:
+        """Apply ``change`` (the document of ``key`` or None -> its new fields and a result)
+        atomically: read, then write only if nobody wrote in between (a ``version`` field),
+        again after a lost race. No transaction: one document, conditional writes."""
+        limits = self.database[LIMITS]
+        while True:
+            with self._guard, _translated():
+                document = limits.find_one({"_id": key})
+                fields, result = change(document)
+                if document is None:
+                    try:
+                        limits.insert_one({"_id": key, "version": 1, **fields})
+                    except pymongo.errors.DuplicateKeyError:
+                        continue
+                    return result
+                written = limits.update_one(
+                    {"_id": key, "version": document["version"]},
+                    {"$set": {**fields, "version": document["version"] + 1}})
+                if written.modified_count:
+                    return result
 
     def report_status(self, report: StatusReport) -> None:
         document = {"endpoint": report.endpoint, "instance": report.instance,

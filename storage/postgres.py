@@ -85,6 +85,7 @@ from .base import (
     JournalBounds,
     JournalEntry,
     Lease,
+    LimitStore,
     Overdue,
     ParkedKey,
     ParkedMessage,
@@ -117,7 +118,7 @@ _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 _SCHEMA_LOCK = 0x1DE3B05
 
 
-class PostgresStorage(Storage):
+class PostgresStorage(Storage, LimitStore):
     """Storage backend for PostgreSQL; see the module docstring.
 
     Parameters
@@ -125,7 +126,7 @@ class PostgresStorage(Storage):
     conninfo:
         A libpq connection string or ``postgresql://`` URL.
     table_prefix:
-        The prefix of the storage's eight tables (``<prefix>_aggregates``, ...): one per
+        The prefix of the storage's ten tables (``<prefix>_aggregates``, ...): one per
         endpoint that shares the database but not its data. Lower-case letters, digits
         and ``_``; anything else raises ``ConfigurationError``.
     pool_size:
@@ -165,9 +166,12 @@ class PostgresStorage(Storage):
         self._status = f"{table_prefix}_status"
         self._journal = f"{table_prefix}_journal"
         self._parked = f"{table_prefix}_parked"
+        self._rates = f"{table_prefix}_rates"
+        self._slots = f"{table_prefix}_slots"
         #: Every table of this schema.
         self._tables = (self._aggregates, self._processed, self._scheduled, self._leases,
-                        self._audit, self._status, self._journal, self._parked)
+                        self._audit, self._status, self._journal, self._parked, self._rates,
+                        self._slots)
         #: Advisory lock serialising the appenders of this journal, in every process.
         self._journal_lock = _advisory_key(self._journal)
         #: Aggregates read per query by ``records`` (which pages through a type).
@@ -373,6 +377,18 @@ class PostgresStorage(Storage):
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._journal}_recorded_at
                 ON {self._journal} (recorded_at)""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._rates} (
+                    name text PRIMARY KEY,
+                    tat double precision NOT NULL
+                )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._slots} (
+                    name text NOT NULL,
+                    holder text NOT NULL,
+                    expires_at double precision NOT NULL,
+                    PRIMARY KEY (name, holder)
+                )""")
 
     def verify(self) -> None:
         """Check at start that the schema is in place — only reads, so a role without DDL
@@ -920,6 +936,46 @@ class PostgresStorage(Storage):
             return connection.execute(
                 f"DELETE FROM {self._status} WHERE endpoint = %s AND updated_at < %s",
                 (endpoint, updated_before)).rowcount
+
+    def reserve_rate(self, name: str, *, interval: float, burst: int,
+                     now: datetime.datetime) -> float:
+        moment = now.timestamp()
+        with self._connection() as connection:
+            row = connection.execute(
+                f"INSERT INTO {self._rates} AS r (name, tat) VALUES (%(name)s, %(tat)s) "
+                "ON CONFLICT (name) DO UPDATE SET tat = greatest(r.tat, %(now)s) + %(interval)s "
+                "RETURNING tat",
+                {"name": name, "now": moment, "interval": interval, "tat": moment + interval},
+            ).fetchone()
+        assert row is not None
+        return max(0.0, float(row[0]) - moment - burst * interval)
+
+    def acquire_slot(self, name: str, *, slots: int, holder: str, lease: float,
+                     now: datetime.datetime) -> bool:
+        moment = now.timestamp()
+        # One transaction, the name's rows locked by an advisory lock on the name: count the
+        # live holders, then take a slot; two processes cannot both take the last one.
+        with self._connection() as connection, connection.transaction():
+            connection.execute("SELECT pg_advisory_xact_lock(%s)", (_advisory_key(
+                f"{self._slots}:{name}"),))
+            connection.execute(f"DELETE FROM {self._slots} WHERE name = %s AND expires_at <= %s",
+                               (name, moment))
+            row = connection.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE holder = %s) FROM {self._slots} "
+                "WHERE name = %s", (holder, name)).fetchone()
+            assert row is not None
+            if not row[1] and row[0] >= slots:
+                return False
+            connection.execute(
+                f"INSERT INTO {self._slots} (name, holder, expires_at) VALUES (%s, %s, %s) "
+                "ON CONFLICT (name, holder) DO UPDATE SET expires_at = EXCLUDED.expires_at",
+                (name, holder, moment + lease))
+            return True
+
+    def release_slot(self, name: str, holder: str) -> None:
+        with self._connection() as connection:
+            connection.execute(f"DELETE FROM {self._slots} WHERE name = %s AND holder = %s",
+                               (name, holder))
 
     def history(self, aggregate_type: str, aggregate_id: str, *,
                 entries: int = 200) -> AggregateRecord:

@@ -14,6 +14,7 @@ role                        needed by
 ``JournalStore``            ``journal=...``
 ``AuditStore``              the :class:`~idembus.observability.audit.Audit` middleware
 ``StatusStore``             status reports (``idembus status``)
+``LimitStore``              the :class:`~idembus.runtime.limits.Limits` middleware
 ==========================  =====================================================
 
 :func:`check_storage_roles` raises :class:`~idembus.errors.ConfigurationError` naming each
@@ -31,6 +32,7 @@ from .base import (
     AuditStore,
     DelayedStore,
     JournalStore,
+    LimitStore,
     OutboxStore,
     ParkingStore,
     StatusStore,
@@ -48,6 +50,7 @@ ROLE_NAMES: dict[type[StorageRole], str] = {
     AuditStore: "audit",
     StatusStore: "status",
     ParkingStore: "parking",
+    LimitStore: "limits",
 }
 
 
@@ -71,6 +74,7 @@ _DELAYED = _Need("a transport without native delay needs (deferred messages wait
 _JOURNAL = _Need("journal=... needs", "turn the option off (journal=False)")
 _AUDIT = _Need("the Audit middleware needs", "leave the middleware out")
 _STATUS = _Need("status reports need", "turn status reports off")
+_LIMITS = _Need("the Limits middleware needs", "leave the middleware out")
 _SCHEDULES = _Need("schedules=... needs (the scheduler's lease)", "leave the schedules out")
 
 
@@ -89,14 +93,15 @@ def role_methods(role: type[StorageRole]) -> tuple[str, ...]:
 
 def check_storage_roles(
     storage: object, *, outbox: bool, delayed: bool, journal: bool, audit: bool, status: bool,
-    schedules: bool = False,
+    schedules: bool = False, limits: bool = False,
 ) -> None:
     """Check that ``storage`` has the roles an endpoint with these options needs.
 
     ``outbox``: the outbox dispatcher runs in the endpoint; ``delayed``: its transport has
     no native delay, so deferred messages wait in the storage; ``journal``: it journals
     events; ``audit``: it has the audit middleware; ``status``: it reports its status;
-    ``schedules``: it sends recurring messages under a lease.
+    ``schedules``: it sends recurring messages under a lease; ``limits``: it has the
+    limits middleware.
     The aggregate and parking roles are always needed.
 
     Raises :class:`~idembus.errors.ConfigurationError` naming every missing role with its
@@ -107,7 +112,7 @@ def check_storage_roles(
         needs[OutboxStore] = _SCHEDULES
     for wanted, role, need in ((outbox, OutboxStore, _OUTBOX), (delayed, DelayedStore, _DELAYED),
                                (journal, JournalStore, _JOURNAL), (audit, AuditStore, _AUDIT),
-                               (status, StatusStore, _STATUS)):
+                               (status, StatusStore, _STATUS), (limits, LimitStore, _LIMITS)):
         if wanted:
             needs[role] = need
     missing = [role for role in ROLES if role in needs and not isinstance(storage, role)]

@@ -873,7 +873,8 @@ def _check_roles(storage: StorageRole | None, settings: Settings, transport: Tra
         journal=bool(settings.journal.events),
         audit=any("audit" in getattr(item, "storage_roles", ()) for item in middleware),
         status=bool(settings.status_interval) and not settings.send_only,
-        schedules=bool(settings.scheduling.schedules))
+        schedules=bool(settings.scheduling.schedules),
+        limits=any("limits" in getattr(item, "storage_roles", ()) for item in middleware))
 
 
 def default_middleware(propagate_headers: Sequence[str] = ()) -> list[Middleware]:

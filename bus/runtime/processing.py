@@ -336,16 +336,20 @@ class MessageProcessor:
                   later: RetryLater) -> None:
         """Send the message back for later (:class:`RetryLater`), or to the error queue once
         it was postponed ``give_up_after`` times in a row."""
-        count = _header_count(delivery, h.POSTPONEMENTS) + 1
+        count = _header_count(delivery, h.POSTPONEMENTS) + later.counted
         if count > later.give_up_after:
             self._dead_letter(delivery, incoming, RejectMessage(
                 f"postponed {count - 1} times in a row, the most allowed: {later.reason}"),
                 attempts=0)
             return
-        self._send_back(delivery, {h.POSTPONEMENTS: str(count)}, later.delay)
+        changes = {**later.headers, h.POSTPONEMENTS: str(count)} if later.counted else {
+            **later.headers}
+        self._send_back(delivery, changes, later.delay)
         incoming.outcome = "retry_later"
-        log.info("%s postponed %s by %.0fs (%d in a row): %s", self._endpoint,
-                 _logged_id(delivery.headers), later.delay, count, later.reason)
+        # a limit's postponements are routine: not one INFO line for each
+        log.log(logging.INFO if later.counted else logging.DEBUG,
+                "%s postponed %s by %.0fs (%d in a row): %s", self._endpoint,
+                _logged_id(delivery.headers), later.delay, count, later.reason)
         self._signals.emit("postponed", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), delay=later.delay,
                            attempt=count, reason=later.reason)

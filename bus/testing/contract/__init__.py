@@ -39,6 +39,7 @@ from .audit import AuditStoreContract
 from .base import RoleContract, StorageFactory
 from .delayed import DelayedStoreContract
 from .journal import JournalStoreContract
+from .limits import LimitStoreContract
 from .outbox import OutboxStoreContract
 from .parking import ParkingStoreContract
 from .status import StatusStoreContract
@@ -49,6 +50,7 @@ __all__ = [
     "AuditStoreContract",
     "DelayedStoreContract",
     "JournalStoreContract",
+    "LimitStoreContract",
     "OutboxStoreContract",
     "ParkingStoreContract",
     "RoleContract",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ...storage.base import ROLES, StorageRole
+from ...storage.base import ROLES, Storage, StorageRole
 from .aggregates import AggregateStoreContract
 from .audit import AuditStoreContract
 from .delayed import DelayedStoreContract
@@ -20,4 +20,5 @@ class StorageContract(AggregateStoreContract, OutboxStoreContract, DelayedStoreC
                       ParkingStoreContract):
     """Every role's contract in one class, for a backend that subclasses ``Storage``."""
 
-    roles: ClassVar[tuple[type[StorageRole], ...]] = ROLES
+    roles: ClassVar[tuple[type[StorageRole], ...]] = tuple(
+        role for role in ROLES if issubclass(Storage, role))
