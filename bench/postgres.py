@@ -41,8 +41,10 @@ duplicate path on idembus' best configuration, and the memory run up to 200,000 
 (the issue's figure; ``--memory-messages 100000`` saves 1.5 minutes); about 8 minutes on
 this workplace's 2-core machine.
 
-Also measured: idembus' duplicate path against its fresh path (:mod:`bench.pg_duplicates`)
-and one worker's resident memory over a long run (:mod:`bench.pg_memory`);
+Also measured: idembus' duplicate path against its fresh path (:mod:`bench.pg_duplicates`),
+one worker's resident memory over a long run (:mod:`bench.pg_memory`) and one message's
+latency end to end at 10 % and 80 % of the best one-worker rate, batching on and off
+(:mod:`bench.pg_latency`);
 ``--profile`` shows where an idembus worker's time goes (:mod:`bench.pg_profile`).
 
 Run ``python -m bench.postgres`` (``make bench``); ``--help`` lists the options. Results go
@@ -65,7 +67,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from bench import pg_costs, pg_duplicates, pg_memory, pg_profile
+from bench import pg_costs, pg_duplicates, pg_latency, pg_memory, pg_profile
 from bench.common import display_url, postgres_unreachable_reason, unreachable_reason
 from bench.pg_celery import CeleryVariant
 from bench.pg_common import AMQP_URL, POSTGRES_URL
@@ -82,7 +84,7 @@ from bench.pg_runner import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "postgres.json"
-PARTS = ("grid", "duplicates", "memory")
+PARTS = ("grid", "duplicates", "memory", "latency")
 
 
 def variants() -> list[Variant]:
@@ -255,6 +257,15 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         report["memory"] = memory.as_json()
         lines.append(memory_line(memory))
         lines += [f"  problem: {problem}" for problem in memory.problems]
+    if "latency" in args.parts:
+        top = best_idembus(results, 1, batched=True)
+        reference = args.latency_rate or (top.rate if top else None) or 1000.0
+        print(f"\nlatency: one worker, sent at 10 % and 80 % of {reference:.0f} msg/s, "
+              f"batch {pg_latency.BATCH} and none", flush=True)
+        latency = pg_latency.run_latency(reference, count=args.latency_messages,
+                                         warmup=args.latency_warmup, logs=logs)
+        report["latency"] = latency
+        lines.append(pg_latency.latency_line(latency))
     line, figures = summary(results)
     report["summary"] = {key: None if value is None else round(value, 3)
                          for key, value in figures.items()}
@@ -282,7 +293,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a sample of the configurations instead of all of them")
     parser.add_argument("--parts", type=_parts, default=list(PARTS),
-                        help="grid,duplicates,memory (all)")
+                        help="grid,duplicates,memory,latency (all)")
+    parser.add_argument("--latency-messages", type=int, default=1000, metavar="N",
+                        help="timed messages of each latency run (1000)")
+    parser.add_argument("--latency-warmup", type=int, default=100, metavar="W",
+                        help="untimed messages before them (100)")
+    parser.add_argument("--latency-rate", type=float, default=None, metavar="R",
+                        help="the rate the loads are fractions of (default: this run's best "
+                             "one-worker batched rate, 1000 without the grid)")
     parser.add_argument("--memory-messages", type=int, default=200_000, metavar="M",
                         help="messages of the memory run; RSS is compared with the RSS after "
                              "--memory-first (200000, the issue's figure: ~3 min of the run)")
