@@ -32,6 +32,7 @@ from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import SETTLED_FROM_ERROR_QUEUE, AggregateRecord, StatusReport
 from idembus.storage.errors import StorageUnavailable
 from idembus.storage.memory import MemoryStorage
+from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.support import Deposit, Deposited, SignalCounter
 from tests.test_cli_errors import AccountFrozen, FlakyAccounts
@@ -482,6 +483,34 @@ def test_the_live_page_shows_recent_events_and_follows_the_gateways_stream(shop:
     assert len(events) == 1 and '"j-2"' in events[0]  # j-1 not again, j-2 live
     filtered = shop.client.get("/journal", params={"types": "nothing.Like.This"})
     assert filtered.status_code == 200 and "j-1" not in text_of(filtered)
+
+
+def test_with_the_broker_down_the_failed_messages_kept_are_shown_and_the_outage_said(
+    shop: Shop, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given one failed message the dashboard has moved into the storage, and one more still
+    # in the error queue
+    kept = shop.fail("acc-1")
+    assert kept in text_of(shop.client.get("/errors"))
+    waiting = shop.fail("acc-2")
+    # When the broker cannot be reached
+    (tool,) = shop.dashboard.endpoints.values()
+
+    def unreachable(queue: str) -> int:
+        raise TransportUnavailable(f"cannot connect to amqp://shop:{PASSWORD}@broker//")
+
+    monkeypatch.setattr(tool.transport, "pending", unreachable)
+    listed, shown = shop.client.get("/errors"), shop.client.get("/errors/message",
+                                                                 params={"id": kept})
+    # Then the kept one is listed and shown, the page says the queue could not be read, and
+    # the other waits for the broker
+    assert listed.status_code == 200 and shown.status_code == 200
+    assert kept in text_of(listed) and waiting not in text_of(listed)
+    for page in (listed, shown):
+        assert "The broker cannot be reached" in text_of(page)
+        assert PASSWORD not in page.text
+    monkeypatch.undo()
+    assert waiting in text_of(shop.client.get("/errors"))
 
 
 class Unreachable(MemoryStorage):

@@ -110,6 +110,17 @@ def _local(moment_: datetime.datetime | None) -> str | None:
 # -- the list ----------------------------------------------------------------------------
 
 
+def _outage(endpoint: Endpoint, outage: Exception | None) -> Child:
+    """What a page read from the storage alone says: the broker could not be reached, so
+    the messages still waiting in the error queue are not shown yet."""
+    if outage is None:
+        return None
+    return notice(f"The broker cannot be reached, so {endpoint.error_queue} was not read: "
+                  "shown are the failed messages already kept in the storage; those still "
+                  "in the error queue appear once the broker is back. Retry and purge need "
+                  "the broker.", "error")
+
+
 def listing(endpoint: Endpoint, params: Params, *, limit: int) -> Page:
     """The endpoint's failed messages that pass the filter, at most ``limit`` rows (all
     counted), with groups by exception and type."""
@@ -117,18 +128,19 @@ def listing(endpoint: Endpoint, params: Params, *, limit: int) -> Page:
     shown: list[FailedMessage] = []
     groups: Counter[tuple[str, str]] = Counter()
     total = parked = 0
-    with error_queue.reading(endpoint) as deliveries:
-        for delivery in deliveries:
-            failed = FailedMessage.of(delivery)
-            groups[(failed.exception_type or "-", failed.message_type or "-")] += 1
-            if not chosen.matches(delivery):
-                continue
-            total += 1
-            parked += failed.parked
-            if len(shown) < limit:
-                shown.append(failed)
+    outage = error_queue.ingest_unless_unreachable(endpoint)
+    for delivery in error_queue.stored(endpoint):
+        failed = FailedMessage.of(delivery)
+        groups[(failed.exception_type or "-", failed.message_type or "-")] += 1
+        if not chosen.matches(delivery):
+            continue
+        total += 1
+        parked += failed.parked
+        if len(shown) < limit:
+            shown.append(failed)
     name = endpoint.name
     body = [
+        _outage(endpoint, outage),
         _outcome(params),
         _filter_form(name, params, sorted({t for _, t in groups if t != "-"})),
         tag("h2", f"{total} failed message(s)", " matching" if chosen.by_filter else "",
@@ -237,12 +249,13 @@ def message(endpoint: Endpoint, params: Params) -> Page:
     if not message_id:
         raise Refused("which message? give its id")
     selection = Selection(ids=(message_id,))
-    with error_queue.reading(endpoint) as deliveries:
-        copies = [delivery for delivery in deliveries if selection.matches(delivery)]
+    outage = error_queue.ingest_unless_unreachable(endpoint)
+    copies = [delivery for delivery in error_queue.stored(endpoint)
+              if selection.matches(delivery)]
     if not copies:
         raise Refused(f"no message {message_id!r} among the failed messages of "
                       f"{endpoint.name} (retried or purged meanwhile?)", 404)
-    body = [_copy(delivery) for delivery in copies]
+    body = [_outage(endpoint, outage), *(_copy(delivery) for delivery in copies)]
     body.append(tag("form", hidden({"endpoint": endpoint.name, "id": message_id}),
                     tag("button", "Retry", type="submit", name="action", value="retry"),
                     tag("button", "Purge", type="submit", name="action", value="purge",

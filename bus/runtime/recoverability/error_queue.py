@@ -52,6 +52,7 @@ from ...storage.base import (
     parked_key,
 )
 from ...transports.base import Delivery
+from ...transports.errors import TransportUnavailable
 from .parking import ParkedDelivery, keep, parked_id
 
 if TYPE_CHECKING:
@@ -225,6 +226,17 @@ def ingest(endpoint: Endpoint, *, all_endpoints: bool = False, page: int = PAGE)
     places; the next move writes the same id again, and the storage keeps one."""
     return _through_queue(endpoint, page, lambda deliveries: _move(
         endpoint, deliveries, all_endpoints=all_endpoints))
+
+
+def ingest_unless_unreachable(endpoint: Endpoint, *, all_endpoints: bool = False,
+                              page: int = PAGE) -> TransportUnavailable | None:
+    """:func:`ingest`; but when the broker cannot be reached, the outage (nothing was
+    moved): the failed messages the storage holds can be shown all the same."""
+    try:
+        ingest(endpoint, all_endpoints=all_endpoints, page=page)
+    except TransportUnavailable as outage:
+        return outage
+    return None
 
 
 def look(endpoint: Endpoint, seen: Callable[[Delivery], object], *,
