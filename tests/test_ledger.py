@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
 
 import pytest
 
@@ -20,6 +21,9 @@ from idembus.policies import RetryPolicy
 from idembus.runtime.counters import LEDGER, ledger
 from idembus.runtime.status import summarise
 from idembus.storage.base import StatusReport
+from idembus.storage.postgres import PostgresStorage
+from idembus.transports.kombu import KombuTransport
+from tests.conftest import AMQP_URL, POSTGRES_URL
 from tests.support import AccountHandler, Deposit, SignalCounter
 from tests.test_cli_errors import SharedMemoryStorage
 from tests.test_status import exposed, wait_until  # noqa: F401 (a fixture)
@@ -148,3 +152,59 @@ def test_status_fits_120_columns_with_long_names_large_counts_and_problems():
     # And --wide keeps every name whole, however wide
     assert any(f"{host}:1:a1b2c3" in line for line in render(summary, wide=True,
                                                             now=NOW).splitlines())
+
+
+class Slow(Handler):
+    """Holds each deposit until released."""
+
+    started = threading.Event()
+    release = threading.Event()
+
+    @handles
+    def on(self, message: Deposit) -> None:
+        type(self).started.set()
+        assert type(self).release.wait(30)
+
+
+@pytest.mark.amqp
+@pytest.mark.postgres
+def test_status_on_rabbitmq_and_postgresql_shows_the_queue_depth_and_what_is_in_flight(
+    rabbitmq, postgres_storage, exposed, capsys  # noqa: F811
+):
+    # Given an endpoint on RabbitMQ whose handler holds the first of three deposits (one
+    # at a time: what a consumer prefetched is neither ready nor in flight)
+    transport, name = rabbitmq
+    Slow.started.clear()
+    Slow.release.clear()
+    service = Endpoint(name("depth"), handlers=[Slow], transport=transport,
+                       storage=postgres_storage, error_queue=name("error"),
+                       status_interval=0.05, prefetch=1)
+    try:
+        service.start()
+        for account in ("a", "b", "c"):
+            service.bus.send(Deposit(account=account, amount=1))
+        assert Slow.started.wait(15)
+        assert wait_until(lambda: any(ledger(r.counters)["in_flight"] == 1
+                                      for r in postgres_storage.status_reports(service.name)))
+        assert wait_until(lambda: transport.depth(service.name).ready == 2)
+
+        # When idembus status looks (its own endpoint object, as another process would)
+        def viewer() -> Endpoint:  # idembus status closes the endpoint it loaded
+            return Endpoint(service.name, handlers=[Slow], transport=KombuTransport(
+                AMQP_URL, exchange=transport.exchange_name), storage=PostgresStorage(
+                POSTGRES_URL, table_prefix=postgres_storage.table_prefix))
+
+        assert main(["status", exposed(viewer()), "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert main(["status", exposed(viewer())]) == 0
+        table = capsys.readouterr().out
+    finally:
+        Slow.release.set()
+        service.close()
+
+    # Then it shows the broker's figures, the one held message in flight, and fits
+    assert summary["queue"]["ready"] == 2 and summary["queue"]["consumers"] == 1
+    assert summary["queue"]["unacked"] is None and summary["queue"]["unknown"] is None
+    assert summary["ledger"]["in_flight"] == 1 and adds_up(summary["ledger"])
+    assert f"queue {service.name}: ready 2, unacked –, delayed –, consumers 1" in table
+    assert max(map(len, table.splitlines())) <= WIDTH
