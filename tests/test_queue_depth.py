@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+
 import pytest
 
 from idembus import headers as h
