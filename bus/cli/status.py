@@ -23,7 +23,7 @@ from typing import Any
 from ..envelope import parse_utc, utc_now
 from ..runtime.counters import LEDGER
 from ..runtime.loading import load_endpoint, refuse_process_local
-from ..runtime.status import HIDDEN_AFTER, queue_depth, summarise
+from ..runtime.status import HIDDEN_AFTER, duration_text, queue_depth, summarise
 from ..signals import SIGNAL_NAMES
 
 #: A running process that has not reported for this many status intervals counts as gone.
@@ -146,16 +146,7 @@ def _count(value: int | None) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    """``35 ms``, ``4.2 s``, ``3 min``, ``2.5 h``; :data:`UNKNOWN` for ``None``."""
-    if value is None:
-        return UNKNOWN
-    if value < 1:
-        return f"{value * 1000:.0f} ms"
-    if value < 120:
-        return f"{value:.1f} s"
-    if value < 7200:
-        return f"{value / 60:.0f} min"
-    return f"{value / 3600:.1f} h"
+    return UNKNOWN if value is None else duration_text(value)
 
 
 def _ago(moment: str | None, now: datetime.datetime) -> str:

@@ -150,3 +150,14 @@ def queue_depth(transport: Transport, queue: str, *, visible: bool = True) -> di
     except Exception as error:  # shown, never raised: the rest of the status still matters
         depth["unknown"] = redact(f"{type(error).__name__}: {error}")
     return depth
+
+
+def duration_text(seconds: float) -> str:
+    """``35 ms``, ``4.2 s``, ``3 min``, ``2.5 h``: a wait or a lag as people read it."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
