@@ -36,8 +36,8 @@ LEDGER: dict[str, str] = {
     "duplicate": "processed before: no effect applied again, what it sent is sent again",
     "dropped": "let go on purpose without effects: expired (discard_after), no saga for it, "
                "a completed saga's timeout, skipped",
-    "retrying": "sent back to be tried later (a delayed retry, RetryLater); received again "
-                "when it comes back",
+    "retrying": "sent back to be tried later (a delayed retry, RetryLater, a limit); received "
+                "again when it comes back",
     "dead_lettered": "moved to the error queue (or parked in the storage): failed every "
                      "retry, or unreadable",
     "interrupted": "stopped by an outage or a shutdown; the broker delivers it again",
