@@ -123,6 +123,12 @@ class IncomingMessage:
     #: processing was interrupted (an outage at shutdown), and when a later middleware's
     #: ``before_message`` raised (the ``error`` says what it asked for).
     outcome: str | None = None
+    #: What the handlers did, once every one is done (``outcome`` ``handled`` or
+    #: ``discarded``): ``handled`` when at least one committed its effects, ``duplicate``
+    #: when none did and one found the message processed before, ``dropped`` when none ran
+    #: (expired, no saga for it, a completed saga's timeout, skipped). The endpoint's ledger
+    #: counts it (:mod:`idembus.runtime.counters`); ``None`` until then.
+    effects: str | None = None
     #: Room for middleware to keep things between its hooks (a span, a start time).
     items: dict[str, Any] = field(default_factory=dict)
 

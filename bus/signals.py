@@ -12,8 +12,9 @@ The ``schedule_*`` signals carry the id and type of the occurrence's message (``
 a type a message function did not get to build), ``schedule`` and ``occurrence``.
 ``failed``, ``retried`` and ``dead_lettered`` add ``error``; ``dispatched`` adds ``envelope``;
 ``discarded`` adds ``discard_after`` (the header); ``settled`` adds ``outcome`` (as
-:attr:`idembus.pipeline.IncomingMessage.outcome` has it, ``None``: interrupted) and
-``seconds`` (from the arrival of the delivery, measured once for every observer).
+:attr:`idembus.pipeline.IncomingMessage.outcome` has it, ``None``: interrupted), ``effects``
+(:attr:`idembus.pipeline.IncomingMessage.effects`), ``seconds`` (from the arrival of the
+delivery, measured once for every observer) and ``deliver_at`` (the header, if delayed).
 Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 """
 
@@ -53,7 +54,7 @@ SIGNAL_NAMES = (
     "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
     "unrouted",       # a published event the broker reported no queue took (envelope)
     "settled",        # a received delivery is done with, just before its ack (outcome,
-                      # seconds, time_sent)
+                      # effects, seconds, time_sent, deliver_at)
 )
 
 

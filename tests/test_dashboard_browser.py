@@ -35,6 +35,7 @@ import pytest
 from idembus import Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope, format_utc, utc_now
+from idembus.runtime.counters import LEDGER, ledger
 from idembus.runtime.recoverability import error_queue
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
@@ -252,9 +253,11 @@ def test_the_overview_shows_the_instance_and_counts_that_match_its_status_report
     # and the hour's totals are the report's (it started after the dashboard)
     expect(instance.locator(".state")).to_have_text("running")
     expect(instance.locator("code")).to_contain_text(f":{os.getpid()}:")
+    figures = ledger(counters)  # the instance row shows the ledger, adding up to received
+    assert figures["received"] == sum(figures[term] for term in LEDGER)
     for counter in ("received", "handled", "duplicate", "dead_lettered"):
         expect(instance.locator(f'[data-counter="{counter}"]')).to_have_text(
-            str(counters[counter]))
+            str(figures[counter]))
         expect(section.locator(f'.tiles [data-counter="{counter}"]')).to_have_text(
             f"{counters[counter]:,}")
     assert counters["duplicate"] == 2 and counters["dead_lettered"] == 3

@@ -22,7 +22,9 @@ A transport moves envelopes between endpoint queues. It must:
   ``dispatch_many(envelopes)`` — dispatch several, with one wait for their confirms;
   ``ack_many(deliveries)`` — acknowledge several. The defaults do one at a time.
 * ``get(queue)`` — take one message, if any (tools and tests); ``pending(queue)`` — how
-  many messages wait; ``close()``.
+  many messages wait; ``depth(queue)`` — what the broker or database can tell of a queue
+  now (:class:`QueueDepth`: ready, unacknowledged, consumers, the oldest ready message's
+  wait; ``None`` for what it cannot tell); ``close()``.
 * ``inspect(queue, limit=...)`` — for tools that look at a queue without losing anything
   (``idembus errors``): a context manager yielding the deliveries waiting in the queue
   now, taken unsettled. Inside the block the caller may ``ack()`` some (removed for good)
@@ -42,6 +44,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 from ..envelope import Envelope
 from .errors import TransportUnavailable
@@ -102,6 +105,23 @@ class Delivery(ABC):
     def _requeue(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class QueueDepth:
+    """What a transport can tell of one queue now (``idembus status``, the dashboard);
+    ``None``: it cannot tell that."""
+
+    #: Messages waiting to be delivered now (not delayed, not held by a consumer).
+    ready: int | None = None
+    #: Messages delivered to a consumer and not acknowledged yet (leased).
+    unacked: int | None = None
+    #: Messages held back until a later time (delayed retries, deferred messages).
+    delayed: int | None = None
+    #: Consumers attached to the queue.
+    consumers: int | None = None
+    #: Seconds the oldest ready message has been due: how far behind its consumers are.
+    oldest_seconds: float | None = None
+
+
 OnDelivery = Callable[[Delivery], None]
 OnBatch = Callable[[Sequence[Delivery]], None]
 
@@ -146,6 +166,10 @@ class Transport(ABC):
     @abstractmethod
     def pending(self, queue: str) -> int:
         """Number of messages ready in ``queue`` (0 if it does not exist)."""
+
+    def depth(self, queue: str) -> QueueDepth:
+        """What can be told of ``queue`` now; this default knows only :meth:`pending`."""
+        return QueueDepth(ready=self.pending(queue))
 
     def inspect(
         self, queue: str, *, limit: int | None = None

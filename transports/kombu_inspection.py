@@ -11,7 +11,7 @@ from typing import Any
 import kombu
 from kombu import Queue
 
-from .base import Delivery
+from .base import Delivery, QueueDepth
 from .errors import BrokerAccessDenied, DestinationRefused, TransportUnavailable
 from .kombu_core import KombuCore
 from .kombu_delivery import _give_back, _give_fresh, _KombuDelivery
@@ -138,14 +138,24 @@ class KombuInspection(KombuCore):
         return taken
 
     def pending(self, queue: str) -> int:
+        return self._declared(queue)[0]
+
+    def depth(self, queue: str) -> QueueDepth:
+        """Ready messages and, on RabbitMQ, consumers: what a passive declare answers. The
+        broker does not say there how many are unacknowledged, nor how old they are."""
+        ready, consumers = self._declared(queue)
+        return QueueDepth(ready=ready, consumers=consumers if self._is_amqp else None)
+
+    def _declared(self, queue: str) -> tuple[int, int]:
+        """A passive declare's message and consumer counts (0, 0 for a missing queue)."""
         scope = self._channel()
         with scope as channel:
             try:
-                _, count, _ = channel.queue_declare(queue=queue, passive=True)
+                _, count, consumers = channel.queue_declare(queue=queue, passive=True)
             except Exception as exc:
                 if "NOT_FOUND" in str(exc) or "404" in str(exc):
-                    return 0  # no such queue: nothing waits in it
+                    return 0, 0  # no such queue: nothing waits in it
                 classified = _classified(exc, scope.connection, f"counting {queue!r}",
                                          refusal=BrokerAccessDenied, url=self.safe_url)
                 raise classified if classified is not None else exc from exc
-        return int(count)
+        return int(count), int(consumers or 0)

@@ -111,7 +111,7 @@ from ..policies import Backoff
 from ..redaction import redact
 from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
-from .base import Delivery
+from .base import Delivery, QueueDepth
 from .database import (
     MAX_METADATA_BYTES,
     check_prefix,
@@ -132,6 +132,7 @@ from .mongo_documents import (
     _MongoDelivery,
     _now,
     _readable,
+    queue_depth,
 )
 from .mongo_watch import _Watch
 
@@ -476,6 +477,11 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
     def pending(self, queue: str) -> int:
         with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
             return int(self.messages.count_documents(_due(queue, _now())))
+
+    def depth(self, queue: str) -> QueueDepth:
+        """Ready, leased and delayed documents of ``queue``, and the oldest ready one's wait."""
+        with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
+            return queue_depth(self.messages, queue, _now())
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:

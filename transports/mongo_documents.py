@@ -14,6 +14,7 @@ from typing import Any, TypeGuard
 from .. import headers as h
 from .. import wire
 from ..envelope import Envelope
+from .base import QueueDepth
 from .database import oversize, read_headers
 from .db_engine import ClaimedRow
 
@@ -59,6 +60,22 @@ def _due(queue: str, now: datetime.datetime) -> dict[str, Any]:
     """The filter of ``queue``'s messages that are due and not leased at ``now``."""
     return {"queue": queue, "visible_at": {"$lte": now},
             "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
+
+
+def queue_depth(messages: Any, queue: str, now: datetime.datetime) -> QueueDepth:
+    """Ready, leased (unacknowledged) and delayed documents of ``queue`` in the collection
+    ``messages``, and how long the oldest ready one has been due; consumers are not
+    counted (a waiting consumer holds no document)."""
+    leased = {"queue": queue, "leased_until": {"$gt": now}}
+    delayed = {"queue": queue, "visible_at": {"$gt": now},
+               "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]}
+    oldest = messages.find_one(_due(queue, now), {"visible_at": 1},
+                               sort=[("visible_at", 1), ("order", 1)])
+    waited = (now - _aware(oldest["visible_at"])).total_seconds() if oldest else None
+    return QueueDepth(ready=int(messages.count_documents(_due(queue, now))),
+                      unacked=int(messages.count_documents(leased)),
+                      delayed=int(messages.count_documents(delayed)),
+                      oldest_seconds=max(0.0, waited) if waited is not None else None)
 
 
 #: Delivery counts a claim increments: from 2**31 - 1 on, ``$inc`` could overflow a

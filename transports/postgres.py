@@ -100,17 +100,9 @@ from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..policies import Backoff
 from ..redaction import redact
-from ..storage.postgres_errors import (
-    classified,
-    discarding,
-    login_problem,
-)
-from .base import Delivery
-from .database import (
-    MAX_METADATA_BYTES,
-    oversize,
-    transport_error,
-)
+from ..storage.postgres_errors import classified, discarding, login_problem
+from .base import Delivery, QueueDepth
+from .database import MAX_METADATA_BYTES, oversize, transport_error
 from .db_engine import Claim, DatabaseTransport, check_times
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .postgres_listener import Listener
@@ -130,6 +122,8 @@ from .postgres_statements import (
     Enqueued,
     QueuePart,
     Statements,
+    count_ready,
+    queue_depth,
 )
 
 log = logging.getLogger(__name__)
@@ -514,11 +508,12 @@ class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection
     def pending(self, queue: str) -> int:
         """Messages of ``queue`` due and not leased (0 for a queue nobody declared)."""
         with self._connection(f"counting {queue!r}", refusal=BrokerAccessDenied) as connection:
-            row = connection.execute(
-                f"SELECT count(*) FROM {self.schema.messages} WHERE queue = %s"
-                " AND visible_at <= clock_timestamp() AND (leased_until IS NULL"
-                " OR leased_until <= clock_timestamp())", (queue,)).fetchone()
-        return int(row[0]) if row else 0
+            return count_ready(connection, self.schema, queue)
+
+    def depth(self, queue: str) -> QueueDepth:
+        """Ready, leased and delayed rows of ``queue``, and the oldest ready one's wait."""
+        with self._connection(f"counting {queue!r}", refusal=BrokerAccessDenied) as connection:
+            return queue_depth(connection, self.schema, queue)
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:

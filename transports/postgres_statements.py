@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..envelope import Envelope
+from .base import QueueDepth
 from .database import STORY_TAIL, encode_headers, routing_names
 from .postgres_schema import QueueSchema
 
@@ -218,3 +219,32 @@ def _targets(envelope: Envelope) -> list[str]:
     """The queue a sent envelope goes to, or the type names a published one is routed by."""
     return [envelope.destination] if envelope.destination is not None else routing_names(
         envelope)
+
+
+#: Due and not leased: what a consumer may claim now (``m`` is the messages table).
+_READY = ("m.visible_at <= clock_timestamp() AND (m.leased_until IS NULL"
+          " OR m.leased_until <= clock_timestamp())")
+_LEASED = "m.leased_until > clock_timestamp()"
+
+
+def count_ready(connection: Any, schema: QueueSchema, queue: str) -> int:
+    """The messages of ``queue`` due and not leased (0 for a queue nobody declared)."""
+    row = connection.execute(
+        f"SELECT count(*) FROM {schema.messages} m WHERE m.queue = %s AND {_READY}",
+        (queue,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def queue_depth(connection: Any, schema: QueueSchema, queue: str) -> QueueDepth:
+    """Ready, leased (unacknowledged) and delayed messages of ``queue`` and how long the
+    oldest ready one has been due, in one statement over the queue's rows. Consumers are
+    not counted: a consumer holds no row while it waits."""
+    row = connection.execute(
+        f"SELECT count(*) FILTER (WHERE {_READY}), count(*) FILTER (WHERE {_LEASED}),"
+        f" count(*) FILTER (WHERE m.visible_at > clock_timestamp() AND NOT"
+        f" coalesce({_LEASED}, false)),"
+        f" extract(epoch FROM clock_timestamp() - min(m.visible_at) FILTER (WHERE {_READY}))"
+        f" FROM {schema.messages} m WHERE m.queue = %s", (queue,)).fetchone()
+    ready, leased, delayed, oldest = row if row else (0, 0, 0, None)
+    return QueueDepth(ready=int(ready), unacked=int(leased), delayed=int(delayed),
+                      oldest_seconds=max(0.0, float(oldest)) if oldest is not None else None)

@@ -78,13 +78,15 @@ def pretty(value: Any) -> Markup:
 
 
 def table(head: Sequence[Child], rows: Iterable[Sequence[Child]], *,
-          empty: str = "nothing", **attributes: object) -> Markup:
-    """A table with a header row; one row saying ``empty`` when there are none."""
+          empty: str = "nothing", foot: Child = None, **attributes: object) -> Markup:
+    """A table with a header row; one row saying ``empty`` when there are none; ``foot``:
+    the rows of its ``<tfoot>`` (a total), if any."""
     body = [tag("tr", [tag("td", cell) for cell in row]) for row in rows]
     if not body:
         body = [tag("tr", tag("td", empty, colspan=len(head), class_="empty"))]
     return tag("table", tag("thead", tag("tr", [tag("th", cell, scope="col") for cell in head])),
-               tag("tbody", body), **attributes)
+               tag("tbody", body), tag("tfoot", foot) if foot is not None else None,
+               **attributes)
 
 
 def hidden(fields: Mapping[str, object] | Iterable[tuple[str, object]]) -> Markup:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..envelope import parse_utc
 from ..redaction import redact
+from ..runtime.counters import LEDGER
 from ..runtime.recoverability import error_queue
-from ..runtime.status import HIDDEN_AFTER, summarise
+from ..runtime.status import HIDDEN_AFTER, duration_text, queue_depth, summarise
 from . import charts
 from .history import CHARTED, PERCENTILES
 from .html import Markup, render, tag, url
-from .layout import moment, notice, table
+from .layout import moment, notice, pairs, table
 
 if TYPE_CHECKING:
     from ..runtime.endpoint import Endpoint
@@ -20,9 +22,10 @@ if TYPE_CHECKING:
 
 #: A running process that has not reported for this many status intervals is stale.
 STALE_AFTER_INTERVALS = 3
-#: The counters the instance table shows.
-SHOWN = ("received", "handled", "duplicate", "redispatched", "failed", "dead_lettered",
-         "conflict")
+#: The ledger's columns of the instance table: received, then the terms that add up to it.
+SHOWN = ("received", *LEDGER)
+#: What a figure nobody can tell reads as.
+UNKNOWN = "–"
 
 
 def overview(dashboard: Dashboard, now: datetime.datetime) -> Markup:
@@ -53,6 +56,7 @@ def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) 
                      class_="badge warn" if "stale" in states else "badge"),
             " ", tag("span", f"{states.count('stopped') + collapsed} stopped", class_="badge")),
         notice(f"status reports cannot be read: {problem}", "error") if problem else None,
+        None if endpoint.send_only else _input_queue(endpoint, summary, now),
         _queues(dashboard, endpoint),
         tag("div", [tag("div", tag("span", f"{sum(counts[key]):,}", class_="figure",
                                    data_counter=key),
@@ -70,7 +74,42 @@ def _endpoint(dashboard: Dashboard, endpoint: Endpoint, now: datetime.datetime) 
         tag("p", f"{collapsed} instance(s) stopped more than "
                  f"{_minutes(dashboard.stopped_shown_for)} ago not listed",
             class_="caption collapsed") if collapsed else None,
+        _legend(),
+        _signal_counters(summary),
         class_="endpoint", data_endpoint=name)
+
+
+def _input_queue(endpoint: Endpoint, summary: dict[str, Any],
+                 now: datetime.datetime) -> Markup:
+    """The endpoint's queue as its transport tells it ("–" for what it cannot), and how
+    far behind its consumers are: when the last delivery was settled, and how long after
+    it was sent (or due)."""
+    # (`idembus dashboard` refuses a process-local broker; one built in a process sees
+    # that process's memory://)
+    depth = queue_depth(endpoint.transport, endpoint.name)
+
+    def figure(key: str, text: str | None = None) -> Markup:
+        value = depth[key]
+        shown = UNKNOWN if value is None else (text if text is not None else str(value))
+        return tag("span", shown, data_counter=f"queue_{key}")
+
+    oldest = depth["oldest_seconds"]
+    parts: list[Any] = [
+        "Queue ", tag("code", endpoint.name), ": ", figure("ready"), " ready, ",
+        figure("unacked"), " unacknowledged, ", figure("delayed"), " delayed, ",
+        figure("consumers"), " consumer(s); the oldest ready message has waited ",
+        figure("oldest_seconds", duration_text(oldest) if oldest is not None else None), ". "]
+    if depth["unknown"]:
+        parts += [tag("span", f"({depth['unknown']}) ", class_="caption")]
+    settled = parse_utc(summary["last_settled"])
+    lag = summary["lag_seconds"]
+    parts += ["Last message settled ",
+              tag("span", f"{duration_text((now - settled).total_seconds())} ago"
+                  if settled is not None else "never", data_counter="last_settled"),
+              ", ", tag("span", duration_text(lag) if lag is not None else UNKNOWN,
+                        data_counter="lag"),
+              " after it was sent or due (lag)."]
+    return tag("p", parts, class_="queues input")
 
 
 def _queues(dashboard: Dashboard, endpoint: Endpoint) -> Markup:
@@ -92,6 +131,7 @@ def _queues(dashboard: Dashboard, endpoint: Endpoint) -> Markup:
 
 
 def _instances(summary: dict[str, Any], *, private: bool) -> Markup:
+    """One row per instance with its ledger, and the total of the running ones."""
     rows = []
     for instance in summary["instances"]:
         name = instance["instance"] if private else instance["instance"].rsplit(":", 1)[-1]
@@ -99,15 +139,38 @@ def _instances(summary: dict[str, Any], *, private: bool) -> Markup:
         rows.append([
             tag("code", name), _state(instance["state"]),
             moment(instance["started_at"]), moment(instance["updated_at"]),
-            *(tag("span", str(instance["counters"][key]), data_counter=key) for key in SHOWN),
+            *(tag("span", str(instance["ledger"][key]), data_counter=key) for key in SHOWN),
             render([tag("div", problem, class_="problem") for problem in problems]) or "-",
         ])
     head = ["instance" if private else "instance (host and pid on loopback or with "
             "authentication)",
             "state", "started", "last report",
-            *(key.replace("_", "-") for key in SHOWN), "problems"]
+            *(tag("abbr", key.replace("_", " "), title=LEDGER.get(key, "deliveries received"))
+              for key in SHOWN), "problems"]
+    total = tag("tr", tag("th", "total (running)", scope="row", colspan=4),
+                [tag("td", tag("span", str(summary["ledger"][key]), data_total=key))
+                 for key in SHOWN], tag("td", ""))
     return table(head, rows, empty="no instance reported in the last hour",
-                 class_="instances")
+                 foot=total if rows else None, class_="instances")
+
+
+def _legend() -> Markup:
+    """How the ledger adds up, and what each of its terms means."""
+    return tag("details", tag("summary", "received = ",
+                              " + ".join(key.replace("_", " ") for key in LEDGER)),
+               tag("dl", [(tag("dt", key.replace("_", " ")), tag("dd", meaning))
+                          for key, meaning in LEDGER.items()]),
+               class_="ledger", open=True)
+
+
+def _signal_counters(summary: dict[str, Any]) -> Markup:
+    """Every signal counter of the running instances, for what the ledger sums up."""
+    return tag("details", tag("summary", "Signal counters of the running instances (per "
+                                         "handler, attempt or message sent: they do not add "
+                                         "up to received)"),
+               pairs(((key.replace("_", " "), tag("span", str(value), data_signal=key))
+                      for key, value in summary["total"].items())),
+               class_="signals")
 
 
 #: How an instance's state reads: one that stopped reporting without saying it stopped was

@@ -62,6 +62,9 @@ class Outcome:
     #: The message had expired (``idembus.discard_after``) and this handler had not
     #: processed it: nothing ran, nothing was stored (:mod:`idembus.expiry`).
     discarded: bool = False
+    #: The handler did not run and nothing was stored: a saga's message that found no saga
+    #: (``not_found``) or a completed saga's timeout (``timeout_dropped``).
+    dropped: bool = False
 
 
 class HandlerInvoker:
@@ -142,7 +145,7 @@ class HandlerInvoker:
                         self._saga_not_found(binding, message, context, loaded)
                     self._signals.emit(absent, **details)
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
-                                   binding.handler_name)
+                                   binding.handler_name, dropped=True)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
                 version = None if completed else _state_version(binding)

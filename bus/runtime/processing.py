@@ -130,8 +130,10 @@ class MessageProcessor:
         finally:  # interrupted too (outcome None): what counts in-flight deliveries needs it
             self._signals.emit("settled", message_id=headers.get(h.MESSAGE_ID),
                                message_type=headers.get(h.MESSAGE_TYPE),
-                               outcome=incoming.outcome, seconds=time.perf_counter() - started,
-                               time_sent=headers.get(h.TIME_SENT))
+                               outcome=incoming.outcome, effects=incoming.effects,
+                               seconds=time.perf_counter() - started,
+                               time_sent=headers.get(h.TIME_SENT),
+                               deliver_at=headers.get(h.DELIVER_AT))
         delivery.ack()
         level = per_message_level()
         if level is not None:
@@ -188,6 +190,7 @@ class MessageProcessor:
         incoming.message = message
         expired = expires is not None and self._clock.now() > expires
         discarded = False
+        effects = "dropped"  # until a handler did more: see IncomingMessage.effects
         try:
             bindings = self._table.bindings_for(type(message))
             for binding in bindings:
@@ -195,11 +198,17 @@ class MessageProcessor:
                                     last=binding is bindings[-1])
                 if isinstance(done, _Failure):
                     return self._after_failure(delivery, incoming, done)
-                discarded |= done is not None and done.discarded
+                if done is not None:
+                    discarded |= done.discarded
+                    if done.duplicate:
+                        effects = "duplicate" if effects == "dropped" else effects
+                    elif not (done.discarded or done.dropped):
+                        effects = "handled"
         except PipelineControl as control:  # RetryLater or RejectMessage
             self._steer(delivery, incoming, control)
             return 0.0
         incoming.outcome = "discarded" if discarded else "handled"
+        incoming.effects = effects
         self._recovery.message_succeeded()
         return 0.0
 
