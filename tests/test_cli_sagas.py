@@ -12,11 +12,14 @@ import json
 import sys
 import types
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from idembus import Endpoint, message_name
 from idembus.cli import main
+from idembus.storage.base import AggregateRecord
+from idembus.storage.errors import SchemaMissing
 from idembus.storage.memory import MemoryStorage
 from tests.saga_orders import CloseOrder, OrderSaga, PayOrder, PlaceOrder
 from tests.support import SignalCounter
@@ -186,3 +189,28 @@ def test_a_process_local_storage_is_refused_not_shown_as_empty(
 
     assert status == 2 and out == ""
     assert "process-local" in err and "sagas" in err
+
+
+class Unmigrated(SharedMemoryStorage):
+    """A storage whose tables were never created, as PostgreSQL answers then."""
+
+    def history(self, aggregate_type: str, aggregate_id: str, *,
+                entries: int = 200) -> AggregateRecord:
+        raise SchemaMissing('relation "idembus_aggregates" does not exist (SQLSTATE 42P01)')
+
+    def aggregate_page(self, aggregate_type: str, **options: Any) -> list[AggregateRecord]:
+        raise SchemaMissing('relation "idembus_aggregates" does not exist (SQLSTATE 42P01)')
+
+
+@pytest.mark.parametrize("argv", [("show", SAGA, "o-1"), ("list", "--type", SAGA)],
+                         ids=["show", "list"])
+def test_a_storage_without_its_schema_exits_2_saying_to_migrate(
+    exposed: Expose, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...],
+) -> None:
+    app = exposed(Unmigrated())
+    action, *rest = argv
+
+    status, _, err = run(capsys, "sagas", action, app, *rest)
+
+    assert status == 2
+    assert "does not exist" in err and f"run `idembus migrate {app}`" in err

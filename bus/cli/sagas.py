@@ -20,8 +20,9 @@ another process cannot see its sagas.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..envelope import format_utc
@@ -29,6 +30,7 @@ from ..errors import ConfigurationError
 from ..handlers.base import AggregateHandler
 from ..runtime.loading import load_endpoint, refuse_process_local
 from ..storage.base import AggregateRecord, AggregateStore, ProcessedMessage
+from ..storage.errors import StorageAccessDenied
 from .errors import printable
 
 #: Most sagas one ``list`` shows.
@@ -80,8 +82,10 @@ def _list(args: argparse.Namespace) -> int:
     endpoint = load_endpoint(args.endpoint)
     try:
         storage = _storage(endpoint, args.type)
-        page = storage.aggregate_page(args.type, completed=args.completed, after=args.after,
-                                      limit=args.limit, id_prefix=args.prefix)
+        with _schema_hint(args.endpoint):
+            page = storage.aggregate_page(args.type, completed=args.completed,
+                                          after=args.after, limit=args.limit,
+                                          id_prefix=args.prefix)
     finally:
         endpoint.close()
     listed = {
@@ -98,7 +102,9 @@ def _show(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--entries must be 0 or more, got {args.entries}")
     endpoint = load_endpoint(args.endpoint)
     try:
-        record = _storage(endpoint, args.type).history(args.type, args.id, entries=args.entries)
+        storage = _storage(endpoint, args.type)
+        with _schema_hint(args.endpoint):
+            record = storage.history(args.type, args.id, entries=args.entries)
     finally:
         endpoint.close()
     if not record.exists:
@@ -109,6 +115,18 @@ def _show(args: argparse.Namespace) -> int:
     print(json.dumps({"endpoint": endpoint.name, **told}, indent=2) if args.json
           else render_story(told))
     return 0
+
+
+@contextlib.contextmanager
+def _schema_hint(reference: str) -> Iterator[None]:
+    """A storage whose schema is missing or older than this idembus (a table or column
+    refused) fails saying what to run."""
+    try:
+        yield
+    except StorageAccessDenied as refused:
+        raise ConfigurationError(
+            f"{refused}; if the storage's schema was never created or is older than this "
+            f"idembus, run `idembus migrate {reference}`") from refused
 
 
 def _storage(endpoint: Any, aggregate_type: str) -> AggregateStore:
