@@ -90,6 +90,11 @@ class AggregateHandler(Handler, Generic[StateT]):
     #: makes the class a saga, whose other messages, finding no saga, go to
     #: :meth:`saga_not_found`. ``None``: every message creates the aggregate it names.
     starts: ClassVar[tuple[type[Message], ...] | None] = None
+    #: Whether :meth:`complete` keeps the state it ends with on the tombstone (its
+    #: ``final_state``, shown by ``idembus sagas show`` and the dashboard until retention
+    #: removes the tombstone). ``False``: the tombstone keeps no state (personal data that
+    #: must go when the saga ends).
+    keep_final_state: ClassVar[bool] = True
 
     state: StateT
     #: The aggregate being handled, ``(aggregate type, aggregate id)``; set by the endpoint.
@@ -131,8 +136,10 @@ class AggregateHandler(Handler, Generic[StateT]):
                                       aggregate=f"{aggregate_type}/{aggregate_id}")
 
     def complete(self) -> None:
-        """End this aggregate (a saga) when this message's handling commits: its state is
-        removed in the same write, and a tombstone keeps the processed messages, so a late
+        """End this aggregate (a saga) when this message's handling commits: it is no
+        longer live from the same write on, and a tombstone keeps the processed messages
+        (each with its type and time) and the state it ended with (unless
+        ``keep_final_state`` is false), so a late
         duplicate is still a duplicate (its stored messages re-sent with their ids), a late
         message that does not start the saga finds it "not found", and a late timeout is
         dropped. What the method sends is sent. Retention removes the tombstone later."""

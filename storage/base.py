@@ -33,7 +33,8 @@ processed, each with the outgoing messages its handler produced. Its role,
     ``processed`` holds the entry of ``key`` if that message was processed; backends that
     keep the history inside the record (MongoDB, memory) return every remembered entry.
 
-``commit(loaded, key=..., state=..., outgoing=..., state_version=..., completed=False)``
+``commit(loaded, key=..., state=..., outgoing=..., state_version=..., completed=False,
+message_type=...)``
     In **one atomic conditional write**, store the new state (with its schema version),
     bump the version and record
     ``key`` (the handler-scoped incoming message id) with its outgoing messages. The write
@@ -49,8 +50,13 @@ processed, each with the outgoing messages its handler produced. Its role,
     processed entry kept with its outgoing messages — so a late duplicate of a message it
     processed still raises ``AlreadyProcessed`` with what it stored. A later commit on the
     tombstone (``completed=False``, at its version) starts the aggregate again and keeps its
-    entries. ``expire`` removes a tombstone once it is older than ``retention`` and none of
-    its entries waits for dispatch.
+    entries. The tombstone keeps the ``state`` the completing commit was given as its
+    ``final_state`` (what the saga looked like when it ended; ``state`` itself stays
+    ``None``), and each entry keeps the ``message_type`` its commit was given, so a saga's
+    story — which messages it handled, when, which one ended it, and its last state — is
+    there until ``expire`` removes the tombstone, once it is older than ``retention`` and
+    none of its entries waits for dispatch. ``aggregate_page`` lists the live aggregates of
+    a type, or its tombstones, page by page.
 
 ``mark_dispatched(aggregate_type, aggregate_id, key)``
     The outgoing messages of ``key`` were confirmed by the broker: mark them dispatched, drop
@@ -97,6 +103,7 @@ old entries but always keeps the newest, so positions never restart.
 from __future__ import annotations
 
 import datetime
+import heapq
 import threading
 import zlib
 from abc import ABC, abstractmethod
@@ -133,6 +140,9 @@ class ProcessedMessage:
     #: Bytes the backend keeps for this entry in its aggregate's record, where it bounds
     #: records by size (MongoDB); 0: not known.
     stored_bytes: int = field(default=0, compare=False)
+    #: The processed message's type (``commit(message_type=...)``); ``None``: not given, or
+    #: committed before types were recorded.
+    message_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -316,6 +326,10 @@ class AggregateRecord:
     #: The schema version the state was committed with (``commit(state_version=...)``);
     #: ``None``: stored before versions existed, read as 1.
     state_version: int | None = None
+    #: A tombstone's last state: the state the completing commit was given (what the saga
+    #: looked like when it ended); ``None`` for live aggregates, and for tombstones
+    #: completed without one (or before backends kept it).
+    final_state: Mapping[str, Any] | None = None
 
     @property
     def exists(self) -> bool:
@@ -337,12 +351,23 @@ class AggregateRecord:
             return None
         return next(iter(self.processed.values())).at
 
+    def ended_by(self) -> ProcessedMessage | None:
+        """The entry of the message that completed this tombstone (its newest entry, when
+        the record holds it); ``None`` for a live aggregate."""
+        if not self.completed or not self.processed:
+            return None
+        return max(self.processed.values(), key=_entry_time)
+
+
+def _entry_time(entry: ProcessedMessage) -> datetime.datetime:
+    return entry.at or datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+
 
 @dataclass(frozen=True)
 class PendingCommit:
     """One message's commit in a group (:meth:`AggregateStore.commit_many`): the arguments
-    of :meth:`AggregateStore.commit`; ``options`` holds ``completed`` and ``state_version``
-    when the caller gives them."""
+    of :meth:`AggregateStore.commit`; ``options`` holds ``completed``, ``state_version``
+    and ``message_type`` when the caller gives them."""
 
     loaded: AggregateRecord
     key: str
@@ -409,13 +434,16 @@ class AggregateStore(StorageRole, ABC):
         outgoing: Sequence[Envelope],
         completed: bool = False,
         state_version: int | None = None,
+        message_type: str | None = None,
     ) -> None:
         """Store state and ``key -> outgoing`` in one conditional write; with
-        ``completed``, leave a tombstone instead of the state (see the module docstring).
+        ``completed``, leave a tombstone instead of the state (see the module docstring),
+        keeping ``state`` (if given) as its :attr:`AggregateRecord.final_state`.
 
         ``state_version``: the schema version of ``state`` (the state model's
         ``state_version``), stored with it and returned by ``load`` and ``records`` as
-        :attr:`AggregateRecord.state_version`.
+        :attr:`AggregateRecord.state_version`. ``message_type``: the type of the message
+        ``key`` records, kept with its entry (:attr:`ProcessedMessage.message_type`).
 
         Raises ``AlreadyProcessed`` or ``ConcurrencyConflict`` when the write is refused.
         """
@@ -451,6 +479,24 @@ class AggregateStore(StorageRole, ABC):
         record = self.load(aggregate_type, aggregate_id)
         kept = list(record.processed.items())[-entries:] if entries else []
         return replace(record, processed=dict(kept))
+
+    def aggregate_page(self, aggregate_type: str, *, completed: bool = False,
+                       after: str | None = None, limit: int = 50,
+                       id_prefix: str = "") -> list[AggregateRecord]:
+        """At most ``limit`` aggregates of ``aggregate_type`` in the order of their ids,
+        those after ``after`` only (a page; the next starts after the last id): the live
+        ones, or with ``completed`` the tombstones; with ``id_prefix`` only ids that start
+        with it. Each record has its state (a tombstone: its ``final_state``), version,
+        ``updated_at`` and no processed entries (:meth:`history` has those). For tools
+        (``idembus sagas list``, the dashboard), not per message. This default reads
+        :meth:`records` through (a backend should override it with an indexed query)."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        found = (replace(record, processed={}) for record in self.records(aggregate_type)
+                 if record.exists and record.completed == completed
+                 and record.aggregate_id.startswith(id_prefix)
+                 and (after is None or record.aggregate_id > after))
+        return heapq.nsmallest(limit, found, key=lambda record: record.aggregate_id)
 
     def load_many(
         self, requests: Sequence[tuple[str, str, str | None]]

@@ -85,8 +85,9 @@ class MemoryStorage(Storage, LimitStore):
             record = self._records.get((aggregate_type, aggregate_id))
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
-        # The state is the one mutable part a caller could change; entries are immutable.
+        # The states are the mutable parts a caller could change; entries are immutable.
         return dataclasses.replace(record, state=copy.deepcopy(record.state),
+                                   final_state=copy.deepcopy(record.final_state),
                                    processed=dict(record.processed))
 
     def commit(
@@ -98,6 +99,7 @@ class MemoryStorage(Storage, LimitStore):
         outgoing: Sequence[Envelope],
         completed: bool = False,
         state_version: int | None = None,
+        message_type: str | None = None,
     ) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(
@@ -106,7 +108,9 @@ class MemoryStorage(Storage, LimitStore):
             outgoing_ids=tuple(envelope.message_id for envelope in outgoing),
             dispatched=not outgoing,
             at=utc_now(),
+            message_type=message_type,
         )
+        kept = copy.deepcopy(dict(state)) if state is not None else None
         with self._lock:
             current = self._records.get(address)
             current_version = current.version if current else 0
@@ -121,12 +125,12 @@ class MemoryStorage(Storage, LimitStore):
                     loaded.aggregate_type,
                     loaded.aggregate_id,
                     version=current_version + 1,
-                    state=(copy.deepcopy(dict(state))
-                           if state is not None and not completed else None),
+                    state=None if completed else kept,
                     processed=processed,
                     updated_at=entry.at,
                     completed=completed,
                     state_version=state_version,
+                    final_state=kept if completed else None,
                 )
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
@@ -158,8 +162,8 @@ class MemoryStorage(Storage, LimitStore):
                 return
             entry = record.processed[key]
             processed = dict(record.processed)
-            processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
-                                              entry.outgoing_ids, True, entry.at)
+            processed[key] = dataclasses.replace(
+                entry, outgoing=entry.outgoing if keep_bodies else (), dispatched=True, attempts=0)
             self._records[address] = dataclasses.replace(record, processed=processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:

@@ -6,8 +6,9 @@ Features
 
       {_id: <aggregate id>, version: <int>, state: {...}, state_version: <int>,
        updated_at: <datetime>, completed: <bool>,
-       processed: [{key, outgoing: [...], ids: [...], dispatched: bool, at: <datetime>,
-                    endpoint: <committing endpoint>, bytes: <int>,
+       processed: [{key, type: <message type>, outgoing: [...], ids: [...],
+                    dispatched: bool, at: <datetime>, endpoint: <committing endpoint>,
+                    bytes: <int>,
                     spill: <token>, count: <int>}, ...]}
 
 * Commit of an existing aggregate: ``update_one`` matching ``_id``, the loaded ``version``
@@ -31,10 +32,12 @@ Features
   TTL deletion is the server's: mongomock never deletes, so that path is verified only by
   the index it creates.
 * A completed aggregate (a saga's ``complete()``) is a tombstone: ``completed: true``,
-  ``state: null``, its processed window kept. With ``retention=``, ``expire`` (the outbox
-  dispatcher's rounds) deletes tombstones completed longer ago than that whose entries
-  were all dispatched, found through a partial index (``idembus_tombstones``); a TTL index
-  could not tell dispatched entries from the others.
+  ``state``: its last state (read as ``final_state``; ``null`` if none was given), its
+  processed window kept, each entry with its message ``type``. Documents written before
+  types were recorded read with ``message_type`` ``None``: nothing to migrate. With
+  ``retention=``, ``expire`` (the outbox dispatcher's rounds) deletes tombstones completed
+  longer ago than that whose entries were all dispatched, found through a partial index
+  (``idembus_tombstones``); a TTL index could not tell dispatched entries from the others.
 * Delayed messages wait in the collection ``idembus_scheduled``; pollers claim due ones with
   ``find_one_and_update`` (a lease), so only one dispatches each while it lives.
 * The event journal is the collection ``idembus_journal``, one document per entry with its
@@ -72,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -257,11 +261,13 @@ class MongoStorage(Storage, LimitStore):
         outgoing: Sequence[Envelope],
         completed: bool = False,
         state_version: int | None = None,
+        message_type: str | None = None,
     ) -> None:
         token = uuid.uuid4().hex
         where, document, side = self._write_of(PendingCommit(
             loaded, key, state, tuple(outgoing),
-            {"completed": completed, "state_version": state_version}), token)
+            {"completed": completed, "state_version": state_version,
+             "message_type": message_type}), token)
         collection = self.database[loaded.aggregate_type]
         with self._guard, _translated():
             self._own(loaded.aggregate_type)  # before the write: the outbox must find it
@@ -313,6 +319,9 @@ class MongoStorage(Storage, LimitStore):
             "at": utc_now(),
             "endpoint": committed_by(outgoing),
         }
+        message_type = pending.options.get("message_type")
+        if message_type is not None:
+            entry["type"] = message_type
         if mark:
             entry["commit"] = token
         size = mongo_spill.size_of(records, ids) if outgoing else 0
@@ -325,12 +334,12 @@ class MongoStorage(Storage, LimitStore):
             side = mongo_spill.chunks(token, where, records, ids, entry["at"])
             entry.update(outgoing=[], ids=[], spill=token, count=len(records))
             size = 0
-        bare = mongo_spill.bare_bytes(pending.key)
+        bare = mongo_spill.bare_bytes(pending.key) + len((message_type or "").encode("utf-8"))
         entry["bytes"] = size + bare
         # What it takes once dispatched without keep_bodies: its ids stay inline.
         entry["lean"] = bare + (mongo_spill.size_of([], entry["ids"]) if size else 0)
-        fields = {"state": dict(pending.state) if pending.state is not None and not completed
-                  else None,
+        # A tombstone keeps the state it was given as its last (``final_state``).
+        fields = {"state": dict(pending.state) if pending.state is not None else None,
                   "state_version": pending.options.get("state_version"),
                   "updated_at": entry["at"], "completed": completed}
         if not loaded.exists:
@@ -648,6 +657,26 @@ class MongoStorage(Storage, LimitStore):
             if len(documents) < self.records_page:
                 return
             wanted = {"_id": {"$gt": documents[-1]["_id"]}}
+
+    def aggregate_page(self, aggregate_type: str, *, completed: bool = False,
+                       after: str | None = None, limit: int = 50,
+                       id_prefix: str = "") -> list[AggregateRecord]:
+        """One query on ``_id`` (its index), without the processed entries."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        ids: dict[str, Any] = {}
+        if after is not None:
+            ids["$gt"] = after
+        if id_prefix:
+            ids["$regex"] = "^" + re.escape(id_prefix)
+        wanted: dict[str, Any] = {"version": {"$gt": 0},
+                                  "completed": True if completed else {"$ne": True}}
+        if ids:
+            wanted["_id"] = ids
+        with self._guard, _translated():
+            documents = list(self.database[aggregate_type].find(wanted, {"processed": 0})
+                             .sort("_id", 1).limit(limit))
+        return [_record_from(aggregate_type, document, {}) for document in documents]
 
     # -- delayed messages ---------------------------------------------------------------
 
@@ -1021,15 +1050,17 @@ def _record_from(aggregate_type: str, document: Mapping[str, Any],
     # Documents written before updated_at existed: the newest remembered commit.
     last_commit = max((entry.at for entry in processed.values() if entry.at is not None),
                       default=None)
+    completed = bool(document.get("completed", False))
     return AggregateRecord(
         aggregate_type,
         document["_id"],
         version=document["version"],
-        state=document.get("state"),
+        state=None if completed else document.get("state"),
         processed=processed,
         updated_at=_utc(document.get("updated_at")) or last_commit,
-        completed=bool(document.get("completed", False)),
+        completed=completed,
         state_version=document.get("state_version"),
+        final_state=document.get("state") if completed else None,
     )
 
 
@@ -1048,6 +1079,7 @@ def _entry_from(entry: Mapping[str, Any],
         dispatched=bool(entry.get("dispatched", False)),
         at=_utc(entry.get("at")),
         stored_bytes=size if isinstance(size, int) else len(bson.encode(entry)),
+        message_type=entry.get("type"),
     )
 
 

@@ -7,7 +7,8 @@ Features
       aggregates (aggregate_type, aggregate_id) -> version, state jsonb, state_version,
                                                    updated_at, completed
       processed  (aggregate_type, aggregate_id, key) -> outgoing jsonb, outgoing_ids jsonb,
-                                                       dispatched, processed_at
+                                                       dispatched, processed_at,
+                                                       message_type
 
 * A commit is one atomic statement (a data-modifying CTE, in autocommit): update the
   aggregate row where the version is the one loaded (or insert it for a new aggregate,
@@ -27,8 +28,10 @@ Features
 * Processed rows are not bounded by count (``processed_window`` is ``None``); with
   ``retention=`` the ones whose messages were dispatched are deleted once older than it, in
   batches of 1000 by the outbox dispatcher's rounds. Undispatched rows are never deleted.
-* A completed aggregate (a saga's ``complete()``) keeps its row as a tombstone: ``state``
-  NULL, ``completed`` true, its processed rows untouched. With ``retention=`` the same
+* A completed aggregate (a saga's ``complete()``) keeps its row as a tombstone:
+  ``completed`` true, ``state`` its last state (read as ``final_state``), its processed
+  rows untouched, each with its message's type (``message_type``: NULL for rows written
+  before the column was added by ``migrate``). With ``retention=`` the same
   rounds delete tombstones completed longer ago than that none of whose processed rows
   waits for dispatch (a partial index finds them).
 * The event journal is ``<prefix>_journal`` (position bigint primary key, message_id
@@ -54,6 +57,7 @@ Options
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import re
@@ -186,26 +190,27 @@ class PostgresStorage(Storage, LimitStore):
         self._opening = threading.Lock()
         # A commit is one statement, atomic on its own: the aggregate's conditional update
         # (or insert) and the processed row succeed or fail together, in one round trip.
-        record = (f"INSERT INTO {self._processed} "
-                  "(aggregate_type, aggregate_id, key, outgoing, outgoing_ids, dispatched) ")
+        record = (f"INSERT INTO {self._processed} (aggregate_type, aggregate_id, key, "
+                  "outgoing, outgoing_ids, dispatched, message_type) ")
         # (an inbox entry recorded already writes nothing, as a refused update does)
-        self._insert_inbox = f"{record} VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT DO NOTHING"
+        self._insert_inbox = (f"{record} VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                              "ON CONFLICT DO NOTHING")
         self._update_and_record = (
             f"WITH changed AS (UPDATE {self._aggregates} SET state = %s, version = version + 1,"
             " state_version = %s, updated_at = clock_timestamp(), completed = %s"
             " WHERE aggregate_type = %s AND aggregate_id = %s AND version = %s RETURNING 1) "
-            f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
+            f"{record} SELECT %s, %s, %s, %s, %s, %s, %s FROM changed")
         self._create_and_record = (
             f"WITH changed AS (INSERT INTO {self._aggregates}"
             " (aggregate_type, aggregate_id, version, state, state_version, updated_at,"
             " completed) VALUES (%s, %s, 1, %s, %s, clock_timestamp(), %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
-            f"{record} SELECT %s, %s, %s, %s, %s, %s FROM changed")
+            f"{record} SELECT %s, %s, %s, %s, %s, %s, %s FROM changed")
         # A group of loads in one statement: a row for each (type, id, key) of the arrays,
         # numbered from 1 in their order.
         self._load_group = (
             "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
-            " p.outgoing_ids, p.dispatched, p.processed_at, a.completed"
+            " p.outgoing_ids, p.dispatched, p.processed_at, a.completed, p.message_type"
             " FROM unnest(%b::text[], %b::text[], %b::text[]) WITH ORDINALITY"
             " AS r(aggregate_type, aggregate_id, key, position)"
             f" LEFT JOIN {self._aggregates} a"
@@ -222,15 +227,16 @@ class PostgresStorage(Storage, LimitStore):
         self._update_group = (
             "WITH input AS (SELECT * FROM unnest(%b::text[], %b::text[], %b::bigint[],"
             " %b::jsonb[], %b::integer[], %b::boolean[], %b::text[], %b::jsonb[], %b::jsonb[],"
-            " %b::boolean[]) AS i(aggregate_type, aggregate_id, version, state, state_version,"
-            " completed, key, outgoing, outgoing_ids, dispatched)),"
+            " %b::boolean[], %b::text[]) AS i(aggregate_type, aggregate_id, version, state,"
+            " state_version, completed, key, outgoing, outgoing_ids, dispatched,"
+            " message_type)),"
             f" changed AS (UPDATE {self._aggregates} a SET state = i.state,"
             " version = a.version + 1, state_version = i.state_version,"
             " updated_at = clock_timestamp(), completed = i.completed FROM input i"
             " WHERE a.aggregate_type = i.aggregate_type AND a.aggregate_id = i.aggregate_id"
             " AND a.version = i.version RETURNING i.aggregate_type, i.aggregate_id, i.key) "
             f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
-            " i.outgoing_ids, i.dispatched FROM input i JOIN changed c"
+            " i.outgoing_ids, i.dispatched, i.message_type FROM input i JOIN changed c"
             " ON (c.aggregate_type, c.aggregate_id, c.key)"
             " = (i.aggregate_type, i.aggregate_id, i.key)"
             " RETURNING aggregate_type, aggregate_id, key")
@@ -285,12 +291,16 @@ class PostgresStorage(Storage, LimitStore):
                     dispatched boolean NOT NULL DEFAULT false,
                     processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
                     attempts integer NOT NULL DEFAULT 0,
+                    message_type text,
                     PRIMARY KEY (aggregate_type, aggregate_id, key)
                 )""")
             if not _has_column(connection, self._processed, "attempts"):  # older schema
                 connection.execute(f"""
                     ALTER TABLE {self._processed}
                     ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0""")
+            if not _has_column(connection, self._processed, "message_type"):  # older schema
+                connection.execute(f"""
+                    ALTER TABLE {self._processed} ADD COLUMN IF NOT EXISTS message_type text""")
             connection.execute(f"""
                 CREATE TABLE IF NOT EXISTS {self._scheduled} (
                     message_id text NOT NULL,
@@ -431,7 +441,8 @@ class PostgresStorage(Storage, LimitStore):
                               (self._aggregates, "completed"),
                               (self._aggregates, "state_version"), (self._scheduled, "owner"),
                               (self._status, "problems"), (self._processed, "attempts"),
-                              (self._scheduled, "attempts")):
+                              (self._scheduled, "attempts"),
+                              (self._processed, "message_type")):
             if table not in missing and not _has_column(connection, table, column):
                 missing.append(f"{table}.{column}")
         return missing
@@ -495,11 +506,12 @@ class PostgresStorage(Storage, LimitStore):
                         key: str | None) -> tuple[str, tuple[Any, ...]]:
         if aggregate_type == INBOX:
             return (f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
-                    f"dispatched, processed_at, false FROM {self._processed} "
+                    f"dispatched, processed_at, false, message_type FROM {self._processed} "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id))
         return (f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
-                           p.outgoing_ids, p.dispatched, p.processed_at, a.completed
+                           p.outgoing_ids, p.dispatched, p.processed_at, a.completed,
+                           p.message_type
                     FROM (SELECT 1) AS one
                     LEFT JOIN {self._aggregates} a
                            ON a.aggregate_type = %s AND a.aggregate_id = %s
@@ -516,10 +528,12 @@ class PostgresStorage(Storage, LimitStore):
         outgoing: Sequence[Envelope],
         completed: bool = False,
         state_version: int | None = None,
+        message_type: str | None = None,
     ) -> None:
         statement = self._commit_statement(PendingCommit(
             loaded, key, state, tuple(outgoing),
-            {"completed": completed, "state_version": state_version}))
+            {"completed": completed, "state_version": state_version,
+             "message_type": message_type}))
         with self._connection() as connection:
             try:
                 written = connection.execute(*statement).rowcount
@@ -605,6 +619,7 @@ class PostgresStorage(Storage, LimitStore):
         journal: Sequence[JournalEntry] = (),
         completed: bool = False,
         state_version: int | None = None,
+        message_type: str | None = None,
     ) -> Any:
         """:meth:`commit`, in one statement with another's ``part``
         (:mod:`idembus.storage.postgres_shared`; the PostgreSQL transport inserting the
@@ -622,8 +637,8 @@ class PostgresStorage(Storage, LimitStore):
         parameters = {
             **part.params, "type": loaded.aggregate_type, "id": loaded.aggregate_id,
             "key": key, "version": loaded.version, "completed": completed,
-            "state": Jsonb(dict(state)) if state is not None and not completed else None,
-            "state_version": state_version,
+            "state": Jsonb(dict(state)) if state is not None else None,
+            "state_version": state_version, "message_type": message_type,
             "outgoing": Jsonb([e.to_record() for e in outgoing] if keep_bodies else []),
             "ids": Jsonb([envelope.message_id for envelope in outgoing]),
         }
@@ -988,7 +1003,7 @@ class PostgresStorage(Storage, LimitStore):
                 f"FROM {self._aggregates} WHERE aggregate_type = %s AND aggregate_id = %s",
                 (aggregate_type, aggregate_id)).fetchone()
             rows = connection.execute(
-                f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at "
+                f"SELECT key, outgoing, outgoing_ids, dispatched, processed_at, message_type "
                 f"FROM {self._processed} WHERE aggregate_type = %s AND aggregate_id = %s "
                 "ORDER BY processed_at DESC, key DESC LIMIT %s",
                 (aggregate_type, aggregate_id, entries)).fetchall()
@@ -998,9 +1013,10 @@ class PostgresStorage(Storage, LimitStore):
             return AggregateRecord(aggregate_type, aggregate_id, processed=processed,
                                    updated_at=newest)
         version, state, state_version, completed, updated_at = row
-        return AggregateRecord(aggregate_type, aggregate_id, version, state, processed,
-                               updated_at=_utc(updated_at) or newest,
-                               completed=bool(completed), state_version=state_version)
+        return _kept_state(AggregateRecord(
+            aggregate_type, aggregate_id, version, state, processed,
+            updated_at=_utc(updated_at) or newest, completed=bool(completed),
+            state_version=state_version))
 
     def records(self, aggregate_type: str) -> Iterator[AggregateRecord]:
         if aggregate_type != INBOX:
@@ -1035,11 +1051,29 @@ class PostgresStorage(Storage, LimitStore):
                     (aggregate_type, after, self.records_page),
                 ).fetchall()
             for r in rows:
-                yield AggregateRecord(aggregate_type, r[0], r[1], r[2], updated_at=_utc(r[4]),
-                                      state_version=r[3], completed=r[5])
+                yield _kept_state(AggregateRecord(aggregate_type, r[0], r[1], r[2],
+                                                  updated_at=_utc(r[4]), state_version=r[3],
+                                                  completed=r[5]))
             if len(rows) < self.records_page:
                 return
             after = rows[-1][0]
+
+    def aggregate_page(self, aggregate_type: str, *, completed: bool = False,
+                       after: str | None = None, limit: int = 50,
+                       id_prefix: str = "") -> list[AggregateRecord]:
+        """One query along the primary key, without the processed rows."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        with self._connection() as connection:
+            rows = connection.execute(
+                f"SELECT aggregate_id, version, state, state_version, updated_at "
+                f"FROM {self._aggregates} WHERE aggregate_type = %s AND completed = %s "
+                "AND aggregate_id > %s AND starts_with(aggregate_id, %s) "
+                "ORDER BY aggregate_id LIMIT %s",
+                (aggregate_type, completed, after or "", id_prefix, limit)).fetchall()
+        return [_kept_state(AggregateRecord(aggregate_type, r[0], r[1], r[2],
+                                            updated_at=_utc(r[4]), state_version=r[3],
+                                            completed=completed)) for r in rows]
 
     # -- event journal ------------------------------------------------------------------
 
@@ -1145,20 +1179,31 @@ def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord
     if row is None:
         return AggregateRecord(aggregate_type, aggregate_id)
     (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
-     completed) = row
+     completed, message_type) = row
     processed = {}
     if found_key is not None:
-        processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at)
-    return AggregateRecord(aggregate_type, aggregate_id, version or 0, state, processed,
-                           completed=bool(completed), state_version=state_version)
+        processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at,
+                                      message_type)
+    return _kept_state(AggregateRecord(aggregate_type, aggregate_id, version or 0, state,
+                                       processed, completed=bool(completed),
+                                       state_version=state_version))
+
+
+def _kept_state(record: AggregateRecord) -> AggregateRecord:
+    """``record`` as the contract reads it: a tombstone's ``state`` column holds its last
+    state (``final_state``), and a tombstone has no state."""
+    if not record.completed:
+        return record
+    return dataclasses.replace(record, state=None, final_state=record.state)
 
 
 class _CommitValues(NamedTuple):
     """What a commit writes, as statement parameters."""
 
-    #: The processed row: type, id, key, outgoing records, their ids, dispatched.
+    #: The processed row: type, id, key, outgoing records, their ids, dispatched, the
+    #: message's type.
     entry: tuple[Any, ...]
-    #: The aggregate's new state (``None``: none, or completed).
+    #: The aggregate's new state, or a tombstone's last (``None``: none).
     document: Jsonb | None
     completed: bool
     state_version: int | None
@@ -1170,9 +1215,10 @@ class _CommitValues(NamedTuple):
         return cls(
             entry=(loaded.aggregate_type, loaded.aggregate_id, pending.key,
                    Jsonb([envelope.to_record() for envelope in outgoing]),
-                   Jsonb([envelope.message_id for envelope in outgoing]), not outgoing),
-            document=(Jsonb(dict(pending.state)) if pending.state is not None and not completed
-                      else None),
+                   Jsonb([envelope.message_id for envelope in outgoing]), not outgoing,
+                   pending.options.get("message_type")),
+            # A tombstone keeps the state it was given as its last (``final_state``).
+            document=Jsonb(dict(pending.state)) if pending.state is not None else None,
             completed=completed,
             state_version=pending.options.get("state_version"),
         )
@@ -1193,13 +1239,14 @@ class _Refused(Exception):
 
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
-           at: Any) -> ProcessedMessage:
+           at: Any, message_type: str | None = None) -> ProcessedMessage:
     return ProcessedMessage(
         key=key,
         outgoing=tuple(Envelope.from_record(record) for record in outgoing or ()),
         outgoing_ids=tuple(outgoing_ids or ()),
         dispatched=bool(dispatched),
         at=at,
+        message_type=message_type,
     )
 
 

@@ -51,8 +51,8 @@ class StatementPart(Protocol):
 def statement(aggregates: str, processed: str, *, kind: str, part: StatementPart) -> str:
     """The shared commit of an aggregate (``kind``: ``inbox``, ``create`` or ``update``)."""
     record = (f"INSERT INTO {processed} (aggregate_type, aggregate_id, key, outgoing, "
-              "outgoing_ids, dispatched) SELECT %(type)s, %(id)s, %(key)s, %(outgoing)s, "
-              "%(ids)s, true")
+              "outgoing_ids, dispatched, message_type) SELECT %(type)s, %(id)s, %(key)s, "
+              "%(outgoing)s, %(ids)s, true, %(message_type)s")
     if kind == "inbox":
         write = f"recorded AS ({record} WHERE {part.precondition} RETURNING 1)"
     else:

@@ -78,10 +78,12 @@ class DictStorage(AggregateStore, ParkingStore):
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], completed: bool = False,
-               state_version: int | None = None) -> None:
+               state_version: int | None = None, message_type: str | None = None) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
         entry = ProcessedMessage(key, tuple(outgoing), tuple(e.message_id for e in outgoing),
-                                 dispatched=not outgoing, at=utc_now())
+                                 dispatched=not outgoing, at=utc_now(),
+                                 message_type=message_type)
+        kept = copy.deepcopy(dict(state)) if state is not None else None
         with self._lock:
             current = self._records.get(address, AggregateRecord(*address))
             if current.version == loaded.version and key not in current.processed:
@@ -89,9 +91,10 @@ class DictStorage(AggregateStore, ParkingStore):
                 newest = list(processed)[-(self.processed_window or len(processed)):]
                 self._records[address] = AggregateRecord(
                     *address, current.version + 1,
-                    None if completed else copy.deepcopy(dict(state or {})),
+                    None if completed else kept or {},
                     {k: e for k, e in processed.items() if k in newest or not e.dispatched},
-                    updated_at=entry.at, completed=completed, state_version=state_version)
+                    updated_at=entry.at, completed=completed, state_version=state_version,
+                    final_state=kept if completed else None)
                 return
         raise self._refusal(*address, key)
 
@@ -103,8 +106,8 @@ class DictStorage(AggregateStore, ParkingStore):
             if record is None or key not in record.processed:
                 return
             entry = record.processed[key]
-            marked = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
-                                      entry.outgoing_ids, True, entry.at)
+            marked = dataclasses.replace(entry, outgoing=entry.outgoing if keep_bodies else (),
+                                         dispatched=True)
             self._records[aggregate_type, aggregate_id] = dataclasses.replace(
                 record, processed={**record.processed, key: marked})
 

@@ -31,7 +31,7 @@ from ..redaction import redact
 from ..runtime.loading import load_endpoint
 from ..storage.errors import StorageUnavailable
 from ..transports.errors import TransportUnavailable
-from . import dashboard, errors, gateway, outbox, schedules, spark, status, worker
+from . import dashboard, errors, gateway, outbox, sagas, schedules, spark, status, worker
 from .supervisor import EXIT_CONFIGURATION, Supervisor, stop_when_orphaned
 
 #: Exit status when the broker or database cannot be reached: worth trying again later.
@@ -41,7 +41,7 @@ EXIT_UNAVAILABLE = 1
 #: Modules adding subcommands: each has ``register(commands, common_options)``.
 _TOOLS: list[Callable[[Any, argparse.ArgumentParser], None]] = [
     status.register, errors.register, outbox.register, gateway.register,
-    spark.register, schedules.register, dashboard.register,
+    spark.register, schedules.register, dashboard.register, sagas.register,
 ]
 
 

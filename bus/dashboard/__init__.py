@@ -1,6 +1,6 @@
 """The dashboard: what an operator looks at — each endpoint's instances and an hour of
-per-minute rates, the failed messages with retry and purge, sagas and aggregates by id, and
-the event journal live.
+per-minute rates, the failed messages with retry and purge, the live and completed sagas of
+a type and each one's story, and the event journal live.
 
 ``idembus dashboard package.module:endpoint... --listen 127.0.0.1:8043`` (or
 :class:`Dashboard`) serves it; README, "The dashboard", says what each page shows and how it
@@ -13,7 +13,8 @@ figures; :mod:`~idembus.dashboard.overview`, :mod:`~idembus.dashboard.failed`,
 :mod:`~idembus.dashboard.aggregates` and :mod:`~idembus.dashboard.journal` the pages, built
 with :mod:`~idembus.dashboard.html` (everything escaped unless written here),
 :mod:`~idembus.dashboard.layout` and :mod:`~idembus.dashboard.charts` (SVG drawn on the
-server); :mod:`~idembus.dashboard.lookup` reads one aggregate. ``static/`` holds the
+server); :mod:`~idembus.dashboard.lookup` reads one aggregate and
+:mod:`~idembus.dashboard.saga_list` lists those of a type. ``static/`` holds the
 stylesheet and the one script (refresh of the overview, the live stream), shipped with the
 package.
 

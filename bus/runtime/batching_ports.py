@@ -52,17 +52,19 @@ class BatchingStorage(AggregateStore):
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], completed: bool = False,
-               state_version: int | None = None) -> None:
+               state_version: int | None = None, message_type: str | None = None) -> None:
         """The storage's ``commit``; in a batch, in one ``commit_many`` with the batch's
         others (each still its own conditional write, with its own answer)."""
         member = running_member()
         if member is None:
             self.storage.commit(loaded, key=key, state=state, outgoing=outgoing,
-                                completed=completed, state_version=state_version)
+                                completed=completed, state_version=state_version,
+                                message_type=message_type)
             return
         member.park(COMMIT, self.storage, PendingCommit(
             loaded, key, state, tuple(outgoing),
-            {"completed": completed, "state_version": state_version}))
+            {"completed": completed, "state_version": state_version,
+             "message_type": message_type}))
 
     def load_many(self, requests: Sequence[tuple[str, str, str | None]]
                   ) -> list[AggregateRecord | Exception]:
@@ -83,6 +85,12 @@ class BatchingStorage(AggregateStore):
     def history(self, aggregate_type: str, aggregate_id: str, *,
                 entries: int = 200) -> AggregateRecord:
         return self.storage.history(aggregate_type, aggregate_id, entries=entries)
+
+    def aggregate_page(self, aggregate_type: str, *, completed: bool = False,
+                       after: str | None = None, limit: int = 50,
+                       id_prefix: str = "") -> list[AggregateRecord]:
+        return self.storage.aggregate_page(aggregate_type, completed=completed, after=after,
+                                           limit=limit, id_prefix=id_prefix)
 
     def flush(self) -> None:
         self.storage.flush()

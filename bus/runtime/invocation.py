@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
@@ -148,13 +150,14 @@ class HandlerInvoker:
                                    binding.handler_name, dropped=True)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
-                version = None if completed else _state_version(binding)
+                version = None if state is None else _state_version(binding)
                 committer: Callable[..., bool | None] = (
                     self._storage.commit if self._shared is None
                     else functools.partial(self._shared.commit, settle=settle))
                 commit = functools.partial(committer, loaded, key=key, state=state,
                                            outgoing=outgoing, completed=completed,
-                                           state_version=version)
+                                           state_version=version,
+                                           message_type=context.message_type)
                 try:
                     sent = self._pipeline.commit(call, commit)
                 except StorageUnavailable as outage:
@@ -233,7 +236,8 @@ class HandlerInvoker:
         loaded: AggregateRecord,
     ) -> tuple[dict[str, Any] | None, list[Envelope], bool]:
         """Run the handling method on a copy: the state it left (``None`` for stateless
-        handlers and completed aggregates), what it sent, whether it completed."""
+        handlers, and for completed aggregates that keep no final state), what it sent,
+        whether it completed."""
         outgoing: list[Envelope] = []
         handler = self._copy(binding, context, self._pipeline.recorder(outgoing.append, context),
                              loaded)
@@ -245,7 +249,10 @@ class HandlerInvoker:
                 handler.state = handler.new_state(loaded.aggregate_id, message)
             self._call(handler, binding, message)
             if handler._idembus_completed:
-                return None, outgoing, True
+                final = (handler.state.model_dump(mode="json")
+                         if handler.keep_final_state and isinstance(handler.state, BaseModel)
+                         else None)
+                return final, outgoing, True
             if not isinstance(handler.state, handler.state_type):
                 raise HandlerContractError(
                     f"{binding.handler_name} left self.state as {type(handler.state).__name__}"

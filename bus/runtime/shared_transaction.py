@@ -80,11 +80,12 @@ class _Committer(Protocol):
     def commit_with(self, loaded: AggregateRecord, *, key: str,
                     state: Mapping[str, Any] | None, outgoing: Sequence[Envelope],
                     part: Any, keep_bodies: bool = False, journal: Sequence[Any] = (),
-                    completed: bool = False, state_version: int | None = None) -> Any: ...
+                    completed: bool = False, state_version: int | None = None,
+                    message_type: str | None = None) -> Any: ...
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], completed: bool = False,
-               state_version: int | None = None) -> None: ...
+               state_version: int | None = None, message_type: str | None = None) -> None: ...
 
 
 class SharedTransaction:
@@ -109,8 +110,8 @@ class SharedTransaction:
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], settle: Delivery | None = None,
                **options: Any) -> bool:
-        """Commit (``options``: ``completed``, ``state_version``) with the outgoing
-        messages and the removal of ``settle``. True if the messages went out with the
+        """Commit (``options``: ``completed``, ``state_version``, ``message_type``) with the
+        outgoing messages and the removal of ``settle``. True if the messages went out with the
         commit; False if the work was committed alone (nothing to send and nothing to
         remove, or a message the queues refused), for the caller to dispatch as usual.
         Raises what :meth:`~idembus.storage.base.AggregateStore.commit` raises."""

@@ -136,8 +136,10 @@ class UnitOfWork(_RecordedWork, Generic[StateT]):
             return  # the block failed: nothing is written
         try:
             if self._completed:
-                self._storage.commit(self._loaded, key=self.key, state=None,
-                                     outgoing=self._outgoing, completed=True)
+                self._storage.commit(self._loaded, key=self.key,
+                                     state=self.state.model_dump(mode="json"),
+                                     outgoing=self._outgoing, completed=True,
+                                     **version_keyword(self._state_type))
             else:
                 self._storage.commit(self._loaded, key=self.key,
                                      state=self.state.model_dump(mode="json"),

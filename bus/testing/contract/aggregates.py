@@ -23,6 +23,7 @@ from .base import StorageFactory
 from .completion import CompletionContract
 from .group_commit import GroupCommitContract
 from .records import ACCOUNT, UTC, commit, created, envelope, remembered
+from .sagas import SagaHistoryContract
 
 THREADS = 8
 ROUNDS = 20
@@ -68,12 +69,14 @@ def race(storage: AggregateStore, loaded: AggregateRecord, keys: Sequence[str]) 
     return result
 
 
-class AggregateStoreContract(CompletionContract, GroupCommitContract):
+class AggregateStoreContract(CompletionContract, GroupCommitContract, SagaHistoryContract):
     """Loads and conditional commits, duplicates refused with their stored messages,
     dispatch marks, the processed window and retention, racing committers, the state's
     schema version (``commit(state_version=...)``, read back by ``load`` and ``records``)
     and completion (:class:`~idembus.testing.contract.completion.CompletionContract`), group
-    commits and loads (:class:`~idembus.testing.contract.group_commit.GroupCommitContract`)."""
+    commits and loads (:class:`~idembus.testing.contract.group_commit.GroupCommitContract`),
+    a saga's story and the listing of aggregates
+    (:class:`~idembus.testing.contract.sagas.SagaHistoryContract`)."""
 
     roles: ClassVar[tuple[type[StorageRole], ...]] = (AggregateStore,)
 
