@@ -92,6 +92,7 @@ def outgoing(count: int, body_bytes: int) -> list[Envelope]:
     return envelopes
 
 
+@pytest.mark.timeout(300)  # a thousand rewrites of a growing document on mongomock: ~60 s
 def test_a_window_of_a_thousand_messages_stays_under_the_limit(sizes: Sizes):
     # Given a window of 1,000 and handlers that each publish a 20 KB event the outbox has
     # not dispatched yet (so every entry must stay)
