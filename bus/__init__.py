@@ -25,6 +25,8 @@ from .errors import (
     InvalidMessage,
     MalformedMessage,
     MessageError,
+    RequestFailed,
+    RequestTimeout,
     RoutingError,
     UnknownMessageType,
 )
@@ -109,6 +111,8 @@ __all__ = [
     "PropagateHeaders",
     "Recoverability",
     "RejectMessage",
+    "RequestFailed",
+    "RequestTimeout",
     "RetryLater",
     "RetryPolicy",
     "RoutingError",
