@@ -274,12 +274,15 @@ def test_closing_the_endpoint_ends_the_wait_and_deletes_the_reply_queue(make_end
 
 
 def _queue_exists(endpoint: Endpoint, queue: str) -> bool:
-    """Whether ``queue`` exists on the endpoint's broker (a passive declare)."""
+    """Whether ``queue`` exists on the endpoint's broker (a passive declare: RabbitMQ
+    answers NOT_FOUND, or RESOURCE_LOCKED for a queue exclusive to another connection)."""
     transport = endpoint.transport
     with transport._channel() as channel:  # type: ignore[attr-defined]
         try:
             channel.queue_declare(queue=queue, passive=True)
-        except Exception:
+        except Exception as error:
+            if "locked" in str(error).lower():
+                return True
             return False
     return True
 
