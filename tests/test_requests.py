@@ -102,6 +102,21 @@ def test_a_request_sent_again_with_its_id_gets_the_stored_reply_and_the_handler_
     assert quotes.runs[request_id] == 1
 
 
+def test_the_same_request_sent_again_from_another_process_gets_the_stored_reply_there(
+        quoting, make_endpoint):
+    shop, pricing, quotes = quoting
+    request_id = str(uuid.uuid4())
+    first = shop.bus.request(GetQuote(item="tea"), timeout=10, message_id=request_id)
+    # When another process (its own endpoint object, its own reply queue) retries it:
+    other = make_endpoint("shop", routes={GetQuote: pricing.name}, send_only=True)
+    other.start()
+    again = other.bus.request(GetQuote(item="tea"), timeout=10, message_id=request_id)
+    # Then the stored reply comes to that process's reply queue; the handler ran once.
+    assert again == first
+    assert quotes.runs == {request_id: 1}
+    assert other._assembly.requests.queue != shop._assembly.requests.queue
+
+
 def test_a_request_whose_handler_failed_for_good_gets_the_failure_not_the_timeout(quoting):
     shop, _, _ = quoting
     started = time.monotonic()

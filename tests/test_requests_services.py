@@ -40,12 +40,15 @@ def test_a_request_sent_again_gets_the_reply_stored_in_postgresql(make_endpoint,
     first = shop.bus.request(GetQuote(item="tea", quantity=2), timeout=20,
                              message_id=request_id)
     # Given the reply was sent and its entry marked dispatched (bodies are compacted then,
-    # except an awaited reply's), when the client sends the same request again:
+    # except an awaited reply's), when the client sends the same request again, from this
+    # process and then from another one (another reply queue):
     again = shop.bus.request(GetQuote(item="tea", quantity=5), timeout=20,
                              message_id=request_id)
-    assert first == again == Quote(item="tea", price=14)
+    other = make_endpoint("shop", routes={GetQuote: pricing.name}, send_only=True)
+    elsewhere = other.bus.request(GetQuote(item="tea"), timeout=20, message_id=request_id)
+    assert first == again == elsewhere == Quote(item="tea", price=14)
     assert quotes.runs == {request_id: 1}
-    assert pricing.counters.snapshot()["duplicate"] == 1
+    assert pricing.counters.snapshot()["duplicate"] == 2
 
 
 def test_a_responder_killed_after_committing_its_reply_answers_after_redelivery(

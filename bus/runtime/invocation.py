@@ -42,6 +42,7 @@ from ..storage.errors import (
 from ..transports.base import Delivery
 from .aio import run_to_completion
 from .endpoint_context import EndpointContext
+from .requests import answered_again
 from .shared_transaction import SharedTransaction
 
 
@@ -177,6 +178,7 @@ class HandlerInvoker:
             else:
                 stored = previous.outgoing
                 committed_at = None if previous.dispatched else previous.at
+            stored = answered_again(stored, headers)  # a request sent again: its reply
             call.outgoing = stored
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)

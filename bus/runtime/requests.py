@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import threading
@@ -200,6 +201,20 @@ def answers_request(outgoing: Sequence[Envelope]) -> bool:
     """Whether ``outgoing`` holds a reply to an awaited request: the entry then keeps the
     bodies it sent, so that the request sent again gets the same reply."""
     return any(awaited_reply(envelope) for envelope in outgoing)
+
+
+def answered_again(stored: tuple[Envelope, ...],
+                   request: Mapping[str, str]) -> tuple[Envelope, ...]:
+    """The stored messages of the request with headers ``request``, found processed, with
+    its awaited replies addressed to whoever awaits it now (its ``idembus.reply_to``): the
+    same request sent again from another process gets the stored reply in its own reply
+    queue."""
+    reply_to = request.get(h.REPLY_TO)
+    if not reply_to or not request.get(h.AWAITED):
+        return stored
+    return tuple(dataclasses.replace(envelope, destination=reply_to)
+                 if awaited_reply(envelope) and envelope.destination != reply_to else envelope
+                 for envelope in stored)
 
 
 def failure_reply(request: Mapping[str, str], failure: Mapping[str, str], *,
