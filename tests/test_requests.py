@@ -7,10 +7,15 @@ ones that need a database use PostgreSQL in tests/test_requests_services.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -300,6 +305,25 @@ def _queue_exists(endpoint: Endpoint, queue: str) -> bool:
                 return True
             return False
     return True
+
+
+@contextlib.contextmanager
+def requester_process(script: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Run ``script`` (which prints its reply queue, then waits for a reply) in a process of
+    its own, from the repository's root; yield the process and that queue's name. Killed
+    (SIGKILL) at the end if it still runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-c", script, *args], cwd=root,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield process, process.stdout.readline().strip()
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(30)
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 def _wait_for(probe: Callable[[], object], timeout: float = 20.0) -> object:

@@ -3,10 +3,7 @@ of the transport's tables, deleted when the endpoint closes."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import uuid
 
@@ -16,7 +13,14 @@ from idembus import RequestTimeout
 from idembus.transports.mongo import MongoTransport
 from idembus.transports.postgres import PostgresTransport
 from tests.conftest import POSTGRES_URL
-from tests.test_requests import NO_RETRIES, GetQuote, Quote, Quotes, Silent
+from tests.test_requests import (
+    NO_RETRIES,
+    GetQuote,
+    Quote,
+    Quotes,
+    Silent,
+    requester_process,
+)
 
 pytestmark = pytest.mark.parametrize(
     "transport_url", [pytest.param(POSTGRES_URL, id="postgresql-transport",
@@ -81,22 +85,11 @@ def test_the_reply_queue_of_a_killed_requester_is_deleted_by_the_next_one_opened
     # Given a requester process that dies (SIGKILL) while it waits:
     silent = make_endpoint("silent", handlers=[Silent()])
     silent.start()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    requester = subprocess.Popen(
-        [sys.executable, "-c", _REQUESTER, transport_url, silent.transport.schema.prefix,
-         silent.name], cwd=root, stdout=subprocess.PIPE, text=True)
-    try:
-        assert requester.stdout is not None
-        dead = requester.stdout.readline().strip()
+    with requester_process(_REQUESTER, transport_url, silent.transport.schema.prefix,
+                           silent.name) as (requester, dead):
         assert _declared(silent.transport, dead)
         requester.send_signal(signal.SIGKILL)
         requester.wait(30)
-    finally:
-        if requester.poll() is None:
-            requester.kill()
-            requester.wait(30)
-        if requester.stdout is not None:
-            requester.stdout.close()
     # When another process opens its reply queue (a request of this one):
     shop = make_endpoint("shop", routes={GetQuote: silent.name})
     with pytest.raises(RequestTimeout):

@@ -5,10 +5,7 @@ while it waits, a thousand requests at once."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -21,7 +18,14 @@ from idembus import Endpoint
 from idembus.handlers import handles
 from idembus.storage.base import ParkingStore
 from tests.conftest import AMQP_URL
-from tests.test_requests import CrashOnceAfterCommit, GetQuote, Quote, Quotes, _queue_exists
+from tests.test_requests import (
+    CrashOnceAfterCommit,
+    GetQuote,
+    Quote,
+    Quotes,
+    _queue_exists,
+    requester_process,
+)
 
 pytestmark = [
     pytest.mark.amqp, pytest.mark.postgres,
@@ -98,23 +102,12 @@ def test_a_requester_killed_while_waiting_leaves_no_queue_and_its_reply_is_dropp
     held = Held()
     pricing = make_endpoint("pricing", handlers=[held], storage=postgres_storage)
     pricing.start()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    requester = subprocess.Popen([sys.executable, "-c", _REQUESTER, AMQP_URL, pricing.name],
-                                 cwd=root, stdout=subprocess.PIPE, text=True)
-    try:
-        assert requester.stdout is not None
-        queue = requester.stdout.readline().strip()
+    with requester_process(_REQUESTER, AMQP_URL, pricing.name) as (requester, queue):
         assert queue.startswith("asker-") and _queue_exists(pricing, queue)
         assert held.arrived.wait(60)
         # When the requester dies while it waits (SIGKILL: no clean-up of its own):
         requester.send_signal(signal.SIGKILL)
         requester.wait(30)
-    finally:
-        if requester.poll() is None:
-            requester.kill()
-            requester.wait(30)
-        if requester.stdout is not None:
-            requester.stdout.close()
     # Then the broker deletes its reply queue (exclusive, auto-delete) ...
     deadline = time.monotonic() + 30
     while _queue_exists(pricing, queue) and time.monotonic() < deadline:
