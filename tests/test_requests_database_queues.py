@@ -97,3 +97,20 @@ def test_the_reply_queue_of_a_killed_requester_is_deleted_by_the_next_one_opened
     # Then the dead requester's queue is gone, and the live one stays.
     assert not _declared(silent.transport, dead)
     assert _declared(silent.transport, shop._assembly.requests.queue)
+
+
+@pytest.mark.postgres
+def test_in_one_transaction_with_postgresql_storage_a_request_sent_again_gets_its_reply(
+        make_endpoint, make_transport, postgres_storage):
+    if not isinstance(make_transport(), PostgresTransport):
+        pytest.skip("the shared transaction needs the PostgreSQL queues")
+    quotes = Quotes()
+    pricing = make_endpoint("pricing", handlers=[quotes], storage=postgres_storage)
+    assert pricing.shared_transaction is not None
+    shop = make_endpoint("shop", routes={GetQuote: pricing.name})
+    pricing.start()
+    request_id = str(uuid.uuid4())
+    first = shop.bus.request(GetQuote(item="tea"), timeout=20, message_id=request_id)
+    again = shop.bus.request(GetQuote(item="tea"), timeout=20, message_id=request_id)
+    assert first == again == Quote(item="tea", price=7)
+    assert quotes.runs == {request_id: 1}
