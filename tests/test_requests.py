@@ -237,6 +237,31 @@ def test_a_handler_may_wait_for_a_reply_from_another_endpoint(quoting, make_endp
     assert asks.prices == [7]
 
 
+class AsksAsync(Handler):
+    """Asks from an ``async def`` handling method, on its consumer thread's loop."""
+
+    def __init__(self) -> None:
+        self.prices: list[int] = []
+
+    @handles
+    async def restock(self, message: Restock) -> None:
+        quote = await self.bus.request_async(GetQuote(item=message.item, quantity=2),
+                                             timeout=20, expect=Quote)
+        self.prices.append(quote.price)
+
+
+def test_an_async_handler_may_await_a_reply_from_another_endpoint(quoting, make_endpoint):
+    _, pricing, _ = quoting
+    asks = AsksAsync()
+    stock = make_endpoint("stock", handlers=[asks], routes={GetQuote: pricing.name})
+    stock.start()
+    stock.bus.send(Restock(item="tea"))
+    deadline = time.monotonic() + 20
+    while not asks.prices and time.monotonic() < deadline:
+        stock.wait_for_activity(0.2)
+    assert asks.prices == [14]
+
+
 class AsksItself(Handler):
     @handles
     def restock(self, message: Restock) -> None:
