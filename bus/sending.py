@@ -259,9 +259,11 @@ class Bus:
                 f"a handler of {self._endpoint!r} cannot wait for a reply from "
                 f"{self._endpoint!r} itself: the consumer that would answer may be the one "
                 "waiting. Send the command and handle the reply in a handler instead")
-        return self._requests, self._envelope(
-            command, h.Intent.SEND, destination, headers, message_id,
-            marks={h.REPLY_TO: self._requests.reply_queue(), h.AWAITED: "1"})
+        built: list[Envelope] = []
+        self._put(command, h.Intent.SEND, destination, headers, message_id,
+                  marks={h.REPLY_TO: self._requests.reply_queue(), h.AWAITED: "1"},
+                  emit=built.append)
+        return self._requests, built[0]
 
     def _put(
         self,
@@ -273,23 +275,9 @@ class Bus:
         deliver_at: datetime.datetime | None = None,
         discard_after: TimeToLive | None = None,
         marks: Mapping[str, str] | None = None,
+        emit: Emit | None = None,
     ) -> str:
-        envelope = self._envelope(message, intent, destination, extra, message_id,
-                                  deliver_at, discard_after, marks)
-        self._emit(envelope)
-        return envelope.message_id
-
-    def _envelope(
-        self,
-        message: Message,
-        intent: h.Intent,
-        destination: str | None,
-        extra: Mapping[str, str] | None,
-        message_id: str | None,
-        deliver_at: datetime.datetime | None = None,
-        discard_after: TimeToLive | None = None,
-        marks: Mapping[str, str] | None = None,
-    ) -> Envelope:
+        """Build the envelope and emit it (through ``emit`` if given); return its id."""
         ttl = (default_time_to_live(message) if discard_after is None
                else time_to_live(discard_after))
         now = self._clock.now()
@@ -304,8 +292,10 @@ class Bus:
             parents = parents_of(message)
             if parents:
                 headers[h.PARENTS] = ",".join(parents)
-        return Envelope(headers=headers, body=message.model_dump_json(),
-                        destination=destination)
+        envelope = Envelope(headers=headers, body=message.model_dump_json(),
+                            destination=destination)
+        (emit or self._emit)(envelope)
+        return envelope.message_id
 
     def _headers(
         self,

@@ -200,7 +200,10 @@ def awaited_reply(envelope: Envelope) -> bool:
 def answers_request(outgoing: Sequence[Envelope]) -> bool:
     """Whether ``outgoing`` holds a reply to an awaited request: the entry then keeps the
     bodies it sent, so that the request sent again gets the same reply."""
-    return any(awaited_reply(envelope) for envelope in outgoing)
+    for envelope in outgoing:  # on every mark: a loop, no call for what has no header
+        if h.AWAITED in envelope.headers and awaited_reply(envelope):
+            return True
+    return False
 
 
 def answered_again(stored: tuple[Envelope, ...],
