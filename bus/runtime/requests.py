@@ -227,8 +227,8 @@ def failure_reply(request: Mapping[str, str], failure: Mapping[str, str], *,
     derived from the request's, so a second failure of the same request sends the same
     reply."""
     request_id = request.get(h.MESSAGE_ID)
-    reply_to = request.get(h.REPLY_TO)
-    if not request.get(h.AWAITED) or not reply_to or not request_id:
+    reply_to = request.get(h.REPLY_TO, "").strip()
+    if request.get(h.AWAITED) != "1" or not reply_to or not request_id:
         return None
     body = json.dumps({"exception_type": failure.get(h.EXCEPTION_TYPE, ""),
                        "message": failure.get(h.EXCEPTION_MESSAGE, "")})
