@@ -25,6 +25,8 @@ from .errors import (
     InvalidMessage,
     MalformedMessage,
     MessageError,
+    RequestFailed,
+    RequestTimeout,
     RoutingError,
     UnknownMessageType,
 )
@@ -116,6 +118,8 @@ __all__ = [
     "RateLimit",
     "Recoverability",
     "RejectMessage",
+    "RequestFailed",
+    "RequestTimeout",
     "RetryLater",
     "RetryPolicy",
     "RoutingError",

@@ -7,6 +7,8 @@ Each package root keeps its own errors module, and every class below derives fro
     ├── ConfigurationError          bad wiring; raised while an endpoint starts
     │   └── idembus.handlers.errors.HandlerDefinitionError
     ├── RoutingError                a command has no destination, a reply no return address
+    ├── RequestTimeout              no reply to ``bus.request`` in time (also a TimeoutError)
+    ├── RequestFailed               the request's handler failed for good; carries its error
     ├── HandlerContractError        a handler broke the calling contract on a message (also a
     │                               TypeError): returned a value, gave no aggregate id
     ├── IncompatibleState           a stored state the state model cannot read as it is: a
@@ -59,6 +61,32 @@ class ConfigurationError(BusError):
 
 class RoutingError(BusError):
     """An outgoing message has nowhere to go."""
+
+
+class RequestTimeout(BusError, TimeoutError):
+    """No reply came to a request (``bus.request``) within its timeout. The request may
+    still be handled later: send it again with the same ``message_id`` to get its stored
+    reply rather than a second handling."""
+
+    def __init__(self, reason: str, *, message_id: str) -> None:
+        super().__init__(reason)
+        #: The id of the request that timed out.
+        self.message_id = message_id
+
+
+class RequestFailed(BusError):
+    """The handler of a request (``bus.request``) failed for good: the request went to
+    the error queue, and its endpoint answered with this failure instead of a reply.
+    ``exception_type`` and ``reason`` are the ones the error queue shows."""
+
+    def __init__(self, reason: str, *, message_id: str, exception_type: str) -> None:
+        super().__init__(f"request {message_id} failed: {exception_type}: {reason}")
+        #: The id of the request.
+        self.message_id = message_id
+        #: The qualified name of the exception its handler raised.
+        self.exception_type = exception_type
+        #: The exception's message, as the error queue keeps it.
+        self.reason = reason
 
 
 class HandlerContractError(BusError, TypeError):

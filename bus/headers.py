@@ -42,6 +42,10 @@ OCCURRENCE = "idembus.occurrence"
 #: for, ``<aggregate type>/<aggregate id>``. Arriving once that aggregate was completed, it
 #: is dropped.
 SAGA_TIMEOUT = "idembus.saga_timeout"
+#: On a request someone waits for (``bus.request``), and on the replies to it: a reply
+#: whose requester is gone (its reply queue no longer exists) is dropped, not parked; a
+#: request that fails for good answers with a failure reply (:mod:`idembus.requesting`).
+AWAITED = "idembus.awaited"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

@@ -1,9 +1,11 @@
-"""The Bus API: ``send``, ``publish``, ``reply`` and ``defer``.
+"""The Bus API: ``send``, ``publish``, ``reply``, ``defer`` and ``request``.
 
 One class serves both places a bus is used. ``endpoint.bus`` sends at once, with fresh ids.
 Inside a handler, ``self.bus`` *records*: the endpoint commits the recorded messages with
 the aggregate's state and dispatches them only afterwards; their ids are derived from the
-incoming message so a re-run produces the same ones.
+incoming message so a re-run produces the same ones. ``request`` (and
+``request_async``) sends at once in both places and waits for the reply
+(:mod:`idembus.requesting`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Callable, Mapping
+from typing import Protocol, TypeVar, overload
 
 from . import headers as h
 from .clock import Clock, SystemClock
 from .context import MessageContext
 from .envelope import Envelope, format_utc
-from .errors import RoutingError
+from .errors import HandlerContractError, RoutingError
 from .expiry import TimeToLive, discard_time, time_to_live
 from .hierarchy import enclosed_header
 from .messages import (
@@ -31,6 +34,23 @@ from .messages import (
 from .routing import Router
 
 Emit = Callable[[Envelope], object]
+ReplyT = TypeVar("ReplyT", bound=Message)
+
+
+class RequestChannel(Protocol):
+    """Where a bus sends requests and waits for their replies: the endpoint's reply queue
+    in this process (:class:`idembus.runtime.requests.Requests`)."""
+
+    def reply_queue(self) -> str:
+        """The name of this process's reply queue, consumed from now on."""
+
+    def call(self, envelope: Envelope, origin: MessageContext | None, *, timeout: float,
+             expect: type[Message] | None) -> Message:
+        """Send the request ``envelope`` now and return its reply (see ``Bus.request``)."""
+
+    async def call_async(self, envelope: Envelope, origin: MessageContext | None, *,
+                         timeout: float, expect: type[Message] | None) -> Message:
+        """:meth:`call` for ``async`` code."""
 
 
 class Bus:
@@ -54,6 +74,9 @@ class Bus:
     clock:
         Where "now" comes from (the endpoint's :class:`~idembus.clock.Clock`): the time
         sent, when a deferred message is due, when a message expires.
+    requests:
+        Where :meth:`request` sends and waits (the endpoint's reply queue); ``None``:
+        this bus cannot wait for replies.
     """
 
     def __init__(
@@ -64,12 +87,14 @@ class Bus:
         origin: MessageContext | None = None,
         *,
         clock: Clock | None = None,
+        requests: RequestChannel | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._router = router
         self._emit = emit
         self._origin = origin
         self._clock = clock or SystemClock()
+        self._requests = requests
         self._count = 0
 
     def send(
@@ -166,8 +191,79 @@ class Bus:
                 f"cannot reply to {self._origin.message_type} {self._origin.message_id}: "
                 f"it carries no {h.REPLY_TO} header"
             )
+        awaited = {h.AWAITED: "1"} if self._origin.headers.get(h.AWAITED) else None
         return self._put(message, h.Intent.REPLY, destination, headers, None,
-                         discard_after=discard_after)
+                         discard_after=discard_after, marks=awaited)
+
+    @overload
+    def request(self, command: Command, *, timeout: float = ..., expect: None = None,
+                to: str | None = ..., headers: Mapping[str, str] | None = ...,
+                message_id: str | None = ...) -> Message: ...
+
+    @overload
+    def request(self, command: Command, *, timeout: float = ..., expect: type[ReplyT],
+                to: str | None = ..., headers: Mapping[str, str] | None = ...,
+                message_id: str | None = ...) -> ReplyT: ...
+
+    def request(self, command: Command, *, timeout: float = 30.0,
+                expect: type[Message] | None = None, to: str | None = None,
+                headers: Mapping[str, str] | None = None,
+                message_id: str | None = None) -> Message:
+        """Send ``command`` at once and wait for the reply its handler sends with
+        ``bus.reply(...)``; return that reply (as ``expect`` if given, else as the class
+        its wire name names).
+
+        Raises :class:`~idembus.errors.RequestTimeout` after ``timeout`` seconds without
+        a reply, :class:`~idembus.errors.RequestFailed` if its handler failed for good (it
+        went to the error queue). Send it again with the same ``message_id`` to get the
+        stored reply of a request already handled. Inside a handler the request is sent
+        at once too (not recorded): its id is derived, so a re-run of the handler gets
+        the stored reply; it may not go to the handler's own endpoint.
+        """
+        channel, envelope = self._request(command, to, headers, message_id)
+        return channel.call(envelope, self._origin, timeout=timeout, expect=expect)
+
+    @overload
+    async def request_async(self, command: Command, *, timeout: float = ...,
+                            expect: None = None, to: str | None = ...,
+                            headers: Mapping[str, str] | None = ...,
+                            message_id: str | None = ...) -> Message: ...
+
+    @overload
+    async def request_async(self, command: Command, *, timeout: float = ...,
+                            expect: type[ReplyT], to: str | None = ...,
+                            headers: Mapping[str, str] | None = ...,
+                            message_id: str | None = ...) -> ReplyT: ...
+
+    async def request_async(self, command: Command, *, timeout: float = 30.0,
+                            expect: type[Message] | None = None, to: str | None = None,
+                            headers: Mapping[str, str] | None = None,
+                            message_id: str | None = None) -> Message:
+        """:meth:`request` for ``async`` code (``await bus.request_async(...)``): the send
+        runs in the loop's default executor and the wait holds up no thread."""
+        channel, envelope = self._request(command, to, headers, message_id)
+        return await channel.call_async(envelope, self._origin, timeout=timeout,
+                                        expect=expect)
+
+    def _request(self, command: Command, to: str | None, headers: Mapping[str, str] | None,
+                 message_id: str | None) -> tuple[RequestChannel, Envelope]:
+        """The channel to send through, and the request's envelope (not yet sent)."""
+        if self._requests is None:
+            raise RoutingError("this bus cannot wait for replies: request from "
+                               "endpoint.bus or from a handler's self.bus")
+        if not isinstance(command, Command):
+            raise TypeError(f"request() takes a Command, got {type(command).__qualname__}")
+        destination = to or self._router.destination_for(type(command))
+        if self._origin is not None and destination == self._endpoint:
+            raise HandlerContractError(
+                f"a handler of {self._endpoint!r} cannot wait for a reply from "
+                f"{self._endpoint!r} itself: the consumer that would answer may be the one "
+                "waiting. Send the command and handle the reply in a handler instead")
+        built: list[Envelope] = []
+        self._put(command, h.Intent.SEND, destination, headers, message_id,
+                  marks={h.REPLY_TO: self._requests.reply_queue(), h.AWAITED: "1"},
+                  emit=built.append)
+        return self._requests, built[0]
 
     def _put(
         self,
@@ -179,7 +275,9 @@ class Bus:
         deliver_at: datetime.datetime | None = None,
         discard_after: TimeToLive | None = None,
         marks: Mapping[str, str] | None = None,
+        emit: Emit | None = None,
     ) -> str:
+        """Build the envelope and emit it (through ``emit`` if given); return its id."""
         ttl = (default_time_to_live(message) if discard_after is None
                else time_to_live(discard_after))
         now = self._clock.now()
@@ -196,7 +294,7 @@ class Bus:
                 headers[h.PARENTS] = ",".join(parents)
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
                             destination=destination)
-        self._emit(envelope)
+        (emit or self._emit)(envelope)
         return envelope.message_id
 
     def _headers(

@@ -35,6 +35,7 @@ from idembus.pipeline import IncomingMessage, Middleware
 from idembus.policies import Backoff
 from idembus.runtime.recoverability.breaker import BreakerPolicy
 from idembus.runtime.recoverability.policy import Recoverability
+from idembus.runtime.requests import FAILURE_TYPE
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.base import Transport
 from idembus.wire import text_headers
@@ -57,14 +58,19 @@ BODY = Deposit(account="a", amount=1).model_dump_json().encode()
 
 
 class RecordingTransport(DrivenTransport):
-    """Keeps what the endpoint sends: error-queue copies and messages sent back to its own
-    queue (a delayed retry or a postponement)."""
+    """Keeps what the endpoint sends: error-queue copies, messages sent back to its own
+    queue (a delayed retry or a postponement) and the failure replies a dead-lettered
+    request (``idembus.awaited``) sends to its reply queue."""
 
     def __init__(self) -> None:
         self.dead_letters: list[Envelope] = []
         self.sent_back: list[Envelope] = []
+        self.failure_replies: list[Envelope] = []
 
     def send(self, envelope: Envelope) -> None:
+        if envelope.message_type == FAILURE_TYPE:
+            self.failure_replies.append(envelope)
+            return
         (self.dead_letters if envelope.destination == ERROR_QUEUE
          else self.sent_back).append(envelope)
 

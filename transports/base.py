@@ -214,6 +214,30 @@ class Transport(ABC):
         self.send(envelope)
         return None
 
+    def consume_replies(self, queue: str, on_delivery: OnDelivery, *,
+                        stop: threading.Event, ready: threading.Event) -> None:
+        """Create ``queue`` as a reply queue private to this process, set ``ready`` once
+        messages sent to it are consumed, and consume it as :meth:`consume` does until
+        ``stop`` is set; then delete it. (``bus.request``'s replies come back there.)
+
+        A broker that can tie a queue to the consumer's connection removes it itself
+        when the connection ends, even if the process is killed (RabbitMQ: exclusive,
+        auto-delete). This default declares an ordinary queue and deletes it, with what
+        it holds, when ``stop`` ends the consumption: a killed process leaves it behind
+        (``delete_queue`` removes it)."""
+        self.declare(queue)
+        ready.set()
+        try:
+            self.consume(queue, on_delivery, stop=stop, prefetch=64)
+        finally:
+            ready.clear()
+            delete = getattr(self, "delete_queue", None)
+            if delete is not None:
+                try:
+                    delete(queue)
+                except Exception as error:
+                    log.warning("the reply queue %r could not be deleted: %s", queue, error)
+
     def consume_batches(
         self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,
         size: int = 1, linger: float = 0.0,

@@ -34,6 +34,22 @@ class KombuConsuming(KombuCore):
                         lambda connection: self._delivering(queue, on_delivery, connection),
                         lambda connection: None)
 
+    def consume_replies(self, queue: str, on_delivery: OnDelivery, *,
+                        stop: threading.Event, ready: threading.Event) -> None:
+        """See the contract. On RabbitMQ the queue is declared exclusive and auto-delete
+        on the consuming connection (again after a reconnection): the broker deletes it
+        when that connection ends, whatever ends it. Elsewhere, the default."""
+        if not self._is_amqp:
+            super().consume_replies(queue, on_delivery, stop=stop, ready=ready)
+            return
+        private = Queue(queue, durable=False, exclusive=True, auto_delete=True)
+        try:
+            self._consuming(queue, stop, 64,
+                            lambda connection: self._delivering(queue, on_delivery, connection),
+                            lambda connection: None, declared=private, ready=ready)
+        finally:
+            ready.clear()
+
     def consume_batches(
         self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,
         size: int = 1, linger: float = 0.0,
@@ -83,10 +99,13 @@ class KombuConsuming(KombuCore):
     def _consuming(
         self, queue: str, stop: threading.Event, prefetch: int,
         receiving: Callable[[kombu.Connection], Callable[[kombu.Message], None]],
-        after_drain: Callable[[kombu.Connection], None],
+        after_drain: Callable[[kombu.Connection], None], *,
+        declared: Queue | None = None, ready: threading.Event | None = None,
     ) -> None:
         """Consume ``queue`` with the callback ``receiving(connection)`` makes, calling
-        ``after_drain`` after each delivery, until ``stop`` is set; reconnect after outages."""
+        ``after_drain`` after each delivery, until ``stop`` is set; reconnect after outages.
+        ``declared``: a queue the consumer declares on its connection (else ``queue``
+        must exist); ``ready`` is set each time the consumer is in place."""
         failures = 0
         while not stop.is_set():
             try:
@@ -99,10 +118,12 @@ class KombuConsuming(KombuCore):
             try:
                 channel = self._raw_channel(connection)
                 with kombu.Consumer(
-                    channel, [Queue(queue, durable=True, no_declare=True)],
+                    channel, [declared or Queue(queue, durable=True, no_declare=True)],
                     on_message=receiving(connection), prefetch_count=prefetch,
                 ):
                     failures = 0
+                    if ready is not None:
+                        ready.set()
                     while not stop.is_set():
                         try:
                             connection.drain_events(timeout=_DRAIN_TIMEOUT)

@@ -189,6 +189,8 @@ class KombuTopology(KombuCore):
         """Delete ``queue`` and its messages (tests and samples clean up with this)."""
         with self._channel() as channel:
             channel.queue_delete(queue=queue)
+            if self.process_local:  # kombu's memory:// deletes only a queue with bindings
+                channel.queues.pop(queue, None)
             if self._is_redis:
                 channel.client.srem(REDIS_QUEUES, queue)
         self._known_queues.discard(queue)

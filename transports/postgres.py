@@ -50,6 +50,8 @@ Features
 * The error queue is a queue like any other: ``inspect`` (lease held and renewed for the
   block, unsettled ones given back in their places) and ``browse`` (a keyset read of the
   rows, nothing taken) serve ``idembus errors``.
+* A reply queue (``bus.request``) is held by its process's session, and deleted by the
+  next process opening one once that session is gone (:mod:`.postgres_replies`).
 * When the endpoint's :class:`~idembus.storage.postgres.PostgresStorage` is in the same
   database, the commit, the outgoing messages and the removal of the incoming one are one
   statement (:mod:`idembus.runtime.shared_transaction`, with :meth:`PostgresTransport.part`).
@@ -106,6 +108,7 @@ from .database import MAX_METADATA_BYTES, oversize, transport_error
 from .db_engine import Claim, DatabaseTransport, check_times
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .postgres_listener import Listener
+from .postgres_replies import PostgresReplyQueues
 from .postgres_rows import (
     _close_quietly,
     _database_of,
@@ -131,7 +134,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Enqueued", "PostgresTransport", "QueuePart"]
 
 
-class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection[Any]"]):
+class PostgresTransport(PostgresReplyQueues,
+                        DatabaseTransport[_PostgresDelivery, "psycopg.Connection[Any]"]):
     """Transport on PostgreSQL tables; see the module docstring."""
 
     process_local = False

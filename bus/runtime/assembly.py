@@ -11,7 +11,8 @@ Who needs whom, in the order they are built:
 * the :class:`~.invocation.HandlerInvoker` loads, runs a handler and commits;
 * :class:`~.recoverability.policy.Recovery` applies the retries and the circuit breaker;
 * the :class:`~.processing.MessageProcessor` takes a delivery through all of them;
-* the :class:`~idembus.sending.Bus` sends from outside handlers;
+* the :class:`~.requests.Requests` (the reply queue of ``bus.request``, created at the
+  first request) and the :class:`~idembus.sending.Bus`, which sends from outside handlers;
 * the background threads: the :class:`~.delayed.DelayedDeliveries` poller (transports
   without native delay), the :class:`~.outbox.OutboxRelay`, the
   :class:`~.scheduler.Scheduler` (with schedules) and the :class:`~.status.StatusReporter`.
@@ -37,6 +38,7 @@ from .journal import Journal, JournalPolicy, journal_for
 from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recovery
+from .requests import Requests
 from .scheduler import Scheduler
 from .shared_transaction import SharedTransaction, shared_transaction
 from .status import StatusReporter
@@ -78,6 +80,8 @@ class Assembly:
     scheduler: Scheduler | None
     #: ``None`` when the endpoint makes no status reports (``status_interval=0``).
     status: StatusReporter | None
+    #: The reply queue of ``bus.request`` in this process, and the requests waiting.
+    requests: Requests
 
 
 def assemble(context: EndpointContext, settings: Settings, *,
@@ -98,12 +102,13 @@ def assemble(context: EndpointContext, settings: Settings, *,
     shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
                                 on_unrouted=on_unrouted)
     batched = settings.batching is not None and shared is None
-    dispatcher, outbox, bus, delayed = _sending(
+    dispatcher, outbox, bus, delayed, requests = _sending(
         context, settings, journal, on_unrouted=on_unrouted,
         dispatch_through=BatchingTransport(context.transport) if batched else None)
     invoker = HandlerInvoker(
         replace(context, storage=BatchingStorage(context.role(AggregateStore))) if batched
-        else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared)
+        else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared,
+        requests=requests)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
     def wake_outbox() -> None:  # a duplicate left an entry to the outbox: look sooner
@@ -119,7 +124,7 @@ def assemble(context: EndpointContext, settings: Settings, *,
                             problems=context.health.problems) if settings.status_interval else None
     return Assembly(dispatcher=dispatcher, shared_transaction=shared, batched=batched,
                     recovery=recovery, processor=processor, bus=bus, delayed=delayed,
-                    outbox=outbox, scheduler=scheduler, status=status)
+                    outbox=outbox, scheduler=scheduler, status=status, requests=requests)
 
 
 def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
@@ -130,12 +135,12 @@ def _journal(context: EndpointContext, settings: Settings) -> Journal | None:
 
 def _sending(context: EndpointContext, settings: Settings, journal: Journal | None, *,
              on_unrouted: Callable[[Envelope], None], dispatch_through: Transport | None = None,
-             ) -> tuple[Dispatcher, OutboxRelay | None, Bus, DelayedDeliveries | None]:
+             ) -> tuple[Dispatcher, OutboxRelay | None, Bus, DelayedDeliveries | None, Requests]:
     """What every endpoint needs to send: the dispatcher (dispatching through
     ``dispatch_through``, a batching decorator of the transport, if given), the outbox
     relay (none on a storage without the outbox role, which only an endpoint with
-    ``outbox=False`` may have), the bus and, on a transport without native delay, the delayed
-    poller."""
+    ``outbox=False`` may have), the bus, on a transport without native delay the delayed
+    poller, and the reply queue of the bus's requests."""
     policy = settings.outbox
     dispatcher = Dispatcher(
         replace(context, transport=dispatch_through) if dispatch_through else context,
@@ -143,19 +148,21 @@ def _sending(context: EndpointContext, settings: Settings, journal: Journal | No
     outbox = OutboxRelay(context, dispatcher, grace=policy.grace,
                          journal_retention=settings.journal.retention if journal else None
                          ) if isinstance(context.storage, OutboxStore) else None
+    requests = Requests(context, dispatcher)
     bus = Bus(context.name, context.router,
-              context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock)
+              context.pipeline.recorder(dispatcher.dispatch_now, None), clock=context.clock,
+              requests=requests)
     delayed = None if context.transport.native_delay else DelayedDeliveries(
         context, interval=settings.delayed_poll_interval)
-    return dispatcher, outbox, bus, delayed
+    return dispatcher, outbox, bus, delayed, requests
 
 
 def _sending_only(context: EndpointContext, settings: Settings, *,
                   on_unrouted: Callable[[Envelope], None]) -> Assembly:
     """A send-only endpoint's collaborators: no queue limits, no shared transaction,
     invoker, recovery, processor, scheduler or status reporter."""
-    dispatcher, outbox, bus, delayed = _sending(context, settings, _journal(context, settings),
-                                                on_unrouted=on_unrouted)
+    dispatcher, outbox, bus, delayed, requests = _sending(
+        context, settings, _journal(context, settings), on_unrouted=on_unrouted)
     return Assembly(dispatcher=dispatcher, shared_transaction=None, batched=False, recovery=None,
                     processor=None, bus=bus, delayed=delayed, outbox=outbox, scheduler=None,
-                    status=None)
+                    status=None, requests=requests)

@@ -23,6 +23,7 @@ from ..transports.errors import DestinationRefused
 from .endpoint_context import EndpointContext
 from .journal import Journal
 from .recoverability.parking import park_outgoing
+from .requests import answers_request, awaited_reply
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class Dispatcher:
                            source: str = "handler") -> bool:
         """Dispatch an outgoing message that is stored with its entry; if the broker
         refuses it for good (its queue refused, too large for it), park it in the storage
-        for ``endpoint`` (default: this dispatcher's) instead
+        for ``endpoint`` (default: this dispatcher's) instead — but drop a reply to an
+        awaited request whose reply queue is gone: nobody can receive it any more
         (:mod:`idembus.runtime.recoverability.parking`), so
         that the entry can be marked and nothing waits on it forever. True if it went out;
         raises on an outage, or if it cannot be parked."""
@@ -120,6 +122,11 @@ class Dispatcher:
             self.pipeline.dispatch(Dispatch(envelope, owner, source),
                                     lambda: self.dispatch(envelope))
         except DestinationRefused as refused:
+            if awaited_reply(envelope):  # its requester is gone, and its queue with it
+                log.info("reply %s dropped: its requester's reply queue %r is gone",
+                         envelope.message_id, envelope.destination,
+                         extra={"endpoint": owner, "message_id": envelope.message_id})
+                return False
             park_outgoing(self._parking, envelope, refused, endpoint=owner)
             return False
         return True
@@ -128,11 +135,13 @@ class Dispatcher:
                         outgoing: Sequence[Envelope], *, lease: Lease | None = None) -> None:
         """Mark ``key``'s ``outgoing`` messages, just dispatched, in the storage; the
         journaled events among them ride with the mark
-        (``Storage.mark_dispatched(..., journal=...)``)."""
+        (``Storage.mark_dispatched(..., journal=...)``). An entry that replied to an
+        awaited request keeps its bodies: the request sent again gets the same reply."""
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=aggregate_type, aggregate_id=aggregate_id)
         self._marks.mark_dispatched(aggregate_type, aggregate_id, key,
-                                    keep_bodies=self.keep_bodies, lease=lease,
+                                    keep_bodies=self.keep_bodies or answers_request(outgoing),
+                                    lease=lease,
                                     journal=journal)
 
     def dispatch_now(self, envelope: Envelope) -> None:

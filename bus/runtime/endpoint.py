@@ -613,10 +613,11 @@ class Endpoint:
         self._stop.set()
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop (see :meth:`stop`), then release the transport's and the storage's
-        connections."""
+        """Stop (see :meth:`stop`), stop consuming the reply queue of ``bus.request`` (if
+        a request made one), then release the transport's and the storage's connections."""
         deadline = Deadline(timeout)
         self.stop(deadline.left())
+        self._assembly.requests.close(deadline.left())
         self.pipeline.close()
         self.transport.close()
         self.storage.close()

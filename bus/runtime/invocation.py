@@ -32,7 +32,7 @@ from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
 from ..pipeline import HandlerCall
-from ..sending import Bus
+from ..sending import Bus, RequestChannel
 from ..storage.base import INBOX, AggregateRecord, AggregateStore
 from ..storage.errors import (
     AlreadyProcessed,
@@ -44,6 +44,7 @@ from ..storage.errors import (
 from ..transports.base import Delivery
 from .aio import run_to_completion
 from .endpoint_context import EndpointContext
+from .requests import answered_again
 from .shared_transaction import SharedTransaction
 
 
@@ -76,8 +77,11 @@ class HandlerInvoker:
     storage_roles = (AggregateStore,)
 
     def __init__(self, context: EndpointContext, *, defer_fresh_redispatch: float = 0.0,
-                 shared: SharedTransaction | None = None) -> None:
+                 shared: SharedTransaction | None = None,
+                 requests: RequestChannel | None = None) -> None:
         self._endpoint = context.name
+        #: Where handlers' ``self.bus.request`` sends and waits (the endpoint's reply queue).
+        self._requests = requests
         #: Commits with the outgoing messages and the incoming one's removal, when the
         #: queues share the storage's database (:mod:`idembus.runtime.shared_transaction`).
         self._shared = shared
@@ -180,6 +184,7 @@ class HandlerInvoker:
             else:
                 stored = previous.outgoing
                 committed_at = None if previous.dispatched else previous.at
+            stored = answered_again(stored, headers)  # a request sent again: its reply
             call.outgoing = stored
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)
@@ -266,7 +271,8 @@ class HandlerInvoker:
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
         """The handler object for one message: a shallow copy with its bus and context."""
         handler = copy.copy(binding.handler)
-        handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock)
+        handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock,
+                          requests=self._requests)
         handler.context = context
         if isinstance(handler, AggregateHandler):
             handler._idembus_aggregate = (loaded.aggregate_type, loaded.aggregate_id)

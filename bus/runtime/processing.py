@@ -60,6 +60,7 @@ from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
 from .recoverability.parking import park
 from .recoverability.policy import Recovery
+from .requests import failure_reply
 
 log = message_logger(__name__)
 #: The one line per processed message (:func:`idembus.logs.log_per_message`).
@@ -423,7 +424,7 @@ class MessageProcessor:
         waits = 0
         while True:
             try:
-                self._move_aside(delivery, error, attempts=attempts)
+                failure = self._move_aside(delivery, error, attempts=attempts)
                 break
             except (StorageUnavailable, TransportUnavailable) as outage:
                 blocked: BusError = outage
@@ -435,13 +436,29 @@ class MessageProcessor:
                                     message_id=message_id)
             waits += 1
         self._recovery.recovered()
+        self._answer_failure(delivery, failure)
         incoming.outcome = "dead_lettered"
         self._signals.emit("dead_lettered", message_id=delivery.headers.get(h.MESSAGE_ID),
                            message_type=delivery.headers.get(h.MESSAGE_TYPE), error=error,
                            time_sent=delivery.headers.get(h.TIME_SENT))
 
-    def _move_aside(self, delivery: Delivery, error: Exception, *, attempts: int) -> None:
-        """One try at the error queue, then at parking; raises what stopped both."""
+    def _answer_failure(self, delivery: Delivery, failure: Mapping[str, str]) -> None:
+        """If someone awaits the failed message (``bus.request``), send them the failure
+        (:func:`~.requests.failure_reply`); a requester gone, or any other trouble, only
+        costs them the wait until their timeout."""
+        reply = failure_reply(delivery.headers, failure, endpoint=self._endpoint)
+        if reply is None:
+            return
+        try:
+            self._dispatcher.dispatch(reply)
+        except BusError as error:
+            log.info("the failure of request %s could not be sent to %r: %s",
+                     _logged_id(delivery.headers), reply.destination, redact(str(error)))
+
+    def _move_aside(self, delivery: Delivery, error: Exception, *,
+                    attempts: int) -> Mapping[str, str]:
+        """One try at the error queue, then at parking; raises what stopped both. Returns
+        the failure headers."""
         delayed = _header_count(delivery, h.DELAYED_ATTEMPTS)
         headers = failure_headers(delivery.headers, error, queue=delivery.queue,
                                   immediate_attempts=attempts, delayed_attempts=delayed)
@@ -459,7 +476,7 @@ class MessageProcessor:
             park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
                  envelope=original, queue=delivery.queue, attempts=attempts,
                  delayed_attempts=delayed, error=error, refusal=refused)
-            return
+            return headers
         log.warning("moved %s from %s to %s: %s", _logged_id(delivery.headers),
                     delivery.queue, self._error_queue,
                     loggable(headers[h.EXCEPTION_MESSAGE], MAX_EXCEPTION_MESSAGE),
@@ -468,6 +485,7 @@ class MessageProcessor:
                     extra={"endpoint": self._endpoint,
                            "message_id": _logged_id(delivery.headers),
                            "message_type": loggable(delivery.headers.get(h.MESSAGE_TYPE))})
+        return headers
 
 
 def _logged_id(headers: Mapping[str, str]) -> str:

@@ -44,6 +44,7 @@ from ..storage.errors import StorageRefused
 from ..transports.base import Delivery
 from .endpoint_context import EndpointContext
 from .journal import Journal
+from .requests import answers_request
 
 log = message_logger(__name__)
 
@@ -123,7 +124,9 @@ class SharedTransaction:
             outgoing, aggregate_type=loaded.aggregate_type, aggregate_id=loaded.aggregate_id)
         try:
             result = self._storage.commit_with(loaded, key=key, state=state, outgoing=outgoing,
-                                               part=part, keep_bodies=self._keep_bodies,
+                                               part=part,
+                                               keep_bodies=(self._keep_bodies
+                                                            or answers_request(outgoing)),
                                                journal=journal, **options)
         except StorageRefused as refused:  # the database refused a row: nothing was written
             return self._apart(loaded, key, state, outgoing, options, refused)
