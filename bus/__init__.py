@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .runtime.aio import LoopLocal
     from .runtime.endpoint import Endpoint, default_middleware
     from .runtime.journal import JournalPolicy
-    from .runtime.limits import ConcurrencyLimit, Limits, RateLimit
+    from .runtime.recoverability.limits import ConcurrencyLimit, Limits, RateLimit
     from .runtime.recoverability.policy import Recoverability
     from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
@@ -57,9 +57,9 @@ if TYPE_CHECKING:
 _LAZY = {
     "AggregateHandler": ".handlers",
     "Audit": ".observability.audit",
-    "ConcurrencyLimit": ".runtime.limits",
-    "Limits": ".runtime.limits",
-    "RateLimit": ".runtime.limits",
+    "ConcurrencyLimit": ".runtime.recoverability.limits",
+    "Limits": ".runtime.recoverability.limits",
+    "RateLimit": ".runtime.recoverability.limits",
     "JournalPolicy": ".runtime.journal",
     "LoopLocal": ".runtime.aio",
     "Recoverability": ".runtime.recoverability.policy",

@@ -58,7 +58,8 @@ DELAYED_ATTEMPTS = "idembus.attempts.delayed"
 #: How often in a row middleware or a handler postponed the message (``RetryLater``).
 POSTPONEMENTS = "idembus.attempts.postponed"
 #: The rate limits whose slot a postponed message reserved and holds (a JSON list of
-#: names): coming back at that slot, it is not charged again (``idembus.runtime.limits``).
+#: names): coming back at that slot, it is not charged again
+#: (``idembus.runtime.recoverability.limits``).
 LIMITS_RESERVED = "idembus.limits.reserved"
 
 CONTENT_TYPE = "application/json"

@@ -85,8 +85,9 @@ class RetryLater(PipelineControl):
     Handlers that already committed their effects find it processed when it comes back.
     After ``give_up_after`` postponements in a row the message goes to the error queue with
     ``reason``: nothing is postponed forever — except a postponement with ``counted=False``,
-    which a limit that frees up by itself uses (:mod:`idembus.runtime.limits`): it neither
-    counts nor spends a retry. ``headers`` are set on the message put back.
+    which a limit that frees up by itself uses
+    (:mod:`idembus.runtime.recoverability.limits`): it neither counts nor spends a retry.
+    ``headers`` are set on the message put back.
     """
 
     def __init__(self, delay: float, reason: str = "", *, give_up_after: int = 100,

@@ -730,9 +730,9 @@ class StatusStore(StorageRole, ABC):
 
 class LimitStore(StorageRole, ABC):
     """Rate and concurrency limits shared by every process that uses the storage (the
-    :class:`~idembus.runtime.limits.Limits` middleware). Times come from the caller's clock
-    (``now``, aware), as for :class:`DelayedStore`: processes on several machines need
-    synchronised clocks.
+    :class:`~idembus.runtime.recoverability.limits.Limits` middleware). Times come from the
+    caller's clock (``now``, aware), as for :class:`DelayedStore`: processes on several
+    machines need synchronised clocks.
 
     A rate limit is a virtual schedule (the generic cell rate algorithm): each name keeps
     the time its next unit of work is due (``tat``). A reservation takes the next slot

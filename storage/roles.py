@@ -14,7 +14,7 @@ role                        needed by
 ``JournalStore``            ``journal=...``
 ``AuditStore``              the :class:`~idembus.observability.audit.Audit` middleware
 ``StatusStore``             status reports (``idembus status``)
-``LimitStore``              the :class:`~idembus.runtime.limits.Limits` middleware
+``LimitStore``              the :class:`~idembus.runtime.recoverability.limits.Limits` middleware
 ==========================  =====================================================
 
 :func:`check_storage_roles` raises :class:`~idembus.errors.ConfigurationError` naming each

@@ -1,6 +1,7 @@
-"""Rate and concurrency limits (``idembus.runtime.limits``): a message over a limit is
-postponed without spending a retry and never reaches the error queue because of it; the
-limits hold across the threads of an endpoint and, through the storage, across processes."""
+"""Rate and concurrency limits (``idembus.runtime.recoverability.limits``): a message over a
+limit is postponed without spending a retry and never reaches the error queue because of
+it; the limits hold across the threads of an endpoint and, through the storage, across
+processes."""
 
 from __future__ import annotations
 

@@ -47,12 +47,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import headers as h
-from ..errors import ConfigurationError
-from ..messages import Message
-from ..pipeline import HandlerCall, IncomingMessage, Middleware, RetryLater
-from ..storage.base import LimitStore
-from .batch_runner import running_member
+from ... import headers as h
+from ...errors import ConfigurationError
+from ...messages import Message
+from ...pipeline import HandlerCall, IncomingMessage, Middleware, RetryLater
+from ...storage.base import LimitStore
+from ..batch_runner import running_member
 
 #: The item of :attr:`IncomingMessage.items` that holds what this middleware took.
 _TAKEN = "idembus.limits"
