@@ -4,11 +4,11 @@ SIGKILL and restarted takes nothing away from them."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
 import signal
-import textwrap
 import uuid
 from collections.abc import Iterator
 
@@ -16,41 +16,9 @@ import pytest
 
 from tests.support import Deposit
 from tests.test_metrics_port import scrape, total
-from tests.test_workers import App, Running, children, deployed, wait_until
+from tests.test_workers import APP, App, Running, children, deployed, wait_until
 
 pytestmark = [pytest.mark.amqp, pytest.mark.postgres, pytest.mark.timeout(240)]
-
-APP = textwrap.dedent('''
-    import os
-
-    from idembus import Endpoint
-    from idembus.handlers import AggregateHandler, handles
-    from idembus.storage.postgres import PostgresStorage
-    from tests.support import Account, Deposit
-
-
-    class Accounts(AggregateHandler[Account]):
-        def aggregate_id(self, message: Deposit) -> str:
-            return message.account
-
-        @handles
-        def deposit(self, message: Deposit) -> None:
-            self.state.balance += message.amount
-            # one write(2) per line: the workers share the supervisor's stdout
-            os.write(1, f"handled by {os.getpid()}\\n".encode())
-
-
-    def make() -> Endpoint:
-        return Endpoint(
-            os.environ["APP_QUEUE"],
-            transport=os.environ["APP_TRANSPORT"],
-            storage=PostgresStorage(os.environ["APP_POSTGRES"],
-                                    table_prefix=os.environ["APP_PREFIX"]),
-            handlers=[Accounts],
-            error_queue=os.environ["APP_ERROR_QUEUE"],
-            prefetch=4,
-        )
-''')
 
 SERVING = re.compile(r"serving metrics for Prometheus at http://[^:]+:(\d+)/metrics")
 HANDLED = "idembus_messages_handled_total"
@@ -69,6 +37,17 @@ def metrics_port(supervisor: Running) -> int:
     return port
 
 
+def json_lines(running: Running) -> list[dict[str, object]]:
+    """The JSON log lines ``running`` wrote so far (its supervisor's and its workers')."""
+    lines = []
+    for line in list(running.err.lines):
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a traceback's line
+    return lines
+
+
 def handled(port: int, queue: str) -> float:
     return total(scrape(port), HANDLED, endpoint=queue, handler="Accounts")
 
@@ -80,16 +59,18 @@ def send(app: App, count: int) -> None:
 
 def test_two_workers_serve_one_metrics_endpoint_whose_counts_add_up_across_kills(app):
     # Given a supervisor of two workers, both consuming, serving metrics on a free port
-    supervisor = app.start("--workers", "2", "--metrics-port", "0")
+    supervisor = app.start("--workers", "2", "--metrics-port", "0", "--log-format", "json",
+                           "--log-per-message")
     port = metrics_port(supervisor)
     assert supervisor.err.wait_for(", 1 consumer(s), ", count=2), supervisor.err.lines[-20:]
 
     # When 40 deposits are handled, by both workers
     send(app, 40)
-    assert supervisor.out.wait_for("handled by", count=40), supervisor.out.lines
-    handlers = {line.split()[-1] for line in supervisor.out.lines if "handled by" in line}
-    assert handlers == {str(pid) for pid in children(supervisor.process.pid)}
-    assert len(handlers) == 2
+    assert supervisor.err.wait_for('"outcome": "handled"', count=40), supervisor.err.lines[-9:]
+    workers = {(str(line["worker"]), str(line["pid"])) for line in json_lines(supervisor)
+               if line.get("outcome") == "handled"}
+    assert {pid for _, pid in workers} == {str(pid) for pid in children(supervisor.process.pid)}
+    assert len(workers) == 2
 
     # Then one scrape of the supervisor shows 40 handled (the workers write their figures
     # every second: poll until the last ones are in)
@@ -100,12 +81,11 @@ def test_two_workers_serve_one_metrics_endpoint_whose_counts_add_up_across_kills
                  endpoint=app.queue, outcome="handled") == 40
     # And the gauges are one per worker, labelled with its index and pid
     in_flight = samples["idembus_messages_in_flight"]
-    assert {(s.labels["worker"], s.labels["pid"]) for s in in_flight} == {
-        (str(_index_of(supervisor, pid)), pid) for pid in handlers}
+    assert {(s.labels["worker"], s.labels["pid"]) for s in in_flight} == workers
     assert all("worker" not in sample.labels for sample in samples[HANDLED])
 
     # When a worker is killed with SIGKILL and the supervisor restarts it
-    victim = int(sorted(handlers)[0])
+    victim = int(min(pid for _, pid in workers))
     os.kill(victim, signal.SIGKILL)
     seen = []
     for _ in range(150):  # scrapes while the worker is dead, until the supervisor notices
@@ -130,12 +110,3 @@ def test_two_workers_serve_one_metrics_endpoint_whose_counts_add_up_across_kills
     # And SIGTERM stops the workers and the server: exit 0
     supervisor.process.send_signal(signal.SIGTERM)
     assert supervisor.process.wait(timeout=60) == 0, supervisor.err.lines[-20:]
-
-
-def _index_of(supervisor: Running, pid: str) -> int:
-    """The worker index the supervisor logged for ``pid`` (``worker 1 started: pid 123``)."""
-    for line in supervisor.err.lines:
-        found = re.search(r"worker (\d+) started: pid (\d+)", line)
-        if found and found.group(2) == pid:
-            return int(found.group(1))
-    raise AssertionError(f"no worker started with pid {pid}")

@@ -29,6 +29,7 @@ read through the OpenTelemetry Prometheus exporter's collector, which it does no
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import pathlib
@@ -42,7 +43,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from .metrics_snapshots import METRICS_FILE
-from .prometheus import IDLE_TIMEOUT, MAX_CONNECTIONS, STOP_TIMEOUT, missing_extra
+from .prometheus import STOP_TIMEOUT, check_port, missing_extra, serve_registry
 
 log = logging.getLogger(__name__)
 
@@ -217,30 +218,21 @@ class GroupMetricsServer:
     cannot be had. Pass it to the supervisor as its observer."""
 
     def __init__(self, port: int, host: str = "127.0.0.1") -> None:
-        if not 0 <= port <= 65535:
-            raise ConfigurationError(f"--metrics-port must be within 0..65535, got {port}")
+        check_port(port)
         try:
-            import importlib.util
-
             if importlib.util.find_spec("opentelemetry.exporter.prometheus") is None:
                 raise ImportError("No module named 'opentelemetry.exporter.prometheus'")
-            from prometheus_client import CollectorRegistry, make_asgi_app
-
-            from ..gateway.serving import ServedApp
+            from prometheus_client import CollectorRegistry
         except ImportError as missing:
             raise missing_extra(missing) from missing
         self.group = GroupMetrics(tempfile.mkdtemp(prefix="idembus-metrics-"))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.group)
-        self._served = ServedApp(make_asgi_app(registry), host=host, port=port,
-                                 idle_timeout=IDLE_TIMEOUT, name="idembus-metrics",
-                                 max_connections=MAX_CONNECTIONS)
         try:
-            self._served.start()
-        except ConfigurationError as error:
+            self._served = serve_registry(registry, host, port)
+        except ConfigurationError:
             shutil.rmtree(self.group.directory, ignore_errors=True)
-            raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {error}") \
-                from error
+            raise
         self._stopped = False
         log.info("serving metrics for Prometheus at %s/metrics (the sum of the workers)",
                  self._served.url)

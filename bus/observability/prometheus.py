@@ -12,15 +12,21 @@ connections cost no thread, at most ``max_connections`` are held (beyond, the on
 longest is closed: a scrape always gets through), and each must send its request within
 ``idle_timeout`` seconds — so idle sockets can neither exhaust the worker's descriptors nor
 keep Prometheus out.
+
+Under ``--workers`` each worker writes what this would serve to a file
+(:mod:`.metrics_snapshots`) and the supervisor serves their sum (:mod:`.metrics_group`).
 """
 
 from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..gateway.serving import ServedApp
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +50,20 @@ class MetricsServer:
     def __init__(self, port: int, host: str = "127.0.0.1", *,
                  service_name: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  idle_timeout: float = IDLE_TIMEOUT) -> None:
-        if not 0 <= port <= 65535:
-            raise ConfigurationError(f"--metrics-port must be within 0..65535, got {port}")
+        check_port(port)
         try:
-            from prometheus_client import REGISTRY, make_asgi_app
-
-            from ..gateway.serving import ServedApp
+            from prometheus_client import REGISTRY
         except ImportError as missing:
             raise missing_extra(missing) from missing
         #: The provider whose instruments the server shows.
         self.meter_provider = prometheus_meter_provider(service_name)
-        self._served = ServedApp(make_asgi_app(REGISTRY), host=host, port=port,
-                                 idle_timeout=idle_timeout, name="idembus-metrics",
-                                 max_connections=max_connections)
         try:
-            self._served.start()
-        except ConfigurationError as error:
+            self._served = serve_registry(REGISTRY, host, port,
+                                          max_connections=max_connections,
+                                          idle_timeout=idle_timeout)
+        except ConfigurationError:
             self.meter_provider.shutdown()
-            raise ConfigurationError(
-                f"cannot serve metrics on {host}:{port}: {error}") from error
+            raise
         self.host = host
         self._stopped = False
         log.info("serving metrics for Prometheus at %s/metrics", self._served.url)
@@ -137,6 +138,35 @@ def measure_endpoint(endpoint: Any, meter_provider: Any, option: str) -> None:
     elif any(item.meter_provider is not None for item in present):
         log.warning("the Metrics middleware of endpoint %s has a meter provider of its own: "
                     "%s does not show it", endpoint.name, option)
+
+
+def serve_registry(registry: Any, host: str, port: int, *,
+                   max_connections: int = MAX_CONNECTIONS,
+                   idle_timeout: float = IDLE_TIMEOUT) -> ServedApp:
+    """prometheus_client's ASGI app of ``registry``, served and started on ``host:port``
+    (a :class:`~idembus.gateway.serving.ServedApp`; see the module docstring); a port that
+    cannot be had is a :class:`~idembus.errors.ConfigurationError` that names it."""
+    check_port(port)
+    try:
+        from prometheus_client import make_asgi_app
+
+        from ..gateway.serving import ServedApp
+    except ImportError as missing:
+        raise missing_extra(missing) from missing
+    served = ServedApp(make_asgi_app(registry), host=host, port=port,
+                       idle_timeout=idle_timeout, name="idembus-metrics",
+                       max_connections=max_connections)
+    try:
+        served.start()
+    except ConfigurationError as error:
+        raise ConfigurationError(f"cannot serve metrics on {host}:{port}: {error}") from error
+    return served
+
+
+def check_port(port: int) -> None:
+    """Refuse a port outside 0..65535 (0: a free one)."""
+    if not 0 <= port <= 65535:
+        raise ConfigurationError(f"--metrics-port must be within 0..65535, got {port}")
 
 
 def missing_extra(missing: ImportError) -> ConfigurationError:
