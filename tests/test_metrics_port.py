@@ -235,12 +235,45 @@ def test_a_port_in_use_is_a_configuration_error(app_dir):
             command.kill()
 
 
-def test_metrics_port_serves_one_process_and_refuses_workers(app_dir):
-    command = Command("run", "metrics_app:with_metrics", "--workers", "2",
-                      "--metrics-port", "9464", cwd=app_dir)
+def test_with_workers_a_port_in_use_fails_at_start_before_any_worker(app_dir):
+    # The supervisor serves the workers' metrics (tests/test_workers_metrics.py): it takes
+    # the port before starting any worker, and says which one it could not have
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = Command("run", "metrics_app:with_metrics", "--workers", "2",
+                          "--metrics-port", str(port), cwd=app_dir)
+        try:
+            assert command.exit_status() == 2
+            errors = "".join(command.stderr)
+            assert f"idembus: cannot serve metrics on 127.0.0.1:{port}" in errors
+            assert "worker 0 started" not in errors
+        finally:
+            command.kill()
+
+
+def test_with_workers_the_supervisor_says_what_to_install_before_any_worker(app_dir):
+    hide = ("import sys; sys.modules['opentelemetry.exporter.prometheus'] = None; "
+            "from idembus.cli import main; sys.exit(main(sys.argv[1:]))")
+    command = Command("run", "metrics_app:with_metrics", "--workers", "2", "--metrics-port",
+                      "0", cwd=app_dir, python=("-c", hide))
     try:
         assert command.exit_status() == 2
-        assert "--metrics-port serves the metrics of one process" in "".join(command.stderr)
+        errors = "".join(command.stderr)
+        assert "pip install 'idembus[prometheus]'" in errors
+        assert "worker 0 started" not in errors
+    finally:
+        command.kill()
+
+
+def test_with_workers_a_port_out_of_range_fails_at_start(app_dir):
+    command = Command("run", "metrics_app:with_metrics", "--workers", "2",
+                      "--metrics-port", "70000", cwd=app_dir)
+    try:
+        assert command.exit_status() == 2
+        assert ("idembus: --metrics-port must be within 0..65535, got 70000"
+                in "".join(command.stderr))
     finally:
         command.kill()
 

@@ -9,7 +9,9 @@
 importable module. ``run`` consumes until SIGINT or SIGTERM, then finishes the messages in
 progress and exits; with ``--workers N`` it supervises N processes of the endpoint
 (:mod:`idembus.cli.supervisor`), which never builds the endpoint itself: each worker runs the
-``--on-worker-start`` hook, then the factory (:mod:`idembus.cli.worker`).
+``--on-worker-start`` hook, then the factory (:mod:`idembus.cli.worker`); with
+``--metrics-port`` the supervisor serves one ``/metrics`` for all its workers
+(:mod:`idembus.observability.metrics_group`).
 Exit status: 0 after a clean stop; 1 if messages in progress had to be abandoned (they are
 redelivered) or the broker or database cannot be reached (try again); 2 for a configuration
 error, including a broker or database refusing this endpoint's login
@@ -23,10 +25,11 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .. import logs
 from ..errors import BusError, ConfigurationError, EndpointBlocked
+from ..observability.metrics_snapshots import METRICS_FILE
 from ..redaction import redact
 from ..runtime.loading import load_endpoint
 from ..storage.errors import StorageUnavailable
@@ -118,7 +121,8 @@ def _add_metrics_options(run: argparse.ArgumentParser) -> None:
     run.add_argument("--metrics-port", type=int, metavar="N",
                      help="serve the endpoint's metrics to Prometheus at "
                           "http://HOST:N/metrics (needs idembus[prometheus]; 0: a free port, "
-                          "logged)")
+                          "logged); with --workers, the supervisor serves the sum of its "
+                          "workers' there")
     run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                      help="the address --metrics-port listens on (127.0.0.1: this machine "
                           "only; 0.0.0.0 or an interface's address for a Prometheus "
@@ -142,10 +146,6 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigurationError("--workers must be at least 1")
     if args.concurrency is not None and args.concurrency < 1:
         raise ConfigurationError("--concurrency must be at least 1")
-    if args.metrics_port is not None and args.workers > 1:
-        raise ConfigurationError(
-            "--metrics-port serves the metrics of one process: with --workers, run one "
-            "`idembus run` per process, each with a port of its own, or use --concurrency")
     if args.workers == 1:
         return _run_one(args)
     worker.check_reference(args.endpoint)
@@ -163,10 +163,20 @@ def _run(args: argparse.Namespace) -> int:
         worker_arguments += ["--app-dir", os.path.abspath(args.app_dir)]
     if args.on_worker_start:
         worker_arguments += ["--on-worker-start", args.on_worker_start]
-    supervisor = Supervisor(args.endpoint, workers=args.workers,
-                            worker_arguments=worker_arguments,
-                            shutdown_timeout=args.shutdown_timeout + 5.0)
-    return supervisor.run()
+    metrics = None
+    if args.metrics_port is not None:  # one /metrics for the group, before any worker
+        from ..observability.metrics_group import GroupMetricsServer
+
+        metrics = GroupMetricsServer(args.metrics_port, args.metrics_host)
+    try:
+        supervisor = Supervisor(args.endpoint, workers=args.workers,
+                                worker_arguments=worker_arguments,
+                                shutdown_timeout=args.shutdown_timeout + 5.0,
+                                observer=metrics)
+        return supervisor.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()
 
 
 def _run_one(args: argparse.Namespace) -> int:
@@ -177,24 +187,39 @@ def _run_one(args: argparse.Namespace) -> int:
     endpoint = load_endpoint(args.endpoint)
     if args.strict_routes:
         endpoint.strict_routes = True
-    metrics_server = None
+    metrics: _Stoppable | None = None
     try:
         if supervised is not None:
             _refuse_process_local(endpoint, supervised.count)
             worker.set_title(supervised.title(endpoint.name), supervised.name)
         if args.concurrency is not None:
             endpoint.concurrency = args.concurrency
-        if args.metrics_port is not None:
-            from ..observability.prometheus import serve_endpoint_metrics
-
-            metrics_server = serve_endpoint_metrics(endpoint, args.metrics_port,
-                                                    args.metrics_host)
+        metrics = _measure(args, endpoint, supervised)
         stop_when_orphaned(endpoint.request_stop)
         return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
     finally:
         endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
-        if metrics_server is not None:
-            metrics_server.stop()
+        if metrics is not None:
+            metrics.stop()
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def _measure(args: argparse.Namespace, endpoint: Any,
+             supervised: worker.WorkerProcess | None) -> _Stoppable | None:
+    """Serve the endpoint's metrics (``--metrics-port``), or, in a worker of a supervisor
+    that serves them, write them where it reads them; ``None``: neither."""
+    if args.metrics_port is not None:
+        from ..observability.prometheus import serve_endpoint_metrics
+
+        return serve_endpoint_metrics(endpoint, args.metrics_port, args.metrics_host)
+    if supervised is not None and os.environ.get(METRICS_FILE):
+        from ..observability.metrics_snapshots import write_endpoint_metrics
+
+        return write_endpoint_metrics(endpoint, os.environ[METRICS_FILE])
+    return None
 
 
 def _refuse_process_local(endpoint: Any, workers: int) -> None:

@@ -6,6 +6,9 @@ SIGINT is passed on to every worker; each stops taking messages, finishes the on
 flight and exits. Workers that are still busy after the shutdown timeout are killed; their
 unacknowledged messages are redelivered by the broker and deduplicated as usual.
 
+An observer (``--metrics-port``: :class:`~idembus.observability.metrics_group.GroupMetricsServer`)
+is told when each worker starts and exits, and adds to its environment.
+
 Exit status: 0 after a clean stop; 1 if a worker had to be killed; 2 if a worker reports a
 configuration error (restarting would not help).
 """
@@ -19,8 +22,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..policies import Backoff
 from ..runtime.shutdown import POLL_INTERVAL, StopSignals
@@ -45,6 +49,20 @@ WORKER_BOOTSTRAP = (
 )
 
 
+class WorkerObserver(Protocol):
+    """What a supervisor tells about its workers, by index (from 0)."""
+
+    def starting(self, index: int) -> Mapping[str, str]:
+        """Worker ``index`` is about to start: environment variables to add to its own."""
+
+    def started(self, index: int, pid: int) -> None:
+        """Worker ``index`` runs as process ``pid``."""
+
+    def exited(self, index: int) -> None:
+        """Worker ``index`` has exited (it is restarted, as a new process, unless the
+        supervisor stops)."""
+
+
 @dataclass
 class _Worker:
     index: int
@@ -66,6 +84,7 @@ class Supervisor:
         worker_arguments: Sequence[str] = (),
         shutdown_timeout: float = 30.0,
         restart_backoff: Backoff | None = None,
+        observer: WorkerObserver | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
@@ -75,6 +94,7 @@ class Supervisor:
         self._backoff = restart_backoff or Backoff((0.5, 1.0, 2.0, 5.0, 10.0))
         self._workers = [_Worker(index) for index in range(workers)]
         self._stopping = threading.Event()
+        self._observer = observer
 
     def run(self) -> int:
         """Supervise until SIGTERM/SIGINT; return the exit status (see module docstring)."""
@@ -121,7 +141,11 @@ class Supervisor:
         command = self.worker_command()
         environment = {**os.environ, WORKER_INDEX: str(worker.index),
                        WORKER_COUNT: str(len(self._workers)), SUPERVISOR_PID: str(os.getpid())}
+        if self._observer is not None:
+            environment.update(self._observer.starting(worker.index))
         worker.process = subprocess.Popen(command, env=environment)
+        if self._observer is not None:
+            self._observer.started(worker.index, worker.process.pid)
         worker.started_at = time.monotonic()
         worker.restart_at = None
         log.info("worker %d started: pid %d", worker.index, worker.process.pid)
@@ -135,6 +159,8 @@ class Supervisor:
                     worker.index, worker.process.pid, status, lived, delay)
         worker.process = None
         worker.restart_at = now + delay
+        if self._observer is not None:
+            self._observer.exited(worker.index)
 
     def _stop_all(self) -> int:
         running = [w.process for w in self._workers if w.process and w.process.poll() is None]
