@@ -50,9 +50,10 @@ _SPACE = r" \t\n\r\f\v"
 
 #: ``scheme://user:secret@`` — the secret runs to the last ``@`` of its line before another
 #: ``scheme://`` (a raw space in a password, ``amqp://user:pa ss@host/``, does not end it),
-#: or, when there is none such, to the last ``@`` before white space.
+#: or, when there is none such, to the last ``@`` before white space, or else (a password
+#: holding ``://`` and a space) to the last ``@`` of the line: hiding too much, not too little.
 _USERINFO = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]{0,30}://[^\s/?#@:]*:)"
-                       r"(?:(?:(?!://)[^\n])*|\S*)@")
+                       r"(?:(?:(?!://)[^\n])*|\S*|[^\n]*)@")
 #: ``?password=secret&...`` — in a URL query, ``&key=`` starts the next parameter.
 _QUERY_PAIR = re.compile(
     rf"(?<=[?&])(?P<head>{_KEY}=)(?:[^\s&]|&(?![^\s&=]*=))+", re.IGNORECASE)

@@ -82,6 +82,7 @@ def test_a_raw_password_in_url_userinfo_never_survives(
        place=places, around=surroundings)
 @example(password="pa ss", place=URL_PLACES[0], around=("", ""))
 @example(password=" lead and trail\t", place=URL_PLACES[5], around=("cannot connect to ", ""))
+@example(password="://\x20", place=URL_PLACES[0], around=("", ""))  # found by hypothesis
 def test_a_raw_password_with_white_space_in_url_userinfo_never_survives(
     password: str, place: tuple[str, str, str, str], around: tuple[str, str],
 ) -> None:
