@@ -279,14 +279,18 @@ class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection
     def enqueue(self, connection: psycopg.Connection[Any],
                 envelopes: Sequence[Envelope]) -> Enqueued:
         """Insert ``envelopes`` on ``connection`` (:class:`QueuePart`, alone: one statement
-        in autocommit, then the one that wakes the consumers, in one round trip); the
-        caller looks at what found no queue."""
+        in autocommit, committed, then the one that wakes the consumers in a transaction
+        of its own); the caller looks at what found no queue."""
         if not envelopes:
             return Enqueued(())
         part = self.part(envelopes)
-        with connection.pipeline():
+        with connection.pipeline() as pipeline:
             cursor = connection.execute(f"WITH {part.inputs}, {part.effects('true')} "
                                         f"SELECT {part.result}", part.params)
+            # In a pipeline the statements up to a sync are one transaction: without it,
+            # the wake-up's synchronous_commit=off would let the insert's commit return
+            # before the disk (and a synchronous standby) had it.
+            pipeline.sync()
             connection.execute(part.after, part.params)
             row = cursor.fetchone()
         return part.enqueued(row[0] if row else None)
