@@ -196,3 +196,33 @@ def send_through_outage(endpoint: Endpoint, message: Deposit) -> None:
         except TransportUnavailable:
             time.sleep(0.1)
     endpoint.bus.send(message)
+
+
+@pytest.mark.slow  # a soak (make soak): two failovers and a pg_rewind
+@pytest.mark.timeout(300)
+def test_the_old_primary_rejoins_as_the_standby_and_takes_over_again_with_every_commit(
+    pair: PostgresPair,
+) -> None:
+    # Given a row committed before a failover, and one on the promoted standby
+    def insert(value: int) -> None:
+        with psycopg.connect(pair.url, autocommit=True) as connection:
+            connection.execute("INSERT INTO kept VALUES (%s)", (value,))
+
+    with psycopg.connect(pair.url, autocommit=True) as connection:
+        connection.execute("CREATE TABLE kept (n int)")
+    insert(1)
+    first = pair.primary_port
+    pair.fail_over()
+    insert(2)
+
+    # When the old primary comes back (pg_rewind) as the synchronous standby, a row is
+    # committed, and the pair fails over again
+    pair.rejoin()
+    insert(3)
+    pair.fail_over()
+
+    # Then the first primary is the primary again, with every commit
+    assert pair.primary_port == first
+    with psycopg.connect(pair.url) as connection:
+        rows = connection.execute("SELECT n FROM kept ORDER BY n").fetchall()
+    assert rows == [(1,), (2,), (3,)]

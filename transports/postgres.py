@@ -287,10 +287,7 @@ class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection
         with connection.pipeline() as pipeline:
             cursor = connection.execute(f"WITH {part.inputs}, {part.effects('true')} "
                                         f"SELECT {part.result}", part.params)
-            # In a pipeline the statements up to a sync are one transaction: without it,
-            # the wake-up's synchronous_commit=off would let the insert's commit return
-            # before the disk (and a synchronous standby) had it.
-            pipeline.sync()
+            pipeline.sync()  # else one transaction with the wake-up's synchronous_commit=off
             connection.execute(part.after, part.params)
             row = cursor.fetchone()
         return part.enqueued(row[0] if row else None)
@@ -414,7 +411,6 @@ class PostgresTransport(DatabaseTransport[_PostgresDelivery, "psycopg.Connection
                                         connection=connection) for row in claimed]
         self._leases.hold(deliveries)
         return deliveries, due, full
-
 
     def _move_aside(self, connection: psycopg.Connection[Any], queue: str,
                     rows: Sequence[Sequence[Any]], lease: int) -> None:

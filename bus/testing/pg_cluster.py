@@ -240,6 +240,14 @@ class PostgresPair:
         old = self._standby
         if old.name in self._running:
             raise ClusterError(f"{old.name} is running: fail over first")
+        pid = _postmaster_pid(old.data)
+        if pid is not None and not _alive(pid):
+            # killed, perhaps not reaped yet: PostgreSQL would take the zombie for a
+            # server still running in that directory
+            (old.data / "postmaster.pid").unlink()
+        # the promoted server's control file names its new timeline only after a
+        # checkpoint; until then pg_rewind finds "no rewind required"
+        self._psql(self._primary, "CHECKPOINT")
         self._run([str(self._bin / "pg_rewind"), "-D", str(old.data),
                    "--source-server", f"{self._primary.conninfo} dbname=postgres", "-R"],
                   as_server=True)
