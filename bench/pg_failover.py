@@ -45,7 +45,7 @@ from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
-from idembus.testing.pg_cluster import PostgresPair
+from idembus.testing.pg_cluster import Failover, PostgresPair
 from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from idembus.transports.postgres import PostgresTransport
@@ -121,6 +121,14 @@ def survivors(pair: PostgresPair, prefix: str) -> tuple[dict[str, int], dict[str
     return processed, doubled
 
 
+def timings(failover: Failover, moments: Moments, killed: float) -> dict[str, Any]:
+    """The seconds a failover took (see the module docstring)."""
+    return {"seconds_to_promoted": round(failover.seconds_to_promoted, 3),
+            "seconds_to_first_commit": round(failover.seconds_to_first_commit, 3),
+            "seconds_to_first_handled": moments.first_after(
+                killed, failover.seconds_to_promoted)}
+
+
 def send(endpoint: Endpoint, account: str) -> str:
     """Send a Pay; a pooled connection to the killed primary fails once (retried)."""
     for _ in range(50):
@@ -157,10 +165,7 @@ def run_storage(pair: PostgresPair, deposits: int) -> dict[str, Any]:
                 "applied_twice": sum(doubled.values()),
                 "ledger_entries": len(causes.causes),
                 "ledger_entries_of_lost_commits": len(orphaned),
-                "seconds_to_promoted": round(failover.seconds_to_promoted, 3),
-                "seconds_to_first_commit": round(failover.seconds_to_first_commit, 3),
-                "seconds_to_first_handled": moments.first_after(
-                    killed, failover.seconds_to_promoted)}
+                **timings(failover, moments, killed)}
     finally:
         accounts.close()
         ledger.close()
@@ -190,10 +195,7 @@ def run_transport(pair: PostgresPair, deposits: int) -> dict[str, Any]:
         return {"sent": len(sent), "applied": len(processed), "lost": len(lost),
                 "applied_twice": sum(doubled.values()),
                 "left_in_queue": transport.pending(queue),
-                "seconds_to_promoted": round(failover.seconds_to_promoted, 3),
-                "seconds_to_first_commit": round(failover.seconds_to_first_commit, 3),
-                "seconds_to_first_handled": moments.first_after(
-                    killed, failover.seconds_to_promoted)}
+                **timings(failover, moments, killed)}
     finally:
         accounts.close()
         transport.close()
