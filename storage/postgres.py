@@ -625,9 +625,9 @@ class PostgresStorage(Storage, LimitStore):
         (:mod:`idembus.storage.postgres_shared`; the PostgreSQL transport inserting the
         outgoing messages into their queues and deleting the incoming one, for
         :mod:`idembus.runtime.shared_transaction`), and with the ``journal`` entries in the same
-        transaction; then the part's ``after`` statement, in the same round trip where
-        there is no journal. The outgoing messages are recorded as dispatched already (their
-        bodies kept only with ``keep_bodies``): no outbox sends them, no mark follows.
+        transaction; then the part's ``after`` statement, in a transaction of its own. The
+        outgoing messages are recorded as dispatched already (their bodies kept only with
+        ``keep_bodies``): no outbox sends them, no mark follows.
 
         Returns the part's result; ``None`` if the part's precondition failed (nothing was
         written: commit another way); raises as :meth:`commit` does when the write is
@@ -646,8 +646,9 @@ class PostgresStorage(Storage, LimitStore):
         with self._connection() as connection:
             try:
                 if not journal:
-                    with connection.pipeline():
+                    with connection.pipeline() as pipeline:
                         cursor = connection.execute(query, parameters)
+                        pipeline.sync()  # the wake-up in a transaction of its own
                         connection.execute(part.after, parameters)
                         row = cursor.fetchone()
                 else:

@@ -11,8 +11,9 @@ One statement, in one round trip, atomic on its own::
          <part's effects, each only if recorded has a row>
     SELECT <rows recorded>, <precondition>, <part's result>
 
-and then, pipelined in the same round trip, the part's ``after`` statement (which does not
-run if the first one failed).
+and then, after a pipeline sync, the part's ``after`` statement (which does not run if the
+first one failed): in a pipeline the statements up to a sync are one implicit transaction,
+and ``after`` commits without waiting for the disk, which must not apply to the commit.
 
 The write is the one :meth:`PostgresStorage.commit` makes (the same conditions, so a lost
 race or a duplicate is refused the same way: nothing written, or a unique violation); the
@@ -38,8 +39,8 @@ class StatementPart(Protocol):
     precondition: str
     #: A SQL expression read back with the result.
     result: str
-    #: A statement run right after the commit, in a transaction of its own but in the
-    #: same round trip (the transport's: waking the consumers of the queues written to).
+    #: A statement run right after the commit, in a transaction of its own (the
+    #: transport's: waking the consumers of the queues written to).
     after: str
     params: Mapping[str, Any]
 

@@ -137,6 +137,30 @@ def test_a_refusal_carries_no_password() -> None:
     assert "hunter22" not in str(classified(error, "postgresql://app:hunter22@db/sales"))
 
 
+@pytest.mark.parametrize("conninfo", [
+    "postgresql://app:hunter22@10.0.0.1:5432,10.0.0.2:5432/sales"
+    "?target_session_attrs=read-write",
+    "host=10.0.0.1,10.0.0.2 port=5432,5432 password=hunter22 target_session_attrs=read-write",
+])
+def test_a_pair_that_has_no_primary_yet_is_an_outage_that_names_no_password(
+    conninfo: str,
+) -> None:
+    # libpq's words when each host of a multi-host conninfo refused: one dead, one a
+    # standby not promoted yet
+    error = psycopg.OperationalError(
+        'connection failed: connection to server at "10.0.0.2", port 5432 failed: session '
+        "is read-only\nMultiple connection attempts failed. All failures were:\n- host: "
+        "'10.0.0.1', port: '5432', hostaddr: '10.0.0.1': connection failed: Connection "
+        "refused\n- host: '10.0.0.2', port: '5432', hostaddr: '10.0.0.2': connection "
+        "failed: session is read-only")
+
+    found = classified(error, conninfo)
+
+    assert type(found) is StorageUnavailable
+    assert "hunter22" not in str(found) and "\n" not in str(found)
+    assert "10.0.0.1" in str(found) and "10.0.0.2" in str(found)
+
+
 @pytest.mark.parametrize("sqlstate, discarded", [
     ("25006", True), ("57014", False), ("55P03", False), ("22P05", False),
 ])

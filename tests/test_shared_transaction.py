@@ -11,11 +11,13 @@ dispatch, which parks it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import psycopg
 import pytest
 
 from idembus import Endpoint
@@ -356,3 +358,55 @@ def test_a_message_a_tool_brings_itself_is_committed_with_its_messages_and_acked
     assert replayed.acked
     assert account(accounts, "r") == Account(balance=3, deposits=1)
     assert len(ledger.entries) == 1
+
+
+@contextlib.contextmanager
+def commits_noted(tables: Sequence[str], unique: str) -> Iterator[Callable[[], list[Any]]]:
+    """Note, at the commit of each transaction that inserts into one of ``tables``, the
+    table and the ``synchronous_commit`` the commit runs with (a deferred trigger fires at
+    commit, after every statement of the transaction)."""
+    notes, note = f"commits_{unique}", f"note_commit_{unique}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {notes} (tbl text, synchronous_commit text)")
+        admin.execute(f"CREATE FUNCTION {note}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                      f"INSERT INTO {notes} VALUES (TG_TABLE_NAME, "
+                      "current_setting('synchronous_commit')); RETURN NULL; END $$")
+        for table in tables:
+            admin.execute(f"CREATE CONSTRAINT TRIGGER {note} AFTER INSERT ON {table} "
+                          f"DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION {note}()")
+
+    def read() -> list[Any]:
+        with psycopg.connect(POSTGRES_URL) as reader:
+            return reader.execute(f"SELECT DISTINCT tbl, synchronous_commit FROM {notes} "
+                                  "ORDER BY 1").fetchall()
+
+    try:
+        yield read
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            for table in tables:
+                admin.execute(f"DROP TRIGGER IF EXISTS {note} ON {table}")
+            admin.execute(f"DROP FUNCTION {note}()")
+            admin.execute(f"DROP TABLE {notes}")
+
+
+def test_sends_and_shared_commits_wait_for_the_disk_and_the_synchronous_standby(
+    shop: Shop,
+) -> None:
+    # Given accounts and ledger endpoints sharing their transactions with the queues, and
+    # a note of the synchronous_commit each insert's transaction commits with
+    accounts, downstream, ledger = accounts_and_ledger(shop)
+    assert accounts.shared_transaction is not None
+    messages = accounts.transport.schema.messages  # type: ignore[attr-defined]
+    processed = accounts.storage._processed  # type: ignore[attr-defined]
+    recorded = SignalCounter(downstream, "handled")
+    with commits_noted([messages, processed], shop.unique) as noted:
+        # When a deposit is sent from outside and handled (its Deposited sent in the commit)
+        accounts.bus.send(Deposit(account="a", amount=5))
+        assert recorded.wait_for(1)
+        wait_until_idle([accounts, downstream])
+
+        # Then the send and the commit waited for the disk (and for a synchronous standby:
+        # one that returned sooner would be forgotten by a crash or a failover); only the
+        # wake-up that follows each, in a transaction of its own, does not
+        assert sorted(noted()) == sorted([(messages, "on"), (processed, "on")])

@@ -277,14 +277,15 @@ class PostgresTransport(PostgresReplyQueues,
     def enqueue(self, connection: psycopg.Connection[Any],
                 envelopes: Sequence[Envelope]) -> Enqueued:
         """Insert ``envelopes`` on ``connection`` (:class:`QueuePart`, alone: one statement
-        in autocommit, then the one that wakes the consumers, in one round trip); the
-        caller looks at what found no queue."""
+        in autocommit, committed, then the one that wakes the consumers in a transaction
+        of its own); the caller looks at what found no queue."""
         if not envelopes:
             return Enqueued(())
         part = self.part(envelopes)
-        with connection.pipeline():
+        with connection.pipeline() as pipeline:
             cursor = connection.execute(f"WITH {part.inputs}, {part.effects('true')} "
                                         f"SELECT {part.result}", part.params)
+            pipeline.sync()  # else one transaction with the wake-up's synchronous_commit=off
             connection.execute(part.after, part.params)
             row = cursor.fetchone()
         return part.enqueued(row[0] if row else None)
@@ -408,7 +409,6 @@ class PostgresTransport(PostgresReplyQueues,
                                         connection=connection) for row in claimed]
         self._leases.hold(deliveries)
         return deliveries, due, full
-
 
     def _move_aside(self, connection: psycopg.Connection[Any], queue: str,
                     rows: Sequence[Sequence[Any]], lease: int) -> None:

@@ -189,7 +189,9 @@ class QueuePart:
         notified, written to or not: a consumer woken for nothing claims nothing. A NOTIFY
         gives its transaction an id, whose commit would wait for the disk while holding
         the database's notification lock: this one does not wait (a notification lost in
-        a crash of the database only leaves a consumer to look ``max_idle_wait`` later)."""
+        a crash of the database only leaves a consumer to look ``max_idle_wait`` later).
+        Pipelined, it must follow a sync: the statements up to one are one implicit
+        transaction, and the commit before it must wait for the disk and the standby."""
         schema = self.schema
         return (f"WITH {self.inputs} SELECT {NO_DISK_WAIT}, pg_notify(%(bus_prefix)s || '_' "
                 "|| left(md5(q.queue), 16), '') FROM ("
