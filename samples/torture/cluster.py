@@ -15,11 +15,11 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 from idembus.testing.cluster import DEFAULT_AMQP_PORT, DEFAULT_DIST_PORT, RabbitCluster
+from samples.torture.chaos import Disruption
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,16 @@ def start_cluster() -> RabbitCluster:
     return cluster
 
 
-class ClusterChaos:
+class ClusterChaos(Disruption):
     """Kills, then stops, the busiest node, each started again (see the module docstring);
     ``extra_steps`` run after them, each a named callable (``("pg_failover", fail_over)``).
-    Has what :class:`~samples.torture.chaos.BrokerRestart` has for the run: :meth:`begin`,
-    :meth:`join`, :meth:`ensure_up`, ``restarts`` and ``outage``."""
+    :meth:`begin` returns once the first node is dead; like
+    :class:`~samples.torture.chaos.BrokerRestart` it has :meth:`ensure_up`, ``restarts``
+    and ``outage``."""
 
     def __init__(self, cluster: RabbitCluster, *,
                  extra_steps: Sequence[tuple[str, Callable[[], None]]] = ()) -> None:
+        super().__init__("cluster-chaos")
         self.cluster = cluster
         self.node_kills = 0
         self.node_stops = 0
@@ -56,31 +58,12 @@ class ClusterChaos:
         self.extra: dict[str, int] = {name: 0 for name, _ in extra_steps}
         #: Seconds from the kill until the killed node was a member again.
         self.outage = 0.0
-        self.error: BaseException | None = None
         self._steps = list(extra_steps)
-        self._first_done = threading.Event()
-        self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cluster-chaos", daemon=True)
 
     @property
     def restarts(self) -> int:
         """The single broker's restarts: none on a cluster (see ``node_kills``)."""
         return 0
-
-    @property
-    def begun(self) -> bool:
-        return self._thread.ident is not None
-
-    def begin(self) -> None:
-        """Start the chaos; return once the first node is dead (or the kill failed)."""
-        if self.begun:
-            return
-        self._thread.start()
-        self._first_done.wait()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until every step is done; True if they finished."""
-        return not self.begun or self._finished.wait(timeout)
 
     def ensure_up(self) -> None:
         """Start every node that is down (after an interrupted run)."""
@@ -109,7 +92,7 @@ class ClusterChaos:
             began = time.monotonic()
             self.cluster.kill_node(victim)
             self.node_kills += 1
-            self._first_done.set()
+            self._down.set()
             self.cluster.start_node(victim)
             self.cluster.await_members()
             self.outage = time.monotonic() - began
@@ -128,5 +111,5 @@ class ClusterChaos:
             self.error = error
             log.error("the cluster chaos failed: %s", error)
         finally:
-            self._first_done.set()
+            self._down.set()
             self._finished.set()
