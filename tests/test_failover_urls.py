@@ -8,11 +8,15 @@ messages flow: tests/test_rabbitmq_cluster.py.)
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from urllib.parse import urlparse
 
 import pytest
 
+from idembus import headers as h
+from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError
 from idembus.transports import delays
 from idembus.transports.kombu import KombuTransport
@@ -88,5 +92,43 @@ def test_a_dead_node_is_passed_over_and_the_live_one_is_asked_first_next_time(un
         assert transport.pending(queue) == 0
         assert transport._preferred == 1
     finally:
+        transport.delete_queue(queue)
+        transport.close()
+
+
+@pytest.mark.amqp
+def test_a_quiet_consumer_keeps_its_connection_when_the_url_asks_for_heartbeats(unique,
+                                                                                 caplog):
+    # Given a consumer of an empty queue whose URL asks for a heartbeat every second
+    require_service(AMQP_URL, "RabbitMQ")
+    separator = "&" if "?" in AMQP_URL else "?"
+    transport = KombuTransport(f"{AMQP_URL}{separator}heartbeat=1")
+    queue = f"heartbeat-{unique}"
+    transport.declare(queue)
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_delivery(delivery):
+        received.append(delivery.body.decode())
+        delivery.ack()
+        stop.set()
+
+    consumer = threading.Thread(target=transport.consume, args=(queue, on_delivery),
+                                kwargs={"stop": stop}, daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="idembus.transports.kombu"):
+            consumer.start()
+            # When nothing arrives for longer than RabbitMQ waits for missed heartbeats
+            # (two intervals), then a message does
+            assert not stop.wait(6.0)
+            transport.send(Envelope(body='"late"', headers={h.MESSAGE_ID: "m-1"},
+                                    destination=queue))
+            consumer.join(timeout=30)
+
+        # Then it arrived on the connection the consumer had all along
+        assert received == ['"late"']
+        assert not [record for record in caplog.records if "reconnecting" in record.message]
+    finally:
+        stop.set()
         transport.delete_queue(queue)
         transport.close()
