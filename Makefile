@@ -65,7 +65,7 @@ test: $(VENV)/.test
 soak: $(VENV)/.test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
-	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 $(TORTURE_ARGS)
+	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 --kill-interval 5 $(TORTURE_ARGS)
 
 # The site's pages are docs/, its navigation mkdocs.yml; the API reference is read from the
 # docstrings of the public modules. Broken links and missing pages fail the build.
@@ -110,7 +110,7 @@ torture: $(VENV)/.test
 # the node leading the most queues is killed and started again, then one is stopped
 # gracefully and started again, while workers are killed (docs/operations/cluster.md).
 torture-cluster: $(VENV)/.test
-	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 $(TORTURE_ARGS)
+	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 --kill-interval 5 $(TORTURE_ARGS)
 
 # README's pictures of the dashboard (docs/screenshots/*.png): its browser test run against
 # RabbitMQ and PostgreSQL with Debian's Chromium, saving a PNG of each page it walks through.
