@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..redaction import redact
+
 #: Where Debian and RabbitMQ's own packages put the scripts that do not switch user.
 _SCRIPT_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/local/lib/rabbitmq/bin")
 #: First AMQP port and first distribution port: node ``i`` listens on ``port + i``.
@@ -410,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.action == "start":
         cluster = RabbitCluster(args.dir, amqp_port=args.amqp_port, dist_port=args.dist_port)
         cluster.start()
-        print(cluster.failover_url().replace(":guest@", ":***@"))
+        print(redact(cluster.failover_url()))
         return 0
     try:
         cluster = RabbitCluster.load(args.dir)
