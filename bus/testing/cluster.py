@@ -101,7 +101,6 @@ class RabbitCluster:
         self.nodes = {name: Node(name, f"{prefix}-{name}@localhost", amqp_port + index,
                                  dist_port + index, str(self.root / name))
                       for index, name in enumerate(names)}
-        self._scripts = _script_dir()
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
 
     @classmethod
@@ -298,7 +297,7 @@ class RabbitCluster:
             # the nodes; the node raises its own descriptor limit as far as allowed.
             self._processes[name] = subprocess.Popen(
                 ["sh", "-c", 'ulimit -n 20000 2>/dev/null; exec "$0"',
-                 os.path.join(self._scripts, "rabbitmq-server")],
+                 os.path.join(_script_dir(), "rabbitmq-server")],
                 env=self._environment(node), stdin=subprocess.DEVNULL, stdout=console,
                 stderr=subprocess.STDOUT, start_new_session=True, cwd=node.home)
 
@@ -335,7 +334,7 @@ class RabbitCluster:
         raise ClusterError("no node of the cluster is running")
 
     def _run(self, tool: str, *args: str, check: bool = True) -> str:
-        command = [os.path.join(self._scripts, tool), *args]
+        command = [os.path.join(_script_dir(), tool), *args]
         try:
             done = subprocess.run(command, env=self._environment(), capture_output=True,
                                   text=True, timeout=self.timeout + 30, cwd=self.root,
