@@ -9,7 +9,8 @@
 #               --strict), every snippet of the docs and the performance guard (calls per
 #               message of the memory:// flow against bench/results/guard.json) included;
 #               under 30 minutes
-#   make soak   the soaks (tests marked slow), then the full-size torture run
+#   make soak   the soaks (tests marked slow), then the full-size torture run and the
+#               torture run on a three-node RabbitMQ cluster (make torture-cluster)
 #   make docs   the documentation site into build/site; make docs-serve serves it
 #   make dist   a wheel in dist/ (pip install dist/idembus-*.whl)
 # Every test has a time limit (setup.cfg: timeout, @pytest.mark.timeout for the long ones):
@@ -20,7 +21,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: demo check test soak lint docs docs-serve dist bench torture screenshots clean
+.PHONY: demo check test soak lint docs docs-serve dist bench torture torture-cluster screenshots clean
 
 #: The tests that need no service, no Spark session and no soak (make check).
 CHECK_MARKS := not amqp and not redis and not postgres and not mongodb and not torture \
@@ -64,6 +65,7 @@ test: $(VENV)/.test
 soak: $(VENV)/.test
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
+	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 --kill-interval 5 $(TORTURE_ARGS)
 
 # The site's pages are docs/, its navigation mkdocs.yml; the API reference is read from the
 # docstrings of the public modules. Broken links and missing pages fail the build.
@@ -96,12 +98,19 @@ bench: $(VENV)/.bench
 	$(BIN)/python -m bench.database_queues
 
 # The exactly-once torture test at full size on RabbitMQ and PostgreSQL (make test runs a
-# reduced one; make soak ends with this one): worker processes killed every ~2 s, RabbitMQ
+# reduced one; make soak runs this one): worker processes killed every ~2 s, RabbitMQ
 # restarted once. With the queues in PostgreSQL (PostgreSQL restarted once with
 # pg_ctlcluster instead):
 #   make torture TORTURE_ARGS="--transport postgresql://postgres@127.0.0.1:5432/test"
 torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
+
+# The torture test on three RabbitMQ nodes started for it on loopback (ports 5691-5693,
+# IDEMBUS_CLUSTER_AMQP_PORT moves them; the machine's own RabbitMQ is not touched): halfway,
+# the node leading the most queues is killed and started again, then one is stopped
+# gracefully and started again, while workers are killed (docs/operations/cluster.md).
+torture-cluster: $(VENV)/.test
+	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 --kill-interval 5 $(TORTURE_ARGS)
 
 # README's pictures of the dashboard (docs/screenshots/*.png): its browser test run against
 # RabbitMQ and PostgreSQL with Debian's Chromium, saving a PNG of each page it walks through.

@@ -137,6 +137,19 @@ def test_the_report_names_every_figure_that_is_off():
         broker_restart_expected=False, kills_expected=False) == []
 
 
+def test_a_cluster_run_lists_its_node_kills_and_stops_after_the_broker_restarts():
+    cluster = TortureReport(**{**vars(report(broker_restarts=0)),
+                               "cluster": (("node_kills", 1), ("node_stops", 1))})
+
+    assert cluster.line() == ("orders=10 placed=10 billed=10 shipped=10 charges=10 kills=3 "
+                              "broker_restarts=0 node_kills=1 node_stops=1 error_queue=0 "
+                              "lost=0 double_effects=0")
+    assert cluster.failures(broker_restart_expected=False, kills_expected=True) == []
+    stalled = TortureReport(**{**vars(cluster), "cluster": (("node_kills", 0),)})
+    assert stalled.failures(broker_restart_expected=False, kills_expected=True) == [
+        "node_kills=0, expected at least 1"]
+
+
 def test_the_deployment_derives_every_name_from_its_namespace():
     deployment = Deployment.from_environment({"ORDERING_NAMESPACE": "shop1",
                                               "ORDERING_TRANSPORT": "memory://"})

@@ -112,3 +112,12 @@ def test_a_refused_connection_is_an_outage(connection: kombu.Connection) -> None
                                      connection, "amqp://app:***@broker.example:5672//")
     assert isinstance(classified, TransportUnavailable)
     assert isinstance(classified, TransportError)
+
+
+def test_an_outage_that_says_nothing_is_named_by_its_type(connection: kombu.Connection) -> None:
+    # A reset connection can end a publish with a bare ConnectionError: no text at all
+    classified = _classified(ConnectionError(), connection, "publishing m-1",
+                             refusal=DestinationRefused, url=URL)
+
+    assert isinstance(classified, TransportUnavailable)
+    assert str(classified).endswith(": ConnectionError")

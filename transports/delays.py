@@ -97,6 +97,8 @@ class Level:
     number: int
     prefix: str = PREFIX
     quorum: bool = False
+    #: ``x-quorum-initial-group-size`` of a quorum level (``None``: RabbitMQ's default).
+    group_size: int | None = None
 
     @property
     def name(self) -> str:
@@ -122,6 +124,8 @@ class Level:
             arguments.update({"x-queue-type": "quorum",
                               "x-dead-letter-strategy": "at-least-once",
                               "x-overflow": "reject-publish"})
+            if self.group_size is not None:
+                arguments["x-quorum-initial-group-size"] = self.group_size
         return arguments
 
     @property
@@ -155,10 +159,16 @@ class Topology:
 
     prefix: str
     quorum: bool
+    #: ``x-quorum-initial-group-size`` of every quorum queue of the topology: the
+    #: replicas of each level on a cluster (``None``: RabbitMQ's default).
+    group_size: int | None = None
 
     @classmethod
-    def for_queue_type(cls, queue_type: str) -> Topology:
-        return cls(QUORUM_PREFIX, True) if queue_type == "quorum" else cls(PREFIX, False)
+    def for_queue_type(cls, queue_type: str, group_size: int | None = None) -> Topology:
+        """The levels of ``queue_type``; ``group_size`` applies to quorum levels only."""
+        if queue_type == "quorum":
+            return cls(QUORUM_PREFIX, True, group_size)
+        return cls(PREFIX, False)
 
     @property
     def deliver_exchange(self) -> str:
@@ -174,11 +184,16 @@ class Topology:
     @property
     def queue_arguments(self) -> dict[str, Any]:
         """Arguments of a queue of this topology's type that is not a level."""
-        return {"x-queue-type": "quorum"} if self.quorum else {}
+        if not self.quorum:
+            return {}
+        if self.group_size is None:
+            return {"x-queue-type": "quorum"}
+        return {"x-queue-type": "quorum", "x-quorum-initial-group-size": self.group_size}
 
     def levels(self) -> list[Level]:
         """Every level, lowest first (each binds the one below)."""
-        return [Level(number, self.prefix, self.quorum) for number in range(LEVELS)]
+        return [Level(number, self.prefix, self.quorum, self.group_size)
+                for number in range(LEVELS)]
 
     def entry_exchange(self, delay: int) -> str:
         """The exchange a message delayed ``delay`` seconds is published to."""

@@ -124,11 +124,18 @@ class KombuConsuming(KombuCore):
                     failures = 0
                     if ready is not None:
                         ready.set()
+                    # Heartbeats (``?heartbeat=`` in the URL) tell a node that vanished
+                    # without closing the socket from a quiet queue.
+                    beating = self._is_amqp and bool(connection.heartbeat)
                     while not stop.is_set():
                         try:
                             connection.drain_events(timeout=_DRAIN_TIMEOUT)
                         except TimeoutError:
+                            if beating:
+                                connection.heartbeat_check()
                             continue
+                        if beating:
+                            connection.heartbeat_check()
                         after_drain(connection)
             except TransportUnavailable as exc:  # a delivery's connection went away
                 failures = self._pause_after_failure(queue, exc, failures, stop)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kombu
@@ -33,17 +33,23 @@ _DEFAULT_POLLING_INTERVALS = {"memory": 0.005, "redis": 0.1, "rediss": 0.1}
 #: How long one wait for deliveries lasts before the stop flag is looked at again.
 _DRAIN_TIMEOUT = 0.1
 QUEUE_TYPES = ("quorum", "classic")
+#: The argument that says on how many nodes of a cluster a quorum queue is replicated.
+GROUP_SIZE = "x-quorum-initial-group-size"
 #: The Redis set in which ``declare`` records queues, for sends to look in.
 REDIS_QUEUES = "_idembus.queues"
 
 
 class KombuCore(Transport):
     """The kombu transport's options, connections and channels (see
-    :class:`~idembus.transports.kombu.KombuTransport`)."""
+    :class:`~idembus.transports.kombu.KombuTransport`).
+
+    ``url`` may name several brokers, the nodes of one cluster: kombu's failover syntax
+    (``amqp://a;amqp://b;amqp://c``) or a list of URLs. Every connection is made to the
+    node that answered last, and to the next one, round robin, when it does not."""
 
     def __init__(
         self,
-        url: str = "memory://",
+        url: str | Sequence[str] = "memory://",
         *,
         exchange: str = "idembus.events",
         confirm_publish: bool = True,
@@ -53,9 +59,14 @@ class KombuCore(Transport):
         queue_type: str = "quorum",
         queue_arguments: Mapping[str, Any] | None = None,
     ) -> None:
+        #: The broker URLs: one, or the nodes of a cluster.
+        self.urls = _split_urls(url)
+        url = ";".join(self.urls)
         self.url = url
         #: The URL as it may be shown: without its password.
         self.safe_url = redact(url)
+        #: Index in :attr:`urls` of the node the last connection reached.
+        self._preferred = 0
         self._reconnect_backoff = reconnect_backoff or Backoff()
         #: A consumer's repeated reconnection warnings: one per queue and cause every 10 s,
         #: with how many were held back.
@@ -86,7 +97,8 @@ class KombuCore(Transport):
         self.queue_type = queue_type
         self._queue_arguments: dict[str, Any] = (
             {"x-queue-type": queue_type, **(queue_arguments or {})} if self._is_amqp else {})
-        self._delay_levels = delays.Topology.for_queue_type(queue_type)
+        self._delay_levels = delays.Topology.for_queue_type(
+            queue_type, _group_size(self._queue_arguments))
         try:
             # Resolves the scheme and loads its driver; nothing connects yet.
             kombu.Connection(url, transport_options=options).transport  # noqa: B018
@@ -116,13 +128,28 @@ class KombuCore(Transport):
     # -- connections ------------------------------------------------------------------
 
     def _connect(self, options: Mapping[str, Any] | None = None) -> kombu.Connection:
-        connection = kombu.Connection(self.url, transport_options=dict(
-            self._transport_options if options is None else options))
+        """A connection to the node that answered last, or, failing that, to the next ones
+        (round robin; every node is tried at least once)."""
+        start = self._preferred
+        ordered = self.urls[start:] + self.urls[:start]
+        connection = kombu.Connection(ordered if len(ordered) > 1 else ordered[0],
+                                      transport_options=dict(
+                                          self._transport_options if options is None
+                                          else options))
+        failures = 0
+
+        def failed(error: Exception, interval: float) -> None:
+            nonlocal failures
+            failures += 1
+
         try:
-            connection.ensure_connection(max_retries=3, interval_start=0.1, interval_step=0.5)
+            connection.ensure_connection(errback=failed, max_retries=max(3, len(ordered)),
+                                         interval_start=0.1, interval_step=0.5)
         except Exception as exc:
             _close_quietly(connection)
             raise _connection_failure(exc, connection, self.safe_url) from exc
+        if len(ordered) > 1:
+            self._preferred = (start + failures) % len(ordered)
         if self._is_amqp:
             amqp_reads.read_in_chunks(connection.connection.transport)
         with self._connections_lock:
@@ -185,6 +212,33 @@ class _ChannelScope:
     def connection(self) -> kombu.Connection:
         return self._connection
 
+
+
+def _group_size(arguments: Mapping[str, Any]) -> int | None:
+    """The ``x-quorum-initial-group-size`` of ``arguments``, which the delay levels take
+    too (their replicas on a cluster); ``None`` if absent."""
+    size = arguments.get(GROUP_SIZE)
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigurationError(f"queue_arguments[{GROUP_SIZE!r}] must be a whole number of "
+                                 f"replicas (1 or more), not {size!r}")
+    return size
+
+
+def _split_urls(url: str | Sequence[str]) -> list[str]:
+    """The broker URLs of ``url``: kombu's failover syntax or a list; one scheme for all."""
+    parts = [url] if isinstance(url, str) else list(url)
+    urls = [piece.strip() for part in parts for piece in part.split(";") if piece.strip()]
+    if not urls:
+        raise ConfigurationError("no broker URL given: use a kombu URL such as "
+                                 "amqp://user:password@host:5672//, or several for a cluster")
+    schemes = {piece.split("://", 1)[0].lower() if "://" in piece else piece for piece in urls}
+    if len(schemes) > 1:
+        raise ConfigurationError(
+            f"the broker URLs {redact(';'.join(urls))!r} mix schemes "
+            f"({', '.join(sorted(schemes))}): the nodes of one cluster speak one protocol")
+    return urls
 
 
 def _close_quietly(connection: kombu.Connection) -> None:

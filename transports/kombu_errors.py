@@ -46,7 +46,9 @@ def _classified(error: BaseException, connection: kombu.Connection, what: str, *
     (``TransportUnavailable``), or ``refusal`` — ``DestinationRefused`` where the broker
     refused this message's destination or content, ``BrokerAccessDenied`` where it refused
     the endpoint's own queue. ``None``: not a broker error."""
-    text = f"{what} {preposition} {url}: {redact(str(error))}"
+    # Some driver errors say nothing (a reset connection's bare ConnectionError): their
+    # type says it then.
+    text = f"{what} {preposition} {url}: {redact(str(error)) or type(error).__name__}"
     if isinstance(error, TransportError):
         return error
     recoverable = _recoverable(connection)

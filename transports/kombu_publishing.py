@@ -115,6 +115,9 @@ class KombuPublishing(KombuTopology):
                 delivery_mode=2,
                 declare=declare or [],
                 mandatory=mandatory,
+                # A confirm that never comes (its node died, or lost its quorum) is an
+                # outage of this publish, retried on a new connection, not a hang.
+                confirm_timeout=_CONFIRM_TIMEOUT if self.publisher_confirms else None,
                 retry=True,
                 retry_policy={"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5},
             )

@@ -63,37 +63,49 @@ class BrokerControl(Protocol):
     def await_startup(self) -> None: ...
 
 
-class BrokerRestart:
-    """Restarts the broker once, in a thread of its own: ``stop_app``, a pause of
-    ``down_for`` seconds, ``start_app``, ``await_startup`` (RabbitMQ's application, or the
-    PostgreSQL cluster). The broker is started again whatever happens (see also
-    :meth:`ensure_up`)."""
+class Disruption:
+    """Something done to the broker once, halfway through the orders, in a thread of its
+    own (:meth:`_run`, which sets ``_down`` once the broker is down and ``_finished`` at
+    the end)."""
 
-    def __init__(self, rabbitmqctl: BrokerControl, *, down_for: float = 2.0) -> None:
-        self.restarts = 0
-        #: Seconds from stop_app to the end of await_startup.
-        self.outage = 0.0
+    def __init__(self, name: str) -> None:
         self.error: BaseException | None = None
-        self._ctl = rabbitmqctl
-        self._down_for = down_for
         self._down = threading.Event()
         self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="broker-restart", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
     def begun(self) -> bool:
         return self._thread.ident is not None
 
     def begin(self) -> None:
-        """Start the restart and return once the broker is down (or the restart failed)."""
+        """Start it and return once the broker is down (or it failed)."""
         if self.begun:
             return
         self._thread.start()
         self._down.wait()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait until the broker is back; True if the restart finished."""
+        """Wait until the broker is back; True if it finished."""
         return not self.begun or self._finished.wait(timeout)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class BrokerRestart(Disruption):
+    """Restarts the broker once, in a thread of its own: ``stop_app``, a pause of
+    ``down_for`` seconds, ``start_app``, ``await_startup`` (RabbitMQ's application, or the
+    PostgreSQL cluster). The broker is started again whatever happens (see also
+    :meth:`ensure_up`)."""
+
+    def __init__(self, rabbitmqctl: BrokerControl, *, down_for: float = 2.0) -> None:
+        super().__init__("broker-restart")
+        self.restarts = 0
+        #: Seconds from stop_app to the end of await_startup.
+        self.outage = 0.0
+        self._ctl = rabbitmqctl
+        self._down_for = down_for
 
     def ensure_up(self) -> None:
         """After an interrupted run: start the broker if a restart began and did not end

@@ -40,6 +40,9 @@ class Options:
     visibility_timeout: float = 5.0
     #: ``Endpoint(defer_fresh_redispatch=...)`` of the workers (0: re-send at once).
     defer_fresh_redispatch: float = 0.0
+    #: Run on a three-node RabbitMQ cluster started for the run (``--transport`` unused):
+    #: the busiest node killed, then one stopped, instead of the broker restart.
+    cluster: bool = False
 
     @property
     def duplicate_count(self) -> int:
@@ -98,6 +101,10 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                         default=Options.defer_fresh_redispatch, metavar="SECONDS",
                         help="a duplicate leaves an entry committed less than SECONDS ago to "
                              "its committer and the outbox (%(default)s: re-sends at once)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="start three RabbitMQ nodes on loopback (ports 5691-5693) and run "
+                             "on them: halfway, the node leading the most queues is killed and "
+                             "started again, then one is stopped gracefully and started again")
     args = parser.parse_args(argv)
     if args.orders < 1:
         parser.error("--orders must be at least 1")
@@ -114,4 +121,5 @@ def parse(argv: Sequence[str] | None = None) -> Options:
         timeout=args.timeout, log_dir=args.log_dir, keep=args.keep,
         rabbitmqctl=args.rabbitmqctl, defer_fresh_redispatch=args.defer_fresh_redispatch,
         pg_cluster=args.pg_cluster, visibility_timeout=args.visibility_timeout,
+        cluster=args.cluster,
     )

@@ -24,9 +24,18 @@ class TortureReport:
     error_queue: int
     lost: int
     double_effects: int
+    #: A cluster run's chaos (``node_kills``, ``node_stops``, ...), after broker_restarts.
+    cluster: tuple[tuple[str, int], ...] = ()
 
     def line(self) -> str:
-        return " ".join(f"{name}={value}" for name, value in vars(self).items())
+        parts = []
+        for name, value in vars(self).items():
+            if name == "cluster":
+                continue
+            parts.append(f"{name}={value}")
+            if name == "broker_restarts":
+                parts += [f"{figure}={count}" for figure, count in self.cluster]
+        return " ".join(parts)
 
     def failures(self, *, broker_restart_expected: bool, kills_expected: bool) -> list[str]:
         """What is off, in words; empty when the run proved exactly-once."""
@@ -41,6 +50,8 @@ class TortureReport:
             problems.append(f"broker_restarts={self.broker_restarts}, expected 1")
         if kills_expected and self.kills == 0:
             problems.append("no worker was killed")
+        problems += [f"{figure}=0, expected at least 1" for figure, count in self.cluster
+                     if count == 0]
         return problems
 
 
@@ -93,10 +104,11 @@ def shipped_orders(shipping: Storage) -> int:
 
 
 def make_report(stores: StoreAudit, *, orders: int, kills: int, broker_restarts: int,
-                error_queue: int) -> TortureReport:
+                error_queue: int, cluster: tuple[tuple[str, int], ...] = ()) -> TortureReport:
     """The line's figures: the stores' and the chaos's."""
     return TortureReport(
         orders=orders, placed=stores.placed, billed=stores.billed, shipped=stores.shipped,
         charges=stores.charges, kills=kills, broker_restarts=broker_restarts,
         error_queue=error_queue, lost=stores.lost, double_effects=stores.double_effects,
+        cluster=cluster,
     )

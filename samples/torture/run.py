@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import shutil
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from samples.ordering.deployment import ENDPOINTS, Deployment
 from samples.torture.chaos import BrokerRestart, WorkerKiller
+from samples.torture.cluster import ClusterChaos, start_cluster
 from samples.torture.driver import Driver, DriverStats, Plan
 from samples.torture.options import Options
 from samples.torture.postgres import PgCtlcluster, TableProbe
@@ -44,6 +46,9 @@ STATUS_INTERVAL = 1.0
 #: Seconds the workers may take to start, and to be back after the chaos stopped.
 STARTUP_TIMEOUT = 120.0
 RECOVERY_TIMEOUT = 120.0
+#: Seconds the cluster's chaos may still take once the orders are shipped: restarting a
+#: RabbitMQ node took 35 to 90 s on a busy two-core machine, and it happens twice.
+CLUSTER_RECOVERY_TIMEOUT = 600.0
 
 
 class CannotRun(Exception):
@@ -64,7 +69,20 @@ class Outcome:
 
 
 def torture(options: Options) -> Outcome:
-    """Run the torture test described by ``options``; see the module docstring."""
+    """Run the torture test described by ``options``; see the module docstring. With
+    ``options.cluster``, on three RabbitMQ nodes started for the run (:mod:`.cluster`)."""
+    if not options.cluster:
+        return _torture(options, None)
+    cluster = start_cluster()
+    try:
+        on_cluster = dataclasses.replace(options, transport=cluster.failover_url(),
+                                         broker_restart=False)
+        return _torture(on_cluster, ClusterChaos(cluster))
+    finally:
+        cluster.stop(remove=True)
+
+
+def _torture(options: Options, chaos: ClusterChaos | None) -> Outcome:
     deployment = Deployment(options.transport, options.postgres,
                             namespace=f"torture_{uuid.uuid4().hex[:8]}",
                             defer_fresh_redispatch=options.defer_fresh_redispatch,
@@ -73,7 +91,9 @@ def torture(options: Options) -> Outcome:
     control = _broker_control(options, deployment)
     log_dir = pathlib.Path(options.log_dir or tempfile.mkdtemp(prefix="idembus-torture-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    restart = BrokerRestart(control) if options.broker_restart else None
+    restart: BrokerRestart | ClusterChaos | None = (
+        chaos if chaos is not None else BrokerRestart(control) if options.broker_restart
+        else None)
     supervisors = Supervisors(deployment, workers=options.workers, log_dir=log_dir)
     killer = WorkerKiller(supervisors.worker_pids, interval=options.kill_interval,
                           seed=options.seed)
@@ -136,7 +156,7 @@ def _drop(deployment: Deployment) -> None:
 
 
 def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
-         killer: WorkerKiller, restart: BrokerRestart | None, plan: Plan, *,
+         killer: WorkerKiller, restart: BrokerRestart | ClusterChaos | None, plan: Plan, *,
          deadline: float) -> Outcome:
     problems: list[str] = []
     probe = _probe(options, deployment)
@@ -160,8 +180,14 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
         shipping.close()
     kills = killer.stop()
 
-    if restart is not None and not restart.join(RECOVERY_TIMEOUT):
+    if restart is not None and not restart.join(
+            CLUSTER_RECOVERY_TIMEOUT if isinstance(restart, ClusterChaos) else RECOVERY_TIMEOUT):
         problems.append("the broker restart did not finish")
+    if isinstance(restart, ClusterChaos):
+        if restart.error is not None:
+            problems.append(f"the cluster chaos failed: {restart.error}")
+        problems += [f"not replicated on every node: {queue}"
+                     for queue in restart.unreplicated([*endpoint_queues, deployment.error_queue])]
     recovery = min(deadline, time.monotonic() + RECOVERY_TIMEOUT)
     consumers = options.workers * deployment.concurrency
     if not wait_until_drained(probe, endpoint_queues, consumers=consumers, deadline=recovery):
@@ -178,7 +204,9 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
     stores = read_stores(deployment, plan.order_ids)
     report = make_report(stores, orders=options.orders, kills=kills,
                          broker_restarts=restart.restarts if restart else 0,
-                         error_queue=error_queue.messages if error_queue else 0)
+                         error_queue=error_queue.messages if error_queue else 0,
+                         cluster=restart.figures() if isinstance(restart, ClusterChaos)
+                         else ())
     problems += report.failures(broker_restart_expected=options.broker_restart,
                                 kills_expected=options.kill_interval > 0)
     notes = [
@@ -190,7 +218,10 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
     ]
     notes.append("counters (status reports; a killed worker's last second is lost): "
                  + counted(deployment))
-    if restart is not None:
+    if isinstance(restart, ClusterChaos):
+        notes.append(f"cluster: the killed node was a member again after "
+                     f"{restart.outage:.1f}s")
+    elif restart is not None:
         notes.append(f"broker: down for {restart.outage:.1f}s")
     if stats.unexpected_errors:
         problems.append(f"the transport raised {len(stats.unexpected_errors)} errors other "
@@ -203,7 +234,7 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
 
 
 def _send(options: Options, deployment: Deployment, plan: Plan,
-          restart: BrokerRestart | None, deadline: float) -> DriverStats:
+          restart: BrokerRestart | ClusterChaos | None, deadline: float) -> DriverStats:
     driver = Driver(deployment.transport, deployment.queue("sales"), plan.sends,
                     halfway=restart.begin if restart else None,
                     give_up_after=max(60.0, deadline - time.monotonic()))
