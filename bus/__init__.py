@@ -26,6 +26,7 @@ from .errors import (
     MalformedMessage,
     MessageError,
     RoutingError,
+    TimeLimitExceeded,
     UnknownMessageType,
 )
 from .evolution import upcaster
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from .runtime.endpoint import Endpoint, default_middleware
     from .runtime.journal import JournalPolicy
     from .runtime.recoverability.policy import Recoverability
+    from .runtime.recoverability.time_limits import TimeLimits
     from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
@@ -66,6 +68,7 @@ _LAZY = {
     "MemoryStorage": ".storage.memory",
     "MongoStorage": ".storage.mongo",
     "PostgresStorage": ".storage.postgres",
+    "TimeLimits": ".runtime.recoverability.time_limits",
     "Tracing": ".observability.tracing",
     "handles": ".handlers",
     "default_middleware": ".runtime.endpoint",
@@ -115,6 +118,8 @@ __all__ = [
     "Schedule",
     "SchedulerPolicy",
     "SkipMessage",
+    "TimeLimitExceeded",
+    "TimeLimits",
     "Tracing",
     "UnknownMessageType",
     "default_middleware",

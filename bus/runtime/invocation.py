@@ -24,7 +24,7 @@ from typing import Any
 from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
-from ..errors import EndpointBlocked, HandlerContractError
+from ..errors import EndpointBlocked, HandlerContractError, TimeLimitExceeded
 from ..evolution import load_state, version_keyword
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
@@ -42,6 +42,7 @@ from ..storage.errors import (
 from ..transports.base import Delivery
 from .aio import run_to_completion
 from .endpoint_context import EndpointContext
+from .recoverability.time_limits import Running, TimeLimiter, cancelled_after
 from .shared_transaction import SharedTransaction
 
 
@@ -71,8 +72,12 @@ class HandlerInvoker:
     storage_roles = (AggregateStore,)
 
     def __init__(self, context: EndpointContext, *, defer_fresh_redispatch: float = 0.0,
-                 shared: SharedTransaction | None = None) -> None:
+                 shared: SharedTransaction | None = None,
+                 time_limits: TimeLimiter | None = None) -> None:
         self._endpoint = context.name
+        #: Runs the handling methods within their time limits and watches them
+        #: (:mod:`idembus.runtime.recoverability.time_limits`); ``None``: neither.
+        self._limiter = time_limits
         #: Commits with the outgoing messages and the incoming one's removal, when the
         #: queues share the storage's database (:mod:`idembus.runtime.shared_transaction`).
         self._shared = shared
@@ -232,8 +237,19 @@ class HandlerInvoker:
         """Run the handling method on a copy: the state it left (``None`` for stateless
         handlers and completed aggregates), what it sent, whether it completed."""
         outgoing: list[Envelope] = []
-        handler = self._copy(binding, context, self._pipeline.recorder(outgoing.append, context),
-                             loaded)
+        limited = self._limiter is not None and self._limiter.limit(binding.handler) is not None
+        sink = _Sink(outgoing, binding.handler_name) if limited else outgoing.append
+        handler = self._copy(binding, context, self._pipeline.recorder(sink, context), loaded)
+        try:
+            return self._run_copy(handler, binding, message, loaded, outgoing)
+        finally:
+            if isinstance(sink, _Sink):
+                sink.closed = True  # an abandoned method's later sends raise in its thread
+
+    def _run_copy(self, handler: Any, binding: HandlerBinding, message: Message,
+                  loaded: AggregateRecord, outgoing: list[Envelope],
+                  ) -> tuple[dict[str, Any] | None, list[Envelope], bool]:
+        """:meth:`_run` on the handler copy, with its bus recording into ``outgoing``."""
         if isinstance(handler, AggregateHandler):
             if loaded.live:
                 handler.state = load_state(handler.state_type, loaded.state or {},
@@ -284,9 +300,18 @@ class HandlerInvoker:
         value would be lost: fail the message instead of committing."""
         method_name = method_name or binding.method_name
         method = getattr(handler, method_name)
-        returned = method(message)
-        if inspect.iscoroutine(returned) and self._is_async(method):
-            returned = run_to_completion(returned)
+        limiter = self._limiter
+        if limiter is None:
+            returned = self._call_method(method, message, None)
+        else:
+            limit = limiter.limit(binding.handler)
+            context: MessageContext = handler.context
+            running = Running(binding.handler_name, context.message_type, context.message_id,
+                              limit)
+            patience = None if limit is None else (
+                limit + limiter.policy.grace if self._is_async(method) else limit)
+            returned = limiter.run(running, functools.partial(
+                self._call_method, method, message, running), patience=patience)
         if returned is None:
             return
         if inspect.iscoroutine(returned):
@@ -296,6 +321,16 @@ class HandlerInvoker:
             "methods return None and send, publish or reply through self.bus"
         )
 
+
+    def _call_method(self, method: Any, message: Message, running: Running | None) -> Any:
+        """``method(message)``; an ``async def`` one run to completion on this thread's
+        loop, cancelled at ``running``'s time limit if it has one."""
+        returned = method(message)
+        if inspect.iscoroutine(returned) and self._is_async(method):
+            if running is not None and running.limit is not None:
+                returned = cancelled_after(returned, running.limit, running)
+            returned = run_to_completion(returned)
+        return returned
 
     def _is_async(self, method: Any) -> bool:
         """As registration judges it: an ``async def`` behind any decorators (a plain
@@ -343,6 +378,24 @@ def _state_version(binding: HandlerBinding) -> int | None:
     if not isinstance(handler, AggregateHandler):
         return None
     return version_keyword(type(handler).state_type).get("state_version")
+
+
+class _Sink:
+    """Where a time-limited handler's bus records what it sends: refused once the
+    handler's run is over, so that a method abandoned at its time limit, still running in
+    its thread, learns that nothing it sends counts."""
+
+    def __init__(self, outgoing: list[Envelope], handler: str) -> None:
+        self._outgoing = outgoing
+        self._handler = handler
+        self.closed = False
+
+    def __call__(self, envelope: Envelope) -> None:
+        if self.closed:
+            raise TimeLimitExceeded(
+                f"{self._handler} was abandoned at its time limit: it cannot send "
+                f"{envelope.message_type} any more (nothing it does now is committed)")
+        self._outgoing.append(envelope)
 
 
 def _shown(value: object) -> str:
