@@ -17,6 +17,7 @@ import copy
 import datetime
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -237,36 +238,32 @@ class HandlerInvoker:
         """Run the handling method on a copy: the state it left (``None`` for stateless
         handlers and completed aggregates), what it sent, whether it completed."""
         outgoing: list[Envelope] = []
-        limited = self._limiter is not None and self._limiter.limit(binding.handler) is not None
+        limiter = self._limiter
+        limited = limiter is not None and limiter.limits.get(
+            type(binding.handler), limiter.policy.default) is not None
         sink = _Sink(outgoing, binding.handler_name) if limited else outgoing.append
         handler = self._copy(binding, context, self._pipeline.recorder(sink, context), loaded)
         try:
-            return self._run_copy(handler, binding, message, loaded, outgoing)
-        finally:
-            if isinstance(sink, _Sink):
-                sink.closed = True  # an abandoned method's later sends raise in its thread
-
-    def _run_copy(self, handler: Any, binding: HandlerBinding, message: Message,
-                  loaded: AggregateRecord, outgoing: list[Envelope],
-                  ) -> tuple[dict[str, Any] | None, list[Envelope], bool]:
-        """:meth:`_run` on the handler copy, with its bus recording into ``outgoing``."""
-        if isinstance(handler, AggregateHandler):
-            if loaded.live:
-                handler.state = load_state(handler.state_type, loaded.state or {},
-                                           loaded.state_version)
-            else:  # new, or a new start on a tombstone
-                handler.state = handler.new_state(loaded.aggregate_id, message)
+            if isinstance(handler, AggregateHandler):
+                if loaded.live:
+                    handler.state = load_state(handler.state_type, loaded.state or {},
+                                               loaded.state_version)
+                else:  # new, or a new start on a tombstone
+                    handler.state = handler.new_state(loaded.aggregate_id, message)
+                self._call(handler, binding, message)
+                if handler._idembus_completed:
+                    return None, outgoing, True
+                if not isinstance(handler.state, handler.state_type):
+                    raise HandlerContractError(
+                        f"{binding.handler_name} left self.state as "
+                        f"{type(handler.state).__name__}, not {handler.state_type.__name__}"
+                    )
+                return handler.state.model_dump(mode="json"), outgoing, False
             self._call(handler, binding, message)
-            if handler._idembus_completed:
-                return None, outgoing, True
-            if not isinstance(handler.state, handler.state_type):
-                raise HandlerContractError(
-                    f"{binding.handler_name} left self.state as {type(handler.state).__name__}"
-                    f", not {handler.state_type.__name__}"
-                )
-            return handler.state.model_dump(mode="json"), outgoing, False
-        self._call(handler, binding, message)
-        return None, outgoing, False
+            return None, outgoing, False
+        finally:
+            if limited:  # an abandoned method's later sends raise in its thread
+                sink.closed = True  # type: ignore[union-attr]
 
     def _copy(self, binding: HandlerBinding, context: MessageContext,
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
@@ -301,17 +298,23 @@ class HandlerInvoker:
         method_name = method_name or binding.method_name
         method = getattr(handler, method_name)
         limiter = self._limiter
-        if limiter is None:
-            returned = self._call_method(method, message, None)
-        else:
-            limit = limiter.limit(binding.handler)
-            context: MessageContext = handler.context
-            running = Running(binding.handler_name, context.message_type, context.message_id,
-                              limit)
-            patience = None if limit is None else (
-                limit + limiter.policy.grace if self._is_async(method) else limit)
-            returned = limiter.run(running, functools.partial(
-                self._call_method, method, message, running), patience=patience)
+        limit = None if limiter is None else limiter.limits.get(type(handler),
+                                                                limiter.policy.default)
+        if limit is not None:
+            returned = self._call_limited(handler, binding, method, message, limit)
+        elif limiter is None:
+            returned = method(message)
+            if inspect.iscoroutine(returned) and self._is_async(method):
+                returned = run_to_completion(returned)
+        else:  # watched while it runs (idembus status shows it if it runs long), no limit
+            key = id(handler)
+            limiter.running[key] = (binding.handler_name, handler.context, time.monotonic())
+            try:
+                returned = method(message)
+                if inspect.iscoroutine(returned) and self._is_async(method):
+                    returned = run_to_completion(returned)
+            finally:
+                del limiter.running[key]
         if returned is None:
             return
         if inspect.iscoroutine(returned):
@@ -322,15 +325,25 @@ class HandlerInvoker:
         )
 
 
-    def _call_method(self, method: Any, message: Message, running: Running | None) -> Any:
-        """``method(message)``; an ``async def`` one run to completion on this thread's
-        loop, cancelled at ``running``'s time limit if it has one."""
-        returned = method(message)
-        if inspect.iscoroutine(returned) and self._is_async(method):
-            if running is not None and running.limit is not None:
-                returned = cancelled_after(returned, running.limit, running)
-            returned = run_to_completion(returned)
-        return returned
+    def _call_limited(self, handler: Any, binding: HandlerBinding, method: Any,
+                      message: Message, limit: float) -> Any:
+        """``method(message)`` on the consumer thread's handler thread, abandoned after
+        ``limit`` seconds (an ``async def`` cancelled then, and abandoned after the grace)."""
+        limiter = self._limiter
+        assert limiter is not None
+        context: MessageContext = handler.context
+        running = Running(binding.handler_name, context.message_type, context.message_id,
+                          limit)
+        is_async = self._is_async(method)
+
+        def call() -> Any:
+            returned = method(message)
+            if inspect.iscoroutine(returned) and is_async:
+                returned = run_to_completion(cancelled_after(returned, limit, running))
+            return returned
+
+        return limiter.run(running, call,
+                           patience=limit + limiter.policy.grace if is_async else limit)
 
     def _is_async(self, method: Any) -> bool:
         """As registration judges it: an ``async def`` behind any decorators (a plain

@@ -232,13 +232,17 @@ class TimeLimiter:
         self._stopping = stopping
         #: Why the process should be recycled, once it should.
         self._recycle: str | None = None
-        self._limits: dict[type, float | None] = {}
+        #: The time limit of each handler class (``policy.default`` for any other).
+        self.limits: dict[type, float | None] = {}
         for handler in handlers:
             limit = handler_option(self, handler, "time_limit", policy.default)
             check_seconds(limit, f"{type(handler).__qualname__}.time_limit", optional=True)
-            self._limits[type(handler)] = limit
-        #: What runs now, by ``id()`` (single dict operations: atomic, no lock needed).
-        self._running: dict[int, Running] = {}
+            self.limits[type(handler)] = limit
+        #: The handling methods running now, by the ``id()`` of their handler object or
+        #: :class:`Running`: a :class:`Running`, or for a method without limit (watched at
+        #: the least cost) ``(handler name, its MessageContext, time.monotonic() at start)``.
+        #: Single dict operations, atomic: no lock.
+        self.running: dict[int, Running | tuple[str, Any, float]] = {}
         self._local = threading.local()
 
     @property
@@ -248,30 +252,25 @@ class TimeLimiter:
 
     def limit(self, handler: object) -> float | None:
         """The time limit of ``handler`` (a handler of the endpoint, or a copy of one)."""
-        return self._limits.get(type(handler), self.policy.default)
+        return self.limits.get(type(handler), self.policy.default)
 
     @property
     def stuck(self) -> int:
         """Abandoned handler threads still running."""
-        return sum(1 for running in list(self._running.values()) if running.abandoned)
+        return sum(1 for running in list(self.running.values())
+                   if isinstance(running, Running) and running.abandoned)
 
-    def run(self, running: Running, function: Callable[[], T], *,
-            patience: float | None) -> T:
-        """``function()``, watched as ``running``: on the calling thread without a
-        ``patience``, else on the calling thread's handler thread, waited for ``patience``
-        seconds at most before it is abandoned with :class:`TimeLimitExceeded`."""
+    def run(self, running: Running, function: Callable[[], T], *, patience: float) -> T:
+        """``function()`` on the calling thread's handler thread, watched as ``running``,
+        waited for ``patience`` seconds at most before it is abandoned with
+        :class:`TimeLimitExceeded`."""
         key = id(running)
-        self._running[key] = running
-        if patience is None:
-            try:
-                return function()
-            finally:
-                del self._running[key]
+        self.running[key] = running
         call = _Call(function, running, self._returned)
         handler_thread = self._handler_thread()
         handler_thread.submit(call)
         if call.done.wait(patience) or not call.abandon():
-            del self._running[key]
+            del self.running[key]
             if call.error is not None:
                 raise call.error
             result: T = call.result
@@ -283,8 +282,10 @@ class TimeLimiter:
         """The status lines of the handling methods running for ``report_after`` seconds
         or more, and of those abandoned and still running, by a name of their own."""
         now = time.monotonic()
-        shown = [running for running in list(self._running.values())
-                 if running.abandoned is not None
+        every = [running if isinstance(running, Running) else Running(
+                     running[0], running[1].message_type, running[1].message_id, None,
+                     started=running[2]) for running in list(self.running.values())]
+        shown = [running for running in every if running.abandoned is not None
                  or now - running.started >= self.policy.report_after]
         shown.sort(key=lambda running: running.started)
         lines = {f"handler {running.handler} #{index}": running.describe(now)
@@ -320,7 +321,7 @@ class TimeLimiter:
     def _returned(self, call: _Call) -> None:
         """An abandoned call returned at last (in its handler thread, which then ends)."""
         running = call.running
-        self._running.pop(id(running), None)
+        self.running.pop(id(running), None)
         outcome = "raised " + repr(call.error) if call.error is not None else "returned"
         log.warning("%s %s after %.0f s on %s %s, abandoned at its time limit: ignored",
                     running.handler, loggable(outcome, 200), time.monotonic() - running.started,
