@@ -241,8 +241,9 @@ class HandlerInvoker:
         limiter = self._limiter
         limited = limiter is not None and limiter.limits.get(
             type(binding.handler), limiter.policy.default) is not None
-        sink = _Sink(outgoing, binding.handler_name) if limited else outgoing.append
-        handler = self._copy(binding, context, self._pipeline.recorder(sink, context), loaded)
+        sink = _Sink(outgoing, binding.handler_name) if limited else None
+        handler = self._copy(binding, context, self._pipeline.recorder(
+            sink or outgoing.append, context), loaded)
         try:
             if isinstance(handler, AggregateHandler):
                 if loaded.live:
@@ -262,8 +263,8 @@ class HandlerInvoker:
             self._call(handler, binding, message)
             return None, outgoing, False
         finally:
-            if limited:  # an abandoned method's later sends raise in its thread
-                sink.closed = True  # type: ignore[union-attr]
+            if sink is not None:  # an abandoned method's later sends raise in its thread
+                sink.closed = True
 
     def _copy(self, binding: HandlerBinding, context: MessageContext,
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
