@@ -22,9 +22,11 @@ from idembus import (
 )
 from idembus import headers as h
 from idembus.cli import main
+from idembus.cli.supervisor import Supervisor
 from idembus.errors import ConfigurationError
 from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.runtime.recoverability.policy import Recoverability
+from idembus.runtime.recoverability.time_limits import EXIT_RECYCLE
 from idembus.storage.base import AggregateStore
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.base import Delivery
@@ -397,3 +399,39 @@ def test_the_endpoints_default_limit_applies_to_handlers_without_their_own():
                 h.EXCEPTION_MESSAGE]
     finally:
         stalling.release.set()
+
+
+def test_idembus_run_exits_3_to_be_recycled_and_the_supervisor_restarts_at_once(
+    exposed_endpoint,
+):
+    # Given an endpoint that tolerates no stuck thread, with a message that hangs waiting
+    stalling = Stalling(slow={"a"})
+    service = Endpoint("recycling", handlers=[stalling], recoverability=Recoverability(
+        retries=ONCE, time_limits=TimeLimits(max_stuck_threads=0)))
+    service.transport.declare(service.name)
+    service.bus.send(Deposit(account="a", amount=1))
+    try:
+        # When idembus run runs it
+        status = main(["run", exposed_endpoint(service), "--shutdown-timeout", "10"])
+    finally:
+        stalling.release.set()
+
+    # Then it stops by itself with the status that asks for a new process
+    assert status == EXIT_RECYCLE == 3
+    assert service.counters["dead_lettered"] == 1
+
+    # And a supervisor starts a worker that exited so at once, where a crash waits
+    supervisor = Supervisor("app:endpoint", workers=1)
+    (worker,) = supervisor._workers
+    worker.process, worker.started_at, worker.quick_deaths = _Exited(), 100.0, 3
+    supervisor._schedule_restart(worker, EXIT_RECYCLE, now=101.0)
+    assert worker.restart_at == 101.0 and worker.quick_deaths == 3
+    worker.process = _Exited()
+    supervisor._schedule_restart(worker, 1, now=102.0)
+    assert worker.restart_at is not None and worker.restart_at > 102.0
+
+
+class _Exited:
+    """What the supervisor reads of a worker process that exited."""
+
+    pid = 4242
