@@ -31,6 +31,7 @@ from idembus.storage.base import AggregateStore
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport
+from tests.conftest import POSTGRES_URL
 from tests.support import Account, Deposit, Deposited, SignalCounter
 from tests.test_cli_errors import SharedMemoryStorage
 from tests.test_status import wait_until
@@ -80,16 +81,32 @@ class Unlimited(Stalling):
 
 @pytest.fixture(params=[pytest.param("memory", id="memory"),
                         pytest.param("amqp-postgres", id="amqp-postgres",
-                                     marks=[pytest.mark.amqp, pytest.mark.postgres])])
+                                     marks=[pytest.mark.amqp, pytest.mark.postgres]),
+                        pytest.param("postgres-queues", id="postgres-queues",
+                                     marks=pytest.mark.postgres)])
 def services(request: pytest.FixtureRequest, unique: str
              ) -> Iterator[Callable[[str], dict[str, Any]]]:
     """``services("name")``: the options of an endpoint named ``name-<unique>`` on memory://
-    with a MemoryStorage, or on RabbitMQ with PostgreSQL (queues dropped afterwards)."""
+    with a MemoryStorage, on RabbitMQ with PostgreSQL, or on PostgreSQL's queues and
+    storage in one database (queues and tables dropped afterwards)."""
     if request.param == "memory":
         def memory(name: str) -> dict[str, Any]:
             return {"name": f"{name}-{unique}", "error_queue": f"error-{unique}",
                     "transport": KombuTransport("memory://"), "storage": MemoryStorage()}
         yield memory
+        return
+    if request.param == "postgres-queues":
+        from idembus.transports.postgres import PostgresTransport
+
+        storage = request.getfixturevalue("postgres_storage")
+        queues = PostgresTransport(POSTGRES_URL, table_prefix=f"q{unique}")
+
+        def database(name: str) -> dict[str, Any]:
+            return {"name": f"{name}-{unique}", "error_queue": f"error-{unique}",
+                    "transport": queues, "storage": storage}
+        yield database
+        queues.drop_tables()
+        queues.close()
         return
     transport, queue = request.getfixturevalue("rabbitmq")
     storage = request.getfixturevalue("postgres_storage")
@@ -160,8 +177,10 @@ def test_a_handler_within_its_limit_commits_as_ever_on_its_handler_thread(
         storage = service.storage
         assert isinstance(storage, AggregateStore)
         assert storage.load("Account", "a", "probe").state == {"balance": 5, "deposits": 0}
-    # one handler thread, reused: none was abandoned
+    # one handler thread, reused: none was abandoned; it ended with its consumer thread
     assert len(set(stalling.threads)) == 1 and "-handler-" in stalling.threads[0]
+    assert wait_until(lambda: all(thread.name != stalling.threads[0]
+                                  for thread in threading.enumerate()))
 
 
 class Waiting(Handler):
@@ -331,7 +350,9 @@ def test_a_batch_with_one_slow_message_commits_its_mates_once_and_loses_none(
             delivery = service.transport.get(service.name)  # taken off the queue
             assert delivery is not None
             deliveries.append(_again(delivery))
-        assert service.batch_size is not None and service.batch_size >= len(accounts)
+        # (one batch; on the database queues, commit, send and acknowledgement are one
+        # transaction and messages go one at a time)
+        assert (service.batch_size or 0) >= len(accounts) or service.shared_transaction
 
         # When the batch is processed, then again (as if redelivered)
         service.process_batch(deliveries)
