@@ -304,7 +304,7 @@ def exposed_endpoint(monkeypatch: pytest.MonkeyPatch) -> Callable[[Endpoint], st
     return expose
 
 
-def test_too_many_stuck_threads_stop_the_endpoint_to_be_recycled():
+def test_too_many_stuck_threads_stop_the_endpoint_to_be_recycled(caplog):
     # Given at most one stuck handler thread, and a handler that hangs on every message
     stalling = Stalling(slow={"a", "b"})
     service = Endpoint("recycled", handlers=[stalling], recoverability=Recoverability(
@@ -322,6 +322,10 @@ def test_too_many_stuck_threads_stop_the_endpoint_to_be_recycled():
         assert service.recycle_requested
         assert service.time_limits is not None
         assert "2 handler threads are stuck" in service.time_limits.hung()["time limits"]
+        # and each abandonment was logged with where the handler hung
+        abandoned = [r.getMessage() for r in caplog.records if "abandoned (its" in r.getMessage()]
+        assert len(abandoned) == 2
+        assert all("in deposit\n    self.release.wait(60)" in line for line in abandoned)
         assert service.stop(10)
     finally:
         stalling.release.set()

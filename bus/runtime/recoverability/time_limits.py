@@ -42,9 +42,12 @@ import contextvars
 import itertools
 import logging
 import math
+import os
 import queue
+import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -306,9 +309,10 @@ class TimeLimiter:
         self._local.owned = None
         stuck = self.stuck
         log.warning("%s ran past its time limit of %g s on %s %s: abandoned (its thread %s "
-                    "keeps running, its result will be ignored); %d handler thread(s) stuck",
-                    running.handler, running.limit, loggable(running.message_type),
-                    loggable(running.message_id), handler_thread.thread.name, stuck,
+                    "keeps running, its result will be ignored); %d handler thread(s) stuck. "
+                    "Where it is now:\n%s", running.handler, running.limit,
+                    loggable(running.message_type), loggable(running.message_id),
+                    handler_thread.thread.name, stuck, _where(handler_thread.thread),
                     extra={"endpoint": self.endpoint, "handler": running.handler})
         most = self.policy.max_stuck_threads
         if most is not None and stuck > most and self._recycle is None:
@@ -349,6 +353,19 @@ async def cancelled_after(coroutine: Coroutine[Any, Any, T], seconds: float,
     except Exception as error:  # what it raised while unwinding: kept as the cause
         raise _exceeded(running, cancelled=True) from error
     raise _exceeded(running, cancelled=True)
+
+
+def _where(thread: threading.Thread) -> str:
+    """The stack of ``thread`` now, innermost call last (what a hung handler waits in)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    if frame is None:
+        return "(it has just returned)"
+    stack = traceback.extract_stack(frame)
+    ours = (threading.__file__, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    start = 0  # the frames of the thread's start and of idembus before the handler's
+    while start < len(stack) - 1 and stack[start].filename.startswith(ours):
+        start += 1
+    return "".join(traceback.format_list(stack[start:])).rstrip()
 
 
 def _exceeded(running: Running, *, cancelled: bool) -> TimeLimitExceeded:
