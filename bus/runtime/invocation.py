@@ -9,6 +9,11 @@ Sagas (aggregate handlers with ``starts``): a message that finds no live saga an
 start one goes to the handler's ``saga_not_found`` instead, and nothing is committed; a
 timeout (``idembus.saga_timeout``) for a completed one is dropped. A handler that called
 ``complete()`` commits a tombstone instead of its state.
+
+A handler with a time limit runs on its consumer thread's handler thread and is abandoned
+(or cancelled) at its limit: :class:`~idembus.errors.TimeLimitExceeded`, nothing committed
+(:mod:`idembus.runtime.recoverability.time_limits`); every handling method is watched while
+it runs, for the status reports.
 """
 
 from __future__ import annotations
