@@ -28,6 +28,7 @@ from .errors import (
     RequestFailed,
     RequestTimeout,
     RoutingError,
+    TimeLimitExceeded,
     UnknownMessageType,
 )
 from .evolution import upcaster
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from .runtime.journal import JournalPolicy
     from .runtime.recoverability.limits import ConcurrencyLimit, Limits, RateLimit
     from .runtime.recoverability.policy import Recoverability
+    from .runtime.recoverability.time_limits import TimeLimits
     from .schedules import Schedule, SchedulerPolicy
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
@@ -72,6 +74,7 @@ _LAZY = {
     "MemoryStorage": ".storage.memory",
     "MongoStorage": ".storage.mongo",
     "PostgresStorage": ".storage.postgres",
+    "TimeLimits": ".runtime.recoverability.time_limits",
     "Tracing": ".observability.tracing",
     "handles": ".handlers",
     "default_middleware": ".runtime.endpoint",
@@ -126,6 +129,8 @@ __all__ = [
     "Schedule",
     "SchedulerPolicy",
     "SkipMessage",
+    "TimeLimitExceeded",
+    "TimeLimits",
     "Tracing",
     "UnknownMessageType",
     "default_middleware",

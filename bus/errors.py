@@ -13,6 +13,8 @@ Each package root keeps its own errors module, and every class below derives fro
     │                               TypeError): returned a value, gave no aggregate id
     ├── IncompatibleState           a stored state the state model cannot read as it is: a
     │                               version without upcaster, fields it no longer declares
+    ├── TimeLimitExceeded           a handler ran past its time limit and was abandoned
+    │                               (or cancelled); retried per policy
     ├── MessageError                an incoming message that no retry can fix
     │   ├── MalformedMessage        not JSON, wrong content type, a required header missing
     │   ├── UnknownMessageType      the type header names no registered message
@@ -102,6 +104,16 @@ class IncompatibleState(BusError):
     upcaster failed, or it holds fields the model no longer declares (README, "Evolving
     messages and state"). Retrying cannot help until the code changes: the message goes to
     the error queue at once with this reason, and can be retried from there after the fix."""
+
+
+class TimeLimitExceeded(BusError):
+    """A handler ran past its time limit (``time_limit`` on its class, or the endpoint's
+    ``Recoverability(time_limits=...)``): it was abandoned (a plain ``def``) or cancelled (an
+    ``async def``), and nothing it did is committed. The message goes through the retry
+    policy like any failure, and to the error queue after the retries with this type in
+    ``idembus.exception.type``. Also raised, in an abandoned handler's own thread, by what it
+    sends through ``self.bus`` after its time (:mod:`idembus.runtime.recoverability.time_limits`).
+    """
 
 
 class MessageError(BusError):

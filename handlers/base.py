@@ -61,6 +61,10 @@ class Handler:
     sends: ClassVar[tuple[type[Message], ...]] = ()
     #: This handler's retries; ``None``: the endpoint's ``retry_policy``.
     retry_policy: ClassVar[RetryPolicy | None] = None
+    #: Seconds this handler's method may run on a message before it is abandoned (a
+    #: ``def``) or cancelled (an ``async def``), nothing it did committed, and the message
+    #: retried per policy; ``None``: the endpoint's ``Recoverability(time_limits=...)``.
+    time_limit: ClassVar[float | None] = None
 
     #: The message-scoped bus: records what the handler sends, publishes and replies.
     bus: Bus

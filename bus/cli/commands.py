@@ -15,7 +15,9 @@ progress and exits; with ``--workers N`` it supervises N processes of the endpoi
 Exit status: 0 after a clean stop; 1 if messages in progress had to be abandoned (they are
 redelivered) or the broker or database cannot be reached (try again); 2 for a configuration
 error, including a broker or database refusing this endpoint's login
-or privileges (trying again would not help).
+or privileges (trying again would not help); 3 when the process stopped to be recycled,
+with more handler threads stuck past their time limits than it tolerates
+(:mod:`idembus.runtime.recoverability.time_limits`; start it again).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ..errors import BusError, ConfigurationError, EndpointBlocked
 from ..observability.metrics_snapshots import METRICS_FILE
 from ..redaction import redact
 from ..runtime.loading import load_endpoint
+from ..runtime.recoverability.time_limits import EXIT_RECYCLE
 from ..storage.errors import StorageUnavailable
 from ..transports.errors import TransportUnavailable
 from . import dashboard, errors, gateway, outbox, sagas, schedules, spark, status, worker
@@ -196,7 +199,10 @@ def _run_one(args: argparse.Namespace) -> int:
             endpoint.concurrency = args.concurrency
         metrics = _measure(args, endpoint, supervised)
         stop_when_orphaned(endpoint.request_stop)
-        return 0 if endpoint.run(shutdown_timeout=args.shutdown_timeout) else 1
+        stopped = endpoint.run(shutdown_timeout=args.shutdown_timeout)
+        if endpoint.recycle_requested:
+            return EXIT_RECYCLE
+        return 0 if stopped else 1
     finally:
         endpoint.close(timeout=0)  # run() has waited its shutdown timeout already
         if metrics is not None:

@@ -8,6 +8,10 @@ unacknowledged messages are redelivered by the broker and deduplicated as usual.
 
 An observer (``--metrics-port``: :class:`~idembus.observability.metrics_group.GroupMetricsServer`)
 is told when each worker starts and exits, and adds to its environment.
+A worker that exits with status 3 (:data:`EXIT_RECYCLE`) asked to be recycled: more of its
+handler threads were stuck past their time limits than it tolerates
+(:mod:`idembus.runtime.recoverability.time_limits`). It is started again at once, without the
+backoff of a worker that keeps dying.
 
 Exit status: 0 after a clean stop; 1 if a worker had to be killed; 2 if a worker reports a
 configuration error (restarting would not help).
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..policies import Backoff
+from ..runtime.recoverability.time_limits import EXIT_RECYCLE
 from ..runtime.shutdown import POLL_INTERVAL, StopSignals
 from .worker import WORKER_COUNT, WORKER_INDEX
 
@@ -153,6 +158,13 @@ class Supervisor:
     def _schedule_restart(self, worker: _Worker, status: int, now: float) -> None:
         assert worker.process is not None
         lived = now - worker.started_at
+        if status == EXIT_RECYCLE:  # it stopped on purpose, its messages settled: at once
+            log.warning("worker %d (pid %d) asked to be recycled after %.1fs (handler threads "
+                        "stuck past their time limits); starting a new one", worker.index,
+                        worker.process.pid, lived)
+            worker.process = None
+            worker.restart_at = now
+            return
         worker.quick_deaths = 0 if lived >= _HEALTHY_AFTER else worker.quick_deaths + 1
         delay = 0.0 if worker.quick_deaths == 0 else self._backoff.delay(worker.quick_deaths - 1)
         log.warning("worker %d (pid %d) exited with status %s after %.1fs; restarting in %.1fs",

@@ -14,6 +14,9 @@ a sync one does; a handler that blocks its loop by mistake holds up its own cons
 ``concurrency=`` still says how many messages are handled at once; and there is no extra
 thread to start, watch and stop.
 
+A handler with a time limit is the exception: its method runs on the handler thread of its
+consumer thread, and on that thread's loop (:mod:`idembus.runtime.recoverability.time_limits`).
+
 The method's task starts eagerly (where the default event loop policy is in force): its
 first step runs at once, in the call, with the loop as the running loop and the task as the
 current task, instead of in a loop iteration; a method that never waits is done without

@@ -8,6 +8,8 @@ Who needs whom, in the order they are built:
   of the per-message path are wrapped in :mod:`.batching_ports`' decorators, which group a
   batch's loads, commits and dispatches; otherwise that path calls the ports directly;
 * the :class:`~.dispatching.Dispatcher` sends what was committed and marks it;
+* the :class:`~.recoverability.time_limits.TimeLimiter` runs the handling methods within
+  their time limits and knows which run long (the status reports show them);
 * the :class:`~.invocation.HandlerInvoker` loads, runs a handler and commits;
 * :class:`~.recoverability.policy.Recovery` applies the retries and the circuit breaker;
 * the :class:`~.processing.MessageProcessor` takes a delivery through all of them;
@@ -38,6 +40,7 @@ from .journal import Journal, JournalPolicy, journal_for
 from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recovery
+from .recoverability.time_limits import TimeLimiter
 from .requests import Requests
 from .scheduler import Scheduler
 from .shared_transaction import SharedTransaction, shared_transaction
@@ -82,6 +85,8 @@ class Assembly:
     status: StatusReporter | None
     #: The reply queue of ``bus.request`` in this process, and the requests waiting.
     requests: Requests
+    #: ``None`` in a send-only endpoint.
+    time_limits: TimeLimiter | None = None
 
 
 def assemble(context: EndpointContext, settings: Settings, *,
@@ -105,10 +110,12 @@ def assemble(context: EndpointContext, settings: Settings, *,
     dispatcher, outbox, bus, delayed, requests = _sending(
         context, settings, journal, on_unrouted=on_unrouted,
         dispatch_through=BatchingTransport(context.transport) if batched else None)
+    limiter = TimeLimiter(context.name, context.recoverability.time_limits,
+                          context.table.handlers, stopping=context.stopping)
     invoker = HandlerInvoker(
         replace(context, storage=BatchingStorage(context.role(AggregateStore))) if batched
         else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared,
-        requests=requests)
+        requests=requests, time_limits=limiter)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
                         health=context.health)
     def wake_outbox() -> None:  # a duplicate left an entry to the outbox: look sooner
@@ -119,12 +126,16 @@ def assemble(context: EndpointContext, settings: Settings, *,
                                  left_to_outbox=wake_outbox)
     scheduler = (Scheduler(context, settings.scheduling, dispatcher)
                  if settings.scheduling.schedules else None)
+    def problems() -> dict[str, str]:  # what blocks the process, and the hung handlers
+        return {**context.health.problems(), **limiter.hung()}
+
     status = StatusReporter(context.role(StatusStore), context.name, counters,
                             interval=settings.status_interval,
-                            problems=context.health.problems) if settings.status_interval else None
+                            problems=problems) if settings.status_interval else None
     return Assembly(dispatcher=dispatcher, shared_transaction=shared, batched=batched,
                     recovery=recovery, processor=processor, bus=bus, delayed=delayed,
-                    outbox=outbox, scheduler=scheduler, status=status, requests=requests)
+                    outbox=outbox, scheduler=scheduler, status=status, requests=requests,
+                    time_limits=limiter)
 
 
 def _journal(context: EndpointContext, settings: Settings) -> Journal | None:

@@ -62,6 +62,7 @@ from .journal import Journal, JournalPolicy
 from .outbox import OutboxRelay
 from .processing import MessageProcessor
 from .recoverability.policy import Recoverability, Recovery
+from .recoverability.time_limits import TimeLimiter
 from .scheduler import Scheduler
 from .shared_transaction import SharedTransaction
 from .shutdown import Deadline, StopSignals
@@ -106,7 +107,8 @@ class Endpoint:
         Retries of failing handlers, optimistic retries of lost races, the circuit breaker
         and the backoff while the database or broker is unreachable
         (:class:`~idembus.Recoverability`; a handler class may set its own
-        ``retry_policy``).
+        ``retry_policy``), and the handlers' time limits (``time_limits=``; a handler class
+        may set its own ``time_limit``).
     outbox:
         What happens to committed outgoing messages (:class:`~idembus.policies.OutboxPolicy`:
         run the outbox relay here, its grace, deferred redispatch, compaction);
@@ -337,6 +339,22 @@ class Endpoint:
         if self._assembly.processor is None:
             raise self._processes_nothing()
         return self._assembly.processor
+
+    @property
+    def time_limits(self) -> TimeLimiter | None:
+        """Runs the handling methods within their time limits and knows which run long
+        (:mod:`.recoverability.time_limits`: ``hung()``, ``stuck``); ``None`` in a
+        send-only endpoint."""
+        return self._assembly.time_limits
+
+    @property
+    def recycle_requested(self) -> bool:
+        """Whether this endpoint stopped (or is stopping) to have its process recycled: more
+        handler threads were stuck past their time limits than
+        ``Recoverability(time_limits=TimeLimits(max_stuck_threads=...))`` tolerates
+        (:mod:`.recoverability.time_limits`). ``idembus run`` then exits with status 3."""
+        limiter = self._assembly.time_limits
+        return limiter is not None and limiter.recycle_requested
 
     def _processes_nothing(self) -> ConfigurationError:
         return ConfigurationError(f"endpoint {self.name!r} is send-only: it processes no "

@@ -9,6 +9,11 @@ Sagas (aggregate handlers with ``starts``): a message that finds no live saga an
 start one goes to the handler's ``saga_not_found`` instead, and nothing is committed; a
 timeout (``idembus.saga_timeout``) for a completed one is dropped. A handler that called
 ``complete()`` commits a tombstone instead of its state.
+
+A handler with a time limit runs on its consumer thread's handler thread and is abandoned
+(or cancelled) at its limit: :class:`~idembus.errors.TimeLimitExceeded`, nothing committed
+(:mod:`idembus.runtime.recoverability.time_limits`); every handling method is watched while
+it runs, for the status reports.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import copy
 import datetime
 import functools
 import inspect
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +32,7 @@ from pydantic import BaseModel
 from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
-from ..errors import EndpointBlocked, HandlerContractError
+from ..errors import EndpointBlocked, HandlerContractError, TimeLimitExceeded
 from ..evolution import load_state, version_keyword
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
@@ -44,6 +50,7 @@ from ..storage.errors import (
 from ..transports.base import Delivery
 from .aio import run_to_completion
 from .endpoint_context import EndpointContext
+from .recoverability.time_limits import Running, TimeLimiter, cancelled_after
 from .requests import answered_again
 from .shared_transaction import SharedTransaction
 
@@ -78,10 +85,14 @@ class HandlerInvoker:
 
     def __init__(self, context: EndpointContext, *, defer_fresh_redispatch: float = 0.0,
                  shared: SharedTransaction | None = None,
-                 requests: RequestChannel | None = None) -> None:
+                 requests: RequestChannel | None = None,
+                 time_limits: TimeLimiter | None = None) -> None:
         self._endpoint = context.name
         #: Where handlers' ``self.bus.request`` sends and waits (the endpoint's reply queue).
         self._requests = requests
+        #: Runs the handling methods within their time limits and watches them
+        #: (:mod:`idembus.runtime.recoverability.time_limits`); ``None``: neither.
+        self._limiter = time_limits
         #: Commits with the outgoing messages and the incoming one's removal, when the
         #: queues share the storage's database (:mod:`idembus.runtime.shared_transaction`).
         self._shared = shared
@@ -244,28 +255,36 @@ class HandlerInvoker:
         handlers, and for completed aggregates that keep no final state), what it sent,
         whether it completed."""
         outgoing: list[Envelope] = []
-        handler = self._copy(binding, context, self._pipeline.recorder(outgoing.append, context),
-                             loaded)
-        if isinstance(handler, AggregateHandler):
-            if loaded.live:
-                handler.state = load_state(handler.state_type, loaded.state or {},
-                                           loaded.state_version)
-            else:  # new, or a new start on a tombstone
-                handler.state = handler.new_state(loaded.aggregate_id, message)
+        limiter = self._limiter
+        limited = limiter is not None and limiter.limits.get(
+            type(binding.handler), limiter.policy.default) is not None
+        sink = _Sink(outgoing, binding.handler_name) if limited else None
+        handler = self._copy(binding, context, self._pipeline.recorder(
+            sink or outgoing.append, context), loaded)
+        try:
+            if isinstance(handler, AggregateHandler):
+                if loaded.live:
+                    handler.state = load_state(handler.state_type, loaded.state or {},
+                                               loaded.state_version)
+                else:  # new, or a new start on a tombstone
+                    handler.state = handler.new_state(loaded.aggregate_id, message)
+                self._call(handler, binding, message)
+                if handler._idembus_completed:
+                    final = (handler.state.model_dump(mode="json")
+                             if handler.keep_final_state and isinstance(handler.state, BaseModel)
+                             else None)
+                    return final, outgoing, True
+                if not isinstance(handler.state, handler.state_type):
+                    raise HandlerContractError(
+                        f"{binding.handler_name} left self.state as "
+                        f"{type(handler.state).__name__}, not {handler.state_type.__name__}"
+                    )
+                return handler.state.model_dump(mode="json"), outgoing, False
             self._call(handler, binding, message)
-            if handler._idembus_completed:
-                final = (handler.state.model_dump(mode="json")
-                         if handler.keep_final_state and isinstance(handler.state, BaseModel)
-                         else None)
-                return final, outgoing, True
-            if not isinstance(handler.state, handler.state_type):
-                raise HandlerContractError(
-                    f"{binding.handler_name} left self.state as {type(handler.state).__name__}"
-                    f", not {handler.state_type.__name__}"
-                )
-            return handler.state.model_dump(mode="json"), outgoing, False
-        self._call(handler, binding, message)
-        return None, outgoing, False
+            return None, outgoing, False
+        finally:
+            if sink is not None:  # an abandoned method's later sends raise in its thread
+                sink.closed = True
 
     def _copy(self, binding: HandlerBinding, context: MessageContext,
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
@@ -300,9 +319,24 @@ class HandlerInvoker:
         value would be lost: fail the message instead of committing."""
         method_name = method_name or binding.method_name
         method = getattr(handler, method_name)
-        returned = method(message)
-        if inspect.iscoroutine(returned) and self._is_async(method):
-            returned = run_to_completion(returned)
+        limiter = self._limiter
+        limit = None if limiter is None else limiter.limits.get(type(handler),
+                                                                limiter.policy.default)
+        if limit is not None:
+            returned = self._call_limited(handler, binding, method, message, limit)
+        elif limiter is None:
+            returned = method(message)
+            if inspect.iscoroutine(returned) and self._is_async(method):
+                returned = run_to_completion(returned)
+        else:  # watched while it runs (idembus status shows it if it runs long), no limit
+            key = id(handler)
+            limiter.running[key] = (binding.handler_name, handler.context, time.monotonic())
+            try:
+                returned = method(message)
+                if inspect.iscoroutine(returned) and self._is_async(method):
+                    returned = run_to_completion(returned)
+            finally:
+                del limiter.running[key]
         if returned is None:
             return
         if inspect.iscoroutine(returned):
@@ -312,6 +346,26 @@ class HandlerInvoker:
             "methods return None and send, publish or reply through self.bus"
         )
 
+
+    def _call_limited(self, handler: Any, binding: HandlerBinding, method: Any,
+                      message: Message, limit: float) -> Any:
+        """``method(message)`` on the consumer thread's handler thread, abandoned after
+        ``limit`` seconds (an ``async def`` cancelled then, and abandoned after the grace)."""
+        limiter = self._limiter
+        assert limiter is not None
+        context: MessageContext = handler.context
+        running = Running(binding.handler_name, context.message_type, context.message_id,
+                          limit)
+        is_async = self._is_async(method)
+
+        def call() -> Any:
+            returned = method(message)
+            if inspect.iscoroutine(returned) and is_async:
+                returned = run_to_completion(cancelled_after(returned, limit, running))
+            return returned
+
+        return limiter.run(running, call,
+                           patience=limit + limiter.policy.grace if is_async else limit)
 
     def _is_async(self, method: Any) -> bool:
         """As registration judges it: an ``async def`` behind any decorators (a plain
@@ -359,6 +413,24 @@ def _state_version(binding: HandlerBinding) -> int | None:
     if not isinstance(handler, AggregateHandler):
         return None
     return version_keyword(type(handler).state_type).get("state_version")
+
+
+class _Sink:
+    """Where a time-limited handler's bus records what it sends: refused once the
+    handler's run is over, so that a method abandoned at its time limit, still running in
+    its thread, learns that nothing it sends counts."""
+
+    def __init__(self, outgoing: list[Envelope], handler: str) -> None:
+        self._outgoing = outgoing
+        self._handler = handler
+        self.closed = False
+
+    def __call__(self, envelope: Envelope) -> None:
+        if self.closed:
+            raise TimeLimitExceeded(
+                f"{self._handler} was abandoned at its time limit: it cannot send "
+                f"{envelope.message_type} any more (nothing it does now is committed)")
+        self._outgoing.append(envelope)
 
 
 def _shown(value: object) -> str:

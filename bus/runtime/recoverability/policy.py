@@ -20,6 +20,7 @@ from ...redaction import redact
 from ...storage.errors import StorageUnavailable
 from ..health import Health
 from .breaker import BreakerPolicy, CircuitBreaker
+from .time_limits import TimeLimits
 
 log = message_logger(__name__)
 
@@ -27,7 +28,8 @@ log = message_logger(__name__)
 @dataclass(frozen=True)
 class Recoverability:
     """How an endpoint recovers from failures (a handler class may set its own
-    ``retry_policy``, which wins over ``retries`` for that handler)."""
+    ``retry_policy``, which wins over ``retries`` for that handler, and its own
+    ``time_limit``, which wins over ``time_limits.default``)."""
 
     #: Immediate and delayed retries of a failing handler, then the error queue.
     retries: RetryPolicy = field(default_factory=RetryPolicy)
@@ -37,6 +39,9 @@ class Recoverability:
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
     #: Waits between attempts while the database or broker is unreachable.
     outage_backoff: Backoff = field(default_factory=Backoff)
+    #: How long handling methods may run before they are abandoned (default: no limit), and
+    #: what happens to their threads (:mod:`.time_limits`).
+    time_limits: TimeLimits = field(default_factory=TimeLimits)
 
 
 class Recovery:
