@@ -106,9 +106,11 @@ torture: $(VENV)/.test
 	$(BIN)/python -m samples.torture --orders 10000 $(TORTURE_ARGS)
 
 # The torture test on three RabbitMQ nodes started for it on loopback (ports 5691-5693,
-# IDEMBUS_CLUSTER_AMQP_PORT moves them; the machine's own RabbitMQ is not touched): halfway,
-# the node leading the most queues is killed and started again, then one is stopped
-# gracefully and started again, while workers are killed (docs/operations/cluster.md).
+# IDEMBUS_CLUSTER_AMQP_PORT moves them; the machine's own RabbitMQ is not touched) and a
+# PostgreSQL primary and synchronous standby (free loopback ports): halfway, the node
+# leading the most queues is killed, PostgreSQL fails over (primary killed, standby
+# promoted), the node is started again, then one is stopped gracefully and started again,
+# while workers are killed (docs/operations/cluster.md).
 torture-cluster: $(VENV)/.test
 	$(BIN)/python -m samples.torture --cluster --workers 2 --orders 2000 --kill-interval 5 $(TORTURE_ARGS)
 

@@ -11,6 +11,7 @@ from idembus import headers as h
 from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.deployment import Deployment
+from samples.torture.cluster import ClusterChaos
 from samples.torture.driver import Driver, Plan
 from samples.torture.options import parse
 from samples.torture.report import TortureReport
@@ -148,6 +149,48 @@ def test_a_cluster_run_lists_its_node_kills_and_stops_after_the_broker_restarts(
     stalled = TortureReport(**{**vars(cluster), "cluster": (("node_kills", 0),)})
     assert stalled.failures(broker_restart_expected=False, kills_expected=True) == [
         "node_kills=0, expected at least 1"]
+
+
+class FakeCluster:
+    """The nodes of a cluster as :class:`ClusterChaos` drives them, in a journal."""
+
+    nodes = ("a", "b", "c")
+
+    def __init__(self) -> None:
+        self.journal: list[str] = []
+        self.down: set[str] = set()
+
+    def busiest_leader(self) -> str:
+        return "b"
+
+    def kill_node(self, name: str) -> None:
+        self.down.add(name)
+        self.journal.append(f"kill {name}")
+
+    def stop_node(self, name: str) -> None:
+        self.down.add(name)
+        self.journal.append(f"stop {name}")
+
+    def start_node(self, name: str) -> None:
+        self.down.discard(name)
+        self.journal.append(f"start {name}")
+
+    def await_members(self) -> None:
+        self.journal.append("members")
+
+
+def test_the_cluster_chaos_fails_postgresql_over_while_the_killed_node_is_down():
+    cluster = FakeCluster()
+    chaos = ClusterChaos(cluster, extra_steps=[  # type: ignore[arg-type]
+        ("pg_failovers", lambda: cluster.journal.append(f"failover, down: {cluster.down}"))])
+
+    chaos.begin()
+    assert chaos.join(10)
+
+    assert chaos.error is None
+    assert cluster.journal == ["kill b", "failover, down: {'b'}", "start b", "members",
+                               "stop b", "start b", "members"]
+    assert chaos.figures() == (("node_kills", 1), ("node_stops", 1), ("pg_failovers", 1))
 
 
 def test_the_deployment_derives_every_name_from_its_namespace():

@@ -2,11 +2,16 @@
 the run on loopback ports of their own (:class:`idembus.testing.cluster.RabbitCluster`),
 and the chaos that happens to them halfway through the orders.
 
-The chaos, in a thread of its own: SIGKILL the node that leads the most quorum queues,
-start it again and wait until it is a member; then stop the node leading the most queues
-then, gracefully, and start it again; then each extra step given (the PostgreSQL failover
-of the storage, once it exists, is one). The workers and the driver connect with the
-failover URL of the three nodes throughout.
+The storage runs on a PostgreSQL primary with a synchronous standby started for the run
+(:class:`idembus.testing.pg_cluster.PostgresPair`), reached through its multi-host URL
+(``target_session_attrs=read-write``).
+
+The chaos, in a thread of its own: SIGKILL the node that leads the most quorum queues;
+while it is down, each extra step given (:class:`PostgresFailover`: the primary SIGKILLed,
+the standby promoted), so that it meets the orders still flowing; start the node again
+and wait until it is a member; then stop the node leading the most queues then,
+gracefully, and start it again. The workers and the driver connect with the failover URL
+of the three nodes throughout.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from idembus.testing.cluster import DEFAULT_AMQP_PORT, DEFAULT_DIST_PORT, RabbitCluster
+from idembus.testing.pg_cluster import Failover, PostgresPair
 from samples.torture.chaos import Disruption
 
 log = logging.getLogger(__name__)
@@ -41,9 +47,47 @@ def start_cluster() -> RabbitCluster:
     return cluster
 
 
+#: Seconds each step of the PostgreSQL pair may take (a server up, a promotion, the first
+#: commit after it) on a busy two-core machine.
+PG_STEP_TIMEOUT = 120.0
+
+
+def start_pair() -> PostgresPair:
+    """A PostgreSQL primary and synchronous standby on free loopback ports, running (stop
+    it with ``stop()``, which removes its files)."""
+    pair = PostgresPair(database="torture", timeout=PG_STEP_TIMEOUT)
+    log.info("starting a PostgreSQL primary and synchronous standby")
+    pair.start()
+    log.info("PostgreSQL pair up on ports %s", pair.ports)
+    return pair
+
+
+class PostgresFailover:
+    """The chaos's PostgreSQL step: :meth:`PostgresPair.fail_over` (primary SIGKILLed,
+    standby promoted), its times kept for the run's notes."""
+
+    def __init__(self, pair: PostgresPair) -> None:
+        self.pair = pair
+        self.done: list[Failover] = []
+
+    def __call__(self) -> None:
+        failover = self.pair.fail_over()
+        self.done.append(failover)
+        log.warning("PostgreSQL failed over: standby promoted %.1fs after the kill, first "
+                    "commit on it after %.1fs", failover.seconds_to_promoted,
+                    failover.seconds_to_first_commit)
+
+    def notes(self) -> list[str]:
+        """One line per failover, for the run's notes."""
+        return [f"postgres: primary killed; standby promoted after "
+                f"{f.seconds_to_promoted:.1f}s, first commit on it after "
+                f"{f.seconds_to_first_commit:.1f}s" for f in self.done]
+
+
 class ClusterChaos(Disruption):
     """Kills, then stops, the busiest node, each started again (see the module docstring);
-    ``extra_steps`` run after them, each a named callable (``("pg_failover", fail_over)``).
+    ``extra_steps`` run while the killed node is down, each a named callable
+    (``("pg_failovers", PostgresFailover(pair))``; the name is the figure of the line).
     :meth:`begin` returns once the first node is dead; like
     :class:`~samples.torture.chaos.BrokerRestart` it has :meth:`ensure_up`, ``restarts``
     and ``outage``."""
@@ -93,6 +137,12 @@ class ClusterChaos(Disruption):
             self.cluster.kill_node(victim)
             self.node_kills += 1
             self._down.set()
+            # the orders still flow while the node is down (it takes 30 to 90 s to boot on
+            # a busy machine): the extra steps meet them there
+            for name, step in self._steps:
+                log.warning("chaos: %s", name)
+                step()
+                self.extra[name] += 1
             self.cluster.start_node(victim)
             self.cluster.await_members()
             self.outage = time.monotonic() - began
@@ -103,10 +153,6 @@ class ClusterChaos(Disruption):
             self.node_stops += 1
             self.cluster.start_node(victim)
             self.cluster.await_members()
-            for name, step in self._steps:
-                log.warning("chaos: %s", name)
-                step()
-                self.extra[name] += 1
         except BaseException as error:
             self.error = error
             log.error("the cluster chaos failed: %s", error)

@@ -40,8 +40,9 @@ class Options:
     visibility_timeout: float = 5.0
     #: ``Endpoint(defer_fresh_redispatch=...)`` of the workers (0: re-send at once).
     defer_fresh_redispatch: float = 0.0
-    #: Run on a three-node RabbitMQ cluster started for the run (``--transport`` unused):
-    #: the busiest node killed, then one stopped, instead of the broker restart.
+    #: Run on a three-node RabbitMQ cluster and a PostgreSQL primary and standby started
+    #: for the run (``--transport`` and ``--postgres`` unused): the busiest node killed,
+    #: PostgreSQL failed over, then a node stopped, instead of the broker restart.
     cluster: bool = False
 
     @property
@@ -102,9 +103,12 @@ def parse(argv: Sequence[str] | None = None) -> Options:
                         help="a duplicate leaves an entry committed less than SECONDS ago to "
                              "its committer and the outbox (%(default)s: re-sends at once)")
     parser.add_argument("--cluster", action="store_true",
-                        help="start three RabbitMQ nodes on loopback (ports 5691-5693) and run "
-                             "on them: halfway, the node leading the most queues is killed and "
-                             "started again, then one is stopped gracefully and started again")
+                        help="start three RabbitMQ nodes on loopback (ports 5691-5693) and a "
+                             "PostgreSQL primary and synchronous standby (free ports) and run "
+                             "on them: halfway, the node leading the most queues is killed, "
+                             "PostgreSQL fails over (primary killed, standby promoted), the "
+                             "node is started again, then one is stopped gracefully and "
+                             "started again")
     args = parser.parse_args(argv)
     if args.orders < 1:
         parser.error("--orders must be at least 1")

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from idembus.storage.errors import StorageUnavailable
 from samples.torture.rabbitmq import QueueStatus
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def wait_until_shipped(
     run stalled (see :data:`STALL_AFTER`). Logs the progress and the queues now and then."""
     last_count, last_change, last_report = -1, time.monotonic(), 0.0
     while True:
-        count = shipped()
+        count = _shipped(shipped, last_count)
         now = time.monotonic()
         if count >= expected:
             log.info("all %d orders shipped", expected)
@@ -86,6 +87,16 @@ def wait_until_drained(
         time.sleep(interval)
     log.error("the queues did not settle: %s", _describe(statuses))
     return False
+
+
+def _shipped(shipped: Callable[[], int], last_count: int) -> int:
+    """``shipped()``, or ``last_count`` while the database cannot answer (it may be failing
+    over: a pooled connection to the dead primary fails once)."""
+    try:
+        return shipped()
+    except StorageUnavailable as error:
+        log.info("cannot read the shipments: %s", error)
+        return last_count
 
 
 def _statuses(probe: Probe, queues: Sequence[str]) -> dict[str, QueueStatus] | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from samples.ordering.deployment import ENDPOINTS, Deployment
 from samples.torture.chaos import BrokerRestart, WorkerKiller
-from samples.torture.cluster import ClusterChaos, start_cluster
+from samples.torture.cluster import ClusterChaos, PostgresFailover, start_cluster, start_pair
 from samples.torture.driver import Driver, DriverStats, Plan
 from samples.torture.options import Options
 from samples.torture.postgres import PgCtlcluster, TableProbe
@@ -70,14 +70,23 @@ class Outcome:
 
 def torture(options: Options) -> Outcome:
     """Run the torture test described by ``options``; see the module docstring. With
-    ``options.cluster``, on three RabbitMQ nodes started for the run (:mod:`.cluster`)."""
+    ``options.cluster``, on three RabbitMQ nodes and a PostgreSQL primary and standby
+    started for the run (:mod:`.cluster`), PostgreSQL failed over once."""
     if not options.cluster:
         return _torture(options, None)
     cluster = start_cluster()
     try:
-        on_cluster = dataclasses.replace(options, transport=cluster.failover_url(),
-                                         broker_restart=False)
-        return _torture(on_cluster, ClusterChaos(cluster))
+        pair = start_pair()
+        try:
+            failover = PostgresFailover(pair)
+            on_cluster = dataclasses.replace(options, transport=cluster.failover_url(),
+                                             postgres=pair.url, broker_restart=False)
+            outcome = _torture(on_cluster, ClusterChaos(
+                cluster, extra_steps=[("pg_failovers", failover)]))
+            outcome.notes += failover.notes()
+            return outcome
+        finally:
+            pair.stop()
     finally:
         cluster.stop(remove=True)
 
