@@ -1,0 +1,74 @@
+"""The shortcuts of the per-message path behave as the plain code they replace: the log
+fields of the message being processed, the receivers a signal remembers between sends."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from idembus.logs import current_context, message_context
+from idembus.signals import EndpointSignals
+
+
+def test_message_context_fields_nest_drop_none_and_are_restored() -> None:
+    # Given no fields, when blocks are nested, then the inner one sees both and None
+    # removes a field; leaving each block restores the fields before it.
+    assert current_context() == {}
+    with message_context(endpoint="sales", message_id="m-1"):
+        assert current_context() == {"endpoint": "sales", "message_id": "m-1"}
+        with message_context(handler="OrderHandler", attempt=1, message_id=None):
+            assert current_context() == {"endpoint": "sales", "handler": "OrderHandler",
+                                         "attempt": 1}
+        assert current_context() == {"endpoint": "sales", "message_id": "m-1"}
+    assert current_context() == {}
+
+
+def test_message_context_is_restored_when_the_block_raises() -> None:
+    try:
+        with message_context(endpoint="sales"):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert current_context() == {}
+
+
+def test_a_signal_calls_receivers_connected_and_forgets_those_disconnected_between_sends(
+) -> None:
+    signals = EndpointSignals("sales")
+    seen: list[tuple[str, Any]] = []
+
+    def first(sender: str, **details: Any) -> None:
+        seen.append(("first", details["message_id"]))
+
+    def second(sender: str, **details: Any) -> None:
+        seen.append(("second", details["message_id"]))
+
+    def other_endpoint(sender: str, **details: Any) -> None:
+        seen.append(("other", details["message_id"]))
+
+    signals.handled.connect(first)
+    signals.emit("handled", message_id="1")
+    signals.handled.connect(second, sender="sales")  # after a send: not remembered yet
+    signals.handled.connect(other_endpoint, sender="billing")
+    signals.emit("handled", message_id="2")
+    signals.handled.disconnect(first)
+    signals.emit("handled", message_id="3")
+    assert sorted(seen) == [("first", "1"), ("first", "2"), ("second", "2"), ("second", "3")]
+
+
+def test_a_signal_skips_a_weakly_connected_receiver_once_it_is_collected() -> None:
+    signals = EndpointSignals("sales")
+    seen: list[str] = []
+
+    class Observer:
+        def on_handled(self, sender: str, **details: Any) -> None:
+            seen.append(details["message_id"])
+
+    observer = Observer()
+    signals.handled.connect(observer.on_handled)  # weak, blinker's default
+    signals.emit("handled", message_id="1")
+    del observer
+    gc.collect()
+    signals.emit("handled", message_id="2")
+    assert seen == ["1"]
+    assert not signals.handled.receivers
