@@ -72,3 +72,16 @@ def test_a_signal_skips_a_weakly_connected_receiver_once_it_is_collected() -> No
     signals.emit("handled", message_id="2")
     assert seen == ["1"]
     assert not signals.handled.receivers
+
+
+def test_derived_ids_are_the_uuid5_of_their_name() -> None:
+    import uuid
+
+    from idembus.context import IDEMBUS_NAMESPACE, MessageContext, derived_id
+
+    for name in ["", "OrderHandler/1/0", "Ünïcode/ä/7", "x" * 500]:
+        assert derived_id(name) == str(uuid.uuid5(IDEMBUS_NAMESPACE, name))
+    context = MessageContext(message_id="m-1", message_type="T", headers={},
+                             handler_name="H", endpoint="e")
+    assert context.outgoing_id(3) == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1/3"))
+    assert context.idempotency_key == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1"))
