@@ -85,3 +85,15 @@ def test_derived_ids_are_the_uuid5_of_their_name() -> None:
                              handler_name="H", endpoint="e")
     assert context.outgoing_id(3) == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1/3"))
     assert context.idempotency_key == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1"))
+
+
+def test_the_broker_s_headers_are_left_out_and_the_sender_s_kept_as_they_are() -> None:
+    from idembus.transports.kombu_delivery import _senders_headers
+
+    plain = {"idembus.message_id": "m", "tenant": "a", "max-x-y": "1"}
+    assert _senders_headers(plain) is plain  # nothing named x-...: no copy
+    assert _senders_headers({"x-death": [{}], "x-first-death-queue": "q", "a": "1",
+                             "x-delivery-count": 2, "x-mine": "kept"}) == {
+        "a": "1", "x-mine": "kept"}
+    assert _senders_headers({"b": "2", "x-last-death-reason": "expired"}) == {"b": "2"}
+    assert _senders_headers({b"\xff": "raw", "x-death": []}) == {b"\xff": "raw"}
