@@ -82,8 +82,7 @@ class MemoryStorage(Storage):
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
         # The state is the one mutable part a caller could change; entries are immutable.
-        return dataclasses.replace(record, state=copy.deepcopy(record.state),
-                                   processed=dict(record.processed))
+        return _with_processed(record, dict(record.processed), state=_copied(record.state))
 
     def commit(
         self,
@@ -117,7 +116,7 @@ class MemoryStorage(Storage):
                     loaded.aggregate_type,
                     loaded.aggregate_id,
                     version=current_version + 1,
-                    state=(copy.deepcopy(dict(state))
+                    state=(_copied(dict(state))
                            if state is not None and not completed else None),
                     processed=processed,
                     updated_at=entry.at,
@@ -156,7 +155,7 @@ class MemoryStorage(Storage):
             processed = dict(record.processed)
             processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
                                               entry.outgoing_ids, True, entry.at)
-            self._records[address] = dataclasses.replace(record, processed=processed)
+            self._records[address] = _with_processed(record, processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         address = (aggregate_type, aggregate_id)
@@ -418,3 +417,25 @@ class _Scheduled:
     leased_until: datetime.datetime | None = None
     #: Failed sends so far (``note_scheduled_failure``).
     attempts: int = 0
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of a state (JSON: dicts, lists and scalars) without ``copy.deepcopy``'s
+    memo and dispatch; anything else is deep-copied."""
+    kind = type(value)
+    if kind is dict:
+        return {key: _copied(item) for key, item in value.items()}
+    if kind is list:
+        return [_copied(item) for item in value]
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    return copy.deepcopy(value)
+
+
+def _with_processed(record: AggregateRecord, processed: dict[str, ProcessedMessage], *,
+                    state: Mapping[str, Any] | None = None) -> AggregateRecord:
+    """``record`` with ``processed`` (and ``state``, if given): what
+    ``dataclasses.replace`` does, for the two fields a load and a mark change."""
+    return AggregateRecord(record.aggregate_type, record.aggregate_id, record.version,
+                           record.state if state is None else state, processed,
+                           record.updated_at, record.completed, record.state_version)
