@@ -125,7 +125,7 @@ class HandlerInvoker:
         key = context.dedup_key
         aggregate_type, aggregate_id = self._address(binding, message, key)
         details = {"message_id": context.message_id, "message_type": context.message_type,
-                   "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
+                   "handler": context.handler_name, "time_sent": headers.get(h.TIME_SENT)}
         for attempt in range(self._conflicts.attempts):
             loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
@@ -133,7 +133,7 @@ class HandlerInvoker:
             if previous is None:
                 if expired:
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
-                                   binding.handler_name, discarded=True)
+                                   context.handler_name, discarded=True)
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
                 absent = _without_saga(binding, message, headers, loaded)
@@ -142,7 +142,7 @@ class HandlerInvoker:
                         self._saga_not_found(binding, message, context, loaded)
                     self._signals.emit(absent, **details)
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
-                                   binding.handler_name)
+                                   context.handler_name)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
                 version = None if completed else _state_version(binding)
@@ -170,7 +170,7 @@ class HandlerInvoker:
                     self._signals.emit("handled", **details)
                     return Outcome(aggregate_type, aggregate_id, key,
                                    () if sent is True else tuple(outgoing), False,
-                                   binding.handler_name)
+                                   context.handler_name)
             else:
                 stored = previous.outgoing
                 committed_at = None if previous.dispatched else previous.at
@@ -178,13 +178,13 @@ class HandlerInvoker:
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)
                 return Outcome(aggregate_type, aggregate_id, key, stored, False,
-                               binding.handler_name)
+                               context.handler_name)
             call.duplicate = True
             self._signals.emit("duplicate", **details)
-            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name,
+            return Outcome(aggregate_type, aggregate_id, key, stored, True, context.handler_name,
                            left_to_outbox=self._is_fresh(stored, committed_at))
         raise ConflictRetriesExhausted(
-            f"{binding.handler_name} lost {self._conflicts.attempts} optimistic races on "
+            f"{context.handler_name} lost {self._conflicts.attempts} optimistic races on "
             f"{aggregate_type} {aggregate_id!r} while handling {context.message_id}"
         )
 
