@@ -97,3 +97,36 @@ def test_the_broker_s_headers_are_left_out_and_the_sender_s_kept_as_they_are() -
         "a": "1", "x-mine": "kept"}
     assert _senders_headers({"b": "2", "x-last-death-reason": "expired"}) == {"b": "2"}
     assert _senders_headers({b"\xff": "raw", "x-death": []}) == {b"\xff": "raw"}
+
+
+def test_a_handler_is_copied_as_copy_copy_copies_it() -> None:
+    import copy
+
+    from idembus.handlers import Handler
+    from idembus.runtime.invocation import _shallow_copy
+
+    class Plain(Handler):
+        def __init__(self) -> None:
+            self.gateway = object()
+
+    class OwnCopy(Handler):
+        def __copy__(self) -> OwnCopy:
+            twin = OwnCopy()
+            twin.copied = True  # type: ignore[attr-defined]
+            return twin
+
+    class Slotted:
+        __slots__ = ("gateway",)
+
+        def __init__(self) -> None:
+            self.gateway = object()
+
+    plain = Plain()
+    twin = _shallow_copy(plain)
+    assert twin is not plain and type(twin) is Plain
+    assert twin.gateway is plain.gateway and vars(twin) == vars(plain)
+    twin.bus = "its own"
+    assert not hasattr(plain, "bus")
+    assert _shallow_copy(OwnCopy()).copied  # type: ignore[attr-defined]
+    slotted = Slotted()
+    assert _shallow_copy(slotted).gateway is copy.copy(slotted).gateway

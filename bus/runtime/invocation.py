@@ -255,7 +255,7 @@ class HandlerInvoker:
     def _copy(self, binding: HandlerBinding, context: MessageContext,
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
         """The handler object for one message: a shallow copy with its bus and context."""
-        handler = copy.copy(binding.handler)
+        handler = _shallow_copy(binding.handler)
         handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock)
         handler.context = context
         if isinstance(handler, AggregateHandler):
@@ -309,6 +309,33 @@ class HandlerInvoker:
             known = inspect.iscoroutinefunction(inspect.unwrap(function))
             self._async_functions[function] = known
         return known
+
+
+#: Handler class -> whether ``copy.copy`` of its objects is a new object with the same
+#: ``__dict__`` (no ``__copy__``, ``__reduce__``, ``__getstate__``, ``__setstate__``,
+#: ``__new__`` or non-empty ``__slots__`` anywhere): such objects are copied without
+#: ``copy``'s reduce protocol.
+_PLAIN_COPY: dict[type, bool] = {}
+
+
+def _shallow_copy(handler: Any) -> Any:
+    """``copy.copy(handler)``, the short way for the usual handler class."""
+    cls = type(handler)
+    plain = _PLAIN_COPY.get(cls)
+    if plain is None:
+        plain = _PLAIN_COPY[cls] = (
+            not hasattr(cls, "__copy__") and not hasattr(cls, "__setstate__")
+            and all(vars(base).get("__slots__", ()) == () for base in cls.__mro__)
+            and cls.__new__ is object.__new__
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__
+            and getattr(cls, "__getstate__", object.__getstate__) is object.__getstate__
+            and hasattr(handler, "__dict__"))
+    if not plain:
+        return copy.copy(handler)
+    twin = object.__new__(cls)
+    twin.__dict__.update(handler.__dict__)
+    return twin
 
 
 #: :func:`_without_saga`'s answers, which are also the names of their signals.
