@@ -323,13 +323,12 @@ def _shallow_copy(handler: Any) -> Any:
     cls = type(handler)
     plain = _PLAIN_COPY.get(cls)
     if plain is None:
+        root: Any = object  # its slots, as a class's methods are compared with
         plain = _PLAIN_COPY[cls] = (
             not hasattr(cls, "__copy__") and not hasattr(cls, "__setstate__")
             and all(vars(base).get("__slots__", ()) == () for base in cls.__mro__)
-            and cls.__new__ is object.__new__
-            and cls.__reduce_ex__ is object.__reduce_ex__
-            and cls.__reduce__ is object.__reduce__
-            and getattr(cls, "__getstate__", object.__getstate__) is object.__getstate__
+            and all(getattr(cls, name, None) is getattr(root, name, None)
+                    for name in ("__new__", "__reduce_ex__", "__reduce__", "__getstate__"))
             and hasattr(handler, "__dict__"))
     if not plain:
         return copy.copy(handler)
