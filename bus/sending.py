@@ -11,8 +11,6 @@ from __future__ import annotations
 import datetime
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import cast
 
 from . import headers as h
 from .clock import Clock, SystemClock
@@ -182,20 +180,18 @@ class Bus:
         discard_after: TimeToLive | None = None,
         marks: Mapping[str, str] | None = None,
     ) -> str:
-        cls = type(message)
-        kind = _KINDS.get(cls) or _kind_of(cls)
-        ttl = kind.time_to_live if discard_after is None else time_to_live(discard_after)
+        ttl = (default_time_to_live(message) if discard_after is None
+               else time_to_live(discard_after))
         now = self._clock.now()
-        headers = self._headers(kind, intent, extra, message_id, now)
-        if marks:
-            headers.update(marks)  # idembus's own headers, which callers may not set
+        headers = self._headers(message, intent, extra, message_id, now)
+        headers.update(marks or {})  # idembus's own headers, which callers may not set
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
         if ttl is not None:
             # A deferred message lives from when it is due: it is meant to be received then.
             headers[h.DISCARD_AFTER] = discard_time(max(now, deliver_at or now), ttl)
-        if kind.may_have_parents:
-            parents = parents_of(cast(Event, message))
+        if isinstance(message, Event):
+            parents = parents_of(message)
             if parents:
                 headers[h.PARENTS] = ",".join(parents)
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
@@ -205,7 +201,7 @@ class Bus:
 
     def _headers(
         self,
-        kind: _Kind,
+        message: Message,
         intent: h.Intent,
         extra: Mapping[str, str] | None,
         message_id: str | None,
@@ -215,19 +211,20 @@ class Bus:
         if message_id is None:
             message_id = origin.outgoing_id(self._count) if origin else str(uuid.uuid4())
         self._count += 1
-        if extra:
-            result = {key: str(value) for key, value in extra.items()}
-            reserved = [key for key in result if key.startswith("idembus.")]
-            if reserved:
-                raise ValueError(f"headers starting with 'idembus.' are reserved: {reserved}")
-        else:
-            result = {}
-        result[h.MESSAGE_ID] = message_id
-        result.update(kind.headers)
-        result[h.INTENT] = intent.value
-        result[h.ORIGINATING_ENDPOINT] = self._endpoint
-        result[h.REPLY_TO] = self._endpoint
-        result[h.TIME_SENT] = format_utc(now)
+        result = {key: str(value) for key, value in (extra or {}).items()}
+        reserved = [key for key in result if key.startswith("idembus.")]
+        if reserved:
+            raise ValueError(f"headers starting with 'idembus.' are reserved: {reserved}")
+        result.update({
+            h.MESSAGE_ID: message_id,
+            h.MESSAGE_TYPE: message_name(message),
+            h.MESSAGE_VERSION: str(message_version(message)),
+            h.ENCLOSED_TYPES: enclosed_header(type(message)),
+            h.INTENT: intent.value,
+            h.ORIGINATING_ENDPOINT: self._endpoint,
+            h.REPLY_TO: self._endpoint,
+            h.TIME_SENT: format_utc(now),
+        })
         if origin is None:
             result[h.CONVERSATION_ID] = message_id
             result[h.CORRELATION_ID] = message_id
@@ -239,31 +236,3 @@ class Bus:
             )
         return result
 
-
-@dataclass(frozen=True)
-class _Kind:
-    """What every message of one class carries, worked out once per class."""
-
-    #: ``idembus.message_type``, ``idembus.message_version`` and
-    #: ``idembus.enclosed_types``, in that order.
-    headers: Mapping[str, str]
-    #: The class's default ``discard_after`` (``None``: for ever).
-    time_to_live: datetime.timedelta | None
-    #: An event whose class overrides ``journal_parents`` (the others name none).
-    may_have_parents: bool
-
-
-#: Message class -> its :class:`_Kind` (classes are few and live as long as the process).
-_KINDS: dict[type, _Kind] = {}
-
-
-def _kind_of(cls: type[Message]) -> _Kind:
-    kind = _Kind(
-        headers={h.MESSAGE_TYPE: message_name(cls),
-                 h.MESSAGE_VERSION: str(message_version(cls)),
-                 h.ENCLOSED_TYPES: enclosed_header(cls)},
-        time_to_live=default_time_to_live(cls),
-        may_have_parents=(issubclass(cls, Event)
-                          and cls.journal_parents is not Event.journal_parents))
-    _KINDS[cls] = kind
-    return kind
