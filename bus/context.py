@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,6 +11,19 @@ from . import headers as h
 
 #: Namespace of the uuid5 ids idembus derives (outgoing ids, idempotency keys).
 IDEMBUS_NAMESPACE = uuid.UUID("6f1c1d7e-3c53-5a0b-9a0e-3e1d2b0a9c11")
+_NAMESPACE_BYTES = IDEMBUS_NAMESPACE.bytes
+
+
+def derived_id(name: str) -> str:
+    """``str(uuid.uuid5(IDEMBUS_NAMESPACE, name))``, without building a ``UUID``: the same
+    SHA-1 and version bits, formatted straight from the digest (once per outgoing message
+    and per idempotency key)."""
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8"),
+                                    usedforsecurity=False).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = digest.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 @dataclass(frozen=True)
@@ -31,7 +45,7 @@ class MessageContext:
     def idempotency_key(self) -> str:
         """A key to pass to external systems (payment APIs...) so that a handler re-run
         after a crash does not repeat their effect. Stable per (handler, message)."""
-        return str(uuid.uuid5(IDEMBUS_NAMESPACE, self.dedup_key))
+        return derived_id(self.dedup_key)
 
     @property
     def correlation_id(self) -> str:
@@ -55,4 +69,4 @@ class MessageContext:
         after a crash before commit produces the same ids, and two handlers of one event
         never produce the same id.
         """
-        return str(uuid.uuid5(IDEMBUS_NAMESPACE, f"{self.dedup_key}/{index}"))
+        return derived_id(f"{self.handler_name}/{self.message_id}/{index}")

@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -214,20 +214,37 @@ _CONTEXT: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
     "idembus_message_context", default=_NO_FIELDS)
 
 
-@contextlib.contextmanager
-def message_context(**fields: Any) -> Iterator[None]:
+class _MessageFields:
+    """The context manager :func:`message_context` returns: a class rather than a
+    generator, since the endpoint enters three of them for every message."""
+
+    __slots__ = ("_fields", "_token")
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
+        self._token: contextvars.Token[Mapping[str, Any]] | None = None
+
+    def __enter__(self) -> None:
+        fields = self._fields
+        merged = {**_CONTEXT.get(), **fields}  # the enclosing block's fields hold no None
+        if None in fields.values():
+            merged = {key: value for key, value in merged.items() if value is not None}
+        self._token = _CONTEXT.set(merged)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if self._token is not None:
+            _CONTEXT.reset(self._token)
+            self._token = None
+
+
+def message_context(**fields: Any) -> contextlib.AbstractContextManager[None]:
     """Within the block, records logged by this thread (and the tasks it starts) carry
     ``fields`` (over those of an enclosing block; ``None`` removes one): the endpoint
     sets ``endpoint``, ``message_id``, ``message_type`` around each message and
     ``handler`` and ``attempt`` around each handler attempt. Values from the wire must be
     passed through :func:`loggable` first."""
-    merged = {key: value for key, value in {**_CONTEXT.get(), **fields}.items()
-              if value is not None}
-    token = _CONTEXT.set(merged)
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
+    return _MessageFields(fields)
 
 
 def current_context() -> dict[str, Any]:

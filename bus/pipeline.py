@@ -388,6 +388,11 @@ class Pipeline:
     def _arrange(self, middleware: tuple[Middleware, ...]) -> None:
         self.middleware = middleware
         self._stages = {name: _Stage(middleware, name) for name in _STAGES}
+        #: Each stage, or ``None`` when no middleware hooks it: its body is then called
+        #: straight away (four times a message).
+        self._message, self._handler, self._commit, self._dispatch = (
+            stage if stage.pairs else None
+            for stage in (self._stages[name] for name in _STAGES))
         self._outgoing = [m.outgoing for m in middleware if _overrides(m, "outgoing")]
 
     def append(self, middleware: Middleware) -> None:
@@ -400,16 +405,20 @@ class Pipeline:
 
     def message(self, incoming: IncomingMessage, body: Callable[[], T]) -> T:
         """Run ``body`` (the processing of one delivery) inside the message stage."""
-        return self._stages["message"].run(incoming, body)
+        stage = self._message
+        return body() if stage is None else stage.run(incoming, body)
 
     def handler(self, call: HandlerCall, body: Callable[[], T]) -> T:
-        return self._stages["handler"].run(call, body)
+        stage = self._handler
+        return body() if stage is None else stage.run(call, body)
 
     def commit(self, call: HandlerCall, body: Callable[[], T]) -> T:
-        return self._stages["commit"].run(call, body)
+        stage = self._commit
+        return body() if stage is None else stage.run(call, body)
 
     def dispatch(self, dispatch: Dispatch, body: Callable[[], T]) -> T:
-        return self._stages["dispatch"].run(dispatch, body)
+        stage = self._dispatch
+        return body() if stage is None else stage.run(dispatch, body)
 
     def prepare(self, envelope: Envelope, origin: MessageContext | None) -> Envelope:
         """The envelope as the ``outgoing`` hooks leave it, to be recorded or sent."""

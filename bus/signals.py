@@ -21,10 +21,12 @@ Receivers that raise are the receiver's bug: the endpoint logs and ignores them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Coroutine
+import weakref
+from collections.abc import Coroutine, Hashable
 from typing import Any
 
-from blinker import Signal
+from blinker import ANY, Signal
+from blinker.base import ANY_ID
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +60,56 @@ SIGNAL_NAMES = (
 )
 
 
+class _CachedSignal(Signal):
+    """A blinker signal that remembers, per sender, which receivers to call: what
+    ``receivers_for`` works out at every send (a set union, a generator) is worked out
+    again only after a receiver connects or disconnects."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        #: Bumped by every change of the receivers; a cached list of an older version is
+        #: worked out again.
+        self._version = 0
+        self._cached: dict[Hashable, tuple[int, list[Any]]] = {}
+
+    def connect(self, receiver: Any, sender: Any = ANY, weak: bool = True) -> Any:
+        try:
+            return super().connect(receiver, sender, weak)
+        finally:
+            self._version += 1
+
+    def _disconnect(self, receiver_id: Hashable, sender_id: Hashable) -> None:
+        try:
+            super()._disconnect(receiver_id, sender_id)
+        finally:
+            self._version += 1
+
+    def _clear_state(self) -> None:
+        try:
+            super()._clear_state()
+        finally:
+            self._version += 1
+
+    def references_for(self, sender: str) -> list[Any]:
+        """The receivers for ``sender`` (a string: its own id) as they are stored: the
+        callables, or weak references to them, in ``receivers_for``'s order."""
+        cached = self._cached.get(sender)
+        version = self._version
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        ids = self._by_sender[ANY_ID] | self._by_sender.get(sender, set())
+        references = [self.receivers[each] for each in ids if each in self.receivers]
+        self._cached[sender] = (version, references)
+        return references
+
+
 class EndpointSignals:
     """The signals of one endpoint; ``endpoint.signals.handled.connect(receiver)``."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         for name in SIGNAL_NAMES:
-            setattr(self, name, Signal(name))
+            setattr(self, name, _CachedSignal(name))
 
     received: Signal
     handled: Signal
@@ -93,20 +138,25 @@ class EndpointSignals:
         """Send signal ``name``; a receiver's exception is logged, never propagated, and
         the other receivers still run.
 
-        Calls the receivers blinker's ``receivers_for`` yields itself, as ``Signal.send``
-        does without its per-receiver coroutine check and result list: a signal the
+        Calls the receivers blinker's ``receivers_for`` would yield itself, as
+        ``Signal.send`` does without its per-receiver coroutine check and result list
+        (and remembered between changes of the receivers): a signal the
         endpoint's own observers always receive (``settled``) is sent for every delivery.
         A coroutine function cannot receive a signal (it would never run)."""
-        signal: Signal = getattr(self, name)
+        signal: _CachedSignal = getattr(self, name)
         if not signal.receivers:
             return
-        for receiver in signal.receivers_for(self.endpoint):
+        for receiver in signal.references_for(self.endpoint):
+            if isinstance(receiver, weakref.ref):
+                receiver = receiver()
+                if receiver is None:  # collected: blinker disconnects it
+                    continue
             try:
                 result = receiver(self.endpoint, **details)
             except Exception:
                 log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
                 continue
-            if isinstance(result, Coroutine):
+            if result is not None and isinstance(result, Coroutine):
                 result.close()
                 log.error("a receiver of the %r signal of %s is a coroutine function; "
                           "signals are sent from the consumer's thread and call receivers "

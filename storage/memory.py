@@ -86,9 +86,8 @@ class MemoryStorage(Storage, LimitStore):
         if record is None:
             return AggregateRecord(aggregate_type, aggregate_id)
         # The states are the mutable parts a caller could change; entries are immutable.
-        return dataclasses.replace(record, state=copy.deepcopy(record.state),
-                                   final_state=copy.deepcopy(record.final_state),
-                                   processed=dict(record.processed))
+        return _with_processed(record, dict(record.processed), state=_copied(record.state),
+                               final_state=_copied(record.final_state))
 
     def commit(
         self,
@@ -110,7 +109,7 @@ class MemoryStorage(Storage, LimitStore):
             at=utc_now(),
             message_type=message_type,
         )
-        kept = copy.deepcopy(dict(state)) if state is not None else None
+        kept = _copied(dict(state)) if state is not None else None
         with self._lock:
             current = self._records.get(address)
             current_version = current.version if current else 0
@@ -162,9 +161,10 @@ class MemoryStorage(Storage, LimitStore):
                 return
             entry = record.processed[key]
             processed = dict(record.processed)
-            processed[key] = dataclasses.replace(
-                entry, outgoing=entry.outgoing if keep_bodies else (), dispatched=True, attempts=0)
-            self._records[address] = dataclasses.replace(record, processed=processed)
+            processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
+                                              entry.outgoing_ids, True, entry.at,
+                                              message_type=entry.message_type)
+            self._records[address] = _with_processed(record, processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         address = (aggregate_type, aggregate_id)
@@ -451,3 +451,27 @@ class _Scheduled:
     leased_until: datetime.datetime | None = None
     #: Failed sends so far (``note_scheduled_failure``).
     attempts: int = 0
+
+
+def _copied(value: Any) -> Any:
+    """A deep copy of a state (JSON: dicts, lists and scalars) without ``copy.deepcopy``'s
+    memo and dispatch; anything else is deep-copied."""
+    kind = type(value)
+    if kind is dict:
+        return {key: _copied(item) for key, item in value.items()}
+    if kind is list:
+        return [_copied(item) for item in value]
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    return copy.deepcopy(value)
+
+
+def _with_processed(record: AggregateRecord, processed: dict[str, ProcessedMessage], *,
+                    state: Mapping[str, Any] | None = None,
+                    final_state: Mapping[str, Any] | None = None) -> AggregateRecord:
+    """``record`` with ``processed`` (and ``state`` and ``final_state``, if given): what
+    ``dataclasses.replace`` does, for the fields a load and a mark change."""
+    return AggregateRecord(record.aggregate_type, record.aggregate_id, record.version,
+                           record.state if state is None else state, processed,
+                           record.updated_at, record.completed, record.state_version,
+                           record.final_state if final_state is None else final_state)

@@ -213,35 +213,40 @@ def _do_parked(parked: list[Member]) -> list[Member]:
     return the members whose work is done, in delivery order."""
     blocked: set[tuple[str, str]] = set()
     chosen: dict[str, list[Member]] = {COMMIT: [], DISPATCH: [], LOAD: []}
+    done: list[Member] = []  # in delivery order, as ``parked`` is
     for member in parked:
         work = member.parked
         assert work is not None
         if work.kind == LOAD:
-            assert work.aggregate is not None
             if work.aggregate in blocked:
                 continue  # after the earlier member's commit
-            blocked.add(work.aggregate)
+            blocked.add(work.aggregate)  # type: ignore[arg-type]  # a load names it
         if member.holds is not None:
             blocked.add(member.holds)
         chosen[work.kind].append(member)
-    if not any(chosen.values()):
+        done.append(member)
+    if not done:
         raise RuntimeError("a batch's messages wait for each other")  # cannot happen
     for kind in (COMMIT, DISPATCH, LOAD):  # commits first: a load sees them
         members = chosen[kind]
+        if not members:
+            continue
+        target = members[0].parked.target  # type: ignore[union-attr]
+        if all(member.parked.target is target  # type: ignore[union-attr]
+               for member in members):
+            _do_group(kind, members)  # the usual case: one storage, one transport
+            continue
         by_target: dict[int, list[Member]] = {}
         for member in members:
-            assert member.parked is not None
-            by_target.setdefault(id(member.parked.target), []).append(member)
+            by_target.setdefault(id(member.parked.target), []).append(  # type: ignore[union-attr]
+                member)
         for group in by_target.values():
             _do_group(kind, group)
-    done = sorted((member for members in chosen.values() for member in members),
-                  key=lambda member: member.index)
     for member in done:
         work = member.parked
-        assert work is not None
         member.parked = None
-        if work.kind == LOAD and work.error is None:
-            member.holds = work.aggregate
+        if work.kind == LOAD and work.error is None:  # type: ignore[union-attr]
+            member.holds = work.aggregate  # type: ignore[union-attr]
     return done
 
 

@@ -145,7 +145,7 @@ class HandlerInvoker:
         key = context.dedup_key
         aggregate_type, aggregate_id = self._address(binding, message, key)
         details = {"message_id": context.message_id, "message_type": context.message_type,
-                   "handler": binding.handler_name, "time_sent": headers.get(h.TIME_SENT)}
+                   "handler": context.handler_name, "time_sent": headers.get(h.TIME_SENT)}
         for attempt in range(self._conflicts.attempts):
             loaded = self._storage.load(aggregate_type, aggregate_id, key)
             previous = loaded.processed.get(key)
@@ -153,7 +153,7 @@ class HandlerInvoker:
             if previous is None:
                 if expired:
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
-                                   binding.handler_name, discarded=True)
+                                   context.handler_name, discarded=True)
                 if attempt == 0:
                     self._notice_forgotten_window(loaded, headers, details)
                 absent = _without_saga(binding, message, headers, loaded)
@@ -162,7 +162,7 @@ class HandlerInvoker:
                         self._saga_not_found(binding, message, context, loaded)
                     self._signals.emit(absent, **details)
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
-                                   binding.handler_name, dropped=True)
+                                   context.handler_name, dropped=True)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
                 version = None if state is None else _state_version(binding)
@@ -191,7 +191,7 @@ class HandlerInvoker:
                     self._signals.emit("handled", **details)
                     return Outcome(aggregate_type, aggregate_id, key,
                                    () if sent is True else tuple(outgoing), False,
-                                   binding.handler_name)
+                                   context.handler_name)
             else:
                 stored = previous.outgoing
                 committed_at = None if previous.dispatched else previous.at
@@ -200,13 +200,13 @@ class HandlerInvoker:
             if commit_may_have_landed:  # our own commit, whose reply the outage swallowed
                 self._signals.emit("handled", **details)
                 return Outcome(aggregate_type, aggregate_id, key, stored, False,
-                               binding.handler_name)
+                               context.handler_name)
             call.duplicate = True
             self._signals.emit("duplicate", **details)
-            return Outcome(aggregate_type, aggregate_id, key, stored, True, binding.handler_name,
+            return Outcome(aggregate_type, aggregate_id, key, stored, True, context.handler_name,
                            left_to_outbox=self._is_fresh(stored, committed_at))
         raise ConflictRetriesExhausted(
-            f"{binding.handler_name} lost {self._conflicts.attempts} optimistic races on "
+            f"{context.handler_name} lost {self._conflicts.attempts} optimistic races on "
             f"{aggregate_type} {aggregate_id!r} while handling {context.message_id}"
         )
 
@@ -289,7 +289,7 @@ class HandlerInvoker:
     def _copy(self, binding: HandlerBinding, context: MessageContext,
               emit: Callable[[Envelope], None], loaded: AggregateRecord) -> Any:
         """The handler object for one message: a shallow copy with its bus and context."""
-        handler = copy.copy(binding.handler)
+        handler = _shallow_copy(binding.handler)
         handler.bus = Bus(self._endpoint, self._router, emit, context, clock=self._clock,
                           requests=self._requests)
         handler.context = context
@@ -379,6 +379,32 @@ class HandlerInvoker:
             known = inspect.iscoroutinefunction(inspect.unwrap(function))
             self._async_functions[function] = known
         return known
+
+
+#: Handler class -> whether ``copy.copy`` of its objects is a new object with the same
+#: ``__dict__`` (no ``__copy__``, ``__reduce__``, ``__getstate__``, ``__setstate__``,
+#: ``__new__`` or non-empty ``__slots__`` anywhere): such objects are copied without
+#: ``copy``'s reduce protocol.
+_PLAIN_COPY: dict[type, bool] = {}
+
+
+def _shallow_copy(handler: Any) -> Any:
+    """``copy.copy(handler)``, the short way for the usual handler class."""
+    cls = type(handler)
+    plain = _PLAIN_COPY.get(cls)
+    if plain is None:
+        root: Any = object  # its slots, as a class's methods are compared with
+        plain = _PLAIN_COPY[cls] = (
+            not hasattr(cls, "__copy__") and not hasattr(cls, "__setstate__")
+            and all(vars(base).get("__slots__", ()) == () for base in cls.__mro__)
+            and all(getattr(cls, name, None) is getattr(root, name, None)
+                    for name in ("__new__", "__reduce_ex__", "__reduce__", "__getstate__"))
+            and hasattr(handler, "__dict__"))
+    if not plain:
+        return copy.copy(handler)
+    twin = object.__new__(cls)
+    twin.__dict__.update(handler.__dict__)
+    return twin
 
 
 #: :func:`_without_saga`'s answers, which are also the names of their signals.

@@ -122,19 +122,19 @@ class MessageProcessor:
             self._receive(delivery, headers)
 
     def _receive(self, delivery: Delivery, headers: Mapping[str, str]) -> None:
-        self._signals.emit("received", message_id=headers.get(h.MESSAGE_ID),
-                           message_type=headers.get(h.MESSAGE_TYPE))
+        message_id, message_type = headers.get(h.MESSAGE_ID), headers.get(h.MESSAGE_TYPE)
+        signals = self._signals
+        signals.emit("received", message_id=message_id, message_type=message_type)
         incoming = IncomingMessage(self._endpoint, delivery.queue, headers)
         started = time.perf_counter()
         try:
             pause = self._settle(delivery, incoming)
         finally:  # interrupted too (outcome None): what counts in-flight deliveries needs it
-            self._signals.emit("settled", message_id=headers.get(h.MESSAGE_ID),
-                               message_type=headers.get(h.MESSAGE_TYPE),
-                               outcome=incoming.outcome, effects=incoming.effects,
-                               seconds=time.perf_counter() - started,
-                               time_sent=headers.get(h.TIME_SENT),
-                               deliver_at=headers.get(h.DELIVER_AT))
+            signals.emit("settled", message_id=message_id, message_type=message_type,
+                         outcome=incoming.outcome, effects=incoming.effects,
+                         seconds=time.perf_counter() - started,
+                         time_sent=headers.get(h.TIME_SENT),
+                         deliver_at=headers.get(h.DELIVER_AT))
         delivery.ack()
         level = per_message_level()
         if level is not None:
@@ -144,8 +144,8 @@ class MessageProcessor:
                             _logged_id(headers), elapsed,
                             extra={"outcome": outcome, "duration_ms": elapsed})
         if pause:
-            self._signals.emit("paused", message_id=headers.get(h.MESSAGE_ID),
-                               message_type=headers.get(h.MESSAGE_TYPE), seconds=pause)
+            signals.emit("paused", message_id=message_id, message_type=message_type,
+                         seconds=pause)
             self._recovery.stopping.wait(pause)
 
     def _settle(self, delivery: Delivery, incoming: IncomingMessage) -> float:
@@ -264,8 +264,8 @@ class MessageProcessor:
         exceptions go up to the message. An ``expired`` message that the handler had not
         processed is discarded (:mod:`idembus.expiry`).
         """
-        policy = self._recovery.retry_policy(binding.handler)
         context = self._invoker.context_for(binding, delivery.headers)
+        handler_name = context.handler_name
         attempts = 0
         outages = 0
         outcome: Outcome | None = None
@@ -273,7 +273,7 @@ class MessageProcessor:
         commit_may_have_landed = False
         while True:
             attempts += 1
-            with message_context(handler=binding.handler_name, attempt=attempts):
+            with message_context(handler=handler_name, attempt=attempts):
                 try:
                     if outcome is None:
                         call = HandlerCall(incoming, context, message, attempts,
@@ -283,31 +283,32 @@ class MessageProcessor:
                             commit_may_have_landed=commit_may_have_landed, expired=expired,
                             settle=delivery if last else None))
                         if outcome.discarded:
-                            self._discarded(binding.handler_name, delivery.headers)
+                            self._discarded(handler_name, delivery.headers)
                     self._dispatch(outcome, delivery.headers, dispatching)
                     self._recovery.recovered()
                     return outcome
                 except SkipMessage as skip:
-                    self._skipped(binding.handler_name, delivery.headers, skip,
-                                  handler=binding.handler_name)
+                    self._skipped(handler_name, delivery.headers, skip,
+                                  handler=handler_name)
                     return None
                 except PipelineControl:
                     raise
                 except (StorageUnavailable, TransportUnavailable) as outage:
                     attempts -= 1
                     commit_may_have_landed |= isinstance(outage, CommitOutcomeUnknown)
-                    self._recovery.wait_out(outage, outages, who=binding.handler_name,
+                    self._recovery.wait_out(outage, outages, who=handler_name,
                                             message_id=context.message_id)
                     outages += 1
                 except Exception as error:
                     details = {"message_id": context.message_id,
                                "message_type": context.message_type,
-                               "handler": binding.handler_name, "error": error,
+                               "handler": handler_name, "error": error,
                                "time_sent": delivery.headers.get(h.TIME_SENT)}
                     self._signals.emit("failed", attempt=attempts, **details)
+                    policy = self._recovery.retry_policy(binding.handler)
                     if not policy.should_retry(error, attempts):
-                        return _Failure(error, attempts, policy, binding.handler_name)
-                    log.info("%s failed on %s (attempt %d), retrying: %s", binding.handler_name,
+                        return _Failure(error, attempts, policy, handler_name)
+                    log.info("%s failed on %s (attempt %d), retrying: %s", handler_name,
                              _logged_id(delivery.headers), attempts, loggable(repr(error), 500))
                     self._signals.emit("retried", attempt=attempts, kind="immediate", **details)
 

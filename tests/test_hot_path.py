@@ -1,0 +1,132 @@
+"""The shortcuts of the per-message path behave as the plain code they replace: the log
+fields of the message being processed, the receivers a signal remembers between sends."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from idembus.logs import current_context, message_context
+from idembus.signals import EndpointSignals
+
+
+def test_message_context_fields_nest_drop_none_and_are_restored() -> None:
+    # Given no fields, when blocks are nested, then the inner one sees both and None
+    # removes a field; leaving each block restores the fields before it.
+    assert current_context() == {}
+    with message_context(endpoint="sales", message_id="m-1"):
+        assert current_context() == {"endpoint": "sales", "message_id": "m-1"}
+        with message_context(handler="OrderHandler", attempt=1, message_id=None):
+            assert current_context() == {"endpoint": "sales", "handler": "OrderHandler",
+                                         "attempt": 1}
+        assert current_context() == {"endpoint": "sales", "message_id": "m-1"}
+    assert current_context() == {}
+
+
+def test_message_context_is_restored_when_the_block_raises() -> None:
+    try:
+        with message_context(endpoint="sales"):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    assert current_context() == {}
+
+
+def test_a_signal_calls_receivers_connected_and_forgets_those_disconnected_between_sends(
+) -> None:
+    signals = EndpointSignals("sales")
+    seen: list[tuple[str, Any]] = []
+
+    def first(sender: str, **details: Any) -> None:
+        seen.append(("first", details["message_id"]))
+
+    def second(sender: str, **details: Any) -> None:
+        seen.append(("second", details["message_id"]))
+
+    def other_endpoint(sender: str, **details: Any) -> None:
+        seen.append(("other", details["message_id"]))
+
+    signals.handled.connect(first)
+    signals.emit("handled", message_id="1")
+    signals.handled.connect(second, sender="sales")  # after a send: not remembered yet
+    signals.handled.connect(other_endpoint, sender="billing")
+    signals.emit("handled", message_id="2")
+    signals.handled.disconnect(first)
+    signals.emit("handled", message_id="3")
+    assert sorted(seen) == [("first", "1"), ("first", "2"), ("second", "2"), ("second", "3")]
+
+
+def test_a_signal_skips_a_weakly_connected_receiver_once_it_is_collected() -> None:
+    signals = EndpointSignals("sales")
+    seen: list[str] = []
+
+    class Observer:
+        def on_handled(self, sender: str, **details: Any) -> None:
+            seen.append(details["message_id"])
+
+    observer = Observer()
+    signals.handled.connect(observer.on_handled)  # weak, blinker's default
+    signals.emit("handled", message_id="1")
+    del observer
+    gc.collect()
+    signals.emit("handled", message_id="2")
+    assert seen == ["1"]
+    assert not signals.handled.receivers
+
+
+def test_derived_ids_are_the_uuid5_of_their_name() -> None:
+    import uuid
+
+    from idembus.context import IDEMBUS_NAMESPACE, MessageContext, derived_id
+
+    for name in ["", "OrderHandler/1/0", "Ünïcode/ä/7", "x" * 500]:
+        assert derived_id(name) == str(uuid.uuid5(IDEMBUS_NAMESPACE, name))
+    context = MessageContext(message_id="m-1", message_type="T", headers={},
+                             handler_name="H", endpoint="e")
+    assert context.outgoing_id(3) == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1/3"))
+    assert context.idempotency_key == str(uuid.uuid5(IDEMBUS_NAMESPACE, "H/m-1"))
+
+
+def test_the_broker_s_headers_are_left_out_and_the_sender_s_kept_as_they_are() -> None:
+    from idembus.transports.kombu_delivery import _senders_headers
+
+    plain = {"idembus.message_id": "m", "tenant": "a", "max-x-y": "1"}
+    assert _senders_headers(plain) is plain  # nothing named x-...: no copy
+    assert _senders_headers({"x-death": [{}], "x-first-death-queue": "q", "a": "1",
+                             "x-delivery-count": 2, "x-mine": "kept"}) == {
+        "a": "1", "x-mine": "kept"}
+    assert _senders_headers({"b": "2", "x-last-death-reason": "expired"}) == {"b": "2"}
+    assert _senders_headers({b"\xff": "raw", "x-death": []}) == {b"\xff": "raw"}
+
+
+def test_a_handler_is_copied_as_copy_copy_copies_it() -> None:
+    import copy
+
+    from idembus.handlers import Handler
+    from idembus.runtime.invocation import _shallow_copy
+
+    class Plain(Handler):
+        def __init__(self) -> None:
+            self.gateway = object()
+
+    class OwnCopy(Handler):
+        def __copy__(self) -> OwnCopy:
+            twin = OwnCopy()
+            twin.copied = True  # type: ignore[attr-defined]
+            return twin
+
+    class Slotted:
+        __slots__ = ("gateway",)
+
+        def __init__(self) -> None:
+            self.gateway = object()
+
+    plain = Plain()
+    twin = _shallow_copy(plain)
+    assert twin is not plain and type(twin) is Plain
+    assert twin.gateway is plain.gateway and vars(twin) == vars(plain)
+    twin.bus = "its own"
+    assert not hasattr(plain, "bus")
+    assert _shallow_copy(OwnCopy()).copied  # type: ignore[attr-defined]
+    slotted = Slotted()
+    assert _shallow_copy(slotted).gateway is copy.copy(slotted).gateway
