@@ -356,7 +356,11 @@ class AggregateRecord:
         the record holds it); ``None`` for a live aggregate."""
         if not self.completed or not self.processed:
             return None
-        return max(self.processed.values(), key=_entry_time)
+        # The newest; of entries with the same time (MongoDB keeps milliseconds), the later
+        # in the record, which holds them in the order they were committed.
+        _, _, newest = max((_entry_time(entry), position, entry)
+                           for position, entry in enumerate(self.processed.values()))
+        return newest
 
 
 def _entry_time(entry: ProcessedMessage) -> datetime.datetime:

@@ -1164,7 +1164,8 @@ class PostgresStorage(Storage, LimitStore):
                 with self._opening:
                     if not self._opened:
                         self._pool_attempts.attach()  # one clear line, not one per attempt
-                        self._pool.open(wait=True, timeout=self._connect_timeout)
+                        # without wait: a pool whose wait times out is closed for good
+                        self._pool.open(wait=False)
                         self._opened = True
             with self._pool.connection() as pooled, discarding(pooled) as connection:
                 yield connection

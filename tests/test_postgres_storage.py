@@ -40,7 +40,7 @@ def prefix() -> Iterator[str]:
 def expected_tables(prefix: str) -> set[str]:
     return {f"{prefix}_{name}"
             for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit",
-                         "journal", "parked")}
+                         "journal", "parked", "rates", "slots")}
 
 
 def tables(prefix: str) -> set[str]:
@@ -183,3 +183,35 @@ def test_records_page_through_an_aggregate_type_reading_each_once(unique: str) -
     finally:
         storage.drop_tables()
         storage.close()
+
+
+def test_a_storage_first_used_while_the_database_is_unreachable_works_once_it_is_back(
+) -> None:
+    # Given a storage whose first connection finds nothing listening (a failover, a
+    # database still starting)
+    require_service(POSTGRES_URL, "PostgreSQL")
+    from urllib.parse import urlparse
+
+    from tests.proxy import TcpProxy
+
+    target = urlparse(POSTGRES_URL)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432)
+    url = POSTGRES_URL.replace(f"{target.hostname}:{target.port or 5432}",
+                               f"127.0.0.1:{proxy.port}", 1)
+    storage = PostgresStorage(url, table_prefix=f"back{uuid.uuid4().hex[:8]}",
+                              connect_timeout=1)
+    try:
+        with pytest.raises(StorageUnavailable) as first:
+            storage.verify()
+        assert "cannot be reused" not in str(first.value)
+        # When the database answers again
+        proxy.restore()
+        # Then the same storage object works (its pool was not closed for good)
+        storage.verify()
+        assert not storage.load("Account", "a").exists
+    finally:
+        try:
+            storage.drop_tables()
+        finally:
+            storage.close()
+            proxy.cut()

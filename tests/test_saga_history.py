@@ -162,3 +162,18 @@ def test_a_processed_table_from_before_message_types_gains_the_column_and_keeps_
         assert storage.history(SAGA, "o-1") == record
     finally:
         storage.close()
+
+
+def test_of_entries_committed_in_the_same_millisecond_the_later_ended_the_saga() -> None:
+    # MongoDB keeps times to the millisecond: two commits of one saga can read back equal
+    import datetime
+
+    from idembus.storage.base import AggregateRecord, ProcessedMessage
+
+    at = datetime.datetime(2031, 5, 4, 12, 0, tzinfo=datetime.timezone.utc)
+    record = AggregateRecord("Order", "o-1", version=2, completed=True, processed={
+        "H/start": ProcessedMessage("H/start", (), (), True, at, message_type="PlaceOrder"),
+        "H/paid": ProcessedMessage("H/paid", (), (), True, at, message_type="OrderPaid"),
+    })
+    ended = record.ended_by()
+    assert ended is not None and ended.message_type == "OrderPaid"

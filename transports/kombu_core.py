@@ -229,7 +229,8 @@ def _group_size(arguments: Mapping[str, Any]) -> int | None:
 def _split_urls(url: str | Sequence[str]) -> list[str]:
     """The broker URLs of ``url``: kombu's failover syntax or a list; one scheme for all."""
     parts = [url] if isinstance(url, str) else list(url)
-    urls = [piece.strip() for part in parts for piece in part.split(";") if piece.strip()]
+    urls = [piece.strip() for part in parts for piece in _failover_pieces(part)
+            if piece.strip()]
     if not urls:
         raise ConfigurationError("no broker URL given: use a kombu URL such as "
                                  "amqp://user:password@host:5672//, or several for a cluster")
@@ -239,6 +240,16 @@ def _split_urls(url: str | Sequence[str]) -> list[str]:
             f"the broker URLs {redact(';'.join(urls))!r} mix schemes "
             f"({', '.join(sorted(schemes))}): the nodes of one cluster speak one protocol")
     return urls
+
+
+def _failover_pieces(url: str) -> list[str]:
+    """``url`` split at ``;`` (kombu's failover syntax) when every piece is a URL; else
+    whole: a raw ``;`` in a password is not a second node (the URL check then says how to
+    write it)."""
+    pieces = url.split(";")
+    if len(pieces) > 1 and all("://" in piece for piece in pieces if piece.strip()):
+        return pieces
+    return [url]
 
 
 def _close_quietly(connection: kombu.Connection) -> None:
