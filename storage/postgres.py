@@ -1164,8 +1164,11 @@ class PostgresStorage(Storage, LimitStore):
                 with self._opening:
                     if not self._opened:
                         self._pool_attempts.attach()  # one clear line, not one per attempt
-                        # without wait: a pool whose wait times out is closed for good
-                        self._pool.open(wait=False)
+                        try:
+                            self._pool.open(wait=True, timeout=self._connect_timeout)
+                        except PoolTimeout:  # which closes a psycopg pool for good
+                            self._pool = _renewed(self._pool)
+                            raise
                         self._opened = True
             with self._pool.connection() as pooled, discarding(pooled) as connection:
                 yield connection
@@ -1265,6 +1268,14 @@ def _has_column(connection: psycopg.Connection[Any], table: str, column: str) ->
 def _utc(moment: datetime.datetime | None) -> datetime.datetime | None:
     """A ``timestamptz`` in UTC, whatever the session's time zone."""
     return moment.astimezone(datetime.timezone.utc) if moment is not None else None
+
+
+def _renewed(pool: ConnectionPool) -> ConnectionPool:
+    """A new, unopened pool with the settings of ``pool``: psycopg closes a pool whose
+    first wait timed out, and a closed pool cannot be opened again."""
+    return ConnectionPool(pool.conninfo, min_size=pool.min_size, max_size=pool.max_size,
+                          open=False, timeout=pool.timeout, kwargs=pool.kwargs,
+                          name=pool.name)
 
 
 def _advisory_key(name: str) -> int:

@@ -575,7 +575,7 @@ class PostgresTransport(PostgresReplyQueues,
             if not self._opened:
                 with self._opening:
                     if not self._opened:
-                        self._pool.open(wait=False)  # a timed-out wait closes it for good
+                        self._pool.open(wait=True, timeout=self._connect_timeout)
                         self._opened = True
             with self._pool.connection() as pooled, _seam(self.url, what, refusal=refusal), \
                     discarding(pooled) as connection:
