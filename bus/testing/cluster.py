@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..redaction import redact
+from .processes import alive
 
 #: Where Debian and RabbitMQ's own packages put the scripts that do not switch user.
 _SCRIPT_DIRS = ("/usr/lib/rabbitmq/bin", "/usr/local/lib/rabbitmq/bin")
@@ -229,7 +230,7 @@ class RabbitCluster:
             pid = int(self.nodes[name].pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
-        return pid if _alive(pid) else None
+        return pid if alive(pid) else None
 
     def ctl(self, name: str, *args: str, check: bool = True) -> str:
         """Run ``rabbitmqctl -n <node> args`` with the cluster's cookie; its output."""
@@ -320,7 +321,7 @@ class RabbitCluster:
                 process.wait(self.timeout)
             except subprocess.TimeoutExpired:
                 pass
-        while _alive(pid):
+        while alive(pid):
             if time.monotonic() > deadline:
                 raise ClusterError(f"node {name} (pid {pid}) is still running after "
                                    f"{self.timeout:.0f}s (see {self.nodes[name].log_file})")
@@ -372,19 +373,6 @@ def _script_dir() -> str:
         raise ClusterError("rabbitmq-server is not installed (apt-get install rabbitmq-server, "
                            "or set IDEMBUS_RABBITMQ_SCRIPTS to its directory)")
     return os.path.dirname(found)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (our own child not yet reaped) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _listening(port: int) -> bool:

@@ -49,6 +49,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from .processes import alive
+
 #: The OS user the servers run as when this process is root (PostgreSQL refuses root).
 SERVER_USER = "postgres"
 #: The standby's name, in ``synchronous_standby_names`` and its ``application_name``.
@@ -241,7 +243,7 @@ class PostgresPair:
         if old.name in self._running:
             raise ClusterError(f"{old.name} is running: fail over first")
         pid = _postmaster_pid(old.data)
-        if pid is not None and not _alive(pid):
+        if pid is not None and not alive(pid):
             # killed, perhaps not reaped yet: PostgreSQL would take the zombie for a
             # server still running in that directory
             (old.data / "postmaster.pid").unlink()
@@ -391,7 +393,7 @@ class PostgresPair:
             if quiet:
                 return
             raise
-        self._wait(lambda: not _alive(pid), f"{server.name} gone")
+        self._wait(lambda: not alive(pid), f"{server.name} gone")
 
     def _wait(self, condition: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -414,20 +416,6 @@ def _postmaster_pid(data: Path) -> int | None:
     except (OSError, UnicodeDecodeError):
         return None
     return int(first) if first.strip().isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is gone for our purposes
-        state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return True
-    return state[0] != "Z"
 
 
 def main() -> None:
