@@ -169,6 +169,13 @@ def summary(results: dict[str, list[RunResult]]) -> tuple[str, dict[str, float |
     for part, key in (("workers", "cpu_worker"), ("postgresql", "cpu_postgres"),
                       ("rabbitmq", "cpu_rabbitmq")):
         figures[key] = top.cpu_us_per_msg.get(part) if top else None
+    # Adding a worker should add no coordination cost: the workers' CPU per message with two
+    # processes against one, each at its fastest run (on two cores the wall-clock scaling
+    # cannot show it once one worker keeps more than a core busy).
+    for workers in (1, 2):
+        run = best_idembus(results, workers)
+        figures[f"cpu_worker_{workers}w"] = run.cpu_us_per_msg.get("workers") if run else None
+    figures["cpu_scaling_2w"] = _ratio(figures["cpu_worker_2w"], figures["cpu_worker_1w"])
     fields = [f"{key}={_format(value, '.0f' if key in _RATES else '.2f')}"
               for key, value in figures.items()]
     best_label = f" (idembus best: {top.config.label}; CPU in us a message)" if top else ""
@@ -176,7 +183,8 @@ def summary(results: dict[str, list[RunResult]]) -> tuple[str, dict[str, float |
 
 
 _RATES = ("idembus_1w", "idembus_2w", "idembus_per_message", "idembus_batched", "raw_kombu",
-          "celery", "dramatiq", "cpu_worker", "cpu_postgres", "cpu_rabbitmq")
+          "celery", "dramatiq", "cpu_worker", "cpu_postgres", "cpu_rabbitmq", "cpu_worker_1w",
+          "cpu_worker_2w")
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
