@@ -93,6 +93,11 @@ class Result:
     def rate(self) -> float:
         return self.messages / self.seconds
 
+    @property
+    def cpu_ms_per_message(self) -> float:
+        """The machine's CPU time per message: every process, the services' included."""
+        return self.busy * self.seconds * 1000 / self.messages
+
 
 class Stopwatch:
     """Started when made; :meth:`result` reads the time and the machine's busy cores."""
@@ -308,8 +313,11 @@ def report(results: Sequence[Result], master: str) -> None:
             [r for r in results if r.variant == "cluster 1w"],
             [r for r in results if r.variant == "cluster 2w"], strict=True)]
         print("two workers / one, each round: " + " ".join(f"{p:.2f}" for p in paired))
+        cpu_one = chosen["cluster 1w"].cpu_ms_per_message
+        cpu_two = chosen["cluster 2w"].cpu_ms_per_message
         fields += [f"cluster_1w={one:.0f}", f"cluster_2w={two:.0f}",
-                   f"ratio_2w_1w={two / one:.2f}"]
+                   f"ratio_2w_1w={two / one:.2f}", f"cpu_ms_1w={cpu_one:.2f}",
+                   f"cpu_ms_2w={cpu_two:.2f}", f"cpu_ratio_2w_1w={cpu_two / cpu_one:.2f}"]
     print("bench: " + " ".join(fields))
 
 
