@@ -9,8 +9,9 @@ the receipt of its event (matched by the event's ``idembus.causation_id``), so i
 the broker both ways, the load, the handler, the commit and the confirmed publish. The
 first ``warmup`` messages are not counted.
 
-The loads are fractions of a rate the caller gives (``bench.postgres`` passes its own best
-batched rate of the same run, or ``--latency-rate``): 10 % (light) and 80 % (heavy). The
+The loads are fractions of a rate the caller gives (``bench.postgres`` passes the best
+one-worker batched rate of the same run's grid, or measures that worker at full speed first
+when the run has no grid, or takes ``--latency-rate``): 10 % (light) and 80 % (heavy). The
 question it answers: at light load, does batching add more than its linger (2 ms) to p50
 and p99? Each result is ``{p50_ms, p99_ms, max_ms, sent, received}``.
 """
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 LOADS = {"light": 0.1, "heavy": 0.8}
 #: The batch size of the batched runs (as the grid's quick batched configurations).
 BATCH = 32
+#: The worker's threads in every latency run.
+THREADS = 2
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -90,7 +93,7 @@ class _Sink:
 
 
 def measure(*, rate: float, batch: int, count: int, warmup: int, logs: Path,
-            threads: int = 2) -> dict[str, Any]:
+            threads: int = THREADS) -> dict[str, Any]:
     """Send ``warmup + count`` messages at ``rate`` a second to one worker (``batch``: its
     batch size, 0: one at a time) and return the latency figures of the last ``count``."""
     names = RunNames.fresh()

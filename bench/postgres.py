@@ -267,7 +267,18 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         lines += [f"  problem: {problem}" for problem in memory.problems]
     if "latency" in args.parts:
         top = best_idembus(results, 1, batched=True)
-        reference = args.latency_rate or (top.rate if top else None) or 1000.0
+        if top is None and not args.latency_rate:
+            # No grid in this run: measure the reference here, the latency's own worker
+            # (one process, its threads, batched) at full speed, rather than assume one.
+            config = configuration(1, pg_latency.THREADS, pg_latency.BATCH)
+            print(f"\nlatency: the reference rate, {config.label} at full speed", flush=True)
+            top = run_configuration(IdembusVariant(), config, warmup=args.warmup,
+                                    count=args.messages, logs=logs)
+            results.setdefault("idembus", []).append(top)
+        reference = args.latency_rate or (top.rate if top else None)
+        if reference is None:
+            raise SystemExit("latency: the reference run failed: "
+                             + "; ".join(top.problems if top else []))
         print(f"\nlatency: one worker, sent at 10 % and 80 % of {reference:.0f} msg/s, "
               f"batch {pg_latency.BATCH} and none", flush=True)
         latency = pg_latency.run_latency(reference, count=args.latency_messages,
@@ -308,7 +319,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="untimed messages before them (100)")
     parser.add_argument("--latency-rate", type=float, default=None, metavar="R",
                         help="the rate the loads are fractions of (default: this run's best "
-                             "one-worker batched rate, 1000 without the grid)")
+                             "one-worker batched rate; without the grid, that worker "
+                             "measured at full speed first)")
     parser.add_argument("--memory-messages", type=int, default=200_000, metavar="M",
                         help="messages of the memory run; RSS is compared with the RSS after "
                              "--memory-first (200000, the issue's figure: ~3 min of the run)")
