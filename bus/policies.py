@@ -135,7 +135,8 @@ class OutboxPolicy:
 @dataclass(frozen=True)
 class Batching:
     """Batched consumption: ``size`` deliveries at most a batch (``None``: the endpoint's
-    ``prefetch``), ``linger`` seconds at most waited for more once one is ready.
+    ``prefetch``), ``linger`` seconds at most waited for more once one is ready (on RabbitMQ
+    only when a second delivery came with the first: a delivery alone goes at once).
 
     ``Batching(size=1)`` is processing one message at a time, through the same path."""
 

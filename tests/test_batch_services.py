@@ -321,6 +321,35 @@ def test_rabbitmq_acknowledges_consecutive_deliveries_with_one_multiple_ack(rabb
     assert transport.pending(queue) == 0
 
 
+@pytest.mark.amqp
+def test_a_delivery_that_comes_alone_is_handed_over_without_waiting_the_linger(rabbitmq):
+    """Light load: batching must not add its linger to a lone message's latency."""
+    transport, name = rabbitmq
+    queue = name("alone")
+    transport.declare(queue)
+    batches: list[int] = []
+    arrived = threading.Event()
+    stop = threading.Event()
+
+    def on_batch(deliveries: Any) -> None:
+        transport.ack_many(deliveries)
+        batches.append(len(deliveries))
+        arrived.set()
+
+    consumer = threading.Thread(target=transport.consume_batches, args=(queue, on_batch),
+                                kwargs={"stop": stop, "prefetch": 8, "size": 8, "linger": 60})
+    consumer.start()
+    try:
+        transport.send(command(queue))
+        # Held for the linger, it would come after 60 s.
+        assert arrived.wait(20), "the lone delivery waited for the linger"
+        assert batches == [1]
+    finally:
+        stop.set()
+        consumer.join(30)
+    assert transport.pending(queue) == 0
+
+
 def deposits(queue: str, plan: list[tuple[str, str, int]]) -> list[Envelope]:
     return [Envelope(headers={h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: message_name(Deposit),
                               h.INTENT: h.Intent.SEND.value},
