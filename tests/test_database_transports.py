@@ -470,6 +470,37 @@ def test_an_unreachable_database_is_an_outage_a_consumer_waits_out(
     direct.close()
 
 
+@pytest.mark.postgres
+def test_a_transport_first_used_while_the_database_is_unreachable_works_once_it_is_back(
+    postgres_url: str, unique: str,
+) -> None:
+    # Given a transport whose first connection finds nothing listening (a failover, a
+    # database still starting)
+    require_service(postgres_url, "PostgreSQL")
+    target = psycopg.conninfo.conninfo_to_dict(postgres_url)
+    proxy = TcpProxy(str(target.get("host") or "127.0.0.1"), int(target.get("port") or 5432))
+    proxied = psycopg.conninfo.make_conninfo(postgres_url, host="127.0.0.1",
+                                             port=str(proxy.port))
+    transport = PostgresTransport(proxied, table_prefix=f"b{unique}", connect_timeout=1)
+    queue = f"back-{unique}"
+    try:
+        with pytest.raises(TransportUnavailable) as first:
+            transport.declare(queue)
+        assert "cannot be reused" not in str(first.value)
+        # When the database answers again
+        proxy.restore()
+        # Then the same transport works (its pool was not closed for good)
+        transport.declare(queue)
+        transport.send(envelope(destination=queue))
+        assert transport.pending(queue) == 1
+    finally:
+        try:
+            transport.drop_tables()
+        finally:
+            transport.close()
+            proxy.cut()
+
+
 def test_what_the_database_refuses_of_one_message_is_that_messages_own_failure(
     make_transport: MakeTransport, queue_name: QueueName, transport_url: str,
 ) -> None:

@@ -63,8 +63,8 @@ def test_the_demo_command_prints_one_line_from_the_stores(capsys):
     fields = dict(part.split("=") for part in line.split())
     assert list(fields) == ["orders", "placed", "billed", "shipped", "charges",
                             "duplicates_injected", "duplicates_detected", "redispatched",
-                            "lost", "double_effects"]
-    assert fields["lost"] == fields["double_effects"] == "0"
+                            "lost", "double_effects", "history_violations"]
+    assert fields["lost"] == fields["double_effects"] == fields["history_violations"] == "0"
     assert int(fields["duplicates_detected"]) >= int(fields["duplicates_injected"]) > 0
 
 

@@ -30,7 +30,8 @@ TORTURE_POSTGRES_URL = os.environ.get("IDEMBUS_TORTURE_POSTGRES_URL", POSTGRES_U
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ORDERS = 2000
 FIELDS = ["orders", "placed", "billed", "shipped", "charges", "kills", "broker_restarts",
-          "error_queue", "lost", "double_effects"]
+          "error_queue", "lost", "double_effects",
+          "history_violations"]
 
 
 def require_control(control: Rabbitmqctl | PgCtlcluster, reason: str) -> None:
@@ -125,6 +126,7 @@ def assert_exactly_once(done: subprocess.CompletedProcess[str]) -> None:
     assert all(figures[name] == ORDERS for name in ("placed", "billed", "shipped", "charges")), \
         diagnosis
     assert figures["error_queue"] == figures["lost"] == figures["double_effects"] == 0, diagnosis
+    assert figures["history_violations"] == 0, diagnosis
     assert figures["kills"] > 0, diagnosis
     assert figures["broker_restarts"] == 1, diagnosis
     assert done.returncode == 0, diagnosis

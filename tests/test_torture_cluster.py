@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.amqp, pytest.mark.postgres, pytest.mark.torture,
               pytest.mark.timeout(1200)]
 ORDERS = 300
 FIELDS = ["orders", "placed", "billed", "shipped", "charges", "kills", "broker_restarts",
-          "node_kills", "node_stops", "pg_failovers", "error_queue", "lost", "double_effects"]
+          "node_kills", "node_stops", "pg_failovers", "error_queue", "lost", "double_effects",
+          "history_violations"]
 
 
 def require_servers() -> None:
@@ -71,6 +72,7 @@ def test_every_order_takes_effect_once_through_a_node_kill_a_node_stop_and_a_pg_
     assert all(figures[name] == ORDERS for name in ("orders", "placed", "billed", "shipped",
                                                     "charges")), diagnosis
     assert figures["error_queue"] == figures["lost"] == figures["double_effects"] == 0, diagnosis
+    assert figures["history_violations"] == 0, diagnosis
     assert figures["node_kills"] == figures["node_stops"] == figures["pg_failovers"] == 1, \
         diagnosis
     assert figures["kills"] > 0, diagnosis

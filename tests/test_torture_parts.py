@@ -28,6 +28,7 @@ def test_the_plan_sends_every_order_once_and_the_duplicates_twice_with_the_same_
     orders_of = {send.message_id: send.command.order_id for send in plan.sends}
     assert len(set(orders_of.values())) == 500  # one message id per order
     assert plan == Plan.make(500, 100, seed=4)  # the same seed, the same run
+    assert plan.commands() == orders_of  # what the history checker takes as sent
 
 
 def test_some_duplicates_follow_their_first_copy_at_once_and_some_later():
@@ -122,16 +123,17 @@ def report(**changes: int) -> TortureReport:
 
 def test_the_report_line_lists_the_figures_in_the_order_of_the_issue():
     assert report().line() == ("orders=10 placed=10 billed=10 shipped=10 charges=10 kills=3 "
-                               "broker_restarts=1 error_queue=0 lost=0 double_effects=0")
+                               "broker_restarts=1 error_queue=0 lost=0 double_effects=0 "
+                               "history_violations=0")
     assert report().failures(broker_restart_expected=True, kills_expected=True) == []
 
 
 def test_the_report_names_every_figure_that_is_off():
     bad = report(shipped=9, charges=11, error_queue=1, lost=1, double_effects=1, kills=0,
-                 broker_restarts=0)
+                 broker_restarts=0, history_violations=2)
     assert bad.failures(broker_restart_expected=True, kills_expected=True) == [
         "shipped=9, expected 10", "charges=11, expected 10", "error_queue=1, expected 0",
-        "lost=1, expected 0", "double_effects=1, expected 0",
+        "lost=1, expected 0", "double_effects=1, expected 0", "history_violations=2, expected 0",
         "broker_restarts=0, expected 1", "no worker was killed",
     ]
     assert report(kills=0, broker_restarts=0).failures(
@@ -144,7 +146,7 @@ def test_a_cluster_run_lists_its_node_kills_and_stops_after_the_broker_restarts(
 
     assert cluster.line() == ("orders=10 placed=10 billed=10 shipped=10 charges=10 kills=3 "
                               "broker_restarts=0 node_kills=1 node_stops=1 error_queue=0 "
-                              "lost=0 double_effects=0")
+                              "lost=0 double_effects=0 history_violations=0")
     assert cluster.failures(broker_restart_expected=False, kills_expected=True) == []
     stalled = TortureReport(**{**vars(cluster), "cluster": (("node_kills", 0),)})
     assert stalled.failures(broker_restart_expected=False, kills_expected=True) == [

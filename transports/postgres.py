@@ -95,7 +95,7 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import psycopg
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from .. import headers as h
 from ..envelope import Envelope
@@ -108,6 +108,7 @@ from .database import MAX_METADATA_BYTES, oversize, transport_error
 from .db_engine import Claim, DatabaseTransport, check_times
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .postgres_listener import Listener
+from .postgres_pool import TransportPool
 from .postgres_replies import PostgresReplyQueues
 from .postgres_rows import (
     _close_quietly,
@@ -169,16 +170,12 @@ class PostgresTransport(PostgresReplyQueues,
                            max_idle_wait=max_idle_wait, backoff=reconnect_backoff,
                            name="idembus-postgres-leases")
         try:
-            self._pool = ConnectionPool(
-                url, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
-                kwargs={"autocommit": True, "application_name": "idembus"},
-                name=f"idembus-transport-{table_prefix}")
+            self._pool = TransportPool(url, size=pool_size, connect_timeout=connect_timeout,
+                                       name=f"idembus-transport-{table_prefix}")
         except psycopg.ProgrammingError as exc:  # a conninfo libpq cannot parse
             raise ConfigurationError(
                 f"transport URL {self.safe_url!r} cannot be used: {redact(str(exc))}; use "
                 "postgresql://user:password@host:5432/dbname") from exc
-        self._opened = False
-        self._opening = threading.Lock()
         self._schema_ready = False
         self._consumers: set[psycopg.Connection[Any]] = set()
         self._listeners: dict[str, Listener] = {}
@@ -572,11 +569,6 @@ class PostgresTransport(PostgresReplyQueues,
         """A pooled autocommit connection; the database's failures become transport errors
         (``refusal`` for what it refuses of the work itself)."""
         try:
-            if not self._opened:
-                with self._opening:
-                    if not self._opened:
-                        self._pool.open(wait=True, timeout=self._connect_timeout)
-                        self._opened = True
             with self._pool.connection() as pooled, _seam(self.url, what, refusal=refusal), \
                     discarding(pooled) as connection:
                 yield connection
@@ -592,8 +584,5 @@ class PostgresTransport(PostgresReplyQueues,
             listener.close()
         for connection in consumers:
             _close_quietly(connection)
-        with self._opening:
-            if self._opened:
-                self._pool.close()
-                self._opened = False
+        self._pool.close()
 

@@ -72,6 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         for storage in storages:
             _drop(storage)
     print(result.line())
+    for line in result.violations:
+        print(line, file=sys.stderr)
     return 0 if result.ok else 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from idembus import Endpoint
 from idembus.handlers import Handler
@@ -16,6 +16,7 @@ from idembus.transports.base import Transport
 from idembus.transports.kombu import KombuTransport
 from samples.ordering.audit import audit
 from samples.ordering.billing import BillingHandler, FakePaymentGateway
+from samples.ordering.history import check_history
 from samples.ordering.messages import PlaceOrder
 from samples.ordering.sales import Order, OrderHandler
 from samples.ordering.shipping import Shipment, ShippingHandler
@@ -97,15 +98,20 @@ class Report:
     redispatched: int
     lost: int
     double_effects: int
+    #: What :func:`samples.ordering.history.check_history` found wrong in the stores'
+    #: history (a message handled twice, out of order, never, or sent by nobody).
+    history_violations: int = 0
+    violations: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def line(self) -> str:
-        return " ".join(f"{name}={value}" for name, value in vars(self).items())
+        return " ".join(f"{name}={value}" for name, value in vars(self).items()
+                        if name != "violations")
 
     @property
     def ok(self) -> bool:
         expected = self.orders
         return (
-            self.lost == 0 and self.double_effects == 0
+            self.lost == 0 and self.double_effects == 0 and self.history_violations == 0
             and self.placed == self.billed == self.shipped == self.charges == expected
         )
 
@@ -140,6 +146,9 @@ def report(system: OrderingSystem, order_ids: list[str], duplicates_injected: in
     stores = audit(sales=system.sales.storage, billing=system.billing.storage,
                    shipping=system.shipping.storage, charges=system.gateway.charges,
                    order_ids=order_ids)
+    history = check_history(sales=system.sales.storage, billing=system.billing.storage,
+                            shipping=system.shipping.storage, charges=system.gateway.charges,
+                            order_ids=order_ids)
     counts = [endpoint.counters.snapshot() for endpoint in system.endpoints]
     return Report(
         orders=len(order_ids),
@@ -152,6 +161,8 @@ def report(system: OrderingSystem, order_ids: list[str], duplicates_injected: in
         redispatched=sum(c["redispatched"] for c in counts),
         lost=stores.lost,
         double_effects=stores.double_effects,
+        history_violations=len(history.violations),
+        violations=tuple(history.described()),
     )
 
 

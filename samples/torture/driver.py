@@ -68,6 +68,10 @@ class Plan:
         keyed.sort(key=lambda pair: pair[0])
         return cls(order_ids, [send for _, send in keyed])
 
+    def commands(self) -> dict[str, str]:
+        """The id of each PlaceOrder sent, with its order id."""
+        return {send.message_id: send.command.order_id for send in self.sends}
+
 
 @dataclass
 class DriverStats:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from idembus.storage.base import Storage
 from samples.ordering.audit import StoreAudit, audit
 from samples.ordering.deployment import ENDPOINTS, Deployment
+from samples.ordering.history import HistoryCheck, check_history
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class TortureReport:
     error_queue: int
     lost: int
     double_effects: int
+    #: Violations of the stores' history (:mod:`samples.ordering.history`): a message
+    #: handled twice, out of causal order or never, or sent by nobody.
+    history_violations: int = 0
     #: A cluster run's chaos (``node_kills``, ``node_stops``, ...), after broker_restarts.
     cluster: tuple[tuple[str, int], ...] = ()
 
@@ -43,7 +47,7 @@ class TortureReport:
         for name in ("placed", "billed", "shipped", "charges"):
             if getattr(self, name) != self.orders:
                 problems.append(f"{name}={getattr(self, name)}, expected {self.orders}")
-        for name in ("error_queue", "lost", "double_effects"):
+        for name in ("error_queue", "lost", "double_effects", "history_violations"):
             if getattr(self, name) != 0:
                 problems.append(f"{name}={getattr(self, name)}, expected 0")
         if broker_restart_expected and self.broker_restarts != 1:
@@ -55,14 +59,20 @@ class TortureReport:
         return problems
 
 
-def read_stores(deployment: Deployment, order_ids: Sequence[str]) -> StoreAudit:
-    """What the deployment's tables and its gateway's charges say happened."""
-    storages = {name: deployment.storage(name) for name in ("sales", "billing", "shipping")}
+def read_stores(deployment: Deployment, order_ids: Sequence[str],
+                commands: Mapping[str, str] | None = None) -> tuple[StoreAudit, HistoryCheck]:
+    """What the deployment's tables and its gateway's charges say happened: the counts,
+    and the check of their history (``commands``: the PlaceOrder ids the driver sent,
+    each with its order id)."""
+    storages = {name: deployment.storage(name) for name in ENDPOINTS}
     gateway = deployment.gateway()
     try:
-        return audit(sales=storages["sales"], billing=storages["billing"],
-                     shipping=storages["shipping"], charges=gateway.charges,
-                     order_ids=order_ids)
+        charges = gateway.charges
+        return (audit(sales=storages["sales"], billing=storages["billing"],
+                      shipping=storages["shipping"], charges=charges, order_ids=order_ids),
+                check_history(sales=storages["sales"], billing=storages["billing"],
+                              shipping=storages["shipping"], charges=charges,
+                              order_ids=order_ids, commands=commands))
     finally:
         gateway.close()
         for storage in storages.values():
@@ -104,11 +114,14 @@ def shipped_orders(shipping: Storage) -> int:
 
 
 def make_report(stores: StoreAudit, *, orders: int, kills: int, broker_restarts: int,
-                error_queue: int, cluster: tuple[tuple[str, int], ...] = ()) -> TortureReport:
-    """The line's figures: the stores' and the chaos's."""
+                error_queue: int, history: HistoryCheck | None = None,
+                cluster: tuple[tuple[str, int], ...] = ()) -> TortureReport:
+    """The line's figures: the stores' (their counts and ``history``'s violations) and the
+    chaos's."""
     return TortureReport(
         orders=orders, placed=stores.placed, billed=stores.billed, shipped=stores.shipped,
         charges=stores.charges, kills=kills, broker_restarts=broker_restarts,
         error_queue=error_queue, lost=stores.lost, double_effects=stores.double_effects,
+        history_violations=len(history.violations) if history is not None else 0,
         cluster=cluster,
     )

@@ -210,8 +210,8 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
             problems.append(f"the supervisor of {endpoint} exited with status {status}")
 
     error_queue = probe.status([deployment.error_queue]).get(deployment.error_queue)
-    stores = read_stores(deployment, plan.order_ids)
-    report = make_report(stores, orders=options.orders, kills=kills,
+    stores, history = read_stores(deployment, plan.order_ids, plan.commands())
+    report = make_report(stores, orders=options.orders, kills=kills, history=history,
                          broker_restarts=restart.restarts if restart else 0,
                          error_queue=error_queue.messages if error_queue else 0,
                          cluster=restart.figures() if isinstance(restart, ClusterChaos)
@@ -225,6 +225,9 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
         f"supervisors, {sum(w.count(' ERROR ') for w in logs)} ERROR log lines, "
         f"{sum(w.count('Traceback') for w in logs)} tracebacks",
     ]
+    notes.append(f"history: {sum(history.commits.values())} commits checked ("
+                 + ", ".join(f"{name} {count}" for name, count in history.commits.items())
+                 + f"), {len(history.violations)} violations")
     notes.append("counters (status reports; a killed worker's last second is lost): "
                  + counted(deployment))
     if isinstance(restart, ClusterChaos):
@@ -235,6 +238,7 @@ def _run(options: Options, deployment: Deployment, supervisors: Supervisors,
     if stats.unexpected_errors:
         problems.append(f"the transport raised {len(stats.unexpected_errors)} errors other "
                         f"than TransportUnavailable, first: {stats.unexpected_errors[0]}")
+    problems += [line.strip() for line in history.described()]
     if stores.lost_orders:
         notes.append(f"lost orders: {', '.join(stores.lost_orders[:20])}")
     if stores.doubled_orders:
