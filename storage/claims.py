@@ -75,7 +75,8 @@ class ClaimCheck:
                 f"or your own), got {type(self.store).__name__}")
         names: dict[str, int] = {}
         for key, threshold in self.types.items():
-            name = message_name(key) if is_message_type(key) else key
+            name = key if isinstance(key, str) else (
+                message_name(key) if is_message_type(key) else None)
             if not isinstance(name, str) or not isinstance(threshold, int) or threshold < 0:
                 raise ConfigurationError(
                     f"types maps message types (or wire names) to thresholds in bytes, got "
@@ -85,7 +86,7 @@ class ClaimCheck:
 
     def threshold(self, message_type: str | None) -> int:
         """The threshold of messages of ``message_type`` (a wire name)."""
-        return self.types.get(message_type or "", self.threshold_bytes)  # type: ignore[call-overload]
+        return self.types.get(message_type or "", self.threshold_bytes)
 
     def applies(self, envelope: Envelope) -> bool:
         """Whether ``envelope`` goes on the wire as a reference."""

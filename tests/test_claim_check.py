@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
+import sys
 import threading
+import types
 import uuid
 from collections.abc import Callable
 
 import pytest
 
-from idembus import ClaimCheck, Command, ConfigurationError, Endpoint, MemoryStorage
+from idembus import (
+    ClaimCheck,
+    Command,
+    ConfigurationError,
+    Endpoint,
+    KombuTransport,
+    MemoryStorage,
+    Recoverability,
+)
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
 from idembus.handlers import Handler, handles
@@ -29,6 +40,12 @@ from idembus.storage.claims import payload_id
 from idembus.testing import wait_until_idle
 from idembus.testing.faults import SimulatedCrash
 from tests.support import SignalCounter
+from tests.test_cli_errors import (
+    NO_RETRIES,
+    SharedMemoryStorage,
+    idembus,
+    shared_in_this_process,
+)
 
 MakeEndpoint = Callable[..., Endpoint]
 THRESHOLD = 64 * 1024
@@ -83,7 +100,7 @@ class WireHeaders(Middleware):
 class Watched(PayloadStore):
     """A payload store that counts writes and can "die" once right after one."""
 
-    def __init__(self, store: MemoryStorage, *, crash_after_first_write: bool = False,
+    def __init__(self, store: PayloadStore, *, crash_after_first_write: bool = False,
                  collect_before_crash: bool = False) -> None:
         self.store = store
         self.writes: list[str] = []
@@ -255,3 +272,58 @@ def test_claim_check_options_are_checked_when_the_endpoint_is_built() -> None:
         ClaimCheck(retention=datetime.timedelta(0))
     with pytest.raises(ConfigurationError, match="claim_check must be"):
         Endpoint("e", claim_check=True)  # type: ignore[arg-type]
+
+
+class Refusing(Handler):
+    """Fails every blob: the message goes to the error queue."""
+
+    @handles
+    def store(self, message: StoreBlob) -> None:
+        raise ValueError(f"no room for {message.name}")
+
+
+def test_errors_show_resolves_a_claim_checked_body_in_the_error_queue(
+    make_endpoint: MakeEndpoint, make_transport: Callable[..., KombuTransport],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Given a claim-checked message in the error queue (its handler failed for good)
+    payloads = SharedMemoryStorage()
+    receiver = make_endpoint("blobs", handlers=[Refusing()], claim_check=ClaimCheck(
+        store=payloads), recoverability=Recoverability(retries=NO_RETRIES))
+    dead = SignalCounter(receiver, "dead_lettered")
+    sender = make_endpoint("uploads", claim_check=ClaimCheck(threshold_bytes=1000,
+                                                             store=payloads))
+    module = types.ModuleType(f"claims_errors_{uuid.uuid4().hex[:8]}")
+    tool_storage = SharedMemoryStorage()  # the tool's database: one for every run
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        receiver.name, transport=shared_in_this_process(make_transport()),
+        storage=tool_storage, error_queue=receiver.error_queue,
+        claim_check=ClaimCheck(store=payloads))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with receiver, sender:
+        message_id = sender.bus.send(StoreBlob(name="refused", data=blob("refused", 50_000)),
+                                     to=receiver.name)
+        assert dead.wait_for(1)
+
+    # When it is shown
+    status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id,
+                             "--json")
+
+    # Then the reference is kept and the body it names is shown: its size and its start
+    assert status == 0
+    [shown] = json.loads(out)
+    assert shown["headers"][h.CLAIM_CHECK] == payload_id(message_id)
+    claimed = shown["claim_check"]
+    body = payloads.get_payload(payload_id(message_id))
+    assert body is not None
+    assert claimed["found"] is True and claimed["bytes"] == len(body)
+    assert claimed["prefix"] == body.decode()[:2000] and claimed["truncated"] is True
+    status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id)
+    assert f"claim-checked body, {len(body)} bytes (the first 2000 characters):" in out
+
+    # And once the body is collected, it says so instead
+    far = utc_now() + datetime.timedelta(days=3650)
+    assert payloads.collect_payloads(far) == 1
+    status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id)
+    assert status == 0
+    assert "claim-checked body: cannot be read:" in out and "not in the payload store" in out
