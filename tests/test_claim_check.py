@@ -327,3 +327,33 @@ def test_errors_show_resolves_a_claim_checked_body_in_the_error_queue(
     status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id)
     assert status == 0
     assert "claim-checked body: cannot be read:" in out and "not in the payload store" in out
+
+
+class FetchBlob(Command, message_name="claims.FetchBlob"):
+    name: str
+    size: int
+
+
+class BlobStore(Handler):
+    """Answers a FetchBlob with the blob itself."""
+
+    @handles
+    def fetch(self, message: FetchBlob) -> None:
+        self.bus.reply(StoreBlob(name=message.name, data=blob(message.name, message.size)))
+
+
+def test_a_large_reply_to_an_awaited_request_is_resolved_for_the_requester(
+    make_endpoint: MakeEndpoint,
+) -> None:
+    # Given a responder whose replies are claim-checked, and a requester reading its store
+    payloads = MemoryStorage()
+    responder = make_endpoint("store", handlers=[BlobStore()], claim_check=ClaimCheck(
+        threshold_bytes=THRESHOLD, store=payloads))
+    requester = make_endpoint("shop", routes={FetchBlob: responder.name},
+                              claim_check=ClaimCheck(store=payloads))
+    with responder, requester:
+        # When the requester waits for a large reply
+        reply = requester.bus.request(FetchBlob(name="asked", size=300_000), timeout=20)
+    # Then it gets the whole message, and the body went through the store
+    assert isinstance(reply, StoreBlob) and reply.data == blob("asked", 300_000)
+    assert payloads.collect_payloads(utc_now() + datetime.timedelta(days=3650)) == 1
