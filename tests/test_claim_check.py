@@ -23,6 +23,7 @@ from collections.abc import Callable
 import pytest
 
 from idembus import (
+    Backoff,
     ClaimCheck,
     Command,
     ConfigurationError,
@@ -37,6 +38,7 @@ from idembus.handlers import Handler, handles
 from idembus.pipeline import Dispatch, IncomingMessage, Middleware
 from idembus.storage.base import PayloadStore
 from idembus.storage.claims import payload_id
+from idembus.storage.errors import StorageUnavailable
 from idembus.testing import wait_until_idle
 from idembus.testing.faults import SimulatedCrash
 from tests.support import SignalCounter
@@ -357,3 +359,40 @@ def test_a_large_reply_to_an_awaited_request_is_resolved_for_the_requester(
     # Then it gets the whole message, and the body went through the store
     assert isinstance(reply, StoreBlob) and reply.data == blob("asked", 300_000)
     assert payloads.collect_payloads(utc_now() + datetime.timedelta(days=3650)) == 1
+
+
+class Unreachable(Watched):
+    """A payload store whose first reads fail as an outage."""
+
+    def __init__(self, store: PayloadStore, outages: int) -> None:
+        super().__init__(store)
+        self.outages = outages
+
+    def get_payload(self, payload_id: str) -> bytes | None:
+        if self.outages:
+            self.outages -= 1
+            raise StorageUnavailable("the payload store is down")
+        return super().get_payload(payload_id)
+
+
+def test_a_reference_waits_out_an_outage_of_the_store_and_spends_no_retry(
+    make_endpoint: MakeEndpoint,
+) -> None:
+    # Given a receiver whose payload store is unreachable for its first three reads
+    payloads = MemoryStorage()
+    flaky = Unreachable(payloads, outages=3)
+    blobs = Blobs()
+    receiver = make_endpoint("blobs", handlers=[blobs], claim_check=ClaimCheck(store=flaky),
+                             recoverability=Recoverability(retries=NO_RETRIES,
+                                                           outage_backoff=Backoff((0.01,))))
+    sender = make_endpoint("uploads", claim_check=ClaimCheck(threshold_bytes=THRESHOLD,
+                                                             store=payloads))
+    with receiver, sender:
+        # When a claim-checked message arrives
+        sender.bus.send(StoreBlob(name="patient", data=blob("patient", 100_000)),
+                        to=receiver.name)
+        wait_until_idle([receiver, sender])
+    # Then it waited for the store and was handled, neither failed nor dead-lettered
+    assert blobs.received == [("patient", 100_000, True)]
+    assert flaky.outages == 0
+    assert receiver.counters["failed"] == receiver.counters["dead_lettered"] == 0
