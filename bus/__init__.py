@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .runtime.recoverability.policy import Recoverability
     from .runtime.recoverability.time_limits import TimeLimits
     from .schedules import Schedule, SchedulerPolicy
+    from .storage.claims import ClaimCheck
     from .storage.memory import MemoryStorage
     from .storage.mongo import MongoStorage
     from .storage.postgres import PostgresStorage
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "AggregateHandler": ".handlers",
     "Audit": ".observability.audit",
+    "ClaimCheck": ".storage.claims",
     "ConcurrencyLimit": ".runtime.recoverability.limits",
     "Limits": ".runtime.recoverability.limits",
     "RateLimit": ".runtime.recoverability.limits",
@@ -93,6 +95,7 @@ __all__ = [
     "BreakerPolicy",
     "Bus",
     "BusError",
+    "ClaimCheck",
     "Command",
     "ConcurrencyLimit",
     "ConfigurationError",

@@ -46,6 +46,11 @@ SAGA_TIMEOUT = "idembus.saga_timeout"
 #: whose requester is gone (its reply queue no longer exists) is dropped, not parked; a
 #: request that fails for good answers with a failure reply (:mod:`idembus.requesting`).
 AWAITED = "idembus.awaited"
+#: On a claim-checked message (:mod:`idembus.storage.claims`): the id its body is kept
+#: under in the payload store, and the body's size in bytes. The wire body is then a small
+#: JSON reference; the receiver reads the body from the store before decoding.
+CLAIM_CHECK = "idembus.claim_check"
+CLAIM_CHECK_BYTES = "idembus.claim_check.bytes"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

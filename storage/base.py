@@ -21,6 +21,9 @@ the roles its options need (:func:`idembus.storage.roles.check_storage_roles`), 
 - :class:`LimitStore` (the ``Limits`` middleware): ``reserve_rate``, ``acquire_slot``,
   ``release_slot``; rate and concurrency limits shared by every process of a storage.
   Not part of :class:`Storage`: a backend adds it (the three of idembus do).
+- :class:`PayloadStore` (``Endpoint(claim_check=...)``): ``put_payload``, ``get_payload``,
+  ``collect_payloads``; the bodies of claim-checked messages. Not part of :class:`Storage`
+  either (the three of idembus add it).
 
 Each shares :class:`StorageRole`: ``process_local``, ``migrate``, ``verify``, ``close``.
 
@@ -767,6 +770,31 @@ class LimitStore(StorageRole, ABC):
         """Give back the slot of ``name`` that ``holder`` holds, if it still does."""
 
 
+class PayloadStore(StorageRole, ABC):
+    """The bodies of claim-checked messages (:mod:`idembus.storage.claims`): each kept under
+    an id derived from its message's id, until a time after which it may be collected.
+
+    Writing is idempotent: the same id written again (a message dispatched again after a
+    crash) keeps one body and only ever moves its time forward. Times come from the
+    caller's clock (aware)."""
+
+    @abstractmethod
+    def put_payload(self, payload_id: str, body: bytes, *,
+                    keep_until: datetime.datetime) -> None:
+        """Keep ``body`` under ``payload_id`` at least until ``keep_until``: stored if new,
+        otherwise replaced, its time becoming the later of the two."""
+
+    @abstractmethod
+    def get_payload(self, payload_id: str) -> bytes | None:
+        """The body kept under ``payload_id``, or ``None`` if there is none (never stored,
+        or collected)."""
+
+    @abstractmethod
+    def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        """Remove up to ``batch`` bodies whose ``keep_until`` is before ``now``; return
+        how many."""
+
+
 def rate_wait(tat: float, *, now: float, interval: float, burst: int) -> tuple[float, float]:
     """The generic cell rate algorithm of :meth:`LimitStore.reserve_rate` on epoch seconds:
     ``(new tat, seconds to wait)`` for a reservation at ``now`` when the due time is
@@ -828,7 +856,7 @@ class Storage(AggregateStore, OutboxStore, DelayedStore, JournalStore, AuditStor
 #: Every role, in the order :class:`Storage` combines them.
 ROLES: tuple[type[StorageRole], ...] = (AggregateStore, OutboxStore, DelayedStore,
                                          JournalStore, AuditStore, StatusStore, ParkingStore,
-                                         LimitStore)
+                                         LimitStore, PayloadStore)
 
 
 def _aware(moment: datetime.datetime, name: str) -> datetime.datetime:

@@ -27,6 +27,7 @@ from .base import (
     Overdue,
     ParkedKey,
     ParkedMessage,
+    PayloadStore,
     ProcessedMessage,
     StatusReport,
     Storage,
@@ -40,7 +41,7 @@ from .errors import StaleLease
 from .journal import resume_position
 
 
-class MemoryStorage(Storage, LimitStore):
+class MemoryStorage(Storage, LimitStore, PayloadStore):
     """Storage in this process's memory: dicts guarded by one lock (the default storage).
 
     Nothing survives the process and no other process sees it: for trials and tests.
@@ -76,6 +77,7 @@ class MemoryStorage(Storage, LimitStore):
         self._parked: dict[str, ParkedMessage] = {}
         self._rates: dict[str, float] = {}
         self._slots: dict[str, dict[str, float]] = {}  # name -> holder -> lease ends
+        self._payloads: dict[str, tuple[bytes, datetime.datetime]] = {}  # id -> body, until
         self._lock = threading.Lock()
 
     def load(
@@ -411,6 +413,25 @@ class MemoryStorage(Storage, LimitStore):
     def release_slot(self, name: str, holder: str) -> None:
         with self._lock:
             self._slots.get(name, {}).pop(holder, None)
+
+    def put_payload(self, payload_id: str, body: bytes, *,
+                    keep_until: datetime.datetime) -> None:
+        with self._lock:
+            kept = self._payloads.get(payload_id)
+            self._payloads[payload_id] = (
+                bytes(body), keep_until if kept is None else max(kept[1], keep_until))
+
+    def get_payload(self, payload_id: str) -> bytes | None:
+        with self._lock:
+            kept = self._payloads.get(payload_id)
+        return None if kept is None else kept[0]
+
+    def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        with self._lock:
+            doomed = [key for key, (_, until) in self._payloads.items() if until < now][:batch]
+            for key in doomed:
+                del self._payloads[key]
+        return len(doomed)
 
     def report_status(self, report: StatusReport) -> None:
         with self._lock:

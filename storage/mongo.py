@@ -107,6 +107,7 @@ from .base import (
     Overdue,
     ParkedKey,
     ParkedMessage,
+    PayloadStore,
     PendingCommit,
     ProcessedMessage,
     StatusReport,
@@ -150,8 +151,14 @@ PARKED = "idembus_parked"
 AGGREGATES = "idembus_aggregates"
 #: Rate and concurrency limits (the ``Limits`` middleware), one document per name.
 LIMITS = "idembus_limits"
+#: Claim-checked bodies (``Endpoint(claim_check=...)``), in chunks of
+#: :data:`PAYLOAD_CHUNK_BYTES`: ``{_id: "<payload id>.<n>", payload, n, count, data,
+#: keep_until}``.
+PAYLOADS = "idembus_payloads"
+#: The largest chunk of a claim-checked body (a document holds at most 16 MiB).
+PAYLOAD_CHUNK_BYTES = 8 * 1024 * 1024
 _INTERNAL_COLLECTIONS = frozenset({SCHEDULED, STATUS, LEASES, AUDIT, JOURNAL, PARKED,
-                                   AGGREGATES, LIMITS, mongo_spill.SPILL})
+                                   AGGREGATES, LIMITS, PAYLOADS, mongo_spill.SPILL})
 #: How often one entry's append may lose the race for the next position before giving up.
 _APPEND_TRIES = 1000
 
@@ -176,7 +183,7 @@ def is_mongomock(client: Any) -> bool:
     return type(client).__module__.split(".")[0] == "mongomock"
 
 
-class MongoStorage(Storage, LimitStore):
+class MongoStorage(Storage, LimitStore, PayloadStore):
     """Storage backend for MongoDB (pymongo) and mongomock; see the module docstring.
 
     Parameters
@@ -867,6 +874,45 @@ class MongoStorage(Storage, LimitStore):
             self.database[LIMITS].update_one({"_id": f"slots:{name}"},
                                              {"$pull": {"holders": {"holder": holder}}})
 
+    def put_payload(self, payload_id: str, body: bytes, *,
+                    keep_until: datetime.datetime) -> None:
+        # No transaction: the chunks are written one by one under ids derived from the
+        # payload's, each replacing its earlier self, so writing again completes a write
+        # a crash interrupted; a collection running meanwhile deletes only chunks whose
+        # time has not been moved yet, and this write puts them back.
+        payloads = self.database[PAYLOADS]
+        chunks = [body[start:start + PAYLOAD_CHUNK_BYTES]
+                  for start in range(0, len(body), PAYLOAD_CHUNK_BYTES)] or [b""]
+        with self._guard, _translated():
+            first = payloads.find_one({"_id": f"{payload_id}.0"}, {"keep_until": 1})
+            until = keep_until.timestamp()
+            if first is not None:
+                until = max(until, float(first["keep_until"]))
+            for number, chunk in enumerate(chunks):
+                payloads.replace_one(
+                    {"_id": f"{payload_id}.{number}"},
+                    {"payload": payload_id, "n": number, "count": len(chunks),
+                     "data": bson.Binary(chunk), "keep_until": until}, upsert=True)
+
+    def get_payload(self, payload_id: str) -> bytes | None:
+        with self._guard, _translated():
+            chunks = list(self.database[PAYLOADS].find({"payload": payload_id}).sort(
+                "n", pymongo.ASCENDING))
+        if not chunks or [chunk["n"] for chunk in chunks] != list(range(chunks[0]["count"])):
+            return None
+        return b"".join(bytes(chunk["data"]) for chunk in chunks)
+
+    def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        moment = now.timestamp()
+        payloads = self.database[PAYLOADS]
+        with self._guard, _translated():
+            doomed = [document["payload"] for document in payloads.find(
+                {"n": 0, "keep_until": {"$lt": moment}}, {"payload": 1}).limit(batch)]
+            if doomed:
+                payloads.delete_many({"payload": {"$in": doomed},
+                                      "keep_until": {"$lt": moment}})
+        return len(doomed)
+
     def _compare_and_set(
         self, key: str,
         change: Callable[[dict[str, Any] | None], tuple[dict[str, Any], T]],
@@ -961,6 +1007,10 @@ class MongoStorage(Storage, LimitStore):
             self._index_journal()
             mongo_spill.index(self.database)
             self._spill_indexed = True
+            self.database[PAYLOADS].create_index([("payload", pymongo.ASCENDING),
+                                                  ("n", pymongo.ASCENDING)])
+            self.database[PAYLOADS].create_index([("n", pymongo.ASCENDING),
+                                                  ("keep_until", pymongo.ASCENDING)])
             self._own_existing_collections()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified

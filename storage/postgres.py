@@ -93,6 +93,7 @@ from .base import (
     Overdue,
     ParkedKey,
     ParkedMessage,
+    PayloadStore,
     PendingCommit,
     ProcessedMessage,
     StatusReport,
@@ -122,7 +123,7 @@ _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 _SCHEMA_LOCK = 0x1DE3B05
 
 
-class PostgresStorage(Storage, LimitStore):
+class PostgresStorage(Storage, LimitStore, PayloadStore):
     """Storage backend for PostgreSQL; see the module docstring.
 
     Parameters
@@ -172,10 +173,11 @@ class PostgresStorage(Storage, LimitStore):
         self._parked = f"{table_prefix}_parked"
         self._rates = f"{table_prefix}_rates"
         self._slots = f"{table_prefix}_slots"
+        self._payloads = f"{table_prefix}_payloads"
         #: Every table of this schema.
         self._tables = (self._aggregates, self._processed, self._scheduled, self._leases,
                         self._audit, self._status, self._journal, self._parked, self._rates,
-                        self._slots)
+                        self._slots, self._payloads)
         #: Advisory lock serialising the appenders of this journal, in every process.
         self._journal_lock = _advisory_key(self._journal)
         #: Aggregates read per query by ``records`` (which pages through a type).
@@ -399,6 +401,15 @@ class PostgresStorage(Storage, LimitStore):
                     expires_at double precision NOT NULL,
                     PRIMARY KEY (name, holder)
                 )""")
+            connection.execute(f"""
+                CREATE TABLE IF NOT EXISTS {self._payloads} (
+                    payload_id text PRIMARY KEY,
+                    body bytea NOT NULL,
+                    keep_until timestamptz NOT NULL
+                )""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._payloads}_keep_until
+                ON {self._payloads} (keep_until)""")
 
     def verify(self) -> None:
         """Check at start that the schema is in place — only reads, so a role without DDL
@@ -992,6 +1003,27 @@ class PostgresStorage(Storage, LimitStore):
         with self._connection() as connection:
             connection.execute(f"DELETE FROM {self._slots} WHERE name = %s AND holder = %s",
                                (name, holder))
+
+    def put_payload(self, payload_id: str, body: bytes, *,
+                    keep_until: datetime.datetime) -> None:
+        with self._connection() as connection:
+            connection.execute(
+                f"INSERT INTO {self._payloads} AS p (payload_id, body, keep_until) "
+                "VALUES (%s, %s, %s) ON CONFLICT (payload_id) DO UPDATE SET "
+                "body = EXCLUDED.body, keep_until = greatest(p.keep_until, EXCLUDED.keep_until)",
+                (payload_id, body, keep_until))
+
+    def get_payload(self, payload_id: str) -> bytes | None:
+        with self._connection() as connection:
+            row = connection.execute(f"SELECT body FROM {self._payloads} WHERE payload_id = %s",
+                                     (payload_id,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        with self._connection() as connection:
+            return connection.execute(
+                f"DELETE FROM {self._payloads} WHERE payload_id IN (SELECT payload_id FROM "
+                f"{self._payloads} WHERE keep_until < %s LIMIT %s)", (now, batch)).rowcount
 
     def history(self, aggregate_type: str, aggregate_id: str, *,
                 entries: int = 200) -> AggregateRecord:

@@ -15,6 +15,7 @@ role                        needed by
 ``AuditStore``              the :class:`~idembus.observability.audit.Audit` middleware
 ``StatusStore``             status reports (``idembus status``)
 ``LimitStore``              the :class:`~idembus.runtime.recoverability.limits.Limits` middleware
+``PayloadStore``            ``claim_check=...`` without a ``store`` of its own
 ==========================  =====================================================
 
 :func:`check_storage_roles` raises :class:`~idembus.errors.ConfigurationError` naming each
@@ -35,6 +36,7 @@ from .base import (
     LimitStore,
     OutboxStore,
     ParkingStore,
+    PayloadStore,
     StatusStore,
     StorageRole,
 )
@@ -51,6 +53,7 @@ ROLE_NAMES: dict[type[StorageRole], str] = {
     StatusStore: "status",
     ParkingStore: "parking",
     LimitStore: "limits",
+    PayloadStore: "payload",
 }
 
 
@@ -75,6 +78,8 @@ _JOURNAL = _Need("journal=... needs", "turn the option off (journal=False)")
 _AUDIT = _Need("the Audit middleware needs", "leave the middleware out")
 _STATUS = _Need("status reports need", "turn status reports off")
 _LIMITS = _Need("the Limits middleware needs", "leave the middleware out")
+_CLAIMS = _Need("claim_check=... needs (the bodies it takes off the wire)",
+                "give the claim check a store of its own: ClaimCheck(store=...)")
 _SCHEDULES = _Need("schedules=... needs (the scheduler's lease)", "leave the schedules out")
 
 
@@ -93,7 +98,7 @@ def role_methods(role: type[StorageRole]) -> tuple[str, ...]:
 
 def check_storage_roles(
     storage: object, *, outbox: bool, delayed: bool, journal: bool, audit: bool, status: bool,
-    schedules: bool = False, limits: bool = False,
+    schedules: bool = False, limits: bool = False, claims: bool = False,
 ) -> None:
     """Check that ``storage`` has the roles an endpoint with these options needs.
 
@@ -101,7 +106,7 @@ def check_storage_roles(
     no native delay, so deferred messages wait in the storage; ``journal``: it journals
     events; ``audit``: it has the audit middleware; ``status``: it reports its status;
     ``schedules``: it sends recurring messages under a lease; ``limits``: it has the
-    limits middleware.
+    limits middleware; ``claims``: it claim-checks large bodies into its storage.
     The aggregate and parking roles are always needed.
 
     Raises :class:`~idembus.errors.ConfigurationError` naming every missing role with its
@@ -112,7 +117,8 @@ def check_storage_roles(
         needs[OutboxStore] = _SCHEDULES
     for wanted, role, need in ((outbox, OutboxStore, _OUTBOX), (delayed, DelayedStore, _DELAYED),
                                (journal, JournalStore, _JOURNAL), (audit, AuditStore, _AUDIT),
-                               (status, StatusStore, _STATUS), (limits, LimitStore, _LIMITS)):
+                               (status, StatusStore, _STATUS), (limits, LimitStore, _LIMITS),
+                               (claims, PayloadStore, _CLAIMS)):
         if wanted:
             needs[role] = need
     missing = [role for role in ROLES if role in needs and not isinstance(storage, role)]

@@ -40,7 +40,7 @@ def prefix() -> Iterator[str]:
 def expected_tables(prefix: str) -> set[str]:
     return {f"{prefix}_{name}"
             for name in ("aggregates", "processed", "scheduled", "status", "leases", "audit",
-                         "journal", "parked", "rates", "slots")}
+                         "journal", "parked", "rates", "slots", "payloads")}
 
 
 def tables(prefix: str) -> set[str]:

@@ -33,6 +33,7 @@ from idembus.storage.base import (
     OutboxStore,
     ParkedMessage,
     ParkingStore,
+    PayloadStore,
     ProcessedMessage,
     StatusStore,
     Storage,
@@ -172,8 +173,10 @@ def test_the_whole_contract_holds_every_roles_tests() -> None:
              JournalStoreContract, AuditStoreContract, StatusStoreContract, ParkingStoreContract)
 
     assert contract_tests(StorageContract) == contract_tests(*every)
-    # every role but the limits, which a backend adds to Storage (idembus's three do)
-    assert StorageContract.roles == tuple(role for role in ROLES if role is not LimitStore)
+    # every role but the limits and the payloads, which a backend adds to Storage
+    # (idembus's three do)
+    assert StorageContract.roles == tuple(role for role in ROLES
+                                          if role not in (LimitStore, PayloadStore))
 
 
 def test_the_shipped_contract_classes_are_not_collected_by_themselves() -> None:
@@ -259,7 +262,8 @@ def test_every_endpoint_needs_aggregates_and_parking_whatever_its_options() -> N
 
 def test_every_backend_of_idembus_has_every_role() -> None:
     assert all(issubclass(role, StorageRole) for role in ROLES)
-    assert all(issubclass(Storage, role) for role in ROLES if role is not LimitStore)
+    assert all(issubclass(Storage, role) for role in ROLES
+               if role not in (LimitStore, PayloadStore))
     for backend in (MemoryStorage, MongoStorage, PostgresStorage):
         assert all(issubclass(backend, role) for role in ROLES), backend
 

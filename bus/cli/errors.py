@@ -1,7 +1,7 @@
 """``idembus errors``: look at, retry and purge the messages in an endpoint's error queue.
 
     idembus errors list  package.module:endpoint [--type T] [--exception E] [--json]
-    idembus errors show  package.module:endpoint ID [--json]
+    idembus errors show  package.module:endpoint ID [--json]   (a claim-checked body resolved)
     idembus errors export package.module:endpoint FILE [--type T] [--exception E]
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import headers as h
 from ..envelope import parse_utc
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, MalformedMessage
 from ..failures import without_failure_headers
 from ..redaction import redact
 from ..runtime.loading import load_endpoint, refuse_process_local
@@ -65,7 +65,8 @@ from ..runtime.recoverability.error_queue import (
     retried_envelope,
 )
 from ..runtime.recoverability.parking import ParkedDelivery
-from ..storage.base import ParkingStore
+from ..storage.base import ParkingStore, PayloadStore
+from ..storage.claims import resolved
 from ..storage.errors import SchemaMissing, StorageError
 from ..transports.base import Delivery
 from ..transports.errors import TransportUnavailable
@@ -249,7 +250,8 @@ def _show(args: argparse.Namespace) -> int:
     with _failed_messages(args) as (endpoint, deliveries):
         chosen = selection.pick([d for d in deliveries if selection.matches(d)],
                                 endpoint.error_queue)
-        shown = [_described(delivery) for delivery in chosen]
+        payloads = endpoint.context.payloads()
+        shown = [_described(delivery, payloads) for delivery in chosen]
     if args.json:
         print(json.dumps(shown, indent=2, ensure_ascii=False))
         return 0
@@ -260,10 +262,33 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _described(delivery: Delivery) -> dict[str, Any]:
-    return {"headers": dict(sorted(delivery.headers.items())),
-            "content_type": delivery.content_type,
-            "body": delivery.body.decode("utf-8", "replace")}
+def _described(delivery: Delivery, payloads: PayloadStore | None = None) -> dict[str, Any]:
+    described = {"headers": dict(sorted(delivery.headers.items())),
+                 "content_type": delivery.content_type,
+                 "body": delivery.body.decode("utf-8", "replace")}
+    reference = delivery.headers.get(h.CLAIM_CHECK)
+    if reference is not None:
+        described["claim_check"] = _claimed_body(reference, delivery, payloads)
+    return described
+
+
+#: How much of a claim-checked body ``errors show`` prints.
+CLAIMED_PREFIX = 2000
+
+
+def _claimed_body(reference: str, delivery: Delivery,
+                  payloads: PayloadStore | None) -> dict[str, Any]:
+    """What the payload store holds for a claim-checked message: its size and the first
+    :data:`CLAIMED_PREFIX` characters, or why it cannot be read."""
+    shown: dict[str, Any] = {"payload_id": reference,
+                             "bytes": delivery.headers.get(h.CLAIM_CHECK_BYTES)}
+    try:
+        body = resolved(delivery.headers, delivery.body, payloads)
+    except MalformedMessage as unresolved:
+        return {**shown, "found": False, "problem": unresolved.reason}
+    text = body.decode("utf-8", "replace")
+    return {**shown, "found": True, "bytes": len(body), "prefix": text[:CLAIMED_PREFIX],
+            "truncated": len(text) > CLAIMED_PREFIX}
 
 
 def _print_message(message: dict[str, Any], queue: str) -> None:
@@ -277,6 +302,15 @@ def _print_message(message: dict[str, Any], queue: str) -> None:
             print(printable(f"      {line}"))
     print(printable(f"body ({message['content_type'] or 'no content type'}):"))
     print(printable(message["body"], lines=True))
+    claimed = message.get("claim_check")
+    if claimed is None:
+        return
+    if not claimed["found"]:
+        print(printable(f"claim-checked body: cannot be read: {claimed['problem']}"))
+        return
+    more = f" (the first {CLAIMED_PREFIX} characters)" if claimed["truncated"] else ""
+    print(printable(f"claim-checked body, {claimed['bytes']} bytes{more}:"))
+    print(printable(claimed["prefix"], lines=True))
 
 
 def _export(args: argparse.Namespace) -> int:

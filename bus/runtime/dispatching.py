@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..envelope import Envelope
+from ..envelope import Envelope, utc_now
 from ..pipeline import Dispatch
 from ..storage.base import AggregateStore, DelayedStore, Lease, ParkingStore
+from ..storage.claims import claimed
 from ..transports.errors import DestinationRefused
 from .endpoint_context import EndpointContext
 from .journal import Journal
@@ -84,6 +85,17 @@ class Dispatcher:
               and self._on_unrouted is not None):
             self._on_unrouted(envelope)
 
+    def claimed(self, envelope: Envelope) -> Envelope:
+        """``envelope`` as it goes on the wire: with ``Endpoint(claim_check=...)``, a body
+        over its threshold is written to the payload store first and replaced by its
+        reference (:mod:`idembus.storage.claims`); the stored envelope keeps its body, so
+        sending it again writes the same body under the same id."""
+        claim_check = self._context.claim_check
+        store = self._context.payloads()
+        if claim_check is None or store is None:
+            return envelope
+        return claimed(envelope, claim_check, store, now=utc_now())
+
     def send_committed(self, aggregate_type: str, aggregate_id: str, key: str,
                        outgoing: Sequence[Envelope], *, source: str,
                        endpoint: str | None = None, progress: DispatchProgress | None = None,
@@ -120,7 +132,7 @@ class Dispatcher:
         owner = endpoint if endpoint is not None else self.endpoint
         try:
             self.pipeline.dispatch(Dispatch(envelope, owner, source),
-                                    lambda: self.dispatch(envelope))
+                                    lambda: self.dispatch(self.claimed(envelope)))
         except DestinationRefused as refused:
             if awaited_reply(envelope):  # its requester is gone, and its queue with it
                 log.info("reply %s dropped: its requester's reply queue %r is gone",
@@ -147,6 +159,6 @@ class Dispatcher:
     def dispatch_now(self, envelope: Envelope) -> None:
         """Dispatch a message sent outside handlers (``endpoint.bus``), and journal it."""
         self.pipeline.dispatch(Dispatch(envelope, self.endpoint, "bus"),
-                                lambda: self.dispatch(envelope))
+                                lambda: self.dispatch(self.claimed(envelope)))
         if self._journal is not None:
             self._journal.record([envelope])

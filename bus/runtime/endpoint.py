@@ -48,6 +48,7 @@ from ..schedules import Schedule, SchedulerPolicy, scheduler_policy
 from ..sending import Bus
 from ..signals import EndpointSignals
 from ..storage.base import AggregateStore, StorageRole
+from ..storage.claims import ClaimCheck
 from ..storage.roles import check_storage_roles
 from ..transports.base import Delivery, Transport
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES
@@ -174,6 +175,11 @@ class Endpoint:
         only the outbox relay and, on a transport without native delay, the delayed
         poller. It takes no handlers and no schedules. Send with :attr:`bus`, through the
         outbox with ``endpoint.outbox(operation_id=...)``, or with :meth:`unit_of_work`.
+    claim_check:
+        Send bodies over a threshold as a reference to a payload store
+        (:class:`~idembus.storage.claims.ClaimCheck`; the storage's payload role unless it
+        names a store). Receiving needs no option: a claim-checked message is read from the
+        claim check's store, else from the storage.
     """
 
     #: How deliveries are taken in batches (``None``: one at a time).
@@ -209,7 +215,7 @@ class Endpoint:
         status_interval: float = 5.0,
         clock: Clock | None = None,
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
-        batching: Batching | None = DEFAULT_BATCHING,
+        batching: Batching | None = DEFAULT_BATCHING, claim_check: ClaimCheck | None = None,
         strict_routes: bool = False, warn_unrouted_events: bool = False, send_only: bool = False,
     ) -> None:
         _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
@@ -230,7 +236,7 @@ class Endpoint:
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
             delayed_poll_interval=delayed_poll_interval, status_interval=status_interval,
             batching=batching)
-        _check_roles(storage, settings, self.transport, middleware)
+        _check_roles(storage, settings, self.transport, middleware, claim_check)
         self.schedules, self.outbox_policy = tuple(settings.scheduling.schedules), settings.outbox
         self.status_interval, self.warn_unrouted_events = status_interval, warn_unrouted_events
         self.storage = storage if storage is not None else _embedded_storage()
@@ -241,7 +247,7 @@ class Endpoint:
             pipeline=_pipeline(default_middleware, propagate_headers, middleware),
             health=Health(), recoverability=self.recoverability, router=self.router,
             table=self.table, registry=self.registry, error_queue=error_queue,
-            max_message_bytes=max_message_bytes)
+            max_message_bytes=max_message_bytes, claim_check=claim_check)
         self._assembly = assemble(self.context, settings, on_unrouted=self.unrouted,
                                   counters=self._reported_counters)
         self._check_definitions(settings.journal)
@@ -881,10 +887,14 @@ def _check_options(name: str, *, concurrency: int, prefetch: int, clock: Clock |
 
 
 def _check_roles(storage: StorageRole | None, settings: Settings, transport: Transport,
-                 middleware: Sequence[Middleware]) -> None:
+                 middleware: Sequence[Middleware], claim_check: ClaimCheck | None) -> None:
     """The storage has every role the endpoint's options use (one error naming all that
     are missing, :func:`~idembus.storage.roles.check_storage_roles`); the embedded one
     (``None``) has them all."""
+    if claim_check is not None and not isinstance(claim_check, ClaimCheck):
+        raise ConfigurationError(
+            f"claim_check must be idembus.ClaimCheck(threshold_bytes=...) or None, got "
+            f"{claim_check!r}")
     if storage is None:
         return
     check_storage_roles(
@@ -893,7 +903,8 @@ def _check_roles(storage: StorageRole | None, settings: Settings, transport: Tra
         audit=any("audit" in getattr(item, "storage_roles", ()) for item in middleware),
         status=bool(settings.status_interval) and not settings.send_only,
         schedules=bool(settings.scheduling.schedules),
-        limits=any("limits" in getattr(item, "storage_roles", ()) for item in middleware))
+        limits=any("limits" in getattr(item, "storage_roles", ()) for item in middleware),
+        claims=claim_check is not None and claim_check.store is None)
 
 
 def default_middleware(propagate_headers: Sequence[str] = ()) -> list[Middleware]:

@@ -22,7 +22,8 @@ from ..pipeline import Pipeline
 from ..registry import MessageRegistry
 from ..routing import Router
 from ..signals import EndpointSignals
-from ..storage.base import StorageRole
+from ..storage.base import PayloadStore, StorageRole
+from ..storage.claims import ClaimCheck
 from ..transports.base import Transport
 from ..wire import DEFAULT_MAX_MESSAGE_BYTES
 from .health import Health
@@ -55,6 +56,8 @@ class EndpointContext:
     error_queue: str = "error"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     stopping: threading.Event = field(default_factory=threading.Event)
+    #: Which bodies go on the wire as a reference (``Endpoint(claim_check=...)``).
+    claim_check: ClaimCheck | None = None
 
     @classmethod
     def standalone(cls, name: str, transport: Transport, storage: StorageRole, *,
@@ -67,6 +70,13 @@ class EndpointContext:
                    pipeline=pipeline or Pipeline(), health=health or Health(),
                    recoverability=Recoverability(), router=Router(),
                    table=HandlerTable(()), registry=MessageRegistry())
+
+    def payloads(self) -> PayloadStore | None:
+        """Where claim-checked bodies are kept and read: the claim check's own store, else
+        the storage if it has the payload role; ``None``: neither."""
+        if self.claim_check is not None and self.claim_check.store is not None:
+            return self.claim_check.store
+        return self.storage if isinstance(self.storage, PayloadStore) else None
 
     def role(self, role: type[RoleT]) -> RoleT:
         """The storage as ``role`` (one of :mod:`idembus.storage.base`'s roles); a

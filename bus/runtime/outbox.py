@@ -94,6 +94,8 @@ class OutboxRelay(LeasedPeriodic):
         self.max_attempts = max_attempts
         #: Processed entries forgotten past the storage's retention, by this relay.
         self.expired = 0
+        #: Claim-checked bodies collected past their retention, by this relay.
+        self.collected = 0
         #: How long event-journal entries are kept (``None``: this endpoint keeps no
         #: journal and trims nothing).
         self.journal_retention = journal_retention
@@ -170,11 +172,18 @@ class OutboxRelay(LeasedPeriodic):
         return 1
 
     def _housekeeping(self, now: datetime.datetime) -> None:
-        """Expire processed entries and trim the journal, each whatever the other did."""
+        """Expire processed entries, collect claim-checked bodies past their time and trim
+        the journal, each whatever the others did."""
         try:
             self.expired += self._aggregates.expire(now)
         except Exception as error:
             log.warning("expiring processed messages failed: %s", redact(str(error)))
+        payloads = self._context.payloads() if self._context.claim_check else None
+        if payloads is not None:
+            try:
+                self.collected += payloads.collect_payloads(now)
+            except Exception as error:
+                log.warning("collecting claim-checked bodies failed: %s", redact(str(error)))
         if self._journal is None or self.journal_retention is None:
             return
         try:

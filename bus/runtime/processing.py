@@ -46,6 +46,7 @@ from ..pipeline import (
 from ..policies import RetryPolicy
 from ..redaction import redact
 from ..storage.base import PARKED_FROM_ERROR_QUEUE, ParkingStore
+from ..storage.claims import resolved
 from ..storage.errors import (
     CommitOutcomeUnknown,
     StorageAccessDenied,
@@ -113,6 +114,8 @@ class MessageProcessor:
         self._signals = context.signals
         self._storage = context.role(ParkingStore)
         self._max_message_bytes = context.max_message_bytes
+        #: Where claim-checked bodies are read (``None``: nowhere, such a message fails).
+        self._payloads = context.payloads()
         self._left_to_outbox = left_to_outbox
 
     def __call__(self, delivery: Delivery) -> None:
@@ -176,12 +179,14 @@ class MessageProcessor:
             self._dead_letter(delivery, incoming, MalformedMessage(problem), attempts=0)
             return 0.0
         try:
-            message = decode(delivery.headers, delivery.body, delivery.content_type,
+            message = decode(delivery.headers, self._body(delivery), delivery.content_type,
                              self._registry)
             expires = expiry_of(delivery.headers)
         except MessageError as error:
             self._dead_letter(delivery, incoming, error, attempts=0)
             return 0.0
+        except StorageUnavailable:
+            raise  # the payload store, while stopping: the broker delivers the message again
         except Exception as error:
             # Whatever else decoding raised (a header no check foresaw, a model validator
             # raising something pydantic does not wrap) is still the message's own fault:
@@ -212,6 +217,23 @@ class MessageProcessor:
         incoming.effects = effects
         self._recovery.message_succeeded()
         return 0.0
+
+    def _body(self, delivery: Delivery) -> bytes:
+        """The delivery's body, or the claim-checked body its reference names
+        (:mod:`idembus.storage.claims`), read from the payload store; while the store is
+        unreachable the message waits with backoff. A reference that cannot be resolved
+        raises :class:`~idembus.errors.MalformedMessage`: to the error queue, reference
+        kept."""
+        if h.CLAIM_CHECK not in delivery.headers:
+            return delivery.body
+        outages = 0
+        while True:
+            try:
+                return resolved(delivery.headers, delivery.body, self._payloads)
+            except StorageUnavailable as outage:
+                self._recovery.wait_out(outage, outages, who=self._endpoint,
+                                        message_id=_logged_id(delivery.headers))
+                outages += 1
 
     def _steer(self, delivery: Delivery, incoming: IncomingMessage,
                control: PipelineControl) -> None:

@@ -37,6 +37,7 @@ from ..context import MessageContext
 from ..envelope import Envelope, format_utc, utc_now
 from ..errors import InvalidMessage, RequestFailed, RequestTimeout, UnknownMessageType
 from ..messages import Command, Event, Message, message_aliases, message_name
+from ..storage.claims import resolved
 from ..transports.base import Delivery
 from ..transports.errors import TransportUnavailable
 from .endpoint_context import EndpointContext
@@ -161,9 +162,14 @@ class Requests:
         with self._lock:
             future = self._waiting.get(request_id)
         if future is not None and not future.done():
-            future.set_result(Envelope(
-                headers=dict(delivery.headers), body=delivery.body.decode("utf-8", "replace"),
-                destination=None, content_type=delivery.content_type or h.CONTENT_TYPE))
+            try:  # a claim-checked reply: its body from the payload store
+                body = resolved(delivery.headers, delivery.body, self._context.payloads())
+            except Exception as unresolved:  # the waiter learns why, instead of a timeout
+                future.set_exception(unresolved)
+            else:
+                future.set_result(Envelope(
+                    headers=dict(delivery.headers), body=body.decode("utf-8", "replace"),
+                    destination=None, content_type=delivery.content_type or h.CONTENT_TYPE))
         else:
             log.debug("reply %s to request %s dropped: nobody waits for it",
                       delivery.headers.get(h.MESSAGE_ID), request_id)

@@ -24,7 +24,8 @@ unnecessary), done per handler: a message several handlers handle commits each o
 its own, as on every transport, and the last one takes the incoming message with it.
 
 Outgoing messages whose queue nobody declared, or that the database refuses, cannot be
-inserted: nothing is written, and the work is committed the way every transport does
+inserted, and a body the claim check (:mod:`idembus.storage.claims`) sends as a reference
+is not: nothing is written, and the work is committed the way every transport does
 (commit, then dispatch: the refused message is parked,
 :mod:`idembus.runtime.recoverability.parking`).
 The ``dispatch`` middleware hooks run for each message after the commit, around nothing
@@ -107,6 +108,8 @@ class SharedTransaction:
         self._journal = journal
         self._keep_bodies = keep_bodies
         self._on_unrouted = on_unrouted
+        #: Bodies over its threshold go out through the dispatcher, which claim-checks them.
+        self._claims = context.claim_check
 
     def commit(self, loaded: AggregateRecord, *, key: str, state: Mapping[str, Any] | None,
                outgoing: Sequence[Envelope], settle: Delivery | None = None,
@@ -119,6 +122,9 @@ class SharedTransaction:
         if not outgoing and settle is None:
             self._storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
             return False
+        if self._claims is not None and any(map(self._claims.applies, outgoing)):
+            return self._apart(loaded, key, state, outgoing, options,
+                               "a body the claim check sends as a reference")
         part = self._transport.part(outgoing, remove=settle)
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=loaded.aggregate_type, aggregate_id=loaded.aggregate_id)

@@ -42,6 +42,7 @@ from .journal import JournalStoreContract
 from .limits import LimitStoreContract
 from .outbox import OutboxStoreContract
 from .parking import ParkingStoreContract
+from .payloads import PayloadStoreContract
 from .status import StatusStoreContract
 from .storage import StorageContract
 
@@ -53,6 +54,7 @@ __all__ = [
     "LimitStoreContract",
     "OutboxStoreContract",
     "ParkingStoreContract",
+    "PayloadStoreContract",
     "RoleContract",
     "StatusStoreContract",
     "StorageContract",
