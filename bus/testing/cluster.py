@@ -65,6 +65,8 @@ class Node:
     dist_port: int
     #: Its own directory (configuration, data, logs, pid file).
     home: str
+    #: The address it listens on (AMQP and distribution).
+    host: str = "127.0.0.1"
 
     @property
     def pid_file(self) -> Path:
@@ -77,7 +79,7 @@ class Node:
     def url(self, vhost: str = "/", user: str = "guest", password: str = "guest") -> str:
         """This node's AMQP URL."""
         path = "/" if vhost == "/" else "/" + vhost
-        return f"amqp://{user}:{password}@127.0.0.1:{self.amqp_port}{path}"
+        return f"amqp://{user}:{password}@{self.host}:{self.amqp_port}{path}"
 
 
 class ClusterError(RuntimeError):
@@ -250,8 +252,7 @@ class RabbitCluster:
         for node in self.nodes.values():
             directory = Path(node.home)
             (directory / "log").mkdir(parents=True, exist_ok=True)
-            (directory / "rabbitmq.conf").write_text(_CONFIG.format(port=node.amqp_port,
-                                                                    peers=peers))
+            (directory / "rabbitmq.conf").write_text(self._config(node, peers))
             (directory / "enabled_plugins").write_text("[].\n")
             (directory / "rabbitmq-env.conf").write_text("")
         (self.root / _STATE).write_text(json.dumps({
@@ -261,15 +262,24 @@ class RabbitCluster:
             "timeout": self.timeout, "nodes": [asdict(node) for node in self.nodes.values()],
         }, indent=2))
 
+    def _config(self, node: Node, peers: str) -> str:
+        """The text of ``node``'s rabbitmq.conf (``peers``: the classic_config lines)."""
+        return _CONFIG.format(host=node.host, port=node.amqp_port, peers=peers)
+
+    def _command(self, node: Node, command: list[str]) -> list[str]:
+        """How ``command`` (the node's ``rabbitmq-server``) is run."""
+        return command
+
     def _environment(self, node: Node | None = None) -> dict[str, str]:
         environment = {**os.environ, "HOME": str(self.root / "home"),
                        "RABBITMQ_CONF_ENV_FILE": str(self.root / "a" / "rabbitmq-env.conf")}
         if node is None:
             return environment
         directory = Path(node.home)
+        interface = ",".join(node.host.split("."))  # Erlang's {127,0,0,1}
         environment.update({
             "RABBITMQ_NODENAME": node.nodename,
-            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_IP_ADDRESS": node.host,
             "RABBITMQ_NODE_PORT": str(node.amqp_port),
             "RABBITMQ_DIST_PORT": str(node.dist_port),
             "RABBITMQ_CONFIG_FILE": str(directory / "rabbitmq.conf"),
@@ -281,7 +291,7 @@ class RabbitCluster:
             "RABBITMQ_LOGS": str(node.log_file),
             "RABBITMQ_PID_FILE": str(node.pid_file),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS":
-                "+S 1:1 +A 4 -kernel inet_dist_use_interface {127,0,0,1}",
+                f"+S 1:1 +A 4 -kernel inet_dist_use_interface {{{interface}}}",
         })
         return environment
 
@@ -290,15 +300,15 @@ class RabbitCluster:
         if self.pid(name) is not None:
             return
         for port in (node.amqp_port, node.dist_port):
-            if _listening(port):
+            if _listening(node.host, port):
                 raise ClusterError(f"port {port} of node {name} is taken by another process")
         node.pid_file.unlink(missing_ok=True)
         with open(Path(node.home) / "log" / "console.log", "ab") as console:
             # A session of its own: a signal to the caller's process group must not reach
             # the nodes; the node raises its own descriptor limit as far as allowed.
             self._processes[name] = subprocess.Popen(
-                ["sh", "-c", 'ulimit -n 20000 2>/dev/null; exec "$0"',
-                 os.path.join(_script_dir(), "rabbitmq-server")],
+                self._command(node, ["sh", "-c", 'ulimit -n 20000 2>/dev/null; exec "$0"',
+                                     os.path.join(_script_dir(), "rabbitmq-server")]),
                 env=self._environment(node), stdin=subprocess.DEVNULL, stdout=console,
                 stderr=subprocess.STDOUT, start_new_session=True, cwd=node.home)
 
@@ -350,7 +360,7 @@ class RabbitCluster:
 
 #: Each node's rabbitmq.conf.
 _CONFIG = """\
-listeners.tcp.1 = 127.0.0.1:{port}
+listeners.tcp.1 = {host}:{port}
 vm_memory_high_watermark.absolute = 512MiB
 disk_free_limit.absolute = 50MB
 cluster_partition_handling = pause_minority
@@ -375,10 +385,10 @@ def _script_dir() -> str:
     return os.path.dirname(found)
 
 
-def _listening(port: int) -> bool:
+def _listening(host: str, port: int) -> bool:
     with socket.socket() as probe:
         probe.settimeout(1.0)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
+        return probe.connect_ex((host, port)) == 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
