@@ -14,7 +14,6 @@ else; no second client is needed (README, "Batching").
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +70,14 @@ class ConfirmingChannel:
         self._waiting: dict[int, _Published] = {}
         self._by_id: dict[str, list[_Published]] = {}
 
-    def publish(self, body: bytes, *, headers: Mapping[str, str], **options: Any) -> int:
+    def publish(self, body: bytes, *, headers: dict[str, str], **options: Any) -> int:
         """Publish one message, not waiting for its confirm; return its handle for
-        :meth:`wait`."""
-        self._producer.publish(body, headers=dict(headers), retry=False, **options)
-        published = _Published(self._next_tag, headers.get(h.MESSAGE_ID, ""))
+        :meth:`wait`. ``options`` go to kombu's ``Producer.publish``: its message id is the
+        ``message_id`` property or, without one, the ``idembus.message_id`` header
+        (``headers`` is published as it is, not copied)."""
+        self._producer.publish(body, headers=headers, retry=False, **options)
+        published = _Published(self._next_tag,
+                               options.get("message_id") or headers.get(h.MESSAGE_ID, ""))
         self._next_tag += 1
         self._waiting[published.tag] = published
         self._by_id.setdefault(published.message_id, []).append(published)
@@ -115,8 +117,10 @@ class ConfirmingChannel:
 
     def _on_return(self, error: Exception, exchange: str, routing_key: str,
                    message: Any) -> None:
+        properties = getattr(message, "properties", None) or {}
         headers = getattr(message, "headers", None) or {}
-        candidates = self._by_id.get(str(headers.get(h.MESSAGE_ID, "")), [])
+        message_id = properties.get("message_id") or headers.get(h.MESSAGE_ID, "")
+        candidates = self._by_id.get(str(message_id), [])
         for published in candidates:
             if published.end is None and not published.returned:
                 published.returned = str(error) or "returned"
