@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import amqp
 import kombu
 
 from .. import headers as h
@@ -70,14 +71,31 @@ class ConfirmingChannel:
         self._waiting: dict[int, _Published] = {}
         self._by_id: dict[str, list[_Published]] = {}
 
-    def publish(self, body: bytes, *, headers: dict[str, str], **options: Any) -> int:
-        """Publish one message, not waiting for its confirm; return its handle for
-        :meth:`wait`. ``options`` go to kombu's ``Producer.publish``: its message id is the
-        ``message_id`` property or, without one, the ``idembus.message_id`` header
-        (``headers`` is published as it is, not copied)."""
-        self._producer.publish(body, headers=headers, retry=False, **options)
+    def publish(self, body: bytes, *, headers: dict[str, str], exchange: str,
+                routing_key: str, content_type: Any, content_encoding: Any,
+                **properties: Any) -> int:
+        """Publish one persistent ``mandatory`` message, not waiting for its confirm;
+        return its handle for :meth:`wait`. ``properties``: further AMQP basic properties
+        (:mod:`.amqp_properties`); the message's id is its ``message_id`` property or,
+        without one, its ``idembus.message_id`` header (``headers`` is published as it is,
+        not copied).
+
+        The message goes straight to py-amqp's channel, as kombu's ``Producer.publish``
+        would put it there for bytes with a content type (an encoding of ``binary`` when
+        none is given), without kombu's serializer look-ups and retry wrapping; a message
+        without a content type goes through kombu, which picks one."""
+        if content_type:
+            self._channel.basic_publish(
+                amqp.Message(body, content_type=content_type,
+                             content_encoding=content_encoding or "binary",
+                             application_headers=headers, delivery_mode=2, **properties),
+                exchange=exchange, routing_key=routing_key, mandatory=True)
+        else:
+            self._producer.publish(body, headers=headers, exchange=exchange,
+                                   routing_key=routing_key, content_encoding=content_encoding,
+                                   delivery_mode=2, mandatory=True, retry=False, **properties)
         published = _Published(self._next_tag,
-                               options.get("message_id") or headers.get(h.MESSAGE_ID, ""))
+                               properties.get("message_id") or headers.get(h.MESSAGE_ID, ""))
         self._next_tag += 1
         self._waiting[published.tag] = published
         self._by_id.setdefault(published.message_id, []).append(published)

@@ -169,7 +169,7 @@ class KombuPublishing(KombuTopology):
                     exchange=exchange, routing_key=key,
                     content_type=_as_sent(envelope.content_type),
                     content_encoding=_as_sent(envelope.content_encoding),
-                    delivery_mode=2, mandatory=True, **properties)] = index
+                    **properties)] = index
             ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
         except Exception as exc:
             log.info("publishing %d messages with one confirm wait failed (%s); each goes "
