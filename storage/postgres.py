@@ -240,6 +240,39 @@ class PostgresStorage(Storage, LimitStore):
             " ON (c.aggregate_type, c.aggregate_id, c.key)"
             " = (i.aggregate_type, i.aggregate_id, i.key)"
             " RETURNING aggregate_type, aggregate_id, key")
+        # The inbox entries of a group of loads: a row for each (id, key) of the arrays
+        # that has one, numbered from 1 in their order; as the single load's statement.
+        self._load_inbox_group = (
+            "SELECT r.position, 1, NULL::jsonb, NULL::integer, p.key, p.outgoing,"
+            " p.outgoing_ids, p.dispatched, p.processed_at, false, p.message_type"
+            " FROM unnest(%b::text[], %b::text[]) WITH ORDINALITY"
+            " AS r(aggregate_id, key, position)"
+            f" JOIN {self._processed} p ON p.aggregate_type = %s"
+            " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
+        # The inbox entries of a group of commits in one statement: those recorded already
+        # write nothing, as a single one; the rows written are returned.
+        self._inbox_group = (
+            f"{record} SELECT * FROM unnest(%b::text[], %b::text[], %b::text[], %b::jsonb[],"
+            " %b::jsonb[], %b::boolean[], %b::text[]) ON CONFLICT DO NOTHING"
+            " RETURNING aggregate_type, aggregate_id, key")
+        # The new aggregates of a group of commits (each a different aggregate) in one
+        # statement: an aggregate created meanwhile is not written, nor its processed row,
+        # as a refused single create; the processed rows written are returned.
+        self._create_group = (
+            "WITH input AS (SELECT * FROM unnest(%b::text[], %b::text[], %b::jsonb[],"
+            " %b::integer[], %b::boolean[], %b::text[], %b::jsonb[], %b::jsonb[],"
+            " %b::boolean[], %b::text[]) AS i(aggregate_type, aggregate_id, state,"
+            " state_version, completed, key, outgoing, outgoing_ids, dispatched,"
+            " message_type)),"
+            f" changed AS (INSERT INTO {self._aggregates} (aggregate_type, aggregate_id,"
+            " version, state, state_version, updated_at, completed)"
+            " SELECT aggregate_type, aggregate_id, 1, state, state_version, clock_timestamp(),"
+            " completed FROM input ON CONFLICT DO NOTHING"
+            " RETURNING aggregate_type, aggregate_id) "
+            f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
+            " i.outgoing_ids, i.dispatched, i.message_type FROM input i JOIN changed c"
+            " ON (c.aggregate_type, c.aggregate_id) = (i.aggregate_type, i.aggregate_id)"
+            " RETURNING aggregate_type, aggregate_id, key")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
 
@@ -475,24 +508,25 @@ class PostgresStorage(Storage, LimitStore):
         self, requests: Sequence[tuple[str, str, str | None]]
     ) -> list[AggregateRecord | Exception]:
         """Every load in one round trip: the aggregates' in one statement (one row a
-        request, by its position), inbox entries' each in its own, in one pipeline; if
-        that fails (input PostgreSQL refuses), each again on its own, with its own
-        answer."""
+        request, by its position), inbox entries' in another, in one pipeline; if that
+        fails (input PostgreSQL refuses), each again on its own, with its own answer."""
         if len(requests) < 2:
             return super().load_many(requests)
         grouped = [index for index, request in enumerate(requests) if request[0] != INBOX]
+        inbox = [index for index, request in enumerate(requests) if request[0] == INBOX]
         rows: list[Any] = [None] * len(requests)
         try:
             with self._connection() as connection:
                 with connection.pipeline():
-                    alone = {index: connection.execute(*self._load_statement(*request))
-                             for index, request in enumerate(requests)
-                             if request[0] == INBOX}
+                    entries = connection.execute(self._load_inbox_group, (
+                        [requests[index][1] for index in inbox],
+                        [requests[index][2] or requests[index][1] for index in inbox],
+                        INBOX)) if inbox else None
                     group = connection.execute(self._load_group, tuple(
                         [requests[index][part] for index in grouped] for part in range(3)
                     )) if grouped else None
-                for index, cursor in alone.items():
-                    rows[index] = cursor.fetchone()
+                for position, *row in entries.fetchall() if entries is not None else ():
+                    rows[inbox[position - 1]] = row
                 for position, *row in group.fetchall() if group is not None else ():
                     rows[grouped[position - 1]] = row
         except StorageUnavailable:
@@ -554,23 +588,23 @@ class PostgresStorage(Storage, LimitStore):
         order = sorted(range(len(commits)), key=lambda index: (
             commits[index].loaded.aggregate_type, commits[index].loaded.aggregate_id,
             commits[index].key))
-        updates = [index for index in order if _is_update(commits[index])]
-        if len(updates) < 2:  # a group statement for one update would gain nothing
-            updates = []
-        grouped = set(updates)
+        groups = self._commit_groups(commits, order)
+        grouped = {index for _, _, indexes in groups for index in indexes}
         try:
             with self._connection() as connection:
                 with connection.pipeline():
                     alone = {index: connection.execute(*self._commit_statement(commits[index]))
                              for index in order if index not in grouped}
-                    group = connection.execute(self._update_group, self._update_group_arguments(
-                        [commits[index] for index in updates])) if updates else None
+                    answers = [(connection.execute(statement, arguments), indexes)
+                               for statement, arguments, indexes in groups]
                 written = {index: cursor.rowcount for index, cursor in alone.items()}
-                if group is not None:
-                    position = {(commits[index].loaded.aggregate_type,
-                                 commits[index].loaded.aggregate_id, commits[index].key): index
-                                for index in updates}
-                    for row in group.fetchall():
+                for cursor, indexes in answers:
+                    position: dict[tuple[Any, ...], int] = {}
+                    for index in indexes:  # the same entry twice: the first is written
+                        position.setdefault((commits[index].loaded.aggregate_type,
+                                             commits[index].loaded.aggregate_id,
+                                             commits[index].key), index)
+                    for row in cursor.fetchall():
                         written[position[tuple(row)]] = 1
         except StorageUnavailable:
             raise
@@ -578,6 +612,35 @@ class PostgresStorage(Storage, LimitStore):
             return super().commit_many(commits)
         return [None if written.get(index) == 1 else self._refusal_in_group(pending)
                 for index, pending in enumerate(commits)]
+
+    def _commit_groups(self, commits: Sequence[PendingCommit], order: Sequence[int]
+                       ) -> list[tuple[str, tuple[list[Any], ...], list[int]]]:
+        """The group statements of :meth:`commit_many`: updates, creates and inbox entries,
+        each kind with two commits or more (one would gain nothing) in one statement, as
+        (statement, arguments, the commits' indexes in ``order``). A second create of one
+        aggregate is left to its own statement, which the first makes refuse."""
+        updates: list[int] = []
+        creates: list[int] = []
+        entries: list[int] = []
+        created: set[tuple[str, str]] = set()
+        for index in order:
+            loaded = commits[index].loaded
+            if loaded.aggregate_type == INBOX:
+                entries.append(index)
+            elif loaded.exists:
+                updates.append(index)
+            elif (loaded.aggregate_type, loaded.aggregate_id) not in created:
+                created.add((loaded.aggregate_type, loaded.aggregate_id))
+                creates.append(index)
+        groups = []
+        for statement, arguments, indexes in (
+                (self._update_group, self._update_group_arguments, updates),
+                (self._create_group, _create_group_arguments, creates),
+                (self._inbox_group, _inbox_group_arguments, entries)):
+            if len(indexes) >= 2:
+                groups.append((statement, arguments([commits[index] for index in indexes]),
+                               indexes))
+        return groups
 
     @staticmethod
     def _update_group_arguments(commits: Sequence[PendingCommit]) -> tuple[list[Any], ...]:
@@ -708,10 +771,13 @@ class PostgresStorage(Storage, LimitStore):
         """One transaction: the batch's journal entries, then its marks."""
         marks = [mark for mark, _ in batch]
         entries = [entry for _, journal in batch for entry in journal]
-        with self._connection() as connection, connection.transaction():
-            if entries:
+        with self._connection() as connection:
+            if not entries:  # one statement: atomic on its own, no BEGIN and COMMIT
+                connection.execute(self._mark_statement, self._mark_arguments(marks))
+                return
+            with connection.transaction():
                 self._append_journal(connection, entries)
-            connection.execute(self._mark_statement, self._mark_arguments(marks))
+                connection.execute(self._mark_statement, self._mark_arguments(marks))
 
     def expire(self, now: datetime.datetime, *, batch: int = 1000) -> int:
         if self.retention is None:
@@ -1229,10 +1295,21 @@ class _CommitValues(NamedTuple):
         )
 
 
-def _is_update(pending: PendingCommit) -> bool:
-    """Whether ``pending`` updates an existing aggregate (not an inbox entry, not a new
-    aggregate)."""
-    return pending.loaded.aggregate_type != INBOX and pending.loaded.exists
+def _create_group_arguments(commits: Sequence[PendingCommit]) -> tuple[list[Any], ...]:
+    """The arrays of ``_create_group``: a column each, a commit a position."""
+    rows = []
+    for pending in commits:
+        values = _CommitValues.of(pending)
+        rows.append((pending.loaded.aggregate_type, pending.loaded.aggregate_id,
+                     values.document, values.state_version, values.completed,
+                     *values.entry[2:]))
+    return tuple(list(column) for column in zip(*rows, strict=True))
+
+
+def _inbox_group_arguments(commits: Sequence[PendingCommit]) -> tuple[list[Any], ...]:
+    """The arrays of ``_inbox_group``: the processed rows' columns."""
+    return tuple(list(column) for column in zip(
+        *(_CommitValues.of(pending).entry for pending in commits), strict=True))
 
 
 class _Refused(Exception):
