@@ -206,43 +206,20 @@ class PostgresStorage(Storage, LimitStore):
             " completed) VALUES (%s, %s, 1, %s, %s, clock_timestamp(), %s)"
             " ON CONFLICT DO NOTHING RETURNING 1) "
             f"{record} SELECT %s, %s, %s, %s, %s, %s, %s FROM changed")
-        # A group of loads in one statement: a row for each (type, id, key) of the arrays,
-        # numbered from 1 in their order.
+        # The groups below take their rows as one JSON array (jsonb_to_recordset): one
+        # parameter that json.dumps writes at C speed, where an array a column costs
+        # psycopg Python work for every element.
+        # A group of loads in one statement: a row for each (type, id, key) given, with its
+        # position among them.
         self._load_group = (
             "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
             " p.outgoing_ids, p.dispatched, p.processed_at, a.completed, p.message_type"
-            " FROM unnest(%b::text[], %b::text[], %b::text[]) WITH ORDINALITY"
-            " AS r(aggregate_type, aggregate_id, key, position)"
+            " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_type text,"
+            " aggregate_id text, key text)"
             f" LEFT JOIN {self._aggregates} a"
             " ON a.aggregate_type = r.aggregate_type AND a.aggregate_id = r.aggregate_id"
             f" LEFT JOIN {self._processed} p ON p.aggregate_type = r.aggregate_type"
             " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
-        # The updates of a group of commits in one statement: each row's update applies
-        # only at its loaded version, and only the rows updated get their processed row
-        # (returned); the others write nothing, as a refused single commit. A processed row
-        # that exists already raises, and the group is committed again one by one. The
-        # input comes sorted by aggregate, the order in which a group of a few dozen rows
-        # is joined to the aggregates (by their primary key), so two workers' groups lock
-        # rows in one order; a deadlock PostgreSQL would still find is an outage, retried.
-        self._update_group = (
-            "WITH input AS (SELECT * FROM unnest(%b::text[], %b::text[], %b::bigint[],"
-            " %b::jsonb[], %b::integer[], %b::boolean[], %b::text[], %b::jsonb[], %b::jsonb[],"
-            " %b::boolean[], %b::text[]) AS i(aggregate_type, aggregate_id, version, state,"
-            " state_version, completed, key, outgoing, outgoing_ids, dispatched,"
-            " message_type)),"
-            f" changed AS (UPDATE {self._aggregates} a SET state = i.state,"
-            " version = a.version + 1, state_version = i.state_version,"
-            " updated_at = clock_timestamp(), completed = i.completed FROM input i"
-            " WHERE a.aggregate_type = i.aggregate_type AND a.aggregate_id = i.aggregate_id"
-            " AND a.version = i.version RETURNING i.aggregate_type, i.aggregate_id, i.key) "
-            f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
-            " i.outgoing_ids, i.dispatched, i.message_type FROM input i JOIN changed c"
-            " ON (c.aggregate_type, c.aggregate_id, c.key)"
-            " = (i.aggregate_type, i.aggregate_id, i.key)"
-            " RETURNING aggregate_type, aggregate_id, key")
-        # The groups below take their rows as one JSON array (jsonb_to_recordset): one
-        # parameter that json.dumps writes at C speed, where an array a column costs
-        # psycopg Python work for every element.
         # The inbox entries of a group of loads: a row for each (id, key) that has one,
         # with the position of its request; as the single load's statement.
         self._load_inbox_group = (
@@ -273,6 +250,26 @@ class PostgresStorage(Storage, LimitStore):
             f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
             " i.outgoing_ids, i.dispatched, i.message_type FROM input i JOIN changed c"
             " ON (c.aggregate_type, c.aggregate_id) = (i.aggregate_type, i.aggregate_id)"
+            " RETURNING aggregate_type, aggregate_id, key")
+        # The updates of a group of commits in one statement: each row's update applies
+        # only at its loaded version, and only the rows updated get their processed row
+        # (returned); the others write nothing, as a refused single commit. A processed row
+        # that exists already raises, and the group is committed again one by one. The
+        # input comes sorted by aggregate, the order in which a group of a few dozen rows
+        # is joined to the aggregates (by their primary key), so two workers' groups lock
+        # rows in one order; a deadlock PostgreSQL would still find is an outage, retried.
+        self._update_group = (
+            "WITH input AS (SELECT * FROM jsonb_to_recordset(%s) AS i(version bigint,"
+            f" state jsonb, state_version integer, completed boolean, {entry_columns})),"
+            f" changed AS (UPDATE {self._aggregates} a SET state = i.state,"
+            " version = a.version + 1, state_version = i.state_version,"
+            " updated_at = clock_timestamp(), completed = i.completed FROM input i"
+            " WHERE a.aggregate_type = i.aggregate_type AND a.aggregate_id = i.aggregate_id"
+            " AND a.version = i.version RETURNING i.aggregate_type, i.aggregate_id, i.key) "
+            f"{record} SELECT i.aggregate_type, i.aggregate_id, i.key, i.outgoing,"
+            " i.outgoing_ids, i.dispatched, i.message_type FROM input i JOIN changed c"
+            " ON (c.aggregate_type, c.aggregate_id, c.key)"
+            " = (i.aggregate_type, i.aggregate_id, i.key)"
             " RETURNING aggregate_type, aggregate_id, key")
         self._marks: Batcher[tuple[_Mark, tuple[JournalEntry, ...]]] = Batcher(
             self._write_marks, name=f"idembus-{table_prefix}-marks")
@@ -523,9 +520,10 @@ class PostgresStorage(Storage, LimitStore):
                         {"position": position, "aggregate_id": requests[index][1],
                          "key": requests[index][2] or requests[index][1]}
                         for position, index in enumerate(inbox, 1)]), INBOX)) if inbox else None
-                    group = connection.execute(self._load_group, tuple(
-                        [requests[index][part] for index in grouped] for part in range(3)
-                    )) if grouped else None
+                    group = connection.execute(self._load_group, (Jsonb([
+                        {"position": position, "aggregate_type": requests[index][0],
+                         "aggregate_id": requests[index][1], "key": requests[index][2]}
+                        for position, index in enumerate(grouped, 1)]),)) if grouped else None
                 for position, *row in entries.fetchall() if entries is not None else ():
                     rows[inbox[position - 1]] = row
                 for position, *row in group.fetchall() if group is not None else ():
@@ -635,25 +633,13 @@ class PostgresStorage(Storage, LimitStore):
                 creates.append(index)
         groups = []
         for statement, arguments, indexes in (
-                (self._update_group, self._update_group_arguments, updates),
+                (self._update_group, _update_group_arguments, updates),
                 (self._create_group, _create_group_arguments, creates),
                 (self._inbox_group, _inbox_group_arguments, entries)):
             if len(indexes) >= 2:
                 groups.append((statement, arguments([commits[index] for index in indexes]),
                                indexes))
         return groups
-
-    @staticmethod
-    def _update_group_arguments(commits: Sequence[PendingCommit]) -> tuple[list[Any], ...]:
-        """The arrays of :attr:`_update_group`: a column each, a commit a position."""
-        rows = []
-        for pending in commits:
-            values = _CommitValues.of(pending)
-            loaded = pending.loaded
-            rows.append((loaded.aggregate_type, loaded.aggregate_id, loaded.version,
-                         values.document, values.state_version, values.completed,
-                         *values.entry[2:]))
-        return tuple(list(column) for column in zip(*rows, strict=True))
 
     def _commit_statement(self, pending: PendingCommit) -> tuple[str, tuple[Any, ...]]:
         """The one statement of a commit: it writes one processed row (and the aggregate's
@@ -1296,13 +1282,24 @@ class _CommitValues(NamedTuple):
         )
 
 
+def _update_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
+    """The rows of ``_update_group``: each aggregate's loaded version, new state and
+    processed row."""
+    return (Jsonb([{**_aggregate_row(pending), "version": pending.loaded.version}
+                   for pending in commits]),)
+
+
 def _create_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
     """The rows of ``_create_group``: the new aggregates' and their processed rows'."""
-    return (Jsonb([{**_entry_row(pending),
-                    "state": dict(pending.state) if pending.state is not None else None,
-                    "state_version": pending.options.get("state_version"),
-                    "completed": bool(pending.options.get("completed", False))}
-                   for pending in commits]),)
+    return (Jsonb([_aggregate_row(pending) for pending in commits]),)
+
+
+def _aggregate_row(pending: PendingCommit) -> dict[str, Any]:
+    """The aggregate's columns and the processed row of ``pending``, as a JSON object."""
+    return {**_entry_row(pending),
+            "state": dict(pending.state) if pending.state is not None else None,
+            "state_version": pending.options.get("state_version"),
+            "completed": bool(pending.options.get("completed", False))}
 
 
 def _inbox_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
