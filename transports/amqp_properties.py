@@ -38,6 +38,8 @@ CORE: tuple[tuple[str, str], ...] = (
     (h.REPLY_TO, "reply_to"),
     (h.ORIGINATING_ENDPOINT, "app_id"),
 )
+#: The names of those properties.
+NAMES = frozenset(name for _, name in CORE)
 #: The longest short string AMQP carries, in bytes.
 SHORTSTR_MAX = 255
 

@@ -33,8 +33,9 @@ class _KombuDelivery(Delivery):
                  outage: tuple[type[BaseException], ...] = (),
                  events_exchange: str | None = None) -> None:
         try:
-            raw = amqp_properties.merged(_senders_headers(message.headers or {}),
-                                         message.properties)
+            raw = _senders_headers(message.headers or {})
+            if message.properties.keys() & amqp_properties.NAMES:  # set logic, no call
+                raw = amqp_properties.merged(raw, message.properties)
             headers, problem = wire.text_headers(raw)
             problem = _joined(problem, _encoding_problem(raw, message.content_encoding),
                               _foreign_key(message, headers, events_exchange))

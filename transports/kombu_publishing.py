@@ -104,7 +104,9 @@ class KombuPublishing(KombuTopology):
         self._check_fits(connection, envelope, routing_key, what)
         returns: list[str] = self._local.returns
         returns.clear()
-        headers, properties = self._on_the_wire(envelope)
+        # On RabbitMQ the core headers travel as properties (:mod:`.amqp_properties`).
+        headers, properties = (amqp_properties.split(envelope.headers) if self._is_amqp
+                               else (dict(envelope.headers), {}))
         try:
             producer.publish(
                 envelope.body.encode("utf-8", "surrogateescape"),
@@ -232,13 +234,6 @@ class KombuPublishing(KombuTopology):
         if confirming is not None:
             del self._local.confirming
             self._release(confirming.connection)
-
-    def _on_the_wire(self, envelope: Envelope) -> tuple[dict[str, str], dict[str, str]]:
-        """The headers table and the basic properties ``envelope`` is published with: on
-        RabbitMQ the core headers travel as properties (:mod:`.amqp_properties`)."""
-        if self._is_amqp:
-            return amqp_properties.split(envelope.headers)
-        return dict(envelope.headers), {}
 
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
                     what: str) -> None:
