@@ -95,7 +95,8 @@ def test_postgres_commits_a_group_in_one_pipeline_each_write_on_its_own(
     results = postgres_storage.commit_many(
         [group[0], stale, group[1], duplicate, group[2], group[3]])
 
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 6
+    # Six creations (two of aggregates that exist meanwhile): one statement
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 1
     assert [type(result) for result in results] == [
         type(None), ConcurrencyConflict, type(None), AlreadyProcessed, type(None), type(None)]
     monkeypatch.undo()
@@ -128,8 +129,8 @@ def test_postgres_updates_a_group_of_aggregates_in_one_statement_each_on_its_own
                                             updates[1]])
 
     # The four updates (three that apply, one stale) are one statement; the creation and
-    # the commit of an aggregate loaded as absent are their own.
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    # the commit of an aggregate loaded as absent are another.
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 2
     assert [type(result) for result in results] == [
         type(None), ConcurrencyConflict, type(None), type(None), AlreadyProcessed, type(None)]
     monkeypatch.undo()
@@ -143,6 +144,40 @@ def test_postgres_updates_a_group_of_aggregates_in_one_statement_each_on_its_own
     moved = postgres_storage.load(ACCOUNT, "moved", "k-late")
     assert moved.state == {"balance": 2} and moved.version == 2 and not moved.processed
     assert postgres_storage.load(ACCOUNT, "new").state == {"balance": 7}
+
+
+@pytest.mark.postgres
+def test_postgres_records_a_group_of_inbox_entries_in_one_statement_each_on_its_own(
+        postgres_storage: PostgresStorage, monkeypatch: pytest.MonkeyPatch):
+    sent = event()
+    postgres_storage.commit(AggregateRecord(INBOX, "m-seen"), key="m-seen", state=None,
+                            outgoing=(sent,))
+    entries = [PendingCommit(AggregateRecord(INBOX, f"m-{n}"), f"m-{n}", None,
+                             (event(),) if n == 1 else ()) for n in range(3)]
+    seen = PendingCommit(AggregateRecord(INBOX, "m-seen"), "m-seen", None, ())
+    # The same new aggregate twice in one group: the first is created, the second refused
+    twice = [pending(postgres_storage, "twice", f"k-twice-{n}", n) for n in range(2)]
+    count = PipelineCount(monkeypatch)
+
+    results = postgres_storage.commit_many([entries[2], seen, twice[0], entries[0], twice[1],
+                                            entries[1], entries[1]])
+
+    # The inbox entries are one statement, the first creation of "twice" another, its
+    # second creation its own
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    assert [type(result) for result in results] == [
+        type(None), AlreadyProcessed, type(None), type(None), ConcurrencyConflict,
+        type(None), AlreadyProcessed]
+    assert tuple(results[1].outgoing) == (sent,)  # type: ignore[union-attr]
+    monkeypatch.undo()
+    for n in range(3):
+        entry = postgres_storage.load(INBOX, f"m-{n}", f"m-{n}").processed[f"m-{n}"]
+        assert entry.outgoing == entries[n].outgoing
+        assert entry.dispatched is (n != 1)
+    record = postgres_storage.load(ACCOUNT, "twice", "k-twice-0")
+    assert record.state == {"balance": 0} and record.version == 1
+    assert "k-twice-0" in record.processed
+    assert not postgres_storage.load(ACCOUNT, "twice", "k-twice-1").processed
 
 
 @pytest.mark.postgres
@@ -174,8 +209,8 @@ def test_postgres_loads_a_group_in_one_round_trip_and_one_statement(
         (ACCOUNT, "a", "k1"), (INBOX, "m1", "m1"), (ACCOUNT, "b", "k2"), (INBOX, "m2", "m2"),
         (ACCOUNT, "a", "k3"), (ACCOUNT, "a", None)])
 
-    # The aggregates' four loads are one statement; each inbox load is its own.
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    # The aggregates' four loads are one statement, the inbox loads another.
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 2
     assert [type(record) for record in records] == [AggregateRecord] * 6
     assert records == [postgres_storage.load(*request) for request in [
         (ACCOUNT, "a", "k1"), (INBOX, "m1", "m1"), (ACCOUNT, "b", "k2"), (INBOX, "m2", "m2"),

@@ -287,8 +287,8 @@ def test_headers_body_id_and_content_type_arrive_unchanged_and_decode(
     transport.send(raw_copy)
     transport.send(sent)
     # The broker adds its dead-letter bookkeeping on the way ...
-    raw_headers = raw_get(destination)
-    assert "x-death" in raw_headers and raw_headers[h.MESSAGE_ID] == raw_copy.message_id
+    raw_headers, raw_properties = raw_get(destination)
+    assert "x-death" in raw_headers and raw_properties["message_id"] == raw_copy.message_id
     # ... which deliveries do not show: the sender's headers come out exactly.
     delivery, _ = next_arrival(transport, destination)
     assert delivery.headers == dict(sent.headers)
@@ -299,15 +299,17 @@ def test_headers_body_id_and_content_type_arrive_unchanged_and_decode(
     assert decoded == Deposit(account="ünïcode €", amount=5)
 
 
-def raw_get(queue: str, timeout: float = TIMEOUT) -> Mapping[str, object]:
-    """The headers of the next message of ``queue`` as RabbitMQ delivers them."""
+def raw_get(queue: str, timeout: float = TIMEOUT
+            ) -> tuple[Mapping[str, object], Mapping[str, object]]:
+    """The headers and the properties of the next message of ``queue`` as RabbitMQ
+    delivers them."""
     deadline = time.monotonic() + timeout
     with kombu.Connection(AMQP_URL) as connection:
         channel = connection.channel()
         while time.monotonic() < deadline:
             found = kombu.Queue(queue, no_declare=True)(channel).get(no_ack=True)
             if found is not None:
-                return dict(found.headers)
+                return dict(found.headers), dict(found.properties)
             time.sleep(0.01)
     pytest.fail(f"nothing arrived in {queue!r} within {timeout}s")
 

@@ -15,7 +15,7 @@ from .. import headers as h
 from .. import hierarchy, wire
 from ..wire import encoding_problem as _encoding_problem
 from ..wire import joined as _joined
-from . import delays
+from . import amqp_properties, delays
 from .base import Delivery
 from .errors import TransportUnavailable
 from .kombu_frames import _as_bytes
@@ -34,6 +34,8 @@ class _KombuDelivery(Delivery):
                  events_exchange: str | None = None) -> None:
         try:
             raw = _senders_headers(message.headers or {})
+            if message.properties.keys() & amqp_properties.NAMES:  # set logic, no call
+                raw = amqp_properties.merged(raw, message.properties)
             headers, problem = wire.text_headers(raw)
             problem = _joined(problem, _encoding_problem(raw, message.content_encoding),
                               _foreign_key(message, headers, events_exchange))
@@ -98,7 +100,8 @@ class _KombuDelivery(Delivery):
                 kombu.Producer(message.channel).publish(
                     message.body, exchange="", routing_key=self.queue, headers=headers,
                     content_type=message.content_type,
-                    content_encoding=message.content_encoding, delivery_mode=2)
+                    content_encoding=message.content_encoding, delivery_mode=2,
+                    **amqp_properties.carried(message.properties))
                 message.ack()
 
         self._settle(publish_then_ack)
@@ -131,6 +134,7 @@ class _KombuDelivery(Delivery):
             content_type=message.content_type,
             content_encoding=message.content_encoding,
             delivery_mode=2,
+            **amqp_properties.carried(message.properties),
         )
         message.ack()
 

@@ -76,8 +76,9 @@ def _lenient_frames(connection: Any, callback: Any, **options: Any) -> Callable[
     UTF-8: py-amqp raised ``UnicodeDecodeError`` on it, the consumer died, and the broker
     gave the same message to the next one — one message stopped an endpoint for good.
     Such a header is read again with those bytes as surrogate escapes (at most 255 bytes
-    of them), so the message arrives: idembus reads no AMQP property but the content type
-    and encoding, and refuses a message whose content type or encoding is not text."""
+    of them), so the message arrives: a content type or encoding that is not text is
+    refused, and so is a core property (``message_id``, ``type``, ... read as idembus
+    headers, :mod:`.amqp_properties`) that is not, as an ``idembus.*`` header would be."""
     on_frame = amqp.method_framing.frame_handler(connection, callback, **options)
 
     def on_any_frame(frame: Any) -> Any:

@@ -16,7 +16,7 @@ from .. import headers as h
 from .. import hierarchy
 from ..envelope import Envelope
 from ..redaction import redact
-from . import confirms, delays
+from . import amqp_properties, confirms, delays
 from .errors import DestinationRefused, TransportUnavailable
 from .kombu_errors import _classified
 from .kombu_frames import _as_sent
@@ -104,12 +104,15 @@ class KombuPublishing(KombuTopology):
         self._check_fits(connection, envelope, routing_key, what)
         returns: list[str] = self._local.returns
         returns.clear()
+        # On RabbitMQ the core headers travel as properties (:mod:`.amqp_properties`).
+        headers, properties = (amqp_properties.split(envelope.headers) if self._is_amqp
+                               else (dict(envelope.headers), {}))
         try:
             producer.publish(
                 envelope.body.encode("utf-8", "surrogateescape"),
                 exchange=exchange,
                 routing_key=routing_key,
-                headers=dict(envelope.headers),
+                headers=headers,
                 content_type=_as_sent(envelope.content_type),
                 content_encoding=_as_sent(envelope.content_encoding),
                 delivery_mode=2,
@@ -120,6 +123,7 @@ class KombuPublishing(KombuTopology):
                 confirm_timeout=_CONFIRM_TIMEOUT if self.publisher_confirms else None,
                 retry=True,
                 retry_policy={"max_retries": 3, "interval_start": 0.1, "interval_step": 0.5},
+                **properties,
             )
         except Exception as exc:
             # Whatever happened, the channel may be closed: this thread publishes on a new
@@ -161,12 +165,13 @@ class KombuPublishing(KombuTopology):
                 except DestinationRefused as refused:
                     results[index] = refused
                     continue
+                headers, properties = amqp_properties.split(envelope.headers)
                 handles[confirming.publish(
-                    envelope.body.encode("utf-8", "surrogateescape"), headers=envelope.headers,
+                    envelope.body.encode("utf-8", "surrogateescape"), headers=headers,
                     exchange=exchange, routing_key=key,
                     content_type=_as_sent(envelope.content_type),
                     content_encoding=_as_sent(envelope.content_encoding),
-                    delivery_mode=2, mandatory=True)] = index
+                    **properties)] = index
             ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
         except Exception as exc:
             log.info("publishing %d messages with one confirm wait failed (%s); each goes "
