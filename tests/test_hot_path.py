@@ -130,3 +130,27 @@ def test_a_handler_is_copied_as_copy_copy_copies_it() -> None:
     assert _shallow_copy(OwnCopy()).copied  # type: ignore[attr-defined]
     slotted = Slotted()
     assert _shallow_copy(slotted).gateway is copy.copy(slotted).gateway
+
+
+def test_memory_storage_builds_its_records_as_the_dataclasses_would() -> None:
+    # Given MemoryStorage's shortcut constructors (a frozen dataclass's fields are its
+    # instance __dict__ only without slots and __post_init__), when a record and an entry
+    # are built with every field, then they equal, and hold exactly the fields of, the
+    # records the dataclasses build.
+    import dataclasses
+    import datetime
+
+    from idembus.storage.base import AggregateRecord, ProcessedMessage
+    from idembus.storage.memory import _entry, _record
+
+    for cls in (AggregateRecord, ProcessedMessage):
+        assert not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__")
+    at = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    entry = _entry("H/m-1", (), ("o-1",), True, at, 2, "PlaceOrder")
+    assert entry == ProcessedMessage("H/m-1", (), ("o-1",), True, at, 2,
+                                     message_type="PlaceOrder")
+    record = _record("Order", "o-1", 3, {"n": 1}, {"H/m-1": entry}, at, True, 2, {"n": 2})
+    assert record == AggregateRecord("Order", "o-1", 3, {"n": 1}, {"H/m-1": entry}, at, True,
+                                     2, {"n": 2})
+    for built, cls in ((entry, ProcessedMessage), (record, AggregateRecord)):
+        assert list(vars(built)) == [field.name for field in dataclasses.fields(cls)]
