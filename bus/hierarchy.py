@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .errors import ConfigurationError
 from . import headers as h
+from .errors import ConfigurationError
 from .messages import Event, Message, enclosed_types, message_name, message_version
 from .wire import parse_version, shown
 
