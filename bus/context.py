@@ -36,6 +36,13 @@ class MessageContext:
     handler_name: str
     endpoint: str
 
+    def __init__(self, message_id: str, message_type: str, headers: Mapping[str, str],
+                 handler_name: str, endpoint: str) -> None:
+        # The frozen dataclass's own __init__ sets each field with object.__setattr__; one
+        # update of the instance's dict does the same (once per handler and message).
+        self.__dict__.update(message_id=message_id, message_type=message_type,
+                             headers=headers, handler_name=handler_name, endpoint=endpoint)
+
     @property
     def dedup_key(self) -> str:
         """The key under which this handler's processing of this message is recorded."""

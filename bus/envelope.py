@@ -32,6 +32,14 @@ class Envelope:
     #: unchanged bytes. ``None``: the original had none (kombu then writes ``binary``).
     content_encoding: str | None = TEXT_ENCODING
 
+    def __init__(self, headers: Mapping[str, str], body: str, destination: str | None = None,
+                 content_type: str = h.CONTENT_TYPE,
+                 content_encoding: str | None = TEXT_ENCODING) -> None:
+        # The frozen dataclass's own __init__ sets each field with object.__setattr__; one
+        # update of the instance's dict does the same (once per message sent).
+        self.__dict__.update(headers=headers, body=body, destination=destination,
+                             content_type=content_type, content_encoding=content_encoding)
+
     @property
     def message_id(self) -> str:
         """The ``idembus.message_id`` header (``KeyError`` without one)."""

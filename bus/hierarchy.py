@@ -30,8 +30,9 @@ error queue — so a key that reached a queue cannot be paired with a type heade
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+from . import headers as h
 from .errors import ConfigurationError
 from .messages import Event, Message, enclosed_types, message_name, message_version
 from .wire import parse_version, shown
@@ -42,6 +43,24 @@ _DOT = "~"
 _EDGE = "~"
 #: The AMQP limit of a routing key (and of a binding key), in bytes.
 MAX_ROUTING_KEY_BYTES = 255
+
+
+#: The class attribute :func:`type_headers` keeps its answer in (each class its own).
+_TYPE_HEADERS = "__idembus_type_headers__"
+
+
+def type_headers(message_type: type[Message]) -> Mapping[str, str]:
+    """The headers every message of ``message_type`` carries, whoever sends it:
+    ``idembus.message_type``, ``idembus.message_version`` and ``idembus.enclosed_types``.
+    Worked out at the class's first send and kept on the class itself (a subclass has its
+    own), so a send does not walk the class's MRO again. Read it, never change it."""
+    cached: dict[str, str] | None = message_type.__dict__.get(_TYPE_HEADERS)
+    if cached is None:
+        cached = {h.MESSAGE_TYPE: message_name(message_type),
+                  h.MESSAGE_VERSION: str(message_version(message_type)),
+                  h.ENCLOSED_TYPES: enclosed_header(message_type)}
+        setattr(message_type, _TYPE_HEADERS, cached)
+    return cached
 
 
 def enclosed_header(message_type: type[Message]) -> str:

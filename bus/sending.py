@@ -21,14 +21,12 @@ from .context import MessageContext
 from .envelope import Envelope, format_utc
 from .errors import HandlerContractError, RoutingError
 from .expiry import TimeToLive, discard_time, time_to_live
-from .hierarchy import enclosed_header
+from .hierarchy import type_headers
 from .messages import (
     Command,
     Event,
     Message,
     default_time_to_live,
-    message_name,
-    message_version,
     parents_of,
 )
 from .routing import Router
@@ -282,14 +280,16 @@ class Bus:
                else time_to_live(discard_after))
         now = self._clock.now()
         headers = self._headers(message, intent, extra, message_id, now)
-        headers.update(marks or {})  # idembus's own headers, which callers may not set
+        if marks:
+            headers.update(marks)  # idembus's own headers, which callers may not set
         if deliver_at is not None:
             headers[h.DELIVER_AT] = format_utc(deliver_at)
         if ttl is not None:
             # A deferred message lives from when it is due: it is meant to be received then.
             headers[h.DISCARD_AFTER] = discard_time(max(now, deliver_at or now), ttl)
-        if isinstance(message, Event):
-            parents = parents_of(message)
+        if (isinstance(message, Event)
+                and type(message).journal_parents is not Event.journal_parents):
+            parents = parents_of(message)  # names none unless the class overrides it
             if parents:
                 headers[h.PARENTS] = ",".join(parents)
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
@@ -309,20 +309,19 @@ class Bus:
         if message_id is None:
             message_id = origin.outgoing_id(self._count) if origin else str(uuid.uuid4())
         self._count += 1
-        result = {key: str(value) for key, value in (extra or {}).items()}
-        reserved = [key for key in result if key.startswith("idembus.")]
-        if reserved:
-            raise ValueError(f"headers starting with 'idembus.' are reserved: {reserved}")
-        result.update({
-            h.MESSAGE_ID: message_id,
-            h.MESSAGE_TYPE: message_name(message),
-            h.MESSAGE_VERSION: str(message_version(message)),
-            h.ENCLOSED_TYPES: enclosed_header(type(message)),
-            h.INTENT: intent.value,
-            h.ORIGINATING_ENDPOINT: self._endpoint,
-            h.REPLY_TO: self._endpoint,
-            h.TIME_SENT: format_utc(now),
-        })
+        if extra:
+            result = {key: str(value) for key, value in extra.items()}
+            reserved = [key for key in result if key.startswith("idembus.")]
+            if reserved:
+                raise ValueError(f"headers starting with 'idembus.' are reserved: {reserved}")
+        else:
+            result = {}
+        result[h.MESSAGE_ID] = message_id
+        result.update(type_headers(type(message)))
+        result[h.INTENT] = intent.value
+        result[h.ORIGINATING_ENDPOINT] = self._endpoint
+        result[h.REPLY_TO] = self._endpoint
+        result[h.TIME_SENT] = format_utc(now)
         if origin is None:
             result[h.CONVERSATION_ID] = message_id
             result[h.CORRELATION_ID] = message_id

@@ -146,7 +146,10 @@ class EndpointSignals:
         signal: _CachedSignal = getattr(self, name)
         if not signal.receivers:
             return
-        for receiver in signal.references_for(self.endpoint):
+        cached = signal._cached.get(self.endpoint)  # references_for's cache, looked at here
+        references = (cached[1] if cached is not None and cached[0] == signal._version
+                      else signal.references_for(self.endpoint))
+        for receiver in references:
             if isinstance(receiver, weakref.ref):
                 receiver = receiver()
                 if receiver is None:  # collected: blinker disconnects it

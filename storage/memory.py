@@ -86,7 +86,7 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         with self._lock:
             record = self._records.get((aggregate_type, aggregate_id))
         if record is None:
-            return AggregateRecord(aggregate_type, aggregate_id)
+            return _record(aggregate_type, aggregate_id, 0, None, {}, None, False, None, None)
         # The states are the mutable parts a caller could change; entries are immutable.
         return _with_processed(record, dict(record.processed), state=_copied(record.state),
                                final_state=_copied(record.final_state))
@@ -103,14 +103,9 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         message_type: str | None = None,
     ) -> None:
         address = (loaded.aggregate_type, loaded.aggregate_id)
-        entry = ProcessedMessage(
-            key=key,
-            outgoing=tuple(outgoing),
-            outgoing_ids=tuple(envelope.message_id for envelope in outgoing),
-            dispatched=not outgoing,
-            at=utc_now(),
-            message_type=message_type,
-        )
+        outgoing = tuple(outgoing)
+        entry = _entry(key, outgoing, tuple([envelope.message_id for envelope in outgoing]),
+                       not outgoing, utc_now(), 0, message_type)
         kept = _copied(dict(state)) if state is not None else None
         with self._lock:
             current = self._records.get(address)
@@ -122,17 +117,10 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
                 processed = dict(current.processed) if current else {}
                 processed[key] = entry
                 processed = self._remembered(processed)
-                self._records[address] = AggregateRecord(
-                    loaded.aggregate_type,
-                    loaded.aggregate_id,
-                    version=current_version + 1,
-                    state=None if completed else kept,
-                    processed=processed,
-                    updated_at=entry.at,
-                    completed=completed,
-                    state_version=state_version,
-                    final_state=kept if completed else None,
-                )
+                self._records[address] = _record(
+                    loaded.aggregate_type, loaded.aggregate_id, current_version + 1,
+                    None if completed else kept, processed, entry.at, completed,
+                    state_version, kept if completed else None)
                 return
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
@@ -163,9 +151,9 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
                 return
             entry = record.processed[key]
             processed = dict(record.processed)
-            processed[key] = ProcessedMessage(key, entry.outgoing if keep_bodies else (),
-                                              entry.outgoing_ids, True, entry.at,
-                                              message_type=entry.message_type)
+            processed[key] = _entry(key, entry.outgoing if keep_bodies else (),
+                                    entry.outgoing_ids, True, entry.at, 0,
+                                    entry.message_type)
             self._records[address] = _with_processed(record, processed)
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
@@ -492,7 +480,39 @@ def _with_processed(record: AggregateRecord, processed: dict[str, ProcessedMessa
                     final_state: Mapping[str, Any] | None = None) -> AggregateRecord:
     """``record`` with ``processed`` (and ``state`` and ``final_state``, if given): what
     ``dataclasses.replace`` does, for the fields a load and a mark change."""
-    return AggregateRecord(record.aggregate_type, record.aggregate_id, record.version,
-                           record.state if state is None else state, processed,
-                           record.updated_at, record.completed, record.state_version,
-                           record.final_state if final_state is None else final_state)
+    return _record(record.aggregate_type, record.aggregate_id, record.version,
+                   record.state if state is None else state, processed, record.updated_at,
+                   record.completed, record.state_version,
+                   record.final_state if final_state is None else final_state)
+
+
+# The two records below are built for every message (a load, a commit, a mark). As frozen
+# dataclasses, their generated ``__init__`` sets each field with ``object.__setattr__``;
+# their fields are their instance ``__dict__`` (no slots, no ``__post_init__``:
+# tests/test_hot_path.py checks that), so these fill it in one update, every field given.
+
+
+def _record(aggregate_type: str, aggregate_id: str, version: int,
+            state: Mapping[str, Any] | None, processed: Mapping[str, ProcessedMessage],
+            updated_at: datetime.datetime | None, completed: bool, state_version: int | None,
+            final_state: Mapping[str, Any] | None) -> AggregateRecord:
+    """``AggregateRecord(...)`` of these fields, without the frozen dataclass's
+    ``__init__``."""
+    record = object.__new__(AggregateRecord)
+    record.__dict__.update(aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           version=version, state=state, processed=processed,
+                           updated_at=updated_at, completed=completed,
+                           state_version=state_version, final_state=final_state)
+    return record
+
+
+def _entry(key: str, outgoing: tuple[Envelope, ...], outgoing_ids: tuple[str, ...],
+           dispatched: bool, at: datetime.datetime | None, attempts: int,
+           message_type: str | None) -> ProcessedMessage:
+    """``ProcessedMessage(...)`` of these fields (``stored_bytes`` 0: memory does not bound
+    records by size), without the frozen dataclass's ``__init__``."""
+    entry = object.__new__(ProcessedMessage)
+    entry.__dict__.update(key=key, outgoing=outgoing, outgoing_ids=outgoing_ids,
+                          dispatched=dispatched, at=at, attempts=attempts, stored_bytes=0,
+                          message_type=message_type)
+    return entry

@@ -130,3 +130,56 @@ def test_a_handler_is_copied_as_copy_copy_copies_it() -> None:
     assert _shallow_copy(OwnCopy()).copied  # type: ignore[attr-defined]
     slotted = Slotted()
     assert _shallow_copy(slotted).gateway is copy.copy(slotted).gateway
+
+
+def test_memory_storage_builds_its_records_as_the_dataclasses_would() -> None:
+    # Given MemoryStorage's shortcut constructors (a frozen dataclass's fields are its
+    # instance __dict__ only without slots and __post_init__), when a record and an entry
+    # are built with every field, then they equal, and hold exactly the fields of, the
+    # records the dataclasses build.
+    import dataclasses
+    import datetime
+
+    from idembus.storage.base import AggregateRecord, ProcessedMessage
+    from idembus.storage.memory import _entry, _record
+
+    for cls in (AggregateRecord, ProcessedMessage):
+        assert not hasattr(cls, "__slots__") and not hasattr(cls, "__post_init__")
+    at = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    entry = _entry("H/m-1", (), ("o-1",), True, at, 2, "PlaceOrder")
+    assert entry == ProcessedMessage("H/m-1", (), ("o-1",), True, at, 2,
+                                     message_type="PlaceOrder")
+    record = _record("Order", "o-1", 3, {"n": 1}, {"H/m-1": entry}, at, True, 2, {"n": 2})
+    assert record == AggregateRecord("Order", "o-1", 3, {"n": 1}, {"H/m-1": entry}, at, True,
+                                     2, {"n": 2})
+    for built, cls in ((entry, ProcessedMessage), (record, AggregateRecord)):
+        assert list(vars(built)) == [field.name for field in dataclasses.fields(cls)]
+
+
+def test_hand_written_initialisers_of_frozen_records_take_and_set_every_field() -> None:
+    # Given the records built for every message whose __init__ is written by hand (one
+    # update of the instance dict instead of a frozen dataclass's object.__setattr__ per
+    # field), then each takes exactly the dataclass's fields with their defaults, in order,
+    # and sets them all (a field added later and forgotten here fails this test).
+    import dataclasses
+    import inspect
+
+    from idembus.context import MessageContext
+    from idembus.envelope import Envelope
+    from idembus.runtime.invocation import Outcome
+
+    for cls in (Envelope, MessageContext, Outcome):
+        fields = dataclasses.fields(cls)
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        assert [(p.name, p.default) for p in parameters] == [
+            (f.name, inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+            for f in fields]
+        built = cls(*[f"value-{index}" for index in range(len(fields))])
+        assert vars(built) == {f.name: f"value-{index}" for index, f in enumerate(fields)}
+        assert dataclasses.replace(built) == built
+        try:
+            built.__setattr__(fields[0].name, "changed")
+        except dataclasses.FrozenInstanceError:
+            pass
+        else:
+            raise AssertionError(f"{cls.__name__} is no longer frozen")

@@ -76,6 +76,18 @@ class Outcome:
     #: (``not_found``) or a completed saga's timeout (``timeout_dropped``).
     dropped: bool = False
 
+    def __init__(self, aggregate_type: str, aggregate_id: str, key: str,
+                 outgoing: tuple[Envelope, ...], duplicate: bool, handler: str = "",
+                 left_to_outbox: bool = False, discarded: bool = False,
+                 dropped: bool = False) -> None:
+        # What the dataclass would generate, but frozen it sets field by field with
+        # object.__setattr__: one update of the instance's dict does it (once per handler
+        # and message).
+        self.__dict__.update(aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                             key=key, outgoing=outgoing, duplicate=duplicate,
+                             handler=handler, left_to_outbox=left_to_outbox,
+                             discarded=discarded, dropped=dropped)
+
 
 class HandlerInvoker:
     """Runs handler bindings against storage with deduplication and optimistic retries."""
