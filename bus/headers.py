@@ -46,6 +46,13 @@ SAGA_TIMEOUT = "idembus.saga_timeout"
 #: whose requester is gone (its reply queue no longer exists) is dropped, not parked; a
 #: request that fails for good answers with a failure reply (:mod:`idembus.requesting`).
 AWAITED = "idembus.awaited"
+#: On a command of an ordered type (``ordered_by=``): its ordering key, the partition the
+#: sender chose for it (``blake2b(key) mod partitions``, :func:`idembus.messages.partition_of`)
+#: and the number of partitions. Messages with the same key are handled one at a time, in
+#: the order they were sent.
+ORDERING_KEY = "idembus.ordering.key"
+PARTITION = "idembus.ordering.partition"
+PARTITIONS = "idembus.ordering.partitions"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"
