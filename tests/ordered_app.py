@@ -45,12 +45,15 @@ class Sequences(AggregateHandler[Seen]):
 def make() -> Endpoint:
     """The endpoint as ``idembus run tests.ordered_app:make`` starts it, from
     ``APP_QUEUE``, ``APP_TRANSPORT``, ``APP_POSTGRES``, ``APP_PREFIX`` and
-    ``APP_ERROR_QUEUE``."""
+    ``APP_ERROR_QUEUE`` (a PostgreSQL transport's tables are ``APP_PREFIX`` and ``q``)."""
     from idembus.storage.postgres import PostgresStorage
+    from idembus.transports.postgres import PostgresTransport
 
+    url = os.environ["APP_TRANSPORT"]
     return Endpoint(
         os.environ["APP_QUEUE"],
-        transport=os.environ["APP_TRANSPORT"],
+        transport=(PostgresTransport(url, table_prefix=os.environ["APP_PREFIX"] + "q")
+                   if url.startswith("postgresql://") else url),
         storage=PostgresStorage(os.environ["APP_POSTGRES"],
                                 table_prefix=os.environ["APP_PREFIX"]),
         handlers=[Sequences],

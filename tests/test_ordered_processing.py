@@ -21,9 +21,11 @@ from idembus.messages import ordering_key, partition_of
 from idembus.routing import Router, base_queue, partition_queue
 from idembus.sending import Bus
 from idembus.storage.memory import MemoryStorage
+from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
 from idembus.transports.kombu import KombuTransport
-from tests.conftest import AMQP_URL, POSTGRES_URL
+from idembus.transports.postgres import PostgresTransport
+from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
 from tests.ordered_app import Sequences, Step
 from tests.test_workers import App, children, deployed, wait_until
 
@@ -152,12 +154,13 @@ def _seen(app: App) -> dict[str, list[int]]:
 
 
 def _run_killed(app: App, keys: int, per_key: int, send: Callable[[Step], object], *,
-                pending: Callable[[], int]) -> None:
+                pending: Callable[[], int], **environment: str) -> None:
     """2 workers x 4 threads take ``keys`` x ``per_key`` steps while a worker is SIGKILLed
     at a third of the sends and the other original one at two thirds (so the worker
     active on the partitions dies with messages in flight, whichever it was); every key
     must see 0..per_key-1, each once, in order, and nothing goes to the error queue."""
-    supervisor = app.start("--workers", "2", "--concurrency", "4", "--log-level", "INFO")
+    supervisor = app.start("--workers", "2", "--concurrency", "4", "--log-level", "INFO",
+                           **environment)
     log = supervisor.err
     assert log.wait_for(", 4 consumer(s), ", count=2, timeout=60), log.lines[-20:]
     rng = random.Random(30)
@@ -175,7 +178,8 @@ def _run_killed(app: App, keys: int, per_key: int, send: Callable[[Step], object
                 os.kill(victim, signal.SIGKILL)
     assert log.wait_for("exited with status -9", count=2, timeout=60), log.lines[-20:]
     expected = {f"key-{key}": list(range(per_key)) for key in range(keys)}
-    assert wait_until(lambda: _seen(app) == expected, timeout=600), {
+    patience = max(90, keys * per_key // 10)
+    assert wait_until(lambda: _seen(app) == expected, timeout=patience), {
         key: seqs for key, seqs in _seen(app).items() if seqs != expected[key]}
     assert wait_until(lambda: pending() == 0)
     assert app.transport.pending(app.error_queue) == 0
@@ -210,6 +214,54 @@ def test_rabbitmq_applies_100_keys_x_50_in_order_under_2_workers_x_4_threads_wit
     _rabbitmq_case(tmp_path, keys=100, per_key=50)
 
 
+def _postgres_case(tmp_path, keys: int, per_key: int) -> None:
+    require_service(POSTGRES_URL, "PostgreSQL")
+    (tmp_path / "worker_app.py").write_text(ORDERED_APP)
+    suffix = uuid.uuid4().hex[:10]
+    prefix = f"ord{suffix}"
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=prefix + "q")
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
+    app = App(tmp_path, f"ordered-{suffix}", f"ordered-error-{suffix}", prefix,
+              transport)  # type: ignore[arg-type]
+    try:
+        transport.migrate()
+        storage.migrate()
+        transport.declare(app.queue)
+        transport.declare(app.error_queue)
+        bus = Bus("test-sender", Router({Step: app.queue}), transport.dispatch)
+        _run_killed(app, keys, per_key, bus.send, pending=lambda: transport.pending(app.queue),
+                    APP_TRANSPORT=POSTGRES_URL)
+    finally:
+        for running in app.running:
+            running.stop()
+        transport.drop_tables()
+        transport.close()
+        storage.drop_tables()
+        storage.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_postgres_queues_apply_20_keys_in_order_under_2_workers_x_4_threads_with_a_kill(
+        tmp_path):
+    _postgres_case(tmp_path, keys=20, per_key=15)
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_postgres_queues_apply_100_keys_x_50_in_order_under_2_workers_x_4_threads_with_a_kill(
+        tmp_path):
+    _postgres_case(tmp_path, keys=100, per_key=50)
+
+
+def test_the_database_queues_keep_ordered_messages_in_the_endpoints_own_queue():
+    from idembus.transports.postgres_statements import _targets
+    sent = []
+    Bus("sender", Router({Step: "steps"}), sent.append).send(Step(key="k", seq=0))
+    assert _targets(sent[0]) == ["steps"]
+
+
 @pytest.mark.amqp
 def test_rabbitmq_partition_queues_have_a_single_active_consumer():
     transport = KombuTransport(AMQP_URL)
@@ -227,4 +279,30 @@ def test_rabbitmq_partition_queues_have_a_single_active_consumer():
     finally:
         for name in (queue, partition_queue(queue, 0), partition_queue(queue, 1)):
             transport.delete_queue(name)
+        transport.close()
+
+
+@pytest.mark.postgres
+def test_tables_of_an_earlier_idembus_get_the_ordering_key_column_at_start():
+    require_service(POSTGRES_URL, "PostgreSQL")
+    prefix = f"ordm{uuid.uuid4().hex[:10]}"
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=prefix)
+    try:
+        transport.migrate()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+            connection.execute(f"DROP INDEX {prefix}_messages_ordering")
+            connection.execute(f"ALTER TABLE {prefix}_messages DROP COLUMN ordering_key")
+            assert transport.schema.missing(connection) == [f"{prefix}_messages.ordering_key"]
+        later = PostgresTransport(POSTGRES_URL, table_prefix=prefix)
+        later.verify()  # what an endpoint does at start
+        later.declare("steps")
+        Bus("sender", Router({Step: "steps"}), later.dispatch).send(Step(key="k", seq=0))
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+            assert transport.schema.missing(connection) == []
+            assert connection.execute(
+                f"SELECT queue, ordering_key FROM {prefix}_messages").fetchall() == [
+                ("steps", "k")]
+        later.close()
+    finally:
+        transport.drop_tables()
         transport.close()

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import headers as h
 from ..envelope import Envelope
+from ..routing import base_queue
 from .base import QueueDepth
 from .database import STORY_TAIL, encode_headers, routing_names
 from .postgres_schema import QueueSchema
@@ -58,9 +60,17 @@ class Statements:
         # written by another client) is never waited for.
         due = ("visible_at <= clock_timestamp() AND (leased_until IS NULL"
                " OR leased_until <= clock_timestamp())")
+        # An ordered message (its ordering_key, the idembus.ordering.key header as the
+        # sender wrote it) is claimed only when no older row of its key is left in its
+        # queue: none waiting, none claimed and not yet settled.
+        first_of_key = (
+            f"(m.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {schema.messages} o"
+            " WHERE o.queue = %(queue)s AND o.ordering_key = m.ordering_key"
+            " AND o.id < m.id))")
         claim = (
-            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} WHERE queue = %(queue)s"
-            f" AND {due} ORDER BY visible_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
+            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} m WHERE queue = %(queue)s"
+            f" AND {due} AND {first_of_key} ORDER BY visible_at, id LIMIT %(limit)s"
+            " FOR UPDATE SKIP LOCKED), "
             f"u AS (UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() +"
             " %(lease)s * interval '1 second', lease = %(token)s,"
             f" deliveries = least(m.deliveries, {MAX_DELIVERIES - 1}) + 1 FROM c"
@@ -87,7 +97,7 @@ class Statements:
             " %(stories)s::text[]) AS d(id, lease, story)), "
             f"moved AS (UPDATE {schema.messages} AS m SET queue = %(error_queue)s,"
             f" headers = ({headers})::json, visible_at = clock_timestamp(),"
-            " leased_until = NULL, lease = NULL, deliveries = 0 FROM d"
+            " leased_until = NULL, lease = NULL, deliveries = 0, ordering_key = NULL FROM d"
             " WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
             f"SELECT {NO_DISK_WAIT}, pg_notify(%(channel)s, '') "
             "WHERE EXISTS (SELECT 1 FROM moved)")
@@ -134,7 +144,7 @@ class QueuePart:
         now = datetime.datetime.now(datetime.timezone.utc)
         params: dict[str, Any] = {name: [] for name in (
             "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
-            "bus_delay", "bus_target_ord", "bus_target", "bus_published")}
+            "bus_delay", "bus_key", "bus_target_ord", "bus_target", "bus_published")}
         for ordinal, envelope in enumerate(envelopes):
             due = envelope.deliver_at
             for name, value in (
@@ -142,7 +152,9 @@ class QueuePart:
                     ("bus_body", envelope.body.encode("utf-8", "surrogateescape")),
                     ("bus_content_type", envelope.content_type),
                     ("bus_content_encoding", envelope.content_encoding),
-                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0)):
+                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0),
+                    ("bus_key", envelope.headers.get(h.ORDERING_KEY)
+                     if envelope.destination is not None else None)):
                 params[name].append(value)
             for target in _targets(envelope):
                 params["bus_target_ord"].append(ordinal)
@@ -154,10 +166,11 @@ class QueuePart:
 
     @property
     def inputs(self) -> str:
-        return ("bus_m(ord, headers, body, content_type, content_encoding, delay) AS ("
+        return ("bus_m(ord, headers, body, content_type, content_encoding, delay, key) AS ("
                 "SELECT * FROM unnest(%(bus_ord)s::int[], %(bus_headers)s::text[],"
                 " %(bus_body)s::bytea[], %(bus_content_type)s::text[],"
-                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[])), "
+                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[],"
+                " %(bus_key)s::text[])), "
                 "bus_t(ord, name, published) AS (SELECT * FROM unnest("
                 "%(bus_target_ord)s::int[], %(bus_target)s::text[], %(bus_published)s::bool[]))")
 
@@ -175,9 +188,9 @@ class QueuePart:
             f"UNION SELECT t.ord, s.queue FROM bus_t t JOIN {schema.subscriptions} s"
             f" ON t.published AND s.message_type = t.name WHERE {guard}), "
             f"bus_inserted AS (INSERT INTO {schema.messages}"
-            " (queue, headers, body, content_type, content_encoding, visible_at)"
+            " (queue, headers, body, content_type, content_encoding, visible_at, ordering_key)"
             " SELECT bus_targets.queue, m.headers::json, m.body, m.content_type,"
-            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second'"
+            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second', m.key"
             " FROM bus_targets JOIN bus_m m USING (ord) ORDER BY m.ord, bus_targets.queue), "
             f"bus_removed AS (DELETE FROM {schema.messages} WHERE id = %(bus_remove)s"
             f" AND {guard})")
@@ -218,9 +231,11 @@ class QueuePart:
 
 
 def _targets(envelope: Envelope) -> list[str]:
-    """The queue a sent envelope goes to, or the type names a published one is routed by."""
-    return [envelope.destination] if envelope.destination is not None else routing_names(
-        envelope)
+    """The queue a sent envelope goes to — an endpoint's own for one of its partition
+    queues: ordered messages are ordered by key in it — or the type names a published one
+    is routed by."""
+    return [base_queue(envelope.destination)] if envelope.destination is not None else (
+        routing_names(envelope))
 
 
 #: Due and not leased: what a consumer may claim now (``m`` is the messages table).
