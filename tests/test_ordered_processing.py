@@ -198,22 +198,6 @@ def _rabbitmq_case(tmp_path, keys: int, per_key: int) -> None:
                 app.transport.delete_queue(partition_queue(app.queue, index))
 
 
-@pytest.mark.amqp
-@pytest.mark.postgres
-@pytest.mark.timeout(300)
-def test_rabbitmq_applies_20_keys_in_order_under_2_workers_x_4_threads_with_a_kill(tmp_path):
-    _rabbitmq_case(tmp_path, keys=20, per_key=15)
-
-
-@pytest.mark.amqp
-@pytest.mark.postgres
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_rabbitmq_applies_100_keys_x_50_in_order_under_2_workers_x_4_threads_with_a_kill(
-        tmp_path):
-    _rabbitmq_case(tmp_path, keys=100, per_key=50)
-
-
 def _postgres_case(tmp_path, keys: int, per_key: int) -> None:
     require_service(POSTGRES_URL, "PostgreSQL")
     (tmp_path / "worker_app.py").write_text(ORDERED_APP)
@@ -240,19 +224,25 @@ def _postgres_case(tmp_path, keys: int, per_key: int) -> None:
         storage.close()
 
 
+#: The reduced run (make test) and the full one (make soak), on each kind of queue.
+SIZES = [pytest.param(20, 15, marks=pytest.mark.timeout(300), id="20x15"),
+         pytest.param(100, 50, marks=[pytest.mark.slow, pytest.mark.timeout(900)],
+                      id="100x50")]
+
+
+@pytest.mark.amqp
 @pytest.mark.postgres
-@pytest.mark.timeout(300)
-def test_postgres_queues_apply_20_keys_in_order_under_2_workers_x_4_threads_with_a_kill(
-        tmp_path):
-    _postgres_case(tmp_path, keys=20, per_key=15)
+@pytest.mark.parametrize("keys, per_key", SIZES)
+def test_rabbitmq_applies_keys_in_order_under_2_workers_x_4_threads_with_kills(
+        tmp_path, keys, per_key):
+    _rabbitmq_case(tmp_path, keys=keys, per_key=per_key)
 
 
 @pytest.mark.postgres
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_postgres_queues_apply_100_keys_x_50_in_order_under_2_workers_x_4_threads_with_a_kill(
-        tmp_path):
-    _postgres_case(tmp_path, keys=100, per_key=50)
+@pytest.mark.parametrize("keys, per_key", SIZES)
+def test_postgres_queues_apply_keys_in_order_under_2_workers_x_4_threads_with_kills(
+        tmp_path, keys, per_key):
+    _postgres_case(tmp_path, keys=keys, per_key=per_key)
 
 
 def test_the_database_queues_keep_ordered_messages_in_the_endpoints_own_queue():
@@ -306,3 +296,39 @@ def test_tables_of_an_earlier_idembus_get_the_ordering_key_column_at_start():
     finally:
         transport.drop_tables()
         transport.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shared", [False, True], ids=["acknowledged", "shared-transaction"])
+def test_settling_an_ordered_message_wakes_the_consumers_for_the_next_of_its_key(shared):
+    # Given an endpoint on the PostgreSQL queues whose idle consumers look only every 60 s
+    require_service(POSTGRES_URL, "PostgreSQL")
+    prefix = f"ordw{uuid.uuid4().hex[:10]}"
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=prefix + "q", max_idle_wait=60)
+    storage = PostgresStorage(POSTGRES_URL, table_prefix=prefix) if shared else MemoryStorage()
+    endpoint = Endpoint(f"steps-{prefix}", transport=transport, storage=storage,
+                        handlers=[Sequences], batching=None)
+    try:
+        # When five messages of one key wait before it starts (each free only once the one
+        # before it is settled; no notification of their sends left to wake it)
+        transport.declare(endpoint.name)
+        sender = Bus("sender", Router({Step: endpoint.name}), transport.dispatch)
+        for seq in range(5):
+            sender.send(Step(key="k", seq=seq))
+        with endpoint:
+            assert (endpoint.shared_transaction is not None) is shared
+            # Then each settlement wakes a consumer for the next: far sooner than 60 s
+            wait_until_idle([endpoint], timeout=20)
+            assert _sequences_of(storage) == {"k": [0, 1, 2, 3, 4]}
+    finally:
+        transport.drop_tables()
+        if shared:
+            leftover = PostgresStorage(POSTGRES_URL, table_prefix=prefix)
+            leftover.drop_tables()
+            leftover.close()
+
+
+def _sequences_of(storage: object) -> dict[str, list[int]]:
+    return {record.aggregate_id: list((record.state or {})["seqs"])
+            for record in storage.records("Seen")}  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import headers as h
 from ..envelope import Envelope
@@ -17,6 +17,9 @@ from ..routing import base_queue
 from .base import QueueDepth
 from .database import STORY_TAIL, encode_headers, routing_names
 from .postgres_schema import QueueSchema
+
+if TYPE_CHECKING:
+    from .postgres_rows import _PostgresDelivery
 
 #: In a statement of its own (autocommit), lets its transaction commit without waiting for
 #: the disk: for what a crash of the database may forget (a notification, a requeue).
@@ -50,6 +53,9 @@ class Statements:
     claim: str
     #: Moves claimed rows to ``%(error_queue)s`` with their failure headers.
     move: str
+    #: Deletes the row ``%(id)s`` (an acknowledgement); if it was an ordered message, wakes
+    #: the queue's idle consumers (``%(channel)s``): the next message of its key is free.
+    delete: str
 
     @classmethod
     def of(cls, schema: QueueSchema) -> Statements:
@@ -101,7 +107,10 @@ class Statements:
             " WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
             f"SELECT {NO_DISK_WAIT}, pg_notify(%(channel)s, '') "
             "WHERE EXISTS (SELECT 1 FROM moved)")
-        return cls(claim, move)
+        delete = (f"WITH gone AS (DELETE FROM {schema.messages} WHERE id = %(id)s"
+                  " RETURNING ordering_key) SELECT pg_notify(%(channel)s, '') FROM gone"
+                  " WHERE ordering_key IS NOT NULL")
+        return cls(claim, move, delete)
 
 
 @dataclass(frozen=True)
@@ -138,9 +147,10 @@ class QueuePart:
 
     @classmethod
     def of(cls, schema: QueueSchema, envelopes: Sequence[Envelope], *,
-           remove: int | None) -> QueuePart:
+           remove: _PostgresDelivery | None) -> QueuePart:
         """The part that inserts ``envelopes`` into ``schema``'s tables and deletes the row
-        ``remove`` (``None``: none)."""
+        of ``remove`` (``None``: none); if that is an ordered message, its queue's idle
+        consumers are woken after the commit too (the next message of its key is free)."""
         now = datetime.datetime.now(datetime.timezone.utc)
         params: dict[str, Any] = {name: [] for name in (
             "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
@@ -160,7 +170,9 @@ class QueuePart:
                 params["bus_target_ord"].append(ordinal)
                 params["bus_target"].append(target)
                 params["bus_published"].append(envelope.destination is None)
-        params["bus_remove"] = remove
+        params["bus_remove"] = remove.row_id if remove is not None else None
+        params["bus_wake"] = (remove.queue if remove is not None
+                              and h.ORDERING_KEY in remove.headers else None)
         params["bus_prefix"] = schema.prefix
         return cls(schema, tuple(envelopes), params)
 
@@ -211,7 +223,8 @@ class QueuePart:
                 f"SELECT q.name AS queue FROM bus_t t JOIN {schema.queues} q"
                 " ON NOT t.published AND q.name = t.name "
                 f"UNION SELECT s.queue FROM bus_t t JOIN {schema.subscriptions} s"
-                " ON t.published AND s.message_type = t.name) AS q")
+                " ON t.published AND s.message_type = t.name "
+                "UNION SELECT %(bus_wake)s::text WHERE %(bus_wake)s::text IS NOT NULL) AS q")
 
     @property
     def result(self) -> str:
