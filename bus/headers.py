@@ -51,6 +51,13 @@ AWAITED = "idembus.awaited"
 #: JSON reference; the receiver reads the body from the store before decoding.
 CLAIM_CHECK = "idembus.claim_check"
 CLAIM_CHECK_BYTES = "idembus.claim_check.bytes"
+#: On a command of an ordered type (``ordered_by=``): its ordering key, the partition the
+#: sender chose for it (``blake2b(key) mod partitions``, :func:`idembus.messages.partition_of`)
+#: and the number of partitions. Messages with the same key are handled one at a time, in
+#: the order they were sent.
+ORDERING_KEY = "idembus.ordering.key"
+PARTITION = "idembus.ordering.partition"
+PARTITIONS = "idembus.ordering.partitions"
 
 # Written when a message is moved to the error queue.
 EXCEPTION_TYPE = "idembus.exception.type"

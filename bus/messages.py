@@ -21,6 +21,11 @@ is the version of its body's shape, sent in ``idembus.message_version``, and
 derived from another (``class OrderPlaced(OrderEvent)``) reaches the handlers of both
 (README, "Message hierarchies"): :func:`enclosed_types` lists what it is.
 
+A command type may be ordered by a key: ``ordered_by="account_id"`` (a field, or a callable
+taking the message) makes its messages with the same key handled one at a time in the
+order they were sent (``docs/guide/ordered-processing.md``); ``partitions=N`` (default
+16) is how many partitions the keys are spread into (:func:`partition_of`).
+
 Nothing is registered by defining a class; endpoints learn their types from the handlers
 and routes they are given.
 """
@@ -28,14 +33,20 @@ and routes they are given.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
 from .errors import ConfigurationError
 from .expiry import time_to_live
+
+#: Partitions of an ordered type unless it says otherwise (``partitions=``).
+DEFAULT_PARTITIONS = 16
+#: The most partitions a type may have (each is a queue on RabbitMQ).
+MAX_PARTITIONS = 256
 
 #: Characters allowed in a wire name. Dots group names; AMQP topic wildcards are excluded.
 _WIRE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
@@ -59,13 +70,20 @@ class Message(BaseModel):
     __message_version__: ClassVar[int] = 1
     #: The time to live of this type's messages (``discard_after=`` class keyword).
     __discard_after__: ClassVar[datetime.timedelta | None] = None
+    #: What orders this type's messages (``ordered_by=`` class keyword, inherited): a
+    #: field name or a callable giving the key; ``None``: unordered.
+    __ordered_by__: ClassVar[str | Callable[[Any], object] | None] = None
+    #: Into how many partitions the keys are spread (``partitions=``, inherited).
+    __partitions__: ClassVar[int] = DEFAULT_PARTITIONS
 
     def __init_subclass__(cls, *, message_name: str | None = None,
                           aliases: Sequence[str] = (), message_version: int = 1,
-                          discard_after: object = None, **kwargs: Any) -> None:
+                          discard_after: object = None, ordered_by: object = None,
+                          partitions: int | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if discard_after is not None:
             cls.__discard_after__ = _class_time_to_live(cls, discard_after)
+        _declare_order(cls, ordered_by, partitions)
         wire_name = message_name or cls.__name__
         _check_wire_name(cls, wire_name, "message name")
         if isinstance(aliases, str):
@@ -90,9 +108,63 @@ class Message(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, *, message_name: str | None = None,
                                    aliases: Sequence[str] = (), message_version: int = 1,
-                                   discard_after: object = None, **kwargs: Any) -> None:
+                                   discard_after: object = None, ordered_by: object = None,
+                                   partitions: int | None = None, **kwargs: Any) -> None:
         # __init_subclass__ consumed the keywords; pydantic passes class keywords here too.
         super().__pydantic_init_subclass__(**kwargs)
+
+
+def _declare_order(cls: type[Message], ordered_by: object, partitions: int | None) -> None:
+    """Check and keep the ``ordered_by=`` and ``partitions=`` keywords of ``cls``."""
+    if ordered_by is not None:
+        if not (isinstance(ordered_by, str) and ordered_by.isidentifier()
+                or callable(ordered_by)):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: ordered_by must name a field (ordered_by='account_id') "
+                f"or be a callable taking the message, not {ordered_by!r}")
+        if issubclass(cls, Event):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: ordered_by is for commands; an event reaches every "
+                "subscriber's queue and is not ordered by key")
+        if isinstance(ordered_by, str) and not any(
+                ordered_by in getattr(base, "__annotations__", {}) for base in cls.__mro__):
+            raise ConfigurationError(
+                f"{cls.__qualname__}: ordered_by={ordered_by!r} is not a field of the message")
+        cls.__ordered_by__ = ordered_by
+    if partitions is not None:
+        if isinstance(partitions, bool) or not isinstance(partitions, int) \
+                or not 1 <= partitions <= MAX_PARTITIONS:
+            raise ConfigurationError(
+                f"{cls.__qualname__}: partitions must be a whole number from 1 to "
+                f"{MAX_PARTITIONS}, not {partitions!r}")
+        cls.__partitions__ = partitions
+
+
+def ordering_key(message: Message) -> str | None:
+    """The key that orders ``message`` (its type's ``ordered_by=``), as text; ``None`` for
+    a message of an unordered type."""
+    order = type(message).__ordered_by__
+    if order is None:
+        return None
+    key = getattr(message, order) if isinstance(order, str) else order(message)
+    if key is None:
+        raise ValueError(f"{type(message).__qualname__}: the ordering key (ordered_by) of "
+                         "this message is None; give every ordered message a key")
+    return str(key)
+
+
+def ordered_partitions(message_type: type[Message] | Message) -> int:
+    """How many partitions the keys of ``message_type`` are spread into; 0 if unordered."""
+    cls = message_type if isinstance(message_type, type) else type(message_type)
+    return cls.__partitions__ if cls.__ordered_by__ is not None else 0
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition of ``key``, in ``[0, partitions)``: the same in every process, every
+    language and every version (the first 8 bytes of the key's BLAKE2b digest, big-endian,
+    modulo ``partitions``), never Python's salted ``hash()``."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % partitions
 
 
 def _check_wire_name(cls: type, name: object, what: str) -> None:

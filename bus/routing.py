@@ -49,3 +49,19 @@ class Router:
     @property
     def command_types(self) -> list[type[Message]]:
         return list(self._routes)
+
+
+#: How the queue of one partition of an endpoint's ordered messages is named.
+_PARTITION_SUFFIX = ".ordered."
+
+
+def partition_queue(queue: str, partition: int) -> str:
+    """The queue of ``partition`` of ``queue``'s ordered messages: ``<queue>.ordered.<i>``
+    (RabbitMQ; the database queues keep them in ``queue`` itself, :func:`base_queue`)."""
+    return f"{queue}{_PARTITION_SUFFIX}{partition}"
+
+
+def base_queue(queue: str) -> str:
+    """The endpoint queue a partition queue belongs to (``queue`` itself if it is none)."""
+    head, found, tail = queue.rpartition(_PARTITION_SUFFIX)
+    return head if found and tail.isdigit() else queue

@@ -27,9 +27,12 @@ from .messages import (
     Event,
     Message,
     default_time_to_live,
+    ordered_partitions,
+    ordering_key,
     parents_of,
+    partition_of,
 )
-from .routing import Router
+from .routing import Router, partition_queue
 
 Emit = Callable[[Envelope], object]
 ReplyT = TypeVar("ReplyT", bound=Message)
@@ -287,6 +290,14 @@ class Bus:
         if ttl is not None:
             # A deferred message lives from when it is due: it is meant to be received then.
             headers[h.DISCARD_AFTER] = discard_time(max(now, deliver_at or now), ttl)
+        key = ordering_key(message)
+        if key is not None:
+            partitions = ordered_partitions(message)
+            partition = partition_of(key, partitions)
+            headers.update({h.ORDERING_KEY: key, h.PARTITIONS: str(partitions),
+                            h.PARTITION: str(partition)})
+            if destination is not None:
+                destination = partition_queue(destination, partition)
         if (isinstance(message, Event)
                 and type(message).journal_parents is not Event.journal_parents):
             parents = parents_of(message)  # names none unless the class overrides it

@@ -138,6 +138,22 @@ class Transport(ABC):
     #: The broker lives inside this process (several worker processes cannot share it).
     process_local: bool = False
 
+    #: Ordered messages (``ordered_by=``) travel in partition queues that the endpoint
+    #: declares (:meth:`declare_partitions`) and consumes (:meth:`consume_partitions`);
+    #: ``False``: the transport orders them by key in the endpoint's own queue (the
+    #: database queues) and sends to a partition queue go to the endpoint's queue.
+    partition_queues: bool = False
+
+    def declare_partitions(self, queue: str, count: int) -> None:
+        """Create the ``count`` partition queues of ``queue`` (``partition_queues``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no partition queues")
+
+    def consume_partitions(self, queue: str, partitions: Sequence[int],
+                           on_delivery: OnDelivery, *, stop: threading.Event) -> None:
+        """Call ``on_delivery`` for each message of the partition queues ``partitions`` of
+        ``queue``, one at a time, in each partition's order, until ``stop`` is set."""
+        raise NotImplementedError(f"{type(self).__name__} has no partition queues")
+
     @abstractmethod
     def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
         """Create ``queue`` and bind it to each event type name in ``subscriptions``."""

@@ -149,6 +149,9 @@ class KombuTransport(KombuPublishing, KombuConsuming, KombuInspection):
         Further arguments of every queue declared (RabbitMQ ``x-*``), the error queue too.
     """
 
+    #: Ordered messages travel in partition queues (``<queue>.ordered.<i>``).
+    partition_queues = True
+
     def _overrides(self, *methods: str) -> bool:
         """Whether a subclass overrides one of ``methods``: the batched paths then go
         through them (a test's fault injection, a user's instrumentation) one at a time."""

@@ -4,14 +4,17 @@ operator can end; and acknowledging a batch with one ``basic.ack``."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import kombu
 from kombu import Queue
 
+from .. import routing
 from ..redaction import redact
 from .base import Delivery, OnBatch, OnDelivery
 from .errors import BrokerAccessDenied, TransportUnavailable
@@ -114,6 +117,40 @@ class KombuConsuming(KombuCore):
         ``after_drain`` after each delivery, until ``stop`` is set; reconnect after outages.
         ``declared``: a queue the consumer declares on its connection (else ``queue``
         must exist); ``ready`` is set each time the consumer is in place."""
+        def consumers(connection: kombu.Connection, channel: Any) -> list[kombu.Consumer]:
+            return [kombu.Consumer(
+                channel, [declared or Queue(queue, durable=True, no_declare=True)],
+                on_message=receiving(connection), prefetch_count=prefetch)]
+
+        self._consuming_with(queue, stop, consumers, after_drain, ready=ready)
+
+    def consume_partitions(self, queue: str, partitions: Sequence[int],
+                           on_delivery: OnDelivery, *, stop: threading.Event) -> None:
+        """Consume the partition queues ``partitions`` of ``queue``'s ordered messages
+        (:meth:`declare_partitions`) on one connection, one delivery at a time, each
+        partition's consumer with a prefetch of 1, until ``stop`` is set; outages as
+        :meth:`consume`. On RabbitMQ the broker makes one consumer of each partition
+        active at a time: while this one is, the partition's messages come here in order,
+        the next one only once the previous one is settled."""
+        names = [routing.partition_queue(queue, index) for index in partitions]
+
+        def consumers(connection: kombu.Connection, channel: Any) -> list[kombu.Consumer]:
+            return [kombu.Consumer(
+                channel, [Queue(name, durable=True, no_declare=True)],
+                on_message=self._delivering(name, on_delivery, connection), prefetch_count=1)
+                for name in names]
+
+        self._consuming_with(", ".join(names), stop, consumers, lambda connection: None)
+
+    def _consuming_with(
+        self, queue: str, stop: threading.Event,
+        consumers: Callable[[kombu.Connection, Any], list[kombu.Consumer]],
+        after_drain: Callable[[kombu.Connection], None], *,
+        ready: threading.Event | None = None,
+    ) -> None:
+        """Consume with the consumers ``consumers(connection, channel)`` makes (``queue``
+        names what they consume, in warnings), calling ``after_drain`` after each
+        delivery, until ``stop`` is set; reconnect after outages."""
         failures = 0
         while not stop.is_set():
             try:
@@ -125,10 +162,9 @@ class KombuConsuming(KombuCore):
                 continue
             try:
                 channel = self._raw_channel(connection)
-                with kombu.Consumer(
-                    channel, [declared or Queue(queue, durable=True, no_declare=True)],
-                    on_message=receiving(connection), prefetch_count=prefetch,
-                ):
+                with contextlib.ExitStack() as consuming:
+                    for consumer in consumers(connection, channel):
+                        consuming.enter_context(consumer)
                     failures = 0
                     if ready is not None:
                         ready.set()

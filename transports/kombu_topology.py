@@ -12,7 +12,7 @@ from typing import Any
 import kombu
 from kombu import Queue, binding
 
-from .. import hierarchy
+from .. import hierarchy, routing
 from ..errors import ConfigurationError
 from ..redaction import redact
 from . import delays
@@ -22,6 +22,8 @@ from .kombu_errors import _causes, _classified
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
+#: The queue argument with which RabbitMQ delivers to one consumer at a time.
+SINGLE_ACTIVE_CONSUMER = "x-single-active-consumer"
 #: How RabbitMQ names what a PRECONDITION_FAILED is about.
 _ENTITY = re.compile(r"for (queue|exchange) '(.*?)' in vhost")
 
@@ -58,6 +60,30 @@ class KombuTopology(KombuCore):
         self._known_queues.add(queue)
         if delayed:
             self._delay_bound.add(queue)
+
+    def declare_partitions(self, queue: str, count: int) -> None:
+        """Declare the ``count`` partition queues of ``queue``'s ordered messages
+        (``<queue>.ordered.<i>``, :func:`idembus.routing.partition_queue`), each durable, of
+        this transport's queue type and, on RabbitMQ, with a single active consumer
+        (``x-single-active-consumer``): the broker gives each to one consumer at a time,
+        the others standing by. Idempotent."""
+        arguments = dict(self._queue_arguments)
+        if self._is_amqp:
+            arguments[SINGLE_ACTIVE_CONSUMER] = True
+        scope = self._channel()
+        with scope as channel:
+            for index in range(count):
+                name = routing.partition_queue(queue, index)
+                try:
+                    Queue(name, durable=True, queue_arguments=arguments or None)(
+                        channel).declare()
+                    if self._is_redis:
+                        channel.client.sadd(REDIS_QUEUES, name)
+                except Exception as exc:
+                    raise self._topology_failure(exc, scope.connection,
+                                                 f"declaring queue {name!r}",
+                                                 refusal=BrokerAccessDenied) from exc
+                self._known_queues.add(name)
 
     def _unbind_legacy(self, channel: Any, queue: str, subscriptions: Collection[str]) -> None:
         """Remove the unanchored ``#.<name>.#`` bindings an earlier idembus made for

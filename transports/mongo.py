@@ -109,6 +109,7 @@ from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..policies import Backoff
 from ..redaction import redact
+from ..routing import base_queue
 from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
 from .base import Delivery, QueueDepth
@@ -269,7 +270,7 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
     # -- sending ----------------------------------------------------------------------
 
     def send(self, envelope: Envelope) -> None:
-        queue = envelope.destination
+        queue = envelope.destination and base_queue(envelope.destination)
         if not queue:
             raise ValueError(f"message {envelope.headers.get(h.MESSAGE_ID)} has no destination "
                              "queue")

@@ -293,8 +293,7 @@ class PostgresTransport(PostgresReplyQueues,
         if it is a delivery of this transport's table (another one, a tool's own, is left
         to be acknowledged as usual); see :class:`QueuePart`."""
         own = self._own(remove)
-        return QueuePart.of(self.schema, envelopes,
-                            remove=own.row_id if own is not None else None)
+        return QueuePart.of(self.schema, envelopes, remove=own)
 
     def removed(self, delivery: Delivery) -> None:
         """``delivery``'s row was deleted by a transaction that committed: acknowledging or
@@ -450,8 +449,8 @@ class PostgresTransport(PostgresReplyQueues,
 
     def _delete_row(self, delivery: _PostgresDelivery) -> None:
         with self._settling(delivery, "acknowledge") as connection:
-            connection.execute(f"DELETE FROM {self.schema.messages} WHERE id = %s",
-                               (delivery.row_id,))
+            connection.execute(self._statements.delete, {
+                "id": delivery.row_id, "channel": channel(self.schema.prefix, delivery.queue)})
 
     def _clear_leases(self, deliveries: Sequence[_PostgresDelivery]) -> None:
         """Clear the leases of ``deliveries`` still held by their claims (they keep their

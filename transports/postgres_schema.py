@@ -7,8 +7,15 @@ queues and the subscriptions::
     <prefix>_subscriptions (message_type, queue)
     <prefix>_messages      (id identity) -> queue, headers json, body bytea, content_type,
                            content_encoding, visible_at, leased_until, lease, deliveries,
-                           enqueued_at
+                           enqueued_at, ordering_key
     index (queue, visible_at, id): the ready messages of a queue, oldest due first
+    index (queue, ordering_key, id) where ordering_key is set: the older rows of a key
+
+``ordering_key`` is the ``idembus.ordering.key`` header of a sent message of an ordered
+type, written by the sender (never read from the headers in the database: a claim must
+succeed whatever another client wrote there); a claim skips a row while an older row of
+its key is in its queue (:mod:`.postgres_statements`). Tables made by an earlier idembus
+get the column and its index from :meth:`QueueSchema.migrate`.
 
 ``visible_at`` is when a message may be delivered (its due time: now, or later for a
 delayed one) and never changes; a consumer's claim sets ``leased_until`` and ``lease``,
@@ -89,18 +96,31 @@ class QueueSchema:
                     leased_until timestamptz,
                     lease bigint,
                     deliveries integer NOT NULL DEFAULT 0,
-                    enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp()
+                    enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                    ordering_key text
                 ) WITH (fillfactor = 70)""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self.messages}_ready
                 ON {self.messages} (queue, visible_at, id)""")
+            connection.execute(f"""
+                ALTER TABLE {self.messages} ADD COLUMN IF NOT EXISTS ordering_key text""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self.messages}_ordering
+                ON {self.messages} (queue, ordering_key, id) WHERE ordering_key IS NOT NULL""")
 
     def missing(self, connection: psycopg.Connection[Any]) -> list[str]:
-        """The tables of this schema that do not exist; reads only."""
+        """The tables of this schema that do not exist, and the columns an earlier idembus
+        did not make (``<table>.<column>``); reads only."""
         present = connection.execute(
             "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
             (list(self.tables),)).fetchall()
-        return sorted(set(self.tables) - {row[0] for row in present})
+        missing = sorted(set(self.tables) - {row[0] for row in present})
+        if self.messages not in missing and connection.execute(
+                "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+                " AND attname = 'ordering_key' AND NOT attisdropped",
+                (self.messages,)).fetchone() is None:
+            missing.append(f"{self.messages}.ordering_key")
+        return missing
 
     def drop(self, connection: psycopg.Connection[Any]) -> None:
         """Drop the tables, with every message."""

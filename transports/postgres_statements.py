@@ -9,12 +9,17 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .. import headers as h
 from ..envelope import Envelope
+from ..routing import base_queue
 from .base import QueueDepth
 from .database import STORY_TAIL, encode_headers, routing_names
 from .postgres_schema import QueueSchema
+
+if TYPE_CHECKING:
+    from .postgres_rows import _PostgresDelivery
 
 #: In a statement of its own (autocommit), lets its transaction commit without waiting for
 #: the disk: for what a crash of the database may forget (a notification, a requeue).
@@ -48,6 +53,9 @@ class Statements:
     claim: str
     #: Moves claimed rows to ``%(error_queue)s`` with their failure headers.
     move: str
+    #: Deletes the row ``%(id)s`` (an acknowledgement); if it was an ordered message, wakes
+    #: the queue's idle consumers (``%(channel)s``): the next message of its key is free.
+    delete: str
 
     @classmethod
     def of(cls, schema: QueueSchema) -> Statements:
@@ -58,9 +66,17 @@ class Statements:
         # written by another client) is never waited for.
         due = ("visible_at <= clock_timestamp() AND (leased_until IS NULL"
                " OR leased_until <= clock_timestamp())")
+        # An ordered message (its ordering_key, the idembus.ordering.key header as the
+        # sender wrote it) is claimed only when no older row of its key is left in its
+        # queue: none waiting, none claimed and not yet settled.
+        first_of_key = (
+            f"(m.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {schema.messages} o"
+            " WHERE o.queue = %(queue)s AND o.ordering_key = m.ordering_key"
+            " AND o.id < m.id))")
         claim = (
-            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} WHERE queue = %(queue)s"
-            f" AND {due} ORDER BY visible_at, id LIMIT %(limit)s FOR UPDATE SKIP LOCKED), "
+            f"WITH c AS (SELECT id, visible_at FROM {schema.messages} m WHERE queue = %(queue)s"
+            f" AND {due} AND {first_of_key} ORDER BY visible_at, id LIMIT %(limit)s"
+            " FOR UPDATE SKIP LOCKED), "
             f"u AS (UPDATE {schema.messages} AS m SET leased_until = clock_timestamp() +"
             " %(lease)s * interval '1 second', lease = %(token)s,"
             f" deliveries = least(m.deliveries, {MAX_DELIVERIES - 1}) + 1 FROM c"
@@ -87,11 +103,14 @@ class Statements:
             " %(stories)s::text[]) AS d(id, lease, story)), "
             f"moved AS (UPDATE {schema.messages} AS m SET queue = %(error_queue)s,"
             f" headers = ({headers})::json, visible_at = clock_timestamp(),"
-            " leased_until = NULL, lease = NULL, deliveries = 0 FROM d"
+            " leased_until = NULL, lease = NULL, deliveries = 0, ordering_key = NULL FROM d"
             " WHERE m.id = d.id AND m.lease = d.lease RETURNING 1) "
             f"SELECT {NO_DISK_WAIT}, pg_notify(%(channel)s, '') "
             "WHERE EXISTS (SELECT 1 FROM moved)")
-        return cls(claim, move)
+        delete = (f"WITH gone AS (DELETE FROM {schema.messages} WHERE id = %(id)s"
+                  " RETURNING ordering_key) SELECT pg_notify(%(channel)s, '') FROM gone"
+                  " WHERE ordering_key IS NOT NULL")
+        return cls(claim, move, delete)
 
 
 @dataclass(frozen=True)
@@ -128,13 +147,14 @@ class QueuePart:
 
     @classmethod
     def of(cls, schema: QueueSchema, envelopes: Sequence[Envelope], *,
-           remove: int | None) -> QueuePart:
+           remove: _PostgresDelivery | None) -> QueuePart:
         """The part that inserts ``envelopes`` into ``schema``'s tables and deletes the row
-        ``remove`` (``None``: none)."""
+        of ``remove`` (``None``: none); if that is an ordered message, its queue's idle
+        consumers are woken after the commit too (the next message of its key is free)."""
         now = datetime.datetime.now(datetime.timezone.utc)
         params: dict[str, Any] = {name: [] for name in (
             "bus_ord", "bus_headers", "bus_body", "bus_content_type", "bus_content_encoding",
-            "bus_delay", "bus_target_ord", "bus_target", "bus_published")}
+            "bus_delay", "bus_key", "bus_target_ord", "bus_target", "bus_published")}
         for ordinal, envelope in enumerate(envelopes):
             due = envelope.deliver_at
             for name, value in (
@@ -142,22 +162,27 @@ class QueuePart:
                     ("bus_body", envelope.body.encode("utf-8", "surrogateescape")),
                     ("bus_content_type", envelope.content_type),
                     ("bus_content_encoding", envelope.content_encoding),
-                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0)):
+                    ("bus_delay", max(0.0, (due - now).total_seconds()) if due else 0.0),
+                    ("bus_key", envelope.headers.get(h.ORDERING_KEY)
+                     if envelope.destination is not None else None)):
                 params[name].append(value)
             for target in _targets(envelope):
                 params["bus_target_ord"].append(ordinal)
                 params["bus_target"].append(target)
                 params["bus_published"].append(envelope.destination is None)
-        params["bus_remove"] = remove
+        params["bus_remove"] = remove.row_id if remove is not None else None
+        params["bus_wake"] = (remove.queue if remove is not None
+                              and h.ORDERING_KEY in remove.headers else None)
         params["bus_prefix"] = schema.prefix
         return cls(schema, tuple(envelopes), params)
 
     @property
     def inputs(self) -> str:
-        return ("bus_m(ord, headers, body, content_type, content_encoding, delay) AS ("
+        return ("bus_m(ord, headers, body, content_type, content_encoding, delay, key) AS ("
                 "SELECT * FROM unnest(%(bus_ord)s::int[], %(bus_headers)s::text[],"
                 " %(bus_body)s::bytea[], %(bus_content_type)s::text[],"
-                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[])), "
+                " %(bus_content_encoding)s::text[], %(bus_delay)s::float8[],"
+                " %(bus_key)s::text[])), "
                 "bus_t(ord, name, published) AS (SELECT * FROM unnest("
                 "%(bus_target_ord)s::int[], %(bus_target)s::text[], %(bus_published)s::bool[]))")
 
@@ -175,9 +200,9 @@ class QueuePart:
             f"UNION SELECT t.ord, s.queue FROM bus_t t JOIN {schema.subscriptions} s"
             f" ON t.published AND s.message_type = t.name WHERE {guard}), "
             f"bus_inserted AS (INSERT INTO {schema.messages}"
-            " (queue, headers, body, content_type, content_encoding, visible_at)"
+            " (queue, headers, body, content_type, content_encoding, visible_at, ordering_key)"
             " SELECT bus_targets.queue, m.headers::json, m.body, m.content_type,"
-            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second'"
+            " m.content_encoding, clock_timestamp() + m.delay * interval '1 second', m.key"
             " FROM bus_targets JOIN bus_m m USING (ord) ORDER BY m.ord, bus_targets.queue), "
             f"bus_removed AS (DELETE FROM {schema.messages} WHERE id = %(bus_remove)s"
             f" AND {guard})")
@@ -198,7 +223,8 @@ class QueuePart:
                 f"SELECT q.name AS queue FROM bus_t t JOIN {schema.queues} q"
                 " ON NOT t.published AND q.name = t.name "
                 f"UNION SELECT s.queue FROM bus_t t JOIN {schema.subscriptions} s"
-                " ON t.published AND s.message_type = t.name) AS q")
+                " ON t.published AND s.message_type = t.name "
+                "UNION SELECT %(bus_wake)s::text WHERE %(bus_wake)s::text IS NOT NULL) AS q")
 
     @property
     def result(self) -> str:
@@ -218,9 +244,11 @@ class QueuePart:
 
 
 def _targets(envelope: Envelope) -> list[str]:
-    """The queue a sent envelope goes to, or the type names a published one is routed by."""
-    return [envelope.destination] if envelope.destination is not None else routing_names(
-        envelope)
+    """The queue a sent envelope goes to — an endpoint's own for one of its partition
+    queues: ordered messages are ordered by key in it — or the type names a published one
+    is routed by."""
+    return [base_queue(envelope.destination)] if envelope.destination is not None else (
+        routing_names(envelope))
 
 
 #: Due and not leased: what a consumer may claim now (``m`` is the messages table).

@@ -38,12 +38,19 @@ from ..handlers.registration import HandlerTable
 from ..handlers.sends import check_sent_routes
 from ..hierarchy import check_routing_keys
 from ..logs import MessageLog, Throttle
-from ..messages import Command, Event, Message, is_message_type, message_name
+from ..messages import (
+    Command,
+    Event,
+    Message,
+    is_message_type,
+    message_name,
+    ordered_partitions,
+)
 from ..pipeline import Middleware, Pipeline, PropagateHeaders, check_handler_options
 from ..policies import DEFAULT_BATCHING, Batching, OutboxPolicy
 from ..redaction import redact
 from ..registry import MessageRegistry
-from ..routing import Router
+from ..routing import Router, partition_queue
 from ..schedules import Schedule, SchedulerPolicy, scheduler_policy
 from ..sending import Bus
 from ..signals import EndpointSignals
@@ -552,13 +559,15 @@ class Endpoint:
             log.info("endpoint %s schedules: %s", self.name, "; ".join(
                 f"{s.name} ({s.cron}, {s.timezone}: {s.describe_message()})"
                 for s in self.schedules), extra={"endpoint": self.name})
+        self._declare_partitions()
         # A stop requested meanwhile (SIGTERM during start-up) is kept, not cleared here.
         for index in range(self.concurrency):
             thread = threading.Thread(
-                target=self._consume, name=f"idembus-{self.name}-{index}", daemon=True
-            )
+                target=self._consume, args=(self._consume_once,),
+                name=f"idembus-{self.name}-{index}", daemon=True)
             thread.start()
             self._threads.append(thread)
+        self._start_partition_consumers()
         if not self._message_log_connected:
             self._message_log_connected = self._message_log.connect()
         local = [part for part in (self.storage, self.transport) if part.process_local]
@@ -658,7 +667,35 @@ class Endpoint:
 
     # -- consuming ----------------------------------------------------------------------
 
-    def _consume(self) -> None:
+    @property
+    def partitions(self) -> int:
+        """How many partition queues this endpoint's ordered messages travel in (the most
+        ``partitions=`` of the ordered types it handles); 0 if it handles none, or if its
+        transport orders them in the endpoint's queue (the database queues)."""
+        if not self.transport.partition_queues:
+            return 0
+        return max((ordered_partitions(t) for t in self.table.message_types), default=0)
+
+    def _declare_partitions(self) -> None:
+        if self.partitions:
+            self.transport.declare_partitions(self.name, self.partitions)
+
+    def _start_partition_consumers(self) -> None:
+        """One more thread per consumer thread for the partition queues, each consuming
+        its share of them (partition ``i`` goes to thread ``i mod concurrency``) one
+        delivery at a time: a partition's messages are handled in order in this process,
+        and the broker gives each partition to one process at a time."""
+        for index in range(min(self.concurrency, self.partitions)):
+            share = list(range(index, self.partitions, self.concurrency))
+            thread = threading.Thread(
+                target=self._consume, args=(functools.partial(
+                    self.transport.consume_partitions, self.name, share, self._on_delivery,
+                    stop=self._stop),),
+                name=f"idembus-{self.name}-ordered-{index}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _consume(self, consume_once: Callable[[], None]) -> None:
         """One consumer thread: consume until stopped, whatever the transport raises.
 
         The transport waits out outages itself. What it cannot wait out — the broker
@@ -668,18 +705,19 @@ class Endpoint:
         consumes nothing.
         """
         try:
-            self._consume_until_stopped()
+            self._consume_until_stopped(consume_once)
         finally:
             close_thread_loop()  # this thread's event loop, if async handlers made one
 
-    def _consume_until_stopped(self) -> None:
+    def _consume_until_stopped(self, consume_once: Callable[[], None]) -> None:
         failures = 0
         while not self._stop.is_set():
             try:
                 if failures:
                     self.transport.declare(self.name, subscriptions=self.subscriptions)
+                    self._declare_partitions()
                     self.health.resolved("transport")
-                self._consume_once()
+                consume_once()
                 return
             except Exception as error:
                 delay = self.recoverability.outage_backoff.delay(failures)
@@ -769,7 +807,9 @@ class Endpoint:
         send-only endpoint has neither)."""
         with self._activity:
             busy = self._in_flight > 0
-        return self.send_only or (not busy and self.transport.pending(self.name) == 0)
+        return self.send_only or (not busy and self.transport.pending(self.name) == 0 and all(
+            self.transport.pending(partition_queue(self.name, index)) == 0
+            for index in range(self.partitions)))
 
     def wait_for_activity(self, timeout: float) -> None:
         """Block until a message finishes processing here, or ``timeout`` passes."""

@@ -195,28 +195,71 @@ class MessageProcessor:
             return 0.0
         incoming.message = message
         expired = expires is not None and self._clock.now() > expires
-        discarded = False
-        effects = "dropped"  # until a handler did more: see IncomingMessage.effects
         try:
-            bindings = self._table.bindings_for(type(message))
-            for binding in bindings:
-                done = self._handle(binding, message, delivery, incoming, expired=expired,
-                                    last=binding is bindings[-1])
-                if isinstance(done, _Failure):
-                    return self._after_failure(delivery, incoming, done)
-                if done is not None:
-                    discarded |= done.discarded
-                    if done.duplicate:
-                        effects = "duplicate" if effects == "dropped" else effects
-                    elif not (done.discarded or done.dropped):
-                        effects = "handled"
+            failure = self._run_handlers(delivery, incoming, message, expired)
+            if failure is not None and h.ORDERING_KEY in delivery.headers:
+                return self._retry_in_place(delivery, incoming, message, expired, failure)
+            if failure is not None:
+                return self._after_failure(delivery, incoming, failure)
         except PipelineControl as control:  # RetryLater or RejectMessage
             self._steer(delivery, incoming, control)
-            return 0.0
+        return 0.0
+
+    def _run_handlers(self, delivery: Delivery, incoming: IncomingMessage, message: Message,
+                      expired: bool) -> _Failure | None:
+        """Every handler of ``message`` in turn; the first failure, or ``None`` once the
+        message is settled (its outcome and effects said, the breaker told)."""
+        discarded = False
+        effects = "dropped"  # until a handler did more: see IncomingMessage.effects
+        bindings = self._table.bindings_for(type(message))
+        for binding in bindings:
+            done = self._handle(binding, message, delivery, incoming, expired=expired,
+                                last=binding is bindings[-1])
+            if isinstance(done, _Failure):
+                return done
+            if done is not None:
+                discarded |= done.discarded
+                if done.duplicate:
+                    effects = "duplicate" if effects == "dropped" else effects
+                elif not (done.discarded or done.dropped):
+                    effects = "handled"
         incoming.outcome = "discarded" if discarded else "handled"
         incoming.effects = effects
         self._recovery.message_succeeded()
-        return 0.0
+        return None
+
+    def _retry_in_place(self, delivery: Delivery, incoming: IncomingMessage, message: Message,
+                        expired: bool, failure: _Failure) -> float:
+        """The delayed retries of an ordered message (``idembus.ordering.key``), made while
+        it holds its place: the consumer waits each delay out with the message
+        unacknowledged, so that no later message of its key (nor of its partition) passes
+        it. The endpoint stopping meanwhile gives it back to its queue, first in line.
+        Once the policy gives up it goes to the error queue and its key moves on."""
+        rounds = _header_count(delivery, h.DELAYED_ATTEMPTS)
+        while True:
+            delay = failure.policy.delay_after(failure.error, rounds)
+            if delay is None:
+                with message_context(handler=failure.handler or None, attempt=failure.attempts):
+                    self._dead_letter(delivery, incoming, failure.error,
+                                      attempts=failure.attempts)
+                return self._recovery.message_failed(failure.error, failure.policy)
+            rounds += 1
+            log.info("%s failed on ordered %s; delayed retry %d in place in %.0fs: %s",
+                     self._endpoint, _logged_id(delivery.headers), rounds, delay,
+                     loggable(repr(failure.error), 500))
+            self._signals.emit("retried", message_id=delivery.headers.get(h.MESSAGE_ID),
+                               message_type=delivery.headers.get(h.MESSAGE_TYPE),
+                               kind="delayed", attempt=rounds, error=failure.error,
+                               delay=delay)
+            if self._recovery.stopping.wait(delay):
+                raise TransportUnavailable(
+                    f"{self._endpoint} stopped while ordered message "
+                    f"{_logged_id(delivery.headers)} waited for its delayed retry; it goes "
+                    "back to its queue")
+            next_failure = self._run_handlers(delivery, incoming, message, expired)
+            if next_failure is None:
+                return 0.0
+            failure = next_failure
 
     def _body(self, delivery: Delivery) -> bytes:
         """The delivery's body, or the claim-checked body its reference names
