@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import kombu
 import pytest
 
 from idembus import Command, Endpoint, Event, RetryPolicy
@@ -105,7 +106,11 @@ def broker(unique: str) -> Iterator[tuple[Any, Callable[[], Endpoint]]]:
     everything deleted after."""
     require_service(AMQP_URL, "RabbitMQ")
     Stock.seen = []
-    parameters = pika.URLParameters(AMQP_URL)
+    # kombu reads the default vhost from "//", pika from "/%2F": take kombu's reading.
+    url = kombu.Connection(AMQP_URL)
+    parameters = pika.ConnectionParameters(
+        host=url.hostname, port=url.port or 5672, virtual_host=url.virtual_host,
+        credentials=pika.PlainCredentials(url.userid, url.password))
     connection = pika.BlockingConnection(parameters)
     channel = connection.channel()
     exchange = f"test-events-{unique}"
