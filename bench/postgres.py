@@ -69,9 +69,7 @@ from typing import Any, TypeVar
 
 from bench import pg_costs, pg_duplicates, pg_latency, pg_memory, pg_profile
 from bench.common import display_url, postgres_unreachable_reason, unreachable_reason
-from bench.pg_celery import CeleryVariant
 from bench.pg_common import AMQP_URL, POSTGRES_URL
-from bench.pg_dramatiq import DramatiqVariant
 from bench.pg_idembus import DEFAULT_BATCH, IdembusVariant, configuration
 from bench.pg_raw import RawVariant
 from bench.pg_runner import (
@@ -88,6 +86,10 @@ PARTS = ("grid", "duplicates", "memory", "latency")
 
 
 def variants() -> list[Variant]:
+    # The peers come with the bench extra only: imported when a grid runs.
+    from bench.pg_celery import CeleryVariant
+    from bench.pg_dramatiq import DramatiqVariant
+
     return [IdembusVariant(), RawVariant(), CeleryVariant(), DramatiqVariant()]
 
 
