@@ -259,10 +259,20 @@ REASONS = {
 }
 
 
+#: The AMQP properties that stand for a core header the headers table lacks (the wire
+#: format; the table wins where both are present).
+PROPERTY_HEADERS = (("message_id", h.MESSAGE_ID), ("type", h.MESSAGE_TYPE))
+
+
 def received_headers(message: WireMessage) -> dict[str, Any]:
-    """The headers as the endpoint receives them: the last value of a name given twice."""
-    return {name: received_value(value)
-            for name, value in [*message.earlier, *message.headers.items()]}
+    """The headers as the endpoint receives them: the last value of a name given twice,
+    and the core headers the table lacks taken from their AMQP properties."""
+    headers = {name: received_value(value)
+               for name, value in [*message.earlier, *message.headers.items()]}
+    for name, header in PROPERTY_HEADERS:
+        if header not in headers and message.extra.get(name) is not None:
+            headers[header] = received_value(message.extra[name])
+    return headers
 
 
 def wire_reasons(message: WireMessage) -> list[str]:
