@@ -5,7 +5,7 @@ findings 2 and 4).
   endpoint's ``max_message_bytes`` is moved to the error queue inside the database, body
   and all, and never read into the consumer's process; ``browse`` and ``inspect`` (what
   ``idembus errors`` reads) leave such bodies in the database until a tool asks for one.
-  On PostgreSQL the peak RSS of a consumer (a subprocess: ``ru_maxrss``) fed sixteen rows
+  On PostgreSQL the peak RSS of a consumer (a subprocess: its ``VmHWM``) fed sixteen rows
   of 50 MB each stays under 200 MiB; before, it read them all (about 2.5 GB). mongomock
   keeps every document in the test's own memory, so there the test counts the body bytes
   the collection hands to the transport instead.
@@ -121,7 +121,7 @@ def consume_until(transport: Any, queue: str, count: int,
 # -- PostgreSQL: size before body ------------------------------------------------------------
 
 CONSUMER = textwrap.dedent("""
-    import json, resource, sys
+    import json, re, sys
     from idembus.transports.postgres import PostgresTransport
     from tests.test_database_sizes import consume_until
 
@@ -135,8 +135,12 @@ CONSUMER = textwrap.dedent("""
     with transport.inspect(error_queue) as taken:
         inspected = len(taken)
     transport.close()
+    # The peak of this process's own memory (VmHWM, reset by exec): not ru_maxrss, which
+    # starts from the forking process's resident size (pytest's, however large it grew).
+    with open("/proc/self/status") as status:
+        peak = int(re.search(r"VmHWM:\\s+(\\d+) kB", status.read()).group(1))
     print(json.dumps({"received": received, "listed": listed, "inspected": inspected,
-                      "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                      "rss": peak}))
 """)
 
 
