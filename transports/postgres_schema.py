@@ -15,7 +15,9 @@ queues and the subscriptions::
 type, written by the sender (never read from the headers in the database: a claim must
 succeed whatever another client wrote there); a claim skips a row while an older row of
 its key is in its queue (:mod:`.postgres_statements`). Tables made by an earlier idembus
-get the column and its index from :meth:`QueueSchema.migrate`.
+get the column and its index from :meth:`QueueSchema.migrate`, which looks them up in the
+catalogue first and alters the table only when one is missing (an ``ALTER TABLE`` waits
+for, and then holds up, every transaction on the table).
 
 ``visible_at`` is when a message may be delivered (its due time: now, or later for a
 delayed one) and never changes; a consumer's claim sets ``leased_until`` and ``lease``,
@@ -99,14 +101,22 @@ class QueueSchema:
                     enqueued_at timestamptz NOT NULL DEFAULT clock_timestamp(),
                     ordering_key text
                 ) WITH (fillfactor = 70)""")
-            connection.execute(f"""
-                CREATE INDEX IF NOT EXISTS {self.messages}_ready
-                ON {self.messages} (queue, visible_at, id)""")
-            connection.execute(f"""
-                ALTER TABLE {self.messages} ADD COLUMN IF NOT EXISTS ordering_key text""")
-            connection.execute(f"""
-                CREATE INDEX IF NOT EXISTS {self.messages}_ordering
-                ON {self.messages} (queue, ordering_key, id) WHERE ordering_key IS NOT NULL""")
+            # Looked up first: ALTER TABLE takes an ACCESS EXCLUSIVE lock and CREATE INDEX
+            # a SHARE lock even when IF NOT EXISTS finds what they would make, so on a busy
+            # queue table they would wait behind every open transaction, and hold up every
+            # claim and send queued behind them, at each migration.
+            if not _has_index(connection, f"{self.messages}_ready"):
+                connection.execute(f"""
+                    CREATE INDEX IF NOT EXISTS {self.messages}_ready
+                    ON {self.messages} (queue, visible_at, id)""")
+            if not _has_column(connection, self.messages, "ordering_key"):
+                connection.execute(f"""
+                    ALTER TABLE {self.messages} ADD COLUMN IF NOT EXISTS ordering_key text""")
+            if not _has_index(connection, f"{self.messages}_ordering"):
+                connection.execute(f"""
+                    CREATE INDEX IF NOT EXISTS {self.messages}_ordering
+                    ON {self.messages} (queue, ordering_key, id)
+                    WHERE ordering_key IS NOT NULL""")
 
     def missing(self, connection: psycopg.Connection[Any]) -> list[str]:
         """The tables of this schema that do not exist, and the columns an earlier idembus
@@ -115,16 +125,29 @@ class QueueSchema:
             "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
             (list(self.tables),)).fetchall()
         missing = sorted(set(self.tables) - {row[0] for row in present})
-        if self.messages not in missing and connection.execute(
-                "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
-                " AND attname = 'ordering_key' AND NOT attisdropped",
-                (self.messages,)).fetchone() is None:
-            missing.append(f"{self.messages}.ordering_key")
+        if self.messages not in missing:
+            if not _has_column(connection, self.messages, "ordering_key"):
+                missing.append(f"{self.messages}.ordering_key")
+            if not _has_index(connection, f"{self.messages}_ordering"):
+                missing.append(f"index {self.messages}_ordering")
         return missing
 
     def drop(self, connection: psycopg.Connection[Any]) -> None:
         """Drop the tables, with every message."""
         connection.execute(f"DROP TABLE IF EXISTS {', '.join(self.tables)}")
+
+
+def _has_column(connection: psycopg.Connection[Any], table: str, column: str) -> bool:
+    """Whether ``table`` has ``column`` (the catalogue only: no lock on the table)."""
+    return connection.execute(
+        "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s"
+        " AND NOT attisdropped", (table, column)).fetchone() is not None
+
+
+def _has_index(connection: psycopg.Connection[Any], index: str) -> bool:
+    """Whether the index ``index`` exists (the catalogue only: no lock on its table)."""
+    return connection.execute("SELECT to_regclass(%s) IS NOT NULL",
+                              (index,)).fetchone() == (True,)
 
 
 def cannot_create(missing: Sequence[str], refused: BrokerAccessDenied,
