@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import logging
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -114,6 +115,8 @@ from .postgres_errors import (
 from .postgres_shared import StatementPart
 from .postgres_shared import statement as shared_statement
 from .write_behind import Batcher
+
+log = logging.getLogger(__name__)
 
 #: A dispatch mark: aggregate type, aggregate id, key, keep the bodies.
 _Mark = tuple[str, str, str, bool]
@@ -259,7 +262,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # that exists already raises, and the group is committed again one by one. The
         # input comes sorted by aggregate, the order in which a group of a few dozen rows
         # is joined to the aggregates (by their primary key), so two workers' groups lock
-        # rows in one order; a deadlock PostgreSQL would still find is an outage, retried.
+        # rows in one order (commit_many locks every aggregate of the batch first, in one
+        # order, so that statements of different kinds cannot lock them in opposite ones).
         self._update_group = (
             "WITH input AS (SELECT * FROM jsonb_to_recordset(%s) AS i(version bigint,"
             f" state jsonb, state_version integer, completed boolean, {entry_columns})),"
@@ -588,8 +592,11 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
 
     def commit_many(self, commits: Sequence[PendingCommit]) -> list[Exception | None]:
         """The commits' statements in one round trip (pipeline mode, one implicit
-        transaction, in the order of their aggregates so that two workers' groups never
-        deadlock). Each statement is the same conditional write as :meth:`commit`'s, which
+        transaction). The first takes an advisory lock per aggregate, in the order of their
+        keys, so that two workers' batches over the same aggregates never deadlock; should
+        PostgreSQL roll the batch back all the same (a deadlock with another writer, a
+        serialization failure), it is committed one by one, not waited out as an outage.
+        Each statement is the same conditional write as :meth:`commit`'s, which
         writes nothing when refused; the refused ones are then explained one by one. A
         statement that raises (bad data) rolls the group back: the group is then committed
         one by one, each with its own answer."""
@@ -603,6 +610,11 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         try:
             with self._connection() as connection:
                 with connection.pipeline():
+                    # First, in one order every batch follows, a lock per aggregate: the
+                    # statements below lock rows kind by kind (alone, updates, creates,
+                    # entries), which in two batches over the same aggregates could be
+                    # opposite orders, a deadlock.
+                    connection.execute(_LOCK_IN_ORDER, (self._batch_locks(commits),))
                     alone = {index: connection.execute(*self._commit_statement(commits[index]))
                              for index in order if index not in grouped}
                     answers = [(connection.execute(statement, arguments), indexes)
@@ -616,12 +628,31 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
                                              commits[index].key), index)
                     for row in cursor.fetchall():
                         written[position[tuple(row)]] = 1
-        except StorageUnavailable:
-            raise
+        except StorageUnavailable as unavailable:
+            if not _lost_to_another(unavailable):
+                raise
+            # A deadlock or a serialization failure all the same (with a commit that is
+            # not a batch's): nothing of the group was written, and one statement per
+            # commit cannot meet it again, so it is no outage to wait out.
+            log.info("a batch of %d commits was rolled back by PostgreSQL (%s); committed "
+                     "one by one", len(commits), unavailable)
+            return super().commit_many(commits)
         except StorageError:  # nothing of the group was written
             return super().commit_many(commits)
         return [None if written.get(index) == 1 else self._refusal_in_group(pending)
                 for index, pending in enumerate(commits)]
+
+    def _batch_locks(self, commits: Sequence[PendingCommit]) -> list[int]:
+        """The advisory-lock keys of the aggregates (of the inbox entries: the entries)
+        ``commits`` write, sorted: the order in which every batch takes them."""
+        keys = set()
+        for pending in commits:
+            loaded = pending.loaded
+            name = f"{self.table_prefix}\n{loaded.aggregate_type}\n{loaded.aggregate_id}"
+            if loaded.aggregate_type == INBOX:  # one id holds every entry of a handler
+                name = f"{name}\n{pending.key}"
+            keys.add(_advisory_key(name))
+        return sorted(keys)
 
     def _commit_groups(self, commits: Sequence[PendingCommit], order: Sequence[int]
                        ) -> list[tuple[str, tuple[Any, ...], list[int]]]:
@@ -767,7 +798,7 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
 
     def _write_marks(self, batch: list[tuple[_Mark, tuple[JournalEntry, ...]]]) -> None:
         """One transaction: the batch's journal entries, then its marks."""
-        marks = [mark for mark, _ in batch]
+        marks = sorted(mark for mark, _ in batch)  # rows locked in one order by every batch
         entries = [entry for _, journal in batch for entry in journal]
         with self._connection() as connection:
             if not entries:  # one statement: atomic on its own, no BEGIN and COMMIT
@@ -1390,6 +1421,18 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
     return ConnectionPool(pool.conninfo, min_size=pool.min_size, max_size=pool.max_size,
                           open=False, timeout=pool.timeout, kwargs=pool.kwargs,
                           name=pool.name)
+
+
+#: Takes the transaction-level advisory locks of an array, in the array's order (a scan
+#: of ``unnest`` yields its elements in order, and each is locked as it is read).
+_LOCK_IN_ORDER = "SELECT count(pg_advisory_xact_lock(k)) FROM unnest(%s::bigint[]) AS k"
+#: What PostgreSQL answers a transaction it rolled back for another's sake.
+_LOST_STATES = frozenset({"40P01", "40001"})
+
+
+def _lost_to_another(error: StorageError) -> bool:
+    """Whether ``error`` is a deadlock or a serialization failure (SQLSTATE 40P01, 40001)."""
+    return getattr(error.__cause__, "sqlstate", None) in _LOST_STATES
 
 
 def _advisory_key(name: str) -> int:

@@ -95,8 +95,9 @@ def test_postgres_commits_a_group_in_one_pipeline_each_write_on_its_own(
     results = postgres_storage.commit_many(
         [group[0], stale, group[1], duplicate, group[2], group[3]])
 
-    # Six creations (two of aggregates that exist meanwhile): one statement
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 1
+    # Six creations (two of aggregates that exist meanwhile): one statement, after the one
+    # that locks the batch's aggregates in one order
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 2
     assert [type(result) for result in results] == [
         type(None), ConcurrencyConflict, type(None), AlreadyProcessed, type(None), type(None)]
     monkeypatch.undo()
@@ -129,8 +130,8 @@ def test_postgres_updates_a_group_of_aggregates_in_one_statement_each_on_its_own
                                             updates[1]])
 
     # The four updates (three that apply, one stale) are one statement; the creation and
-    # the commit of an aggregate loaded as absent are another.
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 2
+    # the commit of an aggregate loaded as absent are another (after the locks).
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
     assert [type(result) for result in results] == [
         type(None), ConcurrencyConflict, type(None), type(None), AlreadyProcessed, type(None)]
     monkeypatch.undo()
@@ -163,8 +164,8 @@ def test_postgres_records_a_group_of_inbox_entries_in_one_statement_each_on_its_
                                             entries[1], entries[1]])
 
     # The inbox entries are one statement, the first creation of "twice" another, its
-    # second creation its own
-    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 3
+    # second creation its own (after the locks)
+    assert count.pipelines == 1 and count.syncs == 0 and count.statements == 4
     assert [type(result) for result in results] == [
         type(None), AlreadyProcessed, type(None), type(None), ConcurrencyConflict,
         type(None), AlreadyProcessed]
