@@ -58,7 +58,7 @@ def test_two_workers_committing_overlapping_batches_in_opposite_orders_never_dea
         batches = opposite_batches(storage, round_)
         gate = threading.Barrier(2)
 
-        def commit(batch: Sequence[PendingCommit]) -> None:
+        def commit(batch: Sequence[PendingCommit], gate: threading.Barrier = gate) -> None:
             gate.wait(10)
             try:
                 answers.extend(storage.commit_many(batch))

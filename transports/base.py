@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from ..envelope import Envelope
 from .errors import TransportUnavailable
+from .reply_leases import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,15 @@ class Transport(ABC):
     #: database queues) and sends to a partition queue go to the endpoint's queue.
     partition_queues: bool = False
 
+    #: Reply queues (``bus.request``) carry a lease their process renews, and expired
+    #: ones are swept (:mod:`.reply_leases`): the broker cannot tie a queue to the
+    #: consumer's connection, as RabbitMQ does, nor does the process's end delete it.
+    expiring_reply_queues: bool = False
+
+    #: Seconds a reply queue outlives a requester that died without closing its endpoint
+    #: (``expiring_reply_queues``); its lease is renewed every third of this.
+    reply_lease: float = 30.0
+
     def declare_partitions(self, queue: str, count: int) -> None:
         """Create the ``count`` partition queues of ``queue`` (``partition_queues``)."""
         raise NotImplementedError(f"{type(self).__name__} has no partition queues")
@@ -239,20 +249,40 @@ class Transport(ABC):
         A broker that can tie a queue to the consumer's connection removes it itself
         when the connection ends, even if the process is killed (RabbitMQ: exclusive,
         auto-delete). This default declares an ordinary queue and deletes it, with what
-        it holds, when ``stop`` ends the consumption: a killed process leaves it behind
-        (``delete_queue`` removes it)."""
+        it holds, when ``stop`` ends the consumption. Where ``expiring_reply_queues``,
+        the queue's lease is renewed while it is consumed, and the expired reply queues
+        of other processes are swept (:mod:`.reply_leases`): a killed process's queue
+        goes one ``reply_lease`` after it died."""
         self.declare(queue)
+        keeper = None
+        if self.expiring_reply_queues:
+            self.renew_reply_queue(queue)
+            self.sweep_reply_queues()
+            keeper = LeaseKeeper(self, queue)
+            keeper.start()
         ready.set()
         try:
             self.consume(queue, on_delivery, stop=stop, prefetch=64)
         finally:
             ready.clear()
+            if keeper is not None:
+                keeper.stop()
             delete = getattr(self, "delete_queue", None)
             if delete is not None:
                 try:
                     delete(queue)
                 except Exception as error:
                     log.warning("the reply queue %r could not be deleted: %s", queue, error)
+
+    def renew_reply_queue(self, queue: str) -> None:
+        """Renew the lease of the reply queue ``queue``, consumed by this process, for
+        ``reply_lease`` seconds (declaring it again if it was swept meanwhile). This
+        default does nothing (the queue has no lease)."""
+
+    def sweep_reply_queues(self) -> list[str]:
+        """Delete the reply queues whose requester is gone (their lease ran out), with the
+        replies in them; return their names. This default has none to delete."""
+        return []
 
     def consume_batches(
         self, queue: str, on_batch: OnBatch, *, stop: threading.Event, prefetch: int = 1,

@@ -106,6 +106,8 @@ Options
                      error queue included: ``x-max-length`` there drops failed messages,
                      ``x-delivery-limit`` lets the broker drop a message idembus never saw
                      fail
+``reply_lease``      redis://: seconds a reply queue (``bus.request``) outlives a requester
+                     that died without closing its endpoint (30; renewed every third of it)
 """
 
 from __future__ import annotations
@@ -147,6 +149,9 @@ class KombuTransport(KombuPublishing, KombuConsuming, KombuInspection):
         RabbitMQ queues: ``"quorum"`` or ``"classic"``.
     queue_arguments:
         Further arguments of every queue declared (RabbitMQ ``x-*``), the error queue too.
+    reply_lease:
+        redis://: seconds a reply queue outlives a requester that died without closing its
+        endpoint (:mod:`idembus.transports.kombu_replies`).
     """
 
     #: Ordered messages travel in partition queues (``<queue>.ordered.<i>``).

@@ -23,6 +23,7 @@ from . import amqp_reads, delays
 from .base import Transport
 from .kombu_errors import _connection_failure
 from .kombu_frames import _lenient_frames, _RawBody
+from .reply_leases import check_lease
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -58,6 +59,7 @@ class KombuCore(Transport):
         reconnect_backoff: Backoff | None = None,
         queue_type: str = "quorum",
         queue_arguments: Mapping[str, Any] | None = None,
+        reply_lease: float = 30.0,
     ) -> None:
         #: The broker URLs: one, or the nodes of a cluster.
         self.urls = _split_urls(url)
@@ -83,6 +85,13 @@ class KombuCore(Transport):
             raise ConfigurationError(
                 f"{self.safe_url} needs the redis library: pip install 'idembus[redis]'")
         self.process_local = scheme == "memory"
+        try:
+            self.reply_lease = check_lease(reply_lease)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from exc
+        #: Redis: reply queues have a lease (:mod:`.kombu_replies`); RabbitMQ ties them to
+        #: the connection, memory:// to the process.
+        self.expiring_reply_queues = self._is_redis
         self.native_delay = self._is_amqp
         if confirm_publish and self._is_amqp:
             options.setdefault("confirm_publish", True)

@@ -44,6 +44,7 @@ class KombuPublishing(KombuTopology):
             self._look_up(queue)
         # RabbitMQ: mandatory, so that a queue nobody declared returns the message.
         self._publish(envelope, exchange="", routing_key=queue, mandatory=self._is_amqp)
+        self._replied(queue)
 
     def _delay_of(self, envelope: Envelope) -> int:
         """Seconds the broker must hold ``envelope`` (0: deliver at once)."""

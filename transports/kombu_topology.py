@@ -17,8 +17,9 @@ from ..errors import ConfigurationError
 from ..redaction import redact
 from . import delays
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError
-from .kombu_core import REDIS_QUEUES, KombuCore
+from .kombu_core import REDIS_QUEUES
 from .kombu_errors import _causes, _classified
+from .kombu_replies import KombuReplyQueues
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -28,7 +29,7 @@ SINGLE_ACTIVE_CONSUMER = "x-single-active-consumer"
 _ENTITY = re.compile(r"for (queue|exchange) '(.*?)' in vhost")
 
 
-class KombuTopology(KombuCore):
+class KombuTopology(KombuReplyQueues):
     """Declaring and deleting queues, the events exchange and the delay levels."""
 
     def declare(self, queue: str, *, subscriptions: Collection[str] = ()) -> None:
@@ -219,6 +220,7 @@ class KombuTopology(KombuCore):
                 channel.queues.pop(queue, None)
             if self._is_redis:
                 channel.client.srem(REDIS_QUEUES, queue)
+                self._forget_lease(channel, queue)
         self._known_queues.discard(queue)
         self._delay_bound.discard(queue)
 

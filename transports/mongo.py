@@ -38,6 +38,10 @@ Features
   ``$binarySize``, so the recorded ``size`` is trusted (a writer that lies about it is
   read whole, within the document limit); a real server could measure the body with
   ``$binarySize`` (MongoDB 4.4), left undone as nothing here could verify it.
+* A reply queue (``bus.request``) has a lease, ``lease_until`` in its ``<prefix>_queues``
+  document, which its process renews; a reply sent to it once the lease ran out is
+  refused, and any process that consumes a reply queue, or starts an endpoint, deletes
+  the expired ones with their messages (:mod:`.reply_leases`).
 * Publish/subscribe: ``declare`` writes the queue's subscriptions; ``publish`` inserts one
   copy for each queue subscribed to the event's type or a type it derives from
   (``idembus.enclosed_types``), and returns False when there was none. Sends to a queue
@@ -86,6 +90,8 @@ Options
 ``max_idle_wait``       most seconds an idle consumer waits without looking (5)
 ``poll_interval``       longest wait between two looks of an idle consumer on mongomock (0.1)
 ``reconnect_backoff``   waits between a consumer's attempts after an outage
+``reply_lease``         seconds a reply queue (``bus.request``) outlives a requester that
+                        died without closing its endpoint (30; renewed every third of it)
 """
 
 from __future__ import annotations
@@ -135,7 +141,9 @@ from .mongo_documents import (
     _readable,
     queue_depth,
 )
+from .mongo_replies import MongoReplyQueues
 from .mongo_watch import _Watch
+from .reply_leases import is_reply_queue
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +152,7 @@ log = logging.getLogger(__name__)
 SIGNALS_SIZE = 1 << 20
 
 
-class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
+class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
     """Transport on MongoDB collections; see the module docstring."""
 
     def __init__(
@@ -157,10 +165,12 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         max_idle_wait: float = 5.0,
         poll_interval: float = 0.1,
         reconnect_backoff: Backoff | None = None,
+        reply_lease: float = 30.0,
     ) -> None:
-        if min(visibility_timeout, max_idle_wait, poll_interval) <= 0:
-            raise ConfigurationError(
-                "visibility_timeout, max_idle_wait and poll_interval must be positive seconds")
+        if min(visibility_timeout, max_idle_wait, poll_interval, reply_lease) <= 0:
+            raise ConfigurationError("visibility_timeout, max_idle_wait, poll_interval and "
+                                     "reply_lease must be positive seconds")
+        self.reply_lease = float(reply_lease)
         check_prefix(collection_prefix)
         super().__init__()
         if isinstance(client, str):
@@ -275,14 +285,17 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
             raise ValueError(f"message {envelope.headers.get(h.MESSAGE_ID)} has no destination "
                              "queue")
         what = f"putting {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} on {queue!r}"
-        if queue not in self._known_queues:
+        reply = is_reply_queue(queue)  # looked up each time: its requester may be gone
+        if reply or queue not in self._known_queues:
             with self._op(what):
-                known = self.queues.find_one({"_id": queue}) is not None
-            if not known:
+                found = self.queues.find_one({"_id": queue})
+            if found is None:
                 raise DestinationRefused(
                     f"no queue {queue!r} in {self.queues.name} at {self.safe_url}: no endpoint "
                     "declared it (start the endpoint that consumes it, or correct the route)")
-            self._known_queues.add(queue)
+            self.check_lease(found)
+            if not reply:
+                self._known_queues.add(queue)
         self._insert(envelope, [queue], what)
 
     def publish(self, envelope: Envelope) -> bool:

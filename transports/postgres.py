@@ -50,8 +50,9 @@ Features
 * The error queue is a queue like any other: ``inspect`` (lease held and renewed for the
   block, unsettled ones given back in their places) and ``browse`` (a keyset read of the
   rows, nothing taken) serve ``idembus errors``.
-* A reply queue (``bus.request``) is held by its process's session, and deleted by the
-  next process opening one once that session is gone (:mod:`.postgres_replies`).
+* A reply queue (``bus.request``) is held by its process's session, and deleted with its
+  messages once that session is gone, by the next sweep of a process that consumes a
+  reply queue or starts an endpoint (:mod:`.postgres_replies`).
 * When the endpoint's :class:`~idembus.storage.postgres.PostgresStorage` is in the same
   database, the commit, the outgoing messages and the removal of the incoming one are one
   statement (:mod:`idembus.runtime.shared_transaction`, with :meth:`PostgresTransport.part`).
@@ -83,6 +84,8 @@ Options
                         (:class:`idembus.policies.Backoff`)
 ``shared_transactions`` commit, send and acknowledge in one transaction with a
                         PostgresStorage in the same database (``True``)
+``reply_lease``         how often, in seconds, a process consuming a reply queue looks for
+                        those of requesters that are gone: every third of it (30)
 """
 
 from __future__ import annotations
@@ -153,8 +156,12 @@ class PostgresTransport(PostgresReplyQueues,
         max_idle_wait: float = 5.0,
         reconnect_backoff: Backoff | None = None,
         shared_transactions: bool = True,
+        reply_lease: float = 30.0,
     ) -> None:
         check_times(visibility_timeout, max_idle_wait)
+        if not reply_lease > 0:
+            raise ConfigurationError(f"reply_lease must be positive seconds, got {reply_lease!r}")
+        self.reply_lease = float(reply_lease)
         if pool_size < 1:
             raise ConfigurationError(f"pool_size must be at least 1, got {pool_size}")
         super().__init__()

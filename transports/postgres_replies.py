@@ -5,10 +5,11 @@ The process that consumes a reply queue holds a session-level advisory lock name
 the queue (``pg_advisory_lock(hashtextextended(<queue>, 0))``) on a connection of its
 own, for as long as it consumes. PostgreSQL releases the lock when that session ends,
 however it ends — the process closed, killed, or its machine gone (once the server notices
-the connection is dead). Whenever a process opens a reply queue, it first deletes the
-reply queues (``<endpoint>.replies.<32 hex digits>``) whose lock nobody holds: their
-requesters are gone. A reply sent to a queue deleted so is refused, and the responder
-drops it.
+the connection is dead). Whenever a process opens a reply queue, and then every third of
+``reply_lease`` seconds while it consumes one, and whenever an endpoint starts, it deletes
+the reply queues (``<endpoint>.replies.<32 hex digits>``) whose lock nobody holds, with the
+replies in them: their requesters are gone. A reply sent to a queue deleted so is refused,
+and the responder drops it.
 """
 
 from __future__ import annotations
@@ -24,16 +25,20 @@ import psycopg
 from .base import OnDelivery, Transport
 from .postgres_rows import _close_quietly, consumer_connection
 from .postgres_schema import QueueSchema
+from .reply_leases import REPLY_QUEUE_PATTERN
 
 log = logging.getLogger(__name__)
 
-#: What the name of a reply queue ends with (``Requests`` names them so).
-_REPLY_QUEUE = r"\.replies\.[0-9a-f]{32}$"
+_REPLY_QUEUE = REPLY_QUEUE_PATTERN
 _KEY = "hashtextextended(%s, 0)"
 
 
 class PostgresReplyQueues(Transport):
     """``consume_replies`` for :class:`~idembus.transports.postgres.PostgresTransport`."""
+
+    #: No lease to renew (the session's lock is one), but sweeps by every process that
+    #: consumes a reply queue, every third of ``reply_lease``, and at an endpoint's start.
+    expiring_reply_queues = True
 
     url: str
     schema: QueueSchema
@@ -46,8 +51,7 @@ class PostgresReplyQueues(Transport):
                         stop: threading.Event, ready: threading.Event) -> None:
         """See the contract: hold the queue's advisory lock while consuming it, after
         deleting the reply queues of requesters that are gone."""
-        with self._holding(queue):
-            self.sweep_reply_queues()
+        with self._holding(queue):  # the contract's default sweeps, at once and then
             super().consume_replies(queue, on_delivery, stop=stop, ready=ready)
 
     @contextlib.contextmanager

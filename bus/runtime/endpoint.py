@@ -548,6 +548,7 @@ class Endpoint:
         self.storage.verify()
         self.transport.declare(self.name, subscriptions=self.subscriptions)
         self.transport.declare(self.error_queue)
+        self._sweep_reply_queues()
         if self._assembly.delayed is not None:
             self._assembly.delayed.start()
         if self._assembly.status is not None:
@@ -586,6 +587,19 @@ class Endpoint:
             log.info("endpoint %s commits, sends and acknowledges in one transaction: its "
                      "queues are in its storage's database", self.name,
                      extra={"endpoint": self.name})
+
+    def _sweep_reply_queues(self) -> None:
+        """Delete the reply queues of requesters that died, where the transport has
+        expiring ones (:mod:`idembus.transports.reply_leases`): so they go even where no
+        process requests any more. A failure is only logged; the requesting processes
+        sweep too."""
+        if not self.transport.expiring_reply_queues:
+            return
+        try:
+            self.transport.sweep_reply_queues()
+        except Exception as error:
+            log.warning("endpoint %s could not delete the reply queues of requesters that "
+                        "are gone: %s", self.name, error, extra={"endpoint": self.name})
 
     def _start_sending_only(self) -> None:
         """Check the storage; start the outbox relay (unless ``outbox=False``) and, on a

@@ -15,9 +15,11 @@ requester raises as :class:`~idembus.errors.RequestFailed`.
 :class:`Requests` is the endpoint's :class:`~idembus.sending.RequestChannel` in this
 process: its reply queue, created at the first request — on RabbitMQ exclusive and
 auto-delete, so the broker removes it when the process's connection ends, even if the
-process is killed; elsewhere declared, then deleted when the endpoint closes
-(:meth:`~idembus.transports.base.Transport.consume_replies`) — one consumer thread for it,
-and the callers waiting, by request id.
+process is killed; elsewhere declared, then deleted when the endpoint closes, and on
+Redis and the database queues held by a lease its process renews, so that a killed
+process's queue is swept (:meth:`~idembus.transports.base.Transport.consume_replies`,
+:mod:`idembus.transports.reply_leases`) — one consumer thread for it, and the callers
+waiting, by request id.
 """
 
 from __future__ import annotations
