@@ -19,6 +19,7 @@ import pytest
 
 from idembus import headers as h
 from idembus.envelope import Envelope
+from idembus.transports.errors import DestinationRefused
 from idembus.transports.kombu import REDIS_QUEUES, KombuTransport
 from idembus.transports.kombu_replies import LEASED_QUEUES
 from idembus.transports.mongo import MongoTransport
@@ -223,3 +224,22 @@ def test_a_reply_lease_that_is_not_positive_is_refused(make_transport, transport
 
     with pytest.raises(ConfigurationError, match="reply_lease"):
         make_transport(reply_lease=0)
+
+
+def test_a_reply_sent_after_the_sweep_is_refused_and_leaves_nothing(make_transport):
+    # Given a reply queue whose requester is gone, to which a responder sent a reply while
+    # it was there (so the responder knows the queue):
+    ghost = make_transport(reply_lease=0.2)
+    responder = make_transport()
+    queue = f"gone.replies.{uuid.uuid4().hex}"
+    ghost.declare(queue)
+    ghost.renew_reply_queue(queue)
+    responder.send(late_reply(queue))
+    time.sleep(0.3)  # the lease runs out: there is nothing to wait for but the clock
+    assert queue in ghost.sweep_reply_queues()
+    # When the responder sends it another reply, it is refused (the responder drops it),
+    # and nothing of the queue is left.
+    with pytest.raises(DestinationRefused):
+        responder.send(late_reply(queue))
+    assert not declared(responder, queue)
+    assert held(responder, queue) == 0

@@ -35,11 +35,13 @@ redis.call('SREM', KEYS[3], ARGV[1])
 #: Delete the queue if its lease is gone: 1 if deleted.
 _SWEEP = ("if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end" + _GONE + "return 1")
 #: After a reply was put on the queue: its lists expire with the lease (1); a queue whose
-#: lease is gone is deleted, the reply with it (0); a queue without a lease is left (2).
+#: lease is gone, or that was swept (in neither set), is deleted, the reply with it (0); a
+#: declared queue that never had a lease (an older idembus's) is left (2).
 _REPLIED = ("local lease = redis.call('GET', KEYS[1]) "
             "if lease then for i = 4, #KEYS do redis.call('PEXPIRE', KEYS[i], lease) end "
             "return 1 end "
-            "if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 0 then return 2 end"
+            "if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 0 "
+            "and redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 2 end"
             + _GONE + "return 0")
 
 
