@@ -51,6 +51,9 @@ AWAITED = "idembus.awaited"
 #: JSON reference; the receiver reads the body from the store before decoding.
 CLAIM_CHECK = "idembus.claim_check"
 CLAIM_CHECK_BYTES = "idembus.claim_check.bytes"
+#: On an error-queue copy of a claim-checked message: the hold that keeps its body in the
+#: payload store until the copy is retried or purged (a failure header: a retry drops it).
+CLAIM_CHECK_HOLD = "idembus.claim_check.hold"
 #: On a command of an ordered type (``ordered_by=``): its ordering key, the partition the
 #: sender chose for it (``blake2b(key) mod partitions``, :func:`idembus.messages.partition_of`)
 #: and the number of partitions. Messages with the same key are handled one at a time, in

@@ -16,7 +16,10 @@ So no reference is ever on the wire before its body is stored, and an undispatch
 refers to nothing in the store: collecting cannot take a body such a message needs.
 
 A body is kept ``retention`` after its last write (after its ``idembus.deliver_at`` for a
-deferred message), then collected by the outbox relay's rounds.
+deferred message, or for a delayed retry due later), then collected by the outbox relay's
+rounds. A copy moved to the error queue (or parked) holds its body (:func:`hold`, the
+header ``idembus.claim_check.hold``) until it is retried — then the body is kept
+``retention`` from the retry — or purged (:func:`release`).
 """
 
 from __future__ import annotations
@@ -143,6 +146,51 @@ def resolved(headers: Mapping[str, str], body: bytes, store: PayloadStore | None
             f"the claim-checked body {reference[:80]!r} has {len(found)} bytes, its "
             f"{h.CLAIM_CHECK_BYTES} header says {expected[:20]!r}")
     return found
+
+
+#: How long a body is kept after its last write when the endpoint has no claim check of
+#: its own (a receiver reading its storage): :class:`ClaimCheck`'s default.
+DEFAULT_RETENTION = datetime.timedelta(days=14)
+
+
+def retention_of(claim_check: ClaimCheck | None) -> datetime.timedelta:
+    """The retention of ``claim_check``, or the default for an endpoint without one."""
+    return claim_check.retention if claim_check is not None else DEFAULT_RETENTION
+
+
+def hold(headers: Mapping[str, str], store: PayloadStore | None) -> dict[str, str]:
+    """Hold the body a claim-checked message refers to while a copy of it waits in the
+    error queue (or parked): the headers to add to that copy (``idembus.claim_check.hold``,
+    a new hold id), or none when the message is not claim-checked, or its body is not in
+    ``store`` (nothing to keep). An outage of the store raises what the store raises."""
+    reference = headers.get(h.CLAIM_CHECK)
+    if reference is None or store is None:
+        return {}
+    hold_id = uuid.uuid4().hex
+    return {h.CLAIM_CHECK_HOLD: hold_id} if store.hold_payload(reference, hold_id) else {}
+
+
+def release(headers: Mapping[str, str], store: PayloadStore | None, *,
+            keep_until: datetime.datetime) -> bool:
+    """Release the hold an error-queue copy with ``headers`` had on its body (retried: pass
+    a ``keep_until`` that outlasts its new delivery; purged: now). True if there was one."""
+    hold_id = headers.get(h.CLAIM_CHECK_HOLD)
+    if hold_id is None or store is None:
+        return False
+    return store.release_payload(hold_id, keep_until=keep_until)
+
+
+def keep_longer(headers: Mapping[str, str], store: PayloadStore | None, *,
+               until: datetime.datetime) -> None:
+    """Keep the body a claim-checked message refers to at least until ``until`` (a delayed
+    retry due later than its body's time): a hold taken and released at once, which only
+    ever moves the time forward and does nothing when the body is gone."""
+    reference = headers.get(h.CLAIM_CHECK)
+    if reference is None or store is None:
+        return
+    hold_id = uuid.uuid4().hex
+    if store.hold_payload(reference, hold_id):
+        store.release_payload(hold_id, keep_until=until)
 
 
 def _encoded(body: str) -> bytes:
