@@ -46,7 +46,7 @@ from ..pipeline import (
 from ..policies import RetryPolicy
 from ..redaction import redact
 from ..storage.base import PARKED_FROM_ERROR_QUEUE, ParkingStore
-from ..storage.claims import hold, keep_longer, resolved, retention_of
+from ..storage.claims import hold, is_claimed, keep_longer, resolved, retention_of
 from ..storage.errors import (
     CommitOutcomeUnknown,
     StorageAccessDenied,
@@ -269,7 +269,7 @@ class MessageProcessor:
         unreachable the message waits with backoff. A reference that cannot be resolved
         raises :class:`~idembus.errors.MalformedMessage`: to the error queue, reference
         kept."""
-        if h.CLAIM_CHECK not in delivery.headers:
+        if not is_claimed(delivery.headers):
             return delivery.body
         outages = 0
         while True:
