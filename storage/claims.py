@@ -119,6 +119,15 @@ class ClaimCheck:
         return _over(envelope.body, self.threshold(envelope.message_type))
 
 
+    def sends_apart(self, envelope: Envelope) -> bool:
+        """Whether ``envelope`` may go on the wire with a reference in it: its whole body
+        (:meth:`applies`), or a type with ``fields`` whose body is over the threshold
+        (one of its fields may be)."""
+        if (envelope.message_type or "") in self.fields and not is_claimed(envelope.headers):
+            return _over(envelope.body, self.threshold(envelope.message_type))
+        return self.applies(envelope)
+
+
 def _wire_name(key: type[Message] | str) -> str | None:
     """The wire name of a message class or a wire name; ``None``: neither."""
     if isinstance(key, str):
