@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import datetime
 import json
+import pathlib
+import sys
 import threading
+import types
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
 
-from idembus import ClaimCheck, Command, ConfigurationError, Endpoint, MongoStorage, Recoverability
+from idembus import (
+    ClaimCheck,
+    Command,
+    ConfigurationError,
+    Endpoint,
+    KombuTransport,
+    MongoStorage,
+    Recoverability,
+)
 from idembus import headers as h
 from idembus.envelope import Envelope, utc_now
 from idembus.handlers import Handler, handles
@@ -32,7 +43,7 @@ from idembus.testing import wait_until_idle
 from tests.conftest import POSTGRES_URL, require_service
 from tests.support import SignalCounter
 from tests.test_claim_check import Watched, WireHeaders, blob
-from tests.test_cli_errors import NO_RETRIES, SharedMemoryStorage
+from tests.test_cli_errors import NO_RETRIES, SharedMemoryStorage, idembus, shared_in_this_process
 
 MakeEndpoint = Callable[..., Endpoint]
 THRESHOLD = 16 * 1024
@@ -241,3 +252,49 @@ def test_field_options_are_checked_when_the_claim_check_is_built() -> None:
     # a type with fields is never claim-checked whole
     assert not check.applies(Envelope({h.MESSAGE_ID: "m", h.MESSAGE_TYPE: "claims.BigReport"},
                                       "x" * 1000))
+
+
+def test_errors_show_and_export_read_claim_checked_fields(
+    make_endpoint: MakeEndpoint, make_transport: Callable[..., KombuTransport],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: pathlib.Path,
+) -> None:
+    # Given a report with a claim-checked pdf in the error queue
+    payloads = SharedMemoryStorage()
+    receiver = make_endpoint("reports", handlers=[Refusing()], claim_check=ClaimCheck(
+        store=payloads), recoverability=Recoverability(retries=NO_RETRIES))
+    dead = SignalCounter(receiver, "dead_lettered")
+    sender = make_endpoint("publisher", claim_check=sender_check(payloads))
+    module = types.ModuleType(f"claims_fields_{uuid.uuid4().hex[:8]}")
+    tool_storage = SharedMemoryStorage()
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        receiver.name, transport=shared_in_this_process(make_transport()),
+        storage=tool_storage, error_queue=receiver.error_queue,
+        claim_check=ClaimCheck(store=payloads))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    pdf = blob("shown", 40_000)
+    with receiver, sender:
+        message_id = sender.bus.send(BigReport(title="shown", region="eu", pdf=pdf),
+                                     to=receiver.name)
+        assert dead.wait_for(1)
+    reference = f"{module.__name__}:endpoint"
+
+    # When it is shown: the field's size and start, after the inline body
+    status, out, _ = idembus(capsys, "show", reference, message_id, "--json")
+    assert status == 0
+    [shown] = json.loads(out)
+    field = shown["claim_checked_fields"]["pdf"]
+    assert field["found"] is True and field["bytes"] == len(pdf) + 2
+    assert field["payload_id"] == field_payload_id(message_id, "pdf")
+    assert field["prefix"] == json.dumps(pdf)[:2000] and "claim_check" not in shown
+    status, out, _ = idembus(capsys, "show", reference, message_id)
+    assert f"claim-checked field 'pdf', {len(pdf) + 2} bytes (the first 2000" in out
+
+    # When it is exported: the body whole, without the references
+    export = tmp_path / "failed.jsonl"
+    status, _, _ = idembus(capsys, "export", reference, str(export))
+    assert status == 0
+    [line] = [json.loads(text) for text in export.read_text().splitlines()]
+    assert BigReport.model_validate_json(line["body"]).pdf == pdf
+    assert h.CLAIM_CHECK_FIELDS not in json.loads(line["headers"])
+    assert line["claim_check"]["resolved"] is True

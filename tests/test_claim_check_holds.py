@@ -36,6 +36,7 @@ from tests.test_cli_errors import (
     idembus,
     shared_in_this_process,
 )
+from tests.test_parking import RefusesTheErrorQueue
 
 MakeEndpoint = Callable[..., Endpoint]
 RETENTION = datetime.timedelta(hours=1)
@@ -185,3 +186,50 @@ def test_a_delayed_retry_due_after_the_bodys_time_keeps_the_body_until_then(
     assert receiver.counters["dead_lettered"] == 0
     assert payloads.get_payload(payload_id(message_id)) is not None
     assert payloads.collect_payloads(later(datetime.timedelta(seconds=10))) == 1
+
+
+def test_a_parked_copy_holds_its_body_until_it_is_retried(
+    unique: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    payloads: PayloadStore,
+) -> None:
+    # Given a receiver whose broker refuses every copy for its error queue, so that a
+    # claim-checked message whose handler fails is parked in its storage
+    error_queue = f"error-{unique}"
+    storage = SharedMemoryStorage()
+    receiver = Endpoint(f"blobs-{unique}", transport=RefusesTheErrorQueue(error_queue),
+                        storage=storage, error_queue=error_queue, handlers=[Refusing()],
+                        claim_check=ClaimCheck(store=payloads, retention=RETENTION),
+                        recoverability=Recoverability(retries=NO_RETRIES))
+    sender = Endpoint(f"uploads-{unique}", transport=KombuTransport("memory://"),
+                      claim_check=ClaimCheck(threshold_bytes=1000, store=payloads,
+                                             retention=RETENTION))
+    dead = SignalCounter(receiver, "dead_lettered")
+    module = types.ModuleType(f"claims_parked_{uuid.uuid4().hex[:8]}")
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        receiver.name, transport=shared_in_this_process(KombuTransport("memory://")),
+        storage=storage, error_queue=error_queue,
+        claim_check=ClaimCheck(store=payloads, retention=RETENTION))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    try:
+        with receiver, sender:
+            message_id = sender.bus.send(StoreBlob(name="parked", data=blob("parked", 30_000)),
+                                         to=receiver.name)
+            assert dead.wait_for(1)
+        [parked] = storage.parked_messages(receiver.name)
+        assert h.CLAIM_CHECK_HOLD in parked.envelope.headers
+
+        # When collection runs long after the body's retention, the body stays
+        assert payloads.collect_payloads(later(datetime.timedelta(days=400))) == 0
+
+        # When the parked message is retried
+        status, out, _ = idembus(capsys, "retry", f"{module.__name__}:endpoint", message_id)
+        assert status == 0, out
+
+        # Then it goes back without the hold, and the body is kept a retention from now
+        retried = receiver.transport.get(receiver.name)
+        assert retried is not None and h.CLAIM_CHECK_HOLD not in retried.headers
+        assert payloads.collect_payloads(later(RETENTION / 2)) == 0
+        assert payloads.collect_payloads(later(RETENTION * 2)) == 1
+    finally:
+        receiver.close()
+        sender.close()
