@@ -118,14 +118,13 @@ class ClaimCheck:
             return False
         return _over(envelope.body, self.threshold(envelope.message_type))
 
-
     def sends_apart(self, envelope: Envelope) -> bool:
         """Whether ``envelope`` may go on the wire with a reference in it: its whole body
-        (:meth:`applies`), or a type with ``fields`` whose body is over the threshold
-        (one of its fields may be)."""
-        if (envelope.message_type or "") in self.fields and not is_claimed(envelope.headers):
-            return _over(envelope.body, self.threshold(envelope.message_type))
-        return self.applies(envelope)
+        (:meth:`applies`), or, for a type with ``fields``, one of them (its body is over
+        the threshold, so one of its fields may be)."""
+        if is_claimed(envelope.headers):
+            return False
+        return _over(envelope.body, self.threshold(envelope.message_type))
 
 
 def _wire_name(key: type[Message] | str) -> str | None:
@@ -174,7 +173,7 @@ def claimed(envelope: Envelope, claim_check: ClaimCheck, store: PayloadStore, *,
     reference, or (a type with claim-checked fields) its body with a reference in place of
     each field over the threshold, once what it refers to is kept in ``store`` until
     ``retention`` after ``now`` (after its ``idembus.deliver_at`` if later)."""
-    if is_claimed(envelope.headers):
+    if not claim_check.sends_apart(envelope):
         return envelope
     due = envelope.deliver_at
     keep_until = (max(now, due) if due is not None else now) + claim_check.retention
@@ -182,8 +181,6 @@ def claimed(envelope: Envelope, claim_check: ClaimCheck, store: PayloadStore, *,
     if names:
         return _claimed_fields(envelope, names, claim_check.threshold(envelope.message_type),
                                store, keep_until)
-    if not claim_check.applies(envelope):
-        return envelope
     body = _encoded(envelope.body)
     reference = payload_id(envelope.message_id)
     store.put_payload(reference, body, keep_until=keep_until)
@@ -196,10 +193,9 @@ def claimed(envelope: Envelope, claim_check: ClaimCheck, store: PayloadStore, *,
 
 def _claimed_fields(envelope: Envelope, names: Sequence[str], limit: int,
                     store: PayloadStore, keep_until: datetime.datetime) -> Envelope:
-    """``envelope`` with each of the fields ``names`` whose JSON value is over ``limit``
-    bytes kept in ``store`` and replaced by its reference."""
-    if not _over(envelope.body, limit):
-        return envelope  # no part of a body is larger than the body
+    """``envelope`` (its body over ``limit``: :meth:`ClaimCheck.sends_apart`) with each of
+    the fields ``names`` whose JSON value is over ``limit`` bytes kept in ``store`` and
+    replaced by its reference."""
     try:
         document = json.loads(envelope.body)
     except ValueError:
