@@ -4,8 +4,8 @@ purged, and a delayed retry due after the body's time moves that time on.
 
 Requirement: a body whose message is in the error queue survives collection long past its
 retention; once the copy is retried and handled, or purged, the body is collected by the
-usual rule. Run on memory:// with the bodies in memory and in mongomock (the PostgreSQL
-store is covered by the payload contract, tests/contract/test_payloads_contract.py).
+usual rule. Run on memory://, RabbitMQ and Redis with the bodies in memory, mongomock and
+PostgreSQL.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from idembus.handlers import Handler, handles
 from idembus.policies import RetryPolicy
 from idembus.storage.base import PayloadStore
 from idembus.storage.claims import payload_id
+from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
+from tests.conftest import POSTGRES_URL, require_service
 from tests.support import SignalCounter
 from tests.test_claim_check import Blobs, Refusing, StoreBlob, blob
 from tests.test_cli_errors import (
@@ -42,16 +44,25 @@ MakeEndpoint = Callable[..., Endpoint]
 RETENTION = datetime.timedelta(hours=1)
 
 
-@pytest.fixture(params=["memory", "mongomock"])
+@pytest.fixture(params=["memory", "mongomock",
+                        pytest.param("postgres", marks=pytest.mark.postgres)])
 def payloads(request: pytest.FixtureRequest, unique: str) -> Iterator[PayloadStore]:
     """The payload store every endpoint of a test shares."""
     if request.param == "memory":
         yield SharedMemoryStorage()
         return
-    storage = MongoStorage.embedded(f"holds-{unique}")
-    storage.migrate()
-    yield storage
-    storage.close()
+    if request.param == "mongomock":
+        storage = MongoStorage.embedded(f"holds-{unique}")
+        storage.migrate()
+        yield storage
+        storage.close()
+        return
+    require_service(POSTGRES_URL, "PostgreSQL")
+    postgres = PostgresStorage(POSTGRES_URL, table_prefix=f"h{unique}")
+    postgres.verify()
+    yield postgres
+    postgres.drop_tables()
+    postgres.close()
 
 
 def later(delta: datetime.timedelta) -> datetime.datetime:
