@@ -17,6 +17,7 @@ from .redaction import redact, redacted_traceback
 FAILURE_HEADERS = frozenset({
     h.EXCEPTION_TYPE, h.EXCEPTION_MESSAGE, h.STACK_TRACE, h.FAILED_QUEUE, h.TIME_OF_FAILURE,
     h.IMMEDIATE_ATTEMPTS, h.DELAYED_ATTEMPTS, h.DELIVER_AT, h.DISCARD_AFTER,
+    h.CLAIM_CHECK_HOLD,
 })
 _FAILURE_PREFIXES = ("idembus.exception.", "idembus.attempts.")
 

@@ -51,6 +51,13 @@ AWAITED = "idembus.awaited"
 #: JSON reference; the receiver reads the body from the store before decoding.
 CLAIM_CHECK = "idembus.claim_check"
 CLAIM_CHECK_BYTES = "idembus.claim_check.bytes"
+#: On a message some of whose fields are claim-checked (``ClaimCheck(fields=...)``): a JSON
+#: object naming each such field's payload, ``{"<field>": {"id": "<id>", "bytes": <size>}}``;
+#: in the body each of them is replaced by ``{"idembus.claim_check": "<id>", "bytes": <size>}``.
+CLAIM_CHECK_FIELDS = "idembus.claim_check.fields"
+#: On an error-queue copy of a claim-checked message: the hold that keeps its body in the
+#: payload store until the copy is retried or purged (a failure header: a retry drops it).
+CLAIM_CHECK_HOLD = "idembus.claim_check.hold"
 #: On a command of an ordered type (``ordered_by=``): its ordering key, the partition the
 #: sender chose for it (``blake2b(key) mod partitions``, :func:`idembus.messages.partition_of`)
 #: and the number of partitions. Messages with the same key are handled one at a time, in

@@ -776,7 +776,11 @@ class PayloadStore(StorageRole, ABC):
 
     Writing is idempotent: the same id written again (a message dispatched again after a
     crash) keeps one body and only ever moves its time forward. Times come from the
-    caller's clock (aware)."""
+    caller's clock (aware).
+
+    A body may also be held (:meth:`hold_payload`): while any hold is on it, it is kept
+    whatever its time; a message moved to the error queue holds its body until it is
+    retried or purged."""
 
     @abstractmethod
     def put_payload(self, payload_id: str, body: bytes, *,
@@ -791,8 +795,21 @@ class PayloadStore(StorageRole, ABC):
 
     @abstractmethod
     def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
-        """Remove up to ``batch`` bodies whose ``keep_until`` is before ``now``; return
-        how many."""
+        """Remove up to ``batch`` bodies whose ``keep_until`` is before ``now`` and that
+        no hold keeps (:meth:`hold_payload`); return how many."""
+
+    @abstractmethod
+    def hold_payload(self, payload_id: str, hold_id: str) -> bool:
+        """Keep the body of ``payload_id`` whatever its time until :meth:`release_payload`
+        of ``hold_id`` (an error-queue copy that refers to it). Idempotent; a body may
+        have several holds. True if the body is there (else nothing is held). Atomic with
+        :meth:`collect_payloads`: a body held is never collected, and a body collected is
+        never reported held."""
+
+    @abstractmethod
+    def release_payload(self, hold_id: str, *, keep_until: datetime.datetime) -> bool:
+        """Remove the hold ``hold_id`` (wherever it is); the body's time becomes the later
+        of its own and ``keep_until``. True if the hold was there."""
 
 
 def rate_wait(tat: float, *, now: float, interval: float, burst: int) -> tuple[float, float]:

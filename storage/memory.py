@@ -78,6 +78,7 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         self._rates: dict[str, float] = {}
         self._slots: dict[str, dict[str, float]] = {}  # name -> holder -> lease ends
         self._payloads: dict[str, tuple[bytes, datetime.datetime]] = {}  # id -> body, until
+        self._payload_holds: dict[str, str] = {}  # hold id -> payload id
         self._lock = threading.Lock()
 
     def load(
@@ -416,10 +417,27 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
 
     def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
         with self._lock:
-            doomed = [key for key, (_, until) in self._payloads.items() if until < now][:batch]
+            held = set(self._payload_holds.values())
+            doomed = [key for key, (_, until) in self._payloads.items()
+                      if until < now and key not in held][:batch]
             for key in doomed:
                 del self._payloads[key]
         return len(doomed)
+
+    def hold_payload(self, payload_id: str, hold_id: str) -> bool:
+        with self._lock:
+            if payload_id not in self._payloads:
+                return False
+            self._payload_holds[hold_id] = payload_id
+            return True
+
+    def release_payload(self, hold_id: str, *, keep_until: datetime.datetime) -> bool:
+        with self._lock:
+            payload_id = self._payload_holds.pop(hold_id, None)
+            kept = None if payload_id is None else self._payloads.get(payload_id)
+            if payload_id is not None and kept is not None:
+                self._payloads[payload_id] = (kept[0], max(kept[1], keep_until))
+            return payload_id is not None
 
     def report_status(self, report: StatusReport) -> None:
         with self._lock:

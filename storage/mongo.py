@@ -889,10 +889,11 @@ class MongoStorage(Storage, LimitStore, PayloadStore):
             if first is not None:
                 until = max(until, float(first["keep_until"]))
             for number, chunk in enumerate(chunks):
-                payloads.replace_one(
+                # $set, not a replacement: the first chunk's holds stay
+                payloads.update_one(
                     {"_id": f"{payload_id}.{number}"},
-                    {"payload": payload_id, "n": number, "count": len(chunks),
-                     "data": bson.Binary(chunk), "keep_until": until}, upsert=True)
+                    {"$set": {"payload": payload_id, "n": number, "count": len(chunks),
+                              "data": bson.Binary(chunk), "keep_until": until}}, upsert=True)
 
     def get_payload(self, payload_id: str) -> bytes | None:
         with self._guard, _translated():
@@ -903,15 +904,40 @@ class MongoStorage(Storage, LimitStore, PayloadStore):
         return b"".join(bytes(chunk["data"]) for chunk in chunks)
 
     def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        # The first chunk carries the holds: it is removed first, in one conditional
+        # delete (no hold, its time passed), so a hold and a collection never both win;
+        # the other chunks go after it, those whose time a write has not moved meanwhile.
         moment = now.timestamp()
+        unheld = {"keep_until": {"$lt": moment}, "holds.0": {"$exists": False}}
         payloads = self.database[PAYLOADS]
+        collected = 0
         with self._guard, _translated():
             doomed = [document["payload"] for document in payloads.find(
-                {"n": 0, "keep_until": {"$lt": moment}}, {"payload": 1}).limit(batch)]
-            if doomed:
-                payloads.delete_many({"payload": {"$in": doomed},
-                                      "keep_until": {"$lt": moment}})
-        return len(doomed)
+                {"n": 0, **unheld}, {"payload": 1}).limit(batch)]
+            for payload_id in doomed:
+                if payloads.delete_one({"_id": f"{payload_id}.0", **unheld}).deleted_count:
+                    collected += 1
+                    payloads.delete_many({"payload": payload_id, "n": {"$gt": 0},
+                                          "keep_until": {"$lt": moment}})
+        return collected
+
+    def hold_payload(self, payload_id: str, hold_id: str) -> bool:
+        with self._guard, _translated():
+            return bool(self.database[PAYLOADS].update_one(
+                {"_id": f"{payload_id}.0"}, {"$addToSet": {"holds": hold_id}}).matched_count)
+
+    def release_payload(self, hold_id: str, *, keep_until: datetime.datetime) -> bool:
+        payloads = self.database[PAYLOADS]
+        until = keep_until.timestamp()
+        with self._guard, _translated():
+            first = payloads.find_one_and_update(
+                {"holds": hold_id}, {"$pull": {"holds": hold_id}, "$max": {"keep_until": until}},
+                projection={"payload": 1})
+            if first is None:
+                return False
+            payloads.update_many({"payload": first["payload"], "n": {"$gt": 0}},
+                                 {"$max": {"keep_until": until}})
+        return True
 
     def _compare_and_set(
         self, key: str,
@@ -1011,6 +1037,7 @@ class MongoStorage(Storage, LimitStore, PayloadStore):
                                                   ("n", pymongo.ASCENDING)])
             self.database[PAYLOADS].create_index([("n", pymongo.ASCENDING),
                                                   ("keep_until", pymongo.ASCENDING)])
+            self.database[PAYLOADS].create_index([("holds", pymongo.ASCENDING)], sparse=True)
             self._own_existing_collections()
             if self.retention is not None:
                 # TTL on the inbox (one document per record), only once dispatched. Verified

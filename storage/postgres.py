@@ -440,11 +440,18 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
                 CREATE TABLE IF NOT EXISTS {self._payloads} (
                     payload_id text PRIMARY KEY,
                     body bytea NOT NULL,
-                    keep_until timestamptz NOT NULL
+                    keep_until timestamptz NOT NULL,
+                    holds text[] NOT NULL DEFAULT '{{}}'
                 )""")
+            connection.execute(f"""
+                ALTER TABLE {self._payloads}
+                    ADD COLUMN IF NOT EXISTS holds text[] NOT NULL DEFAULT '{{}}'""")
             connection.execute(f"""
                 CREATE INDEX IF NOT EXISTS {self._payloads}_keep_until
                 ON {self._payloads} (keep_until)""")
+            connection.execute(f"""
+                CREATE INDEX IF NOT EXISTS {self._payloads}_holds
+                ON {self._payloads} USING gin (holds)""")
 
     def verify(self) -> None:
         """Check at start that the schema is in place — only reads, so a role without DDL
@@ -488,7 +495,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
                               (self._aggregates, "state_version"), (self._scheduled, "owner"),
                               (self._status, "problems"), (self._processed, "attempts"),
                               (self._scheduled, "attempts"),
-                              (self._processed, "message_type")):
+                              (self._processed, "message_type"),
+                              (self._payloads, "holds")):
             if table not in missing and not _has_column(connection, table, column):
                 missing.append(f"{table}.{column}")
         return missing
@@ -1104,10 +1112,28 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         return None if row is None else bytes(row[0])
 
     def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
+        # The holds are a column of the body's row, and the DELETE's own condition is
+        # checked again on a row a concurrent hold changed: a held body stays.
         with self._connection() as connection:
             return connection.execute(
                 f"DELETE FROM {self._payloads} WHERE payload_id IN (SELECT payload_id FROM "
-                f"{self._payloads} WHERE keep_until < %s LIMIT %s)", (now, batch)).rowcount
+                f"{self._payloads} WHERE keep_until < %s AND cardinality(holds) = 0 "
+                "LIMIT %s FOR UPDATE SKIP LOCKED) AND keep_until < %s "
+                "AND cardinality(holds) = 0", (now, batch, now)).rowcount
+
+    def hold_payload(self, payload_id: str, hold_id: str) -> bool:
+        with self._connection() as connection:
+            return connection.execute(
+                f"UPDATE {self._payloads} SET holds = CASE WHEN %s = ANY(holds) THEN holds "
+                "ELSE array_append(holds, %s) END WHERE payload_id = %s",
+                (hold_id, hold_id, payload_id)).rowcount > 0
+
+    def release_payload(self, hold_id: str, *, keep_until: datetime.datetime) -> bool:
+        with self._connection() as connection:
+            return connection.execute(
+                f"UPDATE {self._payloads} SET holds = array_remove(holds, %s), "
+                "keep_until = greatest(keep_until, %s) WHERE holds @> ARRAY[%s]::text[]",
+                (hold_id, keep_until, hold_id)).rowcount > 0
 
     def history(self, aggregate_type: str, aggregate_id: str, *,
                 entries: int = 200) -> AggregateRecord:

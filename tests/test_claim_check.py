@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import pathlib
 import sys
 import threading
 import types
@@ -125,6 +126,12 @@ class Watched(PayloadStore):
 
     def collect_payloads(self, now: datetime.datetime, *, batch: int = 100) -> int:
         return self.store.collect_payloads(now, batch=batch)
+
+    def hold_payload(self, payload_id: str, hold_id: str) -> bool:
+        return self.store.hold_payload(payload_id, hold_id)
+
+    def release_payload(self, hold_id: str, *, keep_until: datetime.datetime) -> bool:
+        return self.store.release_payload(hold_id, keep_until=keep_until)
 
 
 def pair(make_endpoint: MakeEndpoint, store: PayloadStore, **sender: object,
@@ -323,12 +330,63 @@ def test_errors_show_resolves_a_claim_checked_body_in_the_error_queue(
     status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id)
     assert f"claim-checked body, {len(body)} bytes (the first 2000 characters):" in out
 
-    # And once the body is collected, it says so instead
+    # And once the body is collected (its hold released behind the tool's back), it says
+    # so instead
     far = utc_now() + datetime.timedelta(days=3650)
+    assert payloads.collect_payloads(far) == 0  # the copy in the error queue holds it
+    assert payloads.release_payload(shown["headers"][h.CLAIM_CHECK_HOLD], keep_until=utc_now())
     assert payloads.collect_payloads(far) == 1
     status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", message_id)
     assert status == 0
     assert "claim-checked body: cannot be read:" in out and "not in the payload store" in out
+
+
+def test_errors_export_writes_claim_checked_bodies_resolved_or_says_why_not(
+    make_endpoint: MakeEndpoint, make_transport: Callable[..., KombuTransport],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: pathlib.Path,
+) -> None:
+    # Given two claim-checked messages in the error queue, the body of one of them gone
+    payloads = SharedMemoryStorage()
+    receiver = make_endpoint("blobs", handlers=[Refusing()], claim_check=ClaimCheck(
+        store=payloads), recoverability=Recoverability(retries=NO_RETRIES))
+    dead = SignalCounter(receiver, "dead_lettered")
+    sender = make_endpoint("uploads", claim_check=ClaimCheck(threshold_bytes=1000,
+                                                             store=payloads))
+    module = types.ModuleType(f"claims_export_{uuid.uuid4().hex[:8]}")
+    tool_storage = SharedMemoryStorage()
+    module.endpoint = lambda: Endpoint(  # type: ignore[attr-defined]
+        receiver.name, transport=shared_in_this_process(make_transport()),
+        storage=tool_storage, error_queue=receiver.error_queue,
+        claim_check=ClaimCheck(store=payloads))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with receiver, sender:
+        kept = sender.bus.send(StoreBlob(name="kept", data=blob("kept", 30_000)),
+                               to=receiver.name)
+        lost = sender.bus.send(StoreBlob(name="lost", data=blob("lost", 40_000)),
+                               to=receiver.name)
+        assert dead.wait_for(2)
+    status, out, _ = idembus(capsys, "show", f"{module.__name__}:endpoint", lost, "--json")
+    [shown] = json.loads(out)
+    assert payloads.release_payload(shown["headers"][h.CLAIM_CHECK_HOLD], keep_until=utc_now())
+    assert payloads.collect_payloads(utc_now() + datetime.timedelta(days=3650)) == 1
+
+    # When the error queue is exported
+    export = tmp_path / "failed.jsonl"
+    status, out, err = idembus(capsys, "export", f"{module.__name__}:endpoint", str(export))
+
+    # Then the kept body is written whole, without its references; the lost one with its
+    # reference and why it cannot be read
+    assert status == 0 and "2 message(s)" in out
+    assert "1 of them refer to claim-checked content that cannot be read" in err
+    lines = {line["message_id"]: line for line in map(json.loads, export.read_text().splitlines())}
+    assert StoreBlob.model_validate_json(lines[kept]["body"]).data == blob("kept", 30_000)
+    assert lines[kept]["claim_check"] == {"payload_ids": [payload_id(kept)], "resolved": True}
+    assert h.CLAIM_CHECK not in json.loads(lines[kept]["headers"])
+    assert json.loads(lines[lost]["body"])[h.CLAIM_CHECK] == payload_id(lost)
+    assert json.loads(lines[lost]["headers"])[h.CLAIM_CHECK] == payload_id(lost)
+    problem = lines[lost]["claim_check"]["problem"]
+    assert problem.startswith("cannot be read: ") and "not in the payload store" in problem
 
 
 class FetchBlob(Command, message_name="claims.FetchBlob"):

@@ -5,6 +5,7 @@ with the bodies kept in the endpoints' own storage."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -81,9 +82,10 @@ def test_50_mb_through_rabbitmq_with_a_crash_between_commit_and_publish(
                                    marks=pytest.mark.postgres),
                       pytest.param("mongomock://", id="mongomock-transport")],
     indirect=True)
+@pytest.mark.parametrize("apart", ["body", "field"])
 def test_a_claim_checked_message_through_the_database_queues(
     make_endpoint: MakeEndpoint, transport_url: str, unique: str,
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest, apart: str,
 ) -> None:
     # Given two endpoints on a database queue, with the bodies in their shared storage
     if transport_url.startswith("postgres"):
@@ -97,7 +99,9 @@ def test_a_claim_checked_message_through_the_database_queues(
     receiver = make_endpoint("blobs", handlers=[blobs], middleware=[wire], storage=storage())
     uploads = make_endpoint("uploads", handlers=[Uploads], storage=storage(),
                             routes={StoreBlob: receiver.name},
-                            claim_check=ClaimCheck(threshold_bytes=64 * 1024))
+                            claim_check=ClaimCheck(
+                                threshold_bytes=64 * 1024,
+                                fields={StoreBlob: ["data"]} if apart == "field" else {}))
     if transport_url.startswith("postgres"):  # commit and send share one transaction...
         assert uploads.shared_transaction is not None
     with uploads, receiver:
@@ -109,8 +113,12 @@ def test_a_claim_checked_message_through_the_database_queues(
     # Then both arrived whole, the large one as a reference resolved from the storage
     # (...but the claim-checked one is committed apart and sent by the dispatcher)
     assert sorted(blobs.received) == [("large", 2 * 1024 * 1024, True), ("small", 10, True)]
-    claimed = [headers for headers in wire.seen if h.CLAIM_CHECK in headers]
-    assert len(claimed) == 1
+    header = h.CLAIM_CHECK if apart == "body" else h.CLAIM_CHECK_FIELDS
+    claimed = [headers for headers in wire.seen if h.CLAIM_CHECK in headers
+               or h.CLAIM_CHECK_FIELDS in headers]
+    assert len(claimed) == 1 and header in claimed[0]
+    reference = (claimed[0][h.CLAIM_CHECK] if apart == "body"
+                 else json.loads(claimed[0][h.CLAIM_CHECK_FIELDS])["data"]["id"])
     reader = storage()
-    assert reader.get_payload(claimed[0][h.CLAIM_CHECK]) is not None
+    assert reader.get_payload(reference) is not None
     reader.close()

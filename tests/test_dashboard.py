@@ -585,3 +585,31 @@ def test_a_storage_that_cannot_be_read_is_said_on_the_page_without_its_password(
     assert errors.status_code == 503 and "cannot be read now" in text_of(errors)
     for page in (overview, errors):
         assert PASSWORD not in page.text
+
+
+def test_a_claim_checked_failure_shows_what_its_references_name(shop: Shop) -> None:
+    # Given two claim-checked messages in the error queue: one whose body the payload
+    # store keeps, one whose body it does not
+    storage = shop.endpoint.storage
+    assert isinstance(storage, MemoryStorage)
+    body = '{"account": "acc-big", "amount": 5, "note": "' + "n" * 3000 + '"}'
+    ids = [str(uuid.uuid4()), str(uuid.uuid4())]
+    storage.put_payload(f"payload-{ids[0]}", body.encode(),
+                        keep_until=utc_now() + datetime.timedelta(days=1))
+    for message_id in ids:
+        shop.endpoint.transport.send(Envelope(
+            {h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: "test.Deposit",
+             h.FAILED_QUEUE: shop.endpoint.name, h.EXCEPTION_TYPE: "builtins.ValueError",
+             h.TIME_OF_FAILURE: format_utc(utc_now()), h.CLAIM_CHECK: f"payload-{message_id}",
+             h.CLAIM_CHECK_BYTES: str(len(body))},
+            f'{{"{h.CLAIM_CHECK}": "payload-{message_id}", "bytes": {len(body)}}}',
+            shop.endpoint.error_queue))
+    # When each is shown
+    found = text_of(shop.client.get("/errors/message", params={"id": ids[0]}))
+    missing = text_of(shop.client.get("/errors/message", params={"id": ids[1]}))
+    # Then the first shows the body's size and start, the second why it cannot be read
+    assert f"Claim-checked body the first 2000 characters payload id payload-{ids[0]}" in found
+    assert f"found yes bytes {len(body)}" in found and body[:2000] in found
+    assert body[:2001] not in found
+    assert "found no" in missing and "cannot be read" in missing
+    assert "is not in the payload store" in missing

@@ -3,6 +3,7 @@
     idembus errors list  package.module:endpoint [--type T] [--exception E] [--json]
     idembus errors show  package.module:endpoint ID [--json]   (a claim-checked body resolved)
     idembus errors export package.module:endpoint FILE [--type T] [--exception E]
+                                                       (claim-checked content resolved)
     idembus errors retry package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors purge package.module:endpoint (ID... | --all | --type T | --exception E)
     idembus errors ingest package.module:endpoint
@@ -66,7 +67,7 @@ from ..runtime.recoverability.error_queue import (
 )
 from ..runtime.recoverability.parking import ParkedDelivery
 from ..storage.base import ParkingStore, PayloadStore
-from ..storage.claims import resolved
+from ..storage.claims import PREFIX, is_claimed, peek, references, resolved
 from ..storage.errors import SchemaMissing, StorageError
 from ..transports.base import Delivery
 from ..transports.errors import TransportUnavailable
@@ -263,32 +264,20 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _described(delivery: Delivery, payloads: PayloadStore | None = None) -> dict[str, Any]:
-    described = {"headers": dict(sorted(delivery.headers.items())),
+    described: dict[str, Any] = {"headers": dict(sorted(delivery.headers.items())),
                  "content_type": delivery.content_type,
                  "body": delivery.body.decode("utf-8", "replace")}
-    reference = delivery.headers.get(h.CLAIM_CHECK)
-    if reference is not None:
-        described["claim_check"] = _claimed_body(reference, delivery, payloads)
+    for peeked in peek(delivery.headers, payloads, prefix=CLAIMED_PREFIX):
+        name = peeked.pop("field")
+        if name is None:
+            described["claim_check"] = peeked
+        else:
+            described.setdefault("claim_checked_fields", {})[name] = peeked
     return described
 
 
 #: How much of a claim-checked body ``errors show`` prints.
-CLAIMED_PREFIX = 2000
-
-
-def _claimed_body(reference: str, delivery: Delivery,
-                  payloads: PayloadStore | None) -> dict[str, Any]:
-    """What the payload store holds for a claim-checked message: its size and the first
-    :data:`CLAIMED_PREFIX` characters, or why it cannot be read."""
-    shown: dict[str, Any] = {"payload_id": reference,
-                             "bytes": delivery.headers.get(h.CLAIM_CHECK_BYTES)}
-    try:
-        body = resolved(delivery.headers, delivery.body, payloads)
-    except MalformedMessage as unresolved:
-        return {**shown, "found": False, "problem": unresolved.reason}
-    text = body.decode("utf-8", "replace")
-    return {**shown, "found": True, "bytes": len(body), "prefix": text[:CLAIMED_PREFIX],
-            "truncated": len(text) > CLAIMED_PREFIX}
+CLAIMED_PREFIX = PREFIX
 
 
 def _print_message(message: dict[str, Any], queue: str) -> None:
@@ -302,37 +291,73 @@ def _print_message(message: dict[str, Any], queue: str) -> None:
             print(printable(f"      {line}"))
     print(printable(f"body ({message['content_type'] or 'no content type'}):"))
     print(printable(message["body"], lines=True))
-    claimed = message.get("claim_check")
-    if claimed is None:
-        return
-    if not claimed["found"]:
-        print(printable(f"claim-checked body: cannot be read: {claimed['problem']}"))
-        return
-    more = f" (the first {CLAIMED_PREFIX} characters)" if claimed["truncated"] else ""
-    print(printable(f"claim-checked body, {claimed['bytes']} bytes{more}:"))
-    print(printable(claimed["prefix"], lines=True))
+    claimed = [("claim-checked body", message["claim_check"])] if "claim_check" in message else []
+    claimed += [(f"claim-checked field {name!r}", peeked)
+                for name, peeked in message.get("claim_checked_fields", {}).items()]
+    for what, peeked in claimed:
+        if not peeked["found"]:
+            print(printable(f"{what}: cannot be read: {peeked['problem']}"))
+            continue
+        more = f" (the first {CLAIMED_PREFIX} characters)" if peeked["truncated"] else ""
+        print(printable(f"{what}, {peeked['bytes']} bytes{more}:"))
+        print(printable(peeked["prefix"], lines=True))
 
 
 def _export(args: argparse.Namespace) -> int:
     """Write the selected failed messages as JSON lines that ``idembus spark replay`` reads
     (message_id, message_type, body, headers without the failure story, and when and where
-    it failed). They stay in the error queue: purge them once replayed."""
+    it failed). A claim-checked message is written with its body (and fields) read back
+    from the payload store, or, when they cannot be read, with its references and
+    ``claim_check.problem`` saying why. They stay in the error queue: purge them once
+    replayed."""
     selection = Selection(message_type=args.type, exception=args.exception)
-    written = 0
+    written = unread = 0
     with _failed_messages(args) as (endpoint, deliveries):
+        payloads = endpoint.context.payloads()
         with open(args.file, "w", encoding="utf-8") as out:
             for delivery in (d for d in deliveries if selection.matches(d)):
                 written += 1
-                out.write(json.dumps({
-                    "message_id": delivery.headers.get(h.MESSAGE_ID),
-                    "message_type": delivery.headers.get(h.MESSAGE_TYPE),
-                    "body": delivery.body.decode("utf-8", "replace"),
-                    "headers": json.dumps(without_failure_headers(delivery.headers)),
-                    "failed_queue": delivery.headers.get(h.FAILED_QUEUE),
-                    "time_of_failure": delivery.headers.get(h.TIME_OF_FAILURE),
-                }, ensure_ascii=False) + "\n")
+                line = _exported(delivery, payloads)
+                unread += "problem" in line.get("claim_check", {})
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
     print(f"{written} message(s) of {endpoint.error_queue!r} written to {args.file}")
+    if unread:
+        print(f"idembus: {unread} of them refer to claim-checked content that cannot be read: "
+              "written with their references (see claim_check.problem)", file=sys.stderr)
     return 0
+
+
+def _exported(delivery: Delivery, payloads: PayloadStore | None) -> dict[str, Any]:
+    """One line of ``errors export``: a claim-checked message with its body (or fields)
+    resolved and without the references, or with them and ``claim_check.problem``: why
+    what they name cannot be read."""
+    headers, body = without_failure_headers(delivery.headers), delivery.body
+    claim: dict[str, Any] | None = None
+    if is_claimed(delivery.headers):
+        claim = {"payload_ids": [reference for _, reference in references(delivery.headers)]}
+        try:
+            body = resolved(delivery.headers, delivery.body, payloads)
+        except MalformedMessage as unresolved:
+            claim["problem"] = f"cannot be read: {unresolved.reason}"
+        else:
+            claim["resolved"] = True
+            for name in CLAIM_HEADERS:
+                headers.pop(name, None)
+    line: dict[str, Any] = {
+        "message_id": delivery.headers.get(h.MESSAGE_ID),
+        "message_type": delivery.headers.get(h.MESSAGE_TYPE),
+        "body": body.decode("utf-8", "replace"),
+        "headers": json.dumps(headers),
+        "failed_queue": delivery.headers.get(h.FAILED_QUEUE),
+        "time_of_failure": delivery.headers.get(h.TIME_OF_FAILURE),
+    }
+    if claim is not None:
+        line["claim_check"] = claim
+    return line
+
+
+#: The headers of a claim-checked message that an export with its content resolved drops.
+CLAIM_HEADERS = (h.CLAIM_CHECK, h.CLAIM_CHECK_BYTES, h.CLAIM_CHECK_FIELDS)
 
 
 def _chosen(args: argparse.Namespace, endpoint: Endpoint,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import ImmutableMultiDict
 
@@ -25,7 +25,9 @@ from ..errors import ConfigurationError
 from ..runtime.recoverability import error_queue
 from ..runtime.recoverability.error_queue import FailedMessage, Selection
 from ..runtime.recoverability.parking import ParkedDelivery
-from ..storage.base import SETTLED_FROM_ERROR_QUEUE, ParkingStore
+from ..storage.base import SETTLED_FROM_ERROR_QUEUE, ParkingStore, PayloadStore
+from ..storage.claims import PREFIX as CLAIMED_PREFIX
+from ..storage.claims import peek
 from ..transports.base import Delivery
 from .html import Child, Markup, render, tag, url
 from .layout import hidden, moment, notice, pairs, pretty, table
@@ -255,7 +257,8 @@ def message(endpoint: Endpoint, params: Params) -> Page:
     if not copies:
         raise Refused(f"no message {message_id!r} among the failed messages of "
                       f"{endpoint.name} (retried or purged meanwhile?)", 404)
-    body = [_outage(endpoint, outage), *(_copy(delivery) for delivery in copies)]
+    payloads = endpoint.context.payloads()
+    body = [_outage(endpoint, outage), *(_copy(delivery, payloads) for delivery in copies)]
     body.append(tag("form", hidden({"endpoint": endpoint.name, "id": message_id}),
                     tag("button", "Retry", type="submit", name="action", value="retry"),
                     tag("button", "Purge", type="submit", name="action", value="purge",
@@ -264,7 +267,7 @@ def message(endpoint: Endpoint, params: Params) -> Page:
     return Page(f"Failed message {message_id}", render(body))
 
 
-def _copy(delivery: Delivery) -> Markup:
+def _copy(delivery: Delivery, payloads: PayloadStore | None = None) -> Markup:
     failed = FailedMessage.of(delivery)
     headers = delivery.headers
     return tag(
@@ -288,7 +291,25 @@ def _copy(delivery: Delivery) -> Markup:
         tag("h2", "Body ", tag("span", delivery.content_type or "no content type",
                                class_="caption")),
         pretty(delivery.body.decode("utf-8", "replace")),
+        *(_claimed(peeked) for peeked in peek(headers, payloads)),
         class_="copy")
+
+
+def _claimed(peeked: dict[str, Any]) -> Markup:
+    """What the payload store keeps for a claim-checked body or field (:func:`peek`):
+    whether it was found, its size and its start, or why it cannot be read."""
+    name = peeked["field"]
+    title = "Claim-checked body" if name is None else f"Claim-checked field {name}"
+    rows: list[tuple[Child, Child]] = [
+        ("payload id", tag("code", peeked["payload_id"] or "-")),
+        ("found", "yes" if peeked["found"] else "no"),
+        ("bytes", str(peeked["bytes"]) if peeked["bytes"] is not None else "-")]
+    if not peeked["found"]:
+        rows.append(("cannot be read", tag("span", peeked["problem"], class_="exception-message")))
+        return tag("section", tag("h2", title), pairs(rows), class_="claimed")
+    more = f"the first {CLAIMED_PREFIX} characters" if peeked["truncated"] else "all of it"
+    return tag("section", tag("h2", title, " ", tag("span", more, class_="caption")),
+               pairs(rows), tag("pre", peeked["prefix"], class_="code"), class_="claimed")
 
 
 # -- confirming and acting ---------------------------------------------------------------

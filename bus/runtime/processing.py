@@ -46,7 +46,7 @@ from ..pipeline import (
 from ..policies import RetryPolicy
 from ..redaction import redact
 from ..storage.base import PARKED_FROM_ERROR_QUEUE, ParkingStore
-from ..storage.claims import resolved
+from ..storage.claims import hold, is_claimed, keep_longer, resolved, retention_of
 from ..storage.errors import (
     CommitOutcomeUnknown,
     StorageAccessDenied,
@@ -116,6 +116,8 @@ class MessageProcessor:
         self._max_message_bytes = context.max_message_bytes
         #: Where claim-checked bodies are read (``None``: nowhere, such a message fails).
         self._payloads = context.payloads()
+        #: How long a claim-checked body is kept past a delayed retry's due time.
+        self._retention = retention_of(context.claim_check)
         self._left_to_outbox = left_to_outbox
 
     def __call__(self, delivery: Delivery) -> None:
@@ -267,7 +269,7 @@ class MessageProcessor:
         unreachable the message waits with backoff. A reference that cannot be resolved
         raises :class:`~idembus.errors.MalformedMessage`: to the error queue, reference
         kept."""
-        if h.CLAIM_CHECK not in delivery.headers:
+        if not is_claimed(delivery.headers):
             return delivery.body
         outages = 0
         while True:
@@ -434,6 +436,8 @@ class MessageProcessor:
         """Put the message back on its queue, same id and bytes, delivered after ``delay``
         seconds, with ``changes`` to its headers."""
         due = self._clock.now() + datetime.timedelta(seconds=delay)
+        # its claim-checked body outlives the wait, whatever time it had left
+        keep_longer(delivery.headers, self._payloads, until=due + self._retention)
         self._dispatcher.dispatch(Envelope(
             headers={**delivery.headers, **changes, h.DELIVER_AT: format_utc(due)},
             body=delivery.body.decode("utf-8", "surrogateescape"),
@@ -488,9 +492,12 @@ class MessageProcessor:
         the latter shown by ``idembus status``) — never a hot loop, never dropped."""
         message_id = _logged_id(delivery.headers)
         waits = 0
+        held: dict[str, str] | None = None
         while True:
             try:
-                failure = self._move_aside(delivery, error, attempts=attempts)
+                if held is None:  # once: the copy holds its claim-checked body
+                    held = hold(delivery.headers, self._payloads)
+                failure = self._move_aside(delivery, error, attempts=attempts, held=held)
                 break
             except (StorageUnavailable, TransportUnavailable) as outage:
                 blocked: BusError = outage
@@ -521,12 +528,14 @@ class MessageProcessor:
             log.info("the failure of request %s could not be sent to %r: %s",
                      _logged_id(delivery.headers), reply.destination, redact(str(error)))
 
-    def _move_aside(self, delivery: Delivery, error: Exception, *,
-                    attempts: int) -> Mapping[str, str]:
-        """One try at the error queue, then at parking; raises what stopped both. Returns
-        the failure headers."""
+    def _move_aside(self, delivery: Delivery, error: Exception, *, attempts: int,
+                    held: Mapping[str, str]) -> Mapping[str, str]:
+        """One try at the error queue, then at parking, the copy with the headers of the
+        hold on its claim-checked body (``held``); raises what stopped both. Returns the
+        failure headers."""
         delayed = _header_count(delivery, h.DELAYED_ATTEMPTS)
-        headers = failure_headers(delivery.headers, error, queue=delivery.queue,
+        original_headers = {**delivery.headers, **held}
+        headers = failure_headers(original_headers, error, queue=delivery.queue,
                                   immediate_attempts=attempts, delayed_attempts=delayed)
         body = delivery.body.decode("utf-8", "surrogateescape")
         content_type = delivery.content_type or h.CONTENT_TYPE
@@ -537,7 +546,7 @@ class MessageProcessor:
                                                content_encoding=delivery.content_encoding))
         except DestinationRefused as refused:
             # The broker will not take the copy: keep the message in the storage instead.
-            original = Envelope(dict(delivery.headers), body, delivery.queue, content_type,
+            original = Envelope(original_headers, body, delivery.queue, content_type,
                                 delivery.content_encoding)
             park(self._storage, endpoint=self._endpoint, source=PARKED_FROM_ERROR_QUEUE,
                  envelope=original, queue=delivery.queue, attempts=attempts,

@@ -122,9 +122,9 @@ class SharedTransaction:
         if not outgoing and settle is None:
             self._storage.commit(loaded, key=key, state=state, outgoing=outgoing, **options)
             return False
-        if self._claims is not None and any(map(self._claims.applies, outgoing)):
+        if self._claims is not None and any(map(self._claims.sends_apart, outgoing)):
             return self._apart(loaded, key, state, outgoing, options,
-                               "a body the claim check sends as a reference")
+                               "a body (or field) the claim check sends as a reference")
         part = self._transport.part(outgoing, remove=settle)
         journal = [] if self._journal is None else self._journal.entries(
             outgoing, aggregate_type=loaded.aggregate_type, aggregate_id=loaded.aggregate_id)

@@ -23,7 +23,8 @@ returns only once the broker has applied its acknowledgements.
   select a page at a time what a retry or purge acts on, bounded by what was counted and
   confirmed (a message failed meanwhile is not among them);
 * :func:`retry` sends one back where it failed and only then removes it; :func:`purge`
-  removes a page of them for good.
+  removes a page of them for good. Both then release the hold a copy of a claim-checked
+  message had on its body (:func:`idembus.storage.claims.hold`).
 
 A moved message is idempotent in the storage: its id derives from its queue, headers and
 body (:func:`idembus.parking.parked_id`), so the same message moved twice (the process died
@@ -43,6 +44,7 @@ from ... import headers as h
 from ...envelope import Envelope, parse_utc, utc_now
 from ...errors import ConfigurationError
 from ...failures import without_failure_headers
+from ...redaction import redact
 from ...storage.base import (
     MOVED_FROM_ERROR_QUEUE,
     SETTLED_FROM_ERROR_QUEUE,
@@ -51,6 +53,8 @@ from ...storage.base import (
     ParkingStore,
     parked_key,
 )
+from ...storage.claims import release, retention_of
+from ...storage.errors import StorageError
 from ...transports.base import Delivery
 from ...transports.errors import TransportUnavailable
 from .parking import ParkedDelivery, keep, parked_id
@@ -496,13 +500,40 @@ def retry(endpoint: Endpoint, delivery: ParkedDelivery) -> Envelope:
     endpoint.transport.dispatch(envelope)
     # only once the broker has the retried copy
     settle(endpoint.storage_as(ParkingStore), [delivery])
+    # and only then its claim-checked body's hold: kept a retention from now
+    _release_holds(endpoint, [delivery], retention_of(endpoint.context.claim_check))
     return envelope
 
 
 def purge(endpoint: Endpoint, deliveries: Sequence[ParkedDelivery]) -> int:
-    """Remove ``deliveries`` from the storage for good (:func:`settle`); how many were
-    still there (the others were retried or purged meanwhile)."""
-    return settle(endpoint.storage_as(ParkingStore), deliveries)
+    """Remove ``deliveries`` from the storage for good (:func:`settle`), then release the
+    holds they had on claim-checked bodies; how many were still there (the others were
+    retried or purged meanwhile)."""
+    removed = settle(endpoint.storage_as(ParkingStore), deliveries)
+    _release_holds(endpoint, deliveries, datetime.timedelta(0))
+    return removed
+
+
+def _release_holds(endpoint: Endpoint, deliveries: Sequence[ParkedDelivery],
+                   kept: datetime.timedelta) -> None:
+    """Release the holds of ``deliveries`` (retried or purged) on their claim-checked
+    bodies, each body kept ``kept`` from now at least. A store that cannot be reached
+    leaves a hold (the body stays longer, never shorter), and says so."""
+    store = endpoint.context.payloads()
+    until = utc_now() + kept
+    for delivery in deliveries:
+        if h.CLAIM_CHECK_HOLD not in delivery.headers:
+            continue
+        if store is None:
+            log.warning("%s has no payload store: the hold %s on the body of %s stays",
+                        endpoint.name, delivery.headers[h.CLAIM_CHECK_HOLD][:80],
+                        delivery.headers.get(h.MESSAGE_ID, "a message")[:200])
+            continue
+        try:
+            release(delivery.headers, store, keep_until=until)
+        except StorageError as error:
+            log.warning("could not release the hold %s on a claim-checked body: %s",
+                        delivery.headers[h.CLAIM_CHECK_HOLD][:80], redact(str(error)))
 
 
 def settle(storage: ParkingStore, deliveries: Sequence[ParkedDelivery]) -> int:

@@ -1,5 +1,6 @@
 """The contract of :class:`~idembus.storage.base.PayloadStore`: claim-checked bodies kept
-under their ids, written again idempotently, collected only once their time has passed."""
+under their ids, written again idempotently, held, collected only once their time has passed
+and no hold keeps them."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def at(seconds: float) -> datetime.datetime:
 
 class PayloadStoreContract(RoleContract):
     """Bodies read back byte for byte (large ones too), written again without a second
-    copy, kept until the latest time any write asked for, and collected after it."""
+    copy, kept until the latest time any write asked for (or, held, until every hold is
+    released), and collected after it."""
 
     roles: ClassVar[tuple[type[StorageRole], ...]] = (PayloadStore,)
 
@@ -65,3 +67,50 @@ class PayloadStoreContract(RoleContract):
         assert storage.collect_payloads(at(11)) == 0
         assert [storage.get_payload(f"old-{n}") for n in range(5)] == [None] * 5
         assert storage.get_payload("young") == b"y"
+
+    def test_a_held_body_outlives_its_time_until_every_hold_is_released(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        storage.put_payload("p", b"held", keep_until=at(10))
+        assert storage.hold_payload("p", "copy-1") is True
+        assert storage.hold_payload("p", "copy-1") is True  # again: one hold
+        assert storage.hold_payload("p", "copy-2") is True
+        storage.put_payload("p", b"held", keep_until=at(20))  # written again: still held
+        assert storage.collect_payloads(at(1000)) == 0
+        assert storage.release_payload("copy-1", keep_until=at(30)) is True
+        assert storage.release_payload("copy-1", keep_until=at(30)) is False  # gone already
+        assert storage.collect_payloads(at(1000)) == 0  # copy-2 still holds it
+        assert storage.get_payload("p") == b"held"
+        # released with a time: kept until then (a retried copy on its way), then collected
+        assert storage.release_payload("copy-2", keep_until=at(2000)) is True
+        assert storage.collect_payloads(at(1500)) == 0
+        assert storage.get_payload("p") == b"held"
+        assert storage.collect_payloads(at(2001)) == 1
+        assert storage.get_payload("p") is None
+
+    def test_a_hold_on_a_large_body_keeps_all_of_it(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        body = b"".join(i.to_bytes(4, "big") for i in range(5 * 1024 * 1024))  # 20 MiB
+        storage.put_payload("big", body, keep_until=at(10))
+        assert storage.hold_payload("big", "copy")
+        assert storage.collect_payloads(at(100)) == 0
+        assert storage.get_payload("big") == body
+        storage.release_payload("copy", keep_until=at(50))
+        assert storage.collect_payloads(at(100)) == 1
+        assert storage.get_payload("big") is None
+
+    def test_holding_a_body_that_is_not_there_holds_nothing(
+        self, storage_factory: StorageFactory,
+    ) -> None:
+        storage = storage_factory()
+        assert storage.hold_payload("never", "copy") is False
+        assert storage.release_payload("copy", keep_until=at(10)) is False
+        storage.put_payload("gone", b"x", keep_until=at(10))
+        assert storage.collect_payloads(at(11)) == 1
+        assert storage.hold_payload("gone", "copy") is False
+        storage.put_payload("unheld", b"y", keep_until=at(10))
+        assert storage.release_payload("other", keep_until=at(500)) is False
+        assert storage.collect_payloads(at(11)) == 1  # a release elsewhere moved nothing
