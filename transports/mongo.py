@@ -6,7 +6,7 @@ Features
 
       {_id: "<message id>:<digest>", queue, headers: <JSON text>, body: <bytes>,
        size: <bytes in body>, content_type, content_encoding, visible_at,
-       order: <ObjectId>, leased_until, lease, deliveries}
+       order: <ObjectId>, leased_until, lease, deliveries, ordering_key}
 
   beside ``<prefix>_queues`` (``{_id: <queue>}``) and ``<prefix>_subscriptions``
   (``{_id, message_type, queue}``).
@@ -21,6 +21,16 @@ Features
   keeps its place). Unsettled deliveries have their leases renewed every third of
   ``visibility_timeout``; a consumer that dies renews nothing, and its messages are
   delivered again once their leases run out.
+* Ordered messages (``ordered_by=``): a sent command of an ordered type carries its key
+  (the ``idembus.ordering.key`` header) in ``ordering_key``. A claim passes over a
+  document while an older document of its key (by ``order``) is still in its queue —
+  waiting, delayed, or claimed and not yet settled — and takes at most one document per
+  key: the oldest message of every key not in flight. (The claim takes the oldest due
+  document as before; one whose key has an older document is given back at once as it
+  was, and that key is excluded from the rest of the claim.) Acknowledging an ordered
+  message wakes its queue's idle consumers. ``order`` is an ObjectId made by the
+  sending process: one process's sends are in order; sends of different processes at
+  the same moment have no order between them (as on every transport).
 * Delayed delivery is native: ``visible_at`` is the due time (``idembus.deliver_at``).
 * Size before body: idembus writes each body's size beside it (``size``). A claim takes
   only documents whose fields it can use as they are (``$type`` checks: a numeric
@@ -46,8 +56,9 @@ Features
   collection, ``<prefix>_signals``, that idle consumers follow with a tailable cursor
   (``TAILABLE_AWAIT``), so they wake at once without polling; they also wake when the next
   delayed message or lease is due, and at least every ``max_idle_wait`` seconds. On
-  mongomock (no capped collections, no tailable cursors) an idle consumer polls, from 5 ms
-  up to ``poll_interval`` seconds.
+  mongomock (no capped collections, no tailable cursors) an idle consumer is woken inside
+  the process by the same inserts and settlements, and polls too, from 5 ms up to
+  ``poll_interval`` seconds.
 * Times are this process's clock (mongomock has no server time): leases and due times of
   processes whose clocks differ are off by the difference.
 
@@ -127,6 +138,7 @@ from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .mongo_documents import (
     _aware,
     _client_lock,
+    _client_wakeups,
     _document_id,
     _due,
     _flaws,
@@ -197,6 +209,8 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
             _client_lock(client) if self.process_local else contextlib.nullcontext())
         self._known_queues: set[str] = set()
         self._indexed = False
+        #: How idle consumers on mongomock are woken in this process (``None``: a server).
+        self._wakeups = _client_wakeups(client) if self.process_local else None
 
     @classmethod
     def embedded(cls, database: str = "idembus", **options: Any) -> MongoTransport:
@@ -214,6 +228,9 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
             self.messages.create_index([("queue", 1), ("visible_at", 1), ("order", 1)],
                                        name="idembus_ready")
             self.subscriptions.create_index([("message_type", 1)], name="idembus_routes")
+            self.messages.create_index(
+                [("queue", 1), ("ordering_key", 1), ("order", 1)], name="idembus_ordering",
+                partialFilterExpression={"ordering_key": {"$type": "string"}})
         self._indexed = True
         if not self.process_local:
             self._make_signals()
@@ -304,6 +321,8 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         due = envelope.deliver_at
         visible_at = max(due, now) if due is not None else now
         headers = encode_headers(envelope.headers)
+        # The key of an ordered command (only a sent one: a published event has none).
+        key = envelope.headers.get(h.ORDERING_KEY) if envelope.destination else None
         with self._op(what):
             body = envelope.body.encode("utf-8", "surrogateescape")
         documents = [{
@@ -312,6 +331,7 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
             "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "visible_at": visible_at,
             "order": bson.ObjectId(), "leased_until": None, "lease": None, "deliveries": 0,
+            **({"ordering_key": key} if key is not None else {}),
         } for queue in queues]
         with self._op(what):
             try:
@@ -325,6 +345,8 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
     def _signal(self, queues: list[str]) -> None:
         """Wake the idle consumers of ``queues`` (real servers; best effort: they also look
         every ``max_idle_wait`` seconds)."""
+        if self._wakeups is not None:
+            self._wakeups.wake(queues)
         if self._signals is None:
             return
         try:
@@ -371,10 +393,12 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         claimed: list[_MongoDelivery] = []
         moved = 0
         with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
+            passed: list[Any] = []  # keys in flight, or claimed here already
             while limit is None or len(claimed) < limit:
                 now = _now()
                 document = self.messages.find_one_and_update(
-                    {**_due(queue, now), **_readable(limits.max_bytes)},
+                    {**_due(queue, now), **_readable(limits.max_bytes),
+                     **({"ordering_key": {"$nin": passed}} if passed else {})},
                     {"$set": {"leased_until": now + datetime.timedelta(
                         seconds=self.visibility_timeout), "lease": token},
                      "$inc": {"deliveries": 1}},
@@ -382,6 +406,12 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
                     return_document=pymongo.ReturnDocument.AFTER)
                 if document is None:
                     break
+                key = document.get("ordering_key")
+                if key is not None:
+                    passed.append(key)
+                    if self._behind(queue, document):
+                        self._pass_over(document, token)
+                        continue
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
             while limit is None or len(claimed) + moved < limit:
                 now = _now()
@@ -401,6 +431,20 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         self._leases.hold(claimed)
         return claimed, moved
 
+    def _behind(self, queue: str, document: Mapping[str, Any]) -> bool:
+        """Whether an older document of ``document``'s ordering key is still in ``queue``
+        (waiting, delayed, or claimed and not yet settled): then it must wait its turn."""
+        return self.messages.find_one(
+            {"queue": queue, "ordering_key": document["ordering_key"],
+             "order": {"$lt": document.get("order")}}, {"_id": 1}) is not None
+
+    def _pass_over(self, document: Mapping[str, Any], lease: int) -> None:
+        """Give back ``document``, claimed under ``lease`` though its key is in flight, as
+        it was (its place, its delivery count): no other consumer could have taken it."""
+        self.messages.update_one(
+            {"_id": document["_id"], "lease": lease},
+            {"$set": {"leased_until": None, "lease": None}, "$inc": {"deliveries": -1}})
+
     def _move_aside(self, queue: str, document: Mapping[str, Any], lease: int) -> None:
         """Move ``document`` (claimed with ``lease``, read without its body) to the error
         queue of ``queue``, with failure headers saying what is wrong with it."""
@@ -417,7 +461,7 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         changes: dict[str, Any] = {
             "queue": limits.error_queue, "headers": encode_headers({**headers, **story}),
             "visible_at": _now(), "order": bson.ObjectId(), "leased_until": None,
-            "lease": None, "deliveries": 0}
+            "lease": None, "deliveries": 0, "ordering_key": None}
         if (unreadable or not isinstance(raw, str)) and len(
                 bson.encode({"kept": raw})) <= MAX_METADATA_BYTES:
             changes["original_headers"] = raw  # as written (bounded: the document must fit)
@@ -446,8 +490,12 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
     # -- settling ---------------------------------------------------------------------
 
     def _delete_row(self, delivery: _MongoDelivery) -> None:
+        """Delete ``delivery``'s document; if it was an ordered message, wake its queue's
+        idle consumers (the next message of its key is free)."""
         with self._op(f"acknowledging a message of {delivery.queue!r}"):
             self.messages.delete_one({"_id": delivery.document_id})
+        if h.ORDERING_KEY in delivery.headers:
+            self._signal([delivery.queue])
 
     def _clear_leases(self, deliveries: Sequence[_MongoDelivery]) -> None:
         """Clear the leases their claims still hold (they keep their places); wake the

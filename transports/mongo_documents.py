@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypeGuard
 
 from .. import headers as h
@@ -147,6 +147,41 @@ def _client_lock(client: Any) -> Any:
     """The lock of every transport on this mongomock client, kept on the client itself."""
     attributes = vars(client)
     return attributes.setdefault("_idembus_transport_lock", threading.RLock())
+
+
+class _Wakeups:
+    """The wake-ups of the idle consumers of one mongomock client, in this process (the
+    only one that can see its collections): a count per queue, raised by each insert and
+    each settlement that frees a message, and a condition to wait for it on."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._counts: dict[str, int] = {}
+
+    def count(self, queue: str) -> int:
+        """How many wake-ups ``queue`` has had."""
+        with self._changed:
+            return self._counts.get(queue, 0)
+
+    def wake(self, queues: Collection[str]) -> None:
+        """Wake the idle consumers of ``queues``."""
+        with self._changed:
+            for queue in queues:
+                self._counts[queue] = self._counts.get(queue, 0) + 1
+            self._changed.notify_all()
+
+    def wait(self, queue: str, seen: int, seconds: float) -> bool:
+        """Wait until ``queue`` has had more than ``seen`` wake-ups (True), or ``seconds``
+        passed (False)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._counts.get(queue, 0) != seen, seconds)
+
+
+def _client_wakeups(client: Any) -> _Wakeups:
+    """The wake-ups of every transport on this mongomock client, kept on the client."""
+    with _client_lock(client):
+        wakeups: _Wakeups = vars(client).setdefault("_idembus_wakeups", _Wakeups())
+    return wakeups
 
 
 def _now() -> datetime.datetime:
