@@ -21,16 +21,12 @@ Features
   keeps its place). Unsettled deliveries have their leases renewed every third of
   ``visibility_timeout``; a consumer that dies renews nothing, and its messages are
   delivered again once their leases run out.
-* Ordered messages (``ordered_by=``): a sent command of an ordered type carries its key
-  (the ``idembus.ordering.key`` header) in ``ordering_key``. A claim passes over a
-  document while an older document of its key (by ``order``) is still in its queue —
-  waiting, delayed, or claimed and not yet settled — and takes at most one document per
-  key: the oldest message of every key not in flight. (The claim takes the oldest due
-  document as before; one whose key has an older document is given back at once as it
-  was, and that key is excluded from the rest of the claim.) Acknowledging an ordered
-  message wakes its queue's idle consumers. ``order`` is an ObjectId made by the
-  sending process: one process's sends are in order; sends of different processes at
-  the same moment have no order between them (as on every transport).
+* Ordered messages: a sent command's ``idembus.ordering.key`` header is kept in
+  ``ordering_key``. A claim passes over a document while an older one (by ``order``, the
+  sender's ObjectId) of its key is in its queue — waiting, delayed, or claimed and not
+  settled — taking the oldest due one as before but giving back at once, as it was, one
+  whose key has an older document, then leaving that key out. Acknowledging an ordered
+  message wakes its queue's idle consumers.
 * Delayed delivery is native: ``visible_at`` is the due time (``idembus.deliver_at``).
 * Size before body: idembus writes each body's size beside it (``size``). A claim takes
   only documents whose fields it can use as they are (``$type`` checks: a numeric
@@ -123,7 +119,7 @@ from ..redaction import redact
 from ..routing import base_queue
 from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
-from .base import Delivery, QueueDepth
+from .base import Delivery, OrderedKeys, QueueDepth
 from .database import (
     MAX_METADATA_BYTES,
     check_prefix,
@@ -145,6 +141,9 @@ from .mongo_documents import (
     _MongoDelivery,
     _now,
     _readable,
+    behind,
+    ordered_keys,
+    pass_over,
     queue_depth,
 )
 from .mongo_watch import _Watch
@@ -409,8 +408,8 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
                 key = document.get("ordering_key")
                 if key is not None:
                     passed.append(key)
-                    if self._behind(queue, document):
-                        self._pass_over(document, token)
+                    if behind(self.messages, queue, document):
+                        pass_over(self.messages, document, token)
                         continue
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
             while limit is None or len(claimed) + moved < limit:
@@ -430,20 +429,6 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
                     claimed.append(_MongoDelivery(self, queue, document, lease=token))
         self._leases.hold(claimed)
         return claimed, moved
-
-    def _behind(self, queue: str, document: Mapping[str, Any]) -> bool:
-        """Whether an older document of ``document``'s ordering key is still in ``queue``
-        (waiting, delayed, or claimed and not yet settled): then it must wait its turn."""
-        return self.messages.find_one(
-            {"queue": queue, "ordering_key": document["ordering_key"],
-             "order": {"$lt": document.get("order")}}, {"_id": 1}) is not None
-
-    def _pass_over(self, document: Mapping[str, Any], lease: int) -> None:
-        """Give back ``document``, claimed under ``lease`` though its key is in flight, as
-        it was (its place, its delivery count): no other consumer could have taken it."""
-        self.messages.update_one(
-            {"_id": document["_id"], "lease": lease},
-            {"$set": {"leased_until": None, "lease": None}, "$inc": {"deliveries": -1}})
 
     def _move_aside(self, queue: str, document: Mapping[str, Any], lease: int) -> None:
         """Move ``document`` (claimed with ``lease``, read without its body) to the error
@@ -531,6 +516,11 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
         """Ready, leased and delayed documents of ``queue``, and the oldest ready one's wait."""
         with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
             return queue_depth(self.messages, queue, _now())
+
+    def ordered_keys(self, queue: str) -> OrderedKeys:
+        """Keys of ``queue`` in flight and ordered documents waiting."""
+        with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
+            return ordered_keys(self.messages, queue, _now())
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:

@@ -55,7 +55,7 @@ from ..storage.errors import (
 )
 from ..transports.base import Delivery
 from ..transports.errors import DestinationRefused, TransportUnavailable
-from .decoding import decode
+from .decoding import UnorderedArrivals, decode
 from .dispatching import Dispatcher, DispatchProgress
 from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
@@ -117,6 +117,7 @@ class MessageProcessor:
         #: Where claim-checked bodies are read (``None``: nowhere, such a message fails).
         self._payloads = context.payloads()
         self._left_to_outbox = left_to_outbox
+        self._unordered = UnorderedArrivals(context.name, context.router, context.signals)
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
@@ -194,6 +195,7 @@ class MessageProcessor:
             self._dead_letter(delivery, incoming, undecodable(error), attempts=0)
             return 0.0
         incoming.message = message
+        self._unordered.check(message, delivery.headers)
         expired = expires is not None and self._clock.now() > expires
         try:
             failure = self._run_handlers(delivery, incoming, message, expired)
