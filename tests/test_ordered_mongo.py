@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import mongomock
 import pytest
 
+import idembus.transports.mongo as mongo_module
 from idembus import Endpoint
 from idembus.handlers import Handler, handles
 from idembus.routing import Router
@@ -248,3 +249,32 @@ def test_settling_an_ordered_message_wakes_the_consumers_waiting_for_its_key(
                     "k": [1, 2]}
     finally:
         tool.close()
+
+
+def test_a_message_whose_elder_is_settled_while_it_is_passed_over_is_taken(
+        client, monkeypatch):
+    # Given k: 0, 1, and a tool holding k's first
+    queue = f"steps-{uuid.uuid4().hex[:8]}"
+    sender = _sender(client, queue)
+    for seq in range(2):
+        sender.send(Step(key="k", seq=seq))
+    tool, consumer = _transport(client), _transport(client)
+    try:
+        with tool.inspect(queue, limit=1) as (held,):
+            passed_over = mongo_module.pass_over
+
+            def settled_meanwhile(messages, document, lease):  # type: ignore[no-untyped-def]
+                # (on a server, another consumer settles the elder between the look and
+                # the give-back; and its own next claim found k's second leased here)
+                passed_over(messages, document, lease)
+                if not held.settled:
+                    held.ack()
+
+            monkeypatch.setattr(mongo_module, "pass_over", settled_meanwhile)
+            # When a consumer claims: it passes k's second over, its elder then settled
+            (taken,) = consumer._claim(None, queue, 5).deliveries
+        # Then it looks again and takes it, rather than leaving it to the next poll
+        assert Step.model_validate_json(taken.body).seq == 1
+    finally:
+        tool.close()
+        consumer.close()

@@ -410,6 +410,10 @@ class MongoTransport(DatabaseTransport[_MongoDelivery, None]):
                     passed.append(key)
                     if behind(self.messages, queue, document):
                         pass_over(self.messages, document, token)
+                        if not behind(self.messages, queue, document):
+                            # Its elder was settled meanwhile, and whoever claimed then
+                            # saw it leased here: it is free now, look for it again.
+                            passed.remove(key)
                         continue
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
             while limit is None or len(claimed) + moved < limit:
