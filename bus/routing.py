@@ -41,25 +41,17 @@ class Ordering:
     declared_by: str
 
 
-def order_of(message: Message,
-             orderings: Mapping[type[Message], Ordering]) -> tuple[str, int] | None:
-    """The ordering key of ``message`` and its number of partitions: its type's own
-    declaration first, else the ordering of its type (or of the nearest type it derives
-    from) in ``orderings``; ``None`` for a message nothing orders."""
-    key = ordering_key(message)
-    if key is not None:
-        return key, ordered_partitions(message)
-    if not orderings:
-        return None
-    for level in enclosed_types(message):
+def _ordering_of(message_type: type[Message],
+                 orderings: Mapping[type[Message], Ordering]) -> Ordering | None:
+    """What orders ``message_type``: its own declaration first, else its ordering (or
+    that of the nearest type it derives from) in ``orderings``; ``None``: nothing."""
+    own = ordered_partitions(message_type)
+    if own:
+        return Ordering(ordering_key, own, f"{message_type.__qualname__}'s ordered_by")
+    for level in enclosed_types(message_type):
         ordering = orderings.get(level)
         if ordering is not None:
-            value = ordering.key(message)
-            if value is None:
-                raise ValueError(
-                    f"{type(message).__qualname__}: its ordering key, from "
-                    f"{ordering.declared_by}, is None; give every ordered message a key")
-            return str(value), ordering.partitions
+            return ordering
     return None
 
 
@@ -67,16 +59,8 @@ def partitions_of(message_type: type[Message],
                   orderings: Mapping[type[Message], Ordering]) -> int:
     """Into how many partitions the keys of ``message_type`` are spread (its own
     declaration, else its ordering in ``orderings``); 0 if nothing orders it."""
-    own = ordered_partitions(message_type)
-    if own:
-        return own
-    for level in enclosed_types(message_type):
-        ordering = orderings.get(level)
-        if ordering is not None:
-            return ordering.partitions
-    return 0
-
-
+    ordering = _ordering_of(message_type, orderings)
+    return ordering.partitions if ordering is not None else 0
 
 
 class Router:
@@ -87,6 +71,8 @@ class Router:
     def __init__(self, routes: Mapping[type[Message], str] | None = None, *,
                  orderings: Mapping[type[Message], Ordering] | None = None) -> None:
         self._orderings: dict[type[Message], Ordering] = dict(orderings or {})
+        #: What orders each type sent so far (``None``: nothing), worked out on first use.
+        self._order_by_type: dict[type[Message], Ordering | None] = {}
         self._routes: dict[type[Message], str] = {}
         for message_type, destination in (routes or {}).items():
             if isinstance(message_type, type) and issubclass(message_type, Event):
@@ -134,7 +120,19 @@ class Router:
     def order_of(self, message: Message) -> tuple[str, int] | None:
         """The ordering key of ``message`` and its number of partitions (its type's own
         declaration, else a handler's this router knows); ``None``: unordered."""
-        return order_of(message, self._orderings)
+        cls = type(message)
+        try:
+            ordering = self._order_by_type[cls]
+        except KeyError:
+            ordering = self._order_by_type[cls] = _ordering_of(cls, self._orderings)
+        if ordering is None:
+            return None
+        key = ordering.key(message)
+        if key is None:
+            raise ValueError(f"{cls.__qualname__}: its ordering key, from "
+                             f"{ordering.declared_by}, is None; give every ordered message "
+                             "a key")
+        return str(key), ordering.partitions
 
     def partitions_of(self, message_type: type[Message]) -> int:
         """Into how many partitions the keys of ``message_type`` are spread; 0 if nothing

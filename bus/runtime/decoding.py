@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import pydantic
 
@@ -107,28 +107,23 @@ def _summary(exc: pydantic.ValidationError) -> str:
 
 
 class UnorderedArrivals:
-    """Notices, for one endpoint, the messages of ordered types that arrive without a key."""
+    """Notices, for one endpoint, the messages of ordered types that arrive without a key:
+    :attr:`types` are the types it receives that are ordered (by their own declaration or
+    a handler's, as its ``router`` knows); :meth:`arrived` counts and tells of one."""
 
-    def __init__(self, endpoint: str, router: Router, signals: EndpointSignals) -> None:
+    def __init__(self, endpoint: str, received: Iterable[type[Message]], router: Router,
+                 signals: EndpointSignals) -> None:
         self._endpoint = endpoint
-        self._router = router
         self._signals = signals
-        #: Whether each type received so far is ordered here.
-        self._ordered: dict[type[Message], bool] = {}
+        #: The types received here whose messages are ordered (empty: nothing to notice).
+        self.types = frozenset(t for t in received if router.partitions_of(t))
         self._said: set[type[Message]] = set()
         self._lock = threading.Lock()
 
-    def check(self, message: Message, headers: Mapping[str, str]) -> None:
-        """Count and (once per type) log ``message`` if its type is ordered here and it
-        came without the ``idembus.ordering.key`` header."""
-        if h.ORDERING_KEY in headers:
-            return
+    def arrived(self, message: Message, headers: Mapping[str, str]) -> None:
+        """``message``, of one of :attr:`types`, came without the ``idembus.ordering.key``
+        header: count it, and say so the first time for its type."""
         cls = type(message)
-        ordered = self._ordered.get(cls)
-        if ordered is None:
-            ordered = self._ordered[cls] = bool(self._router.partitions_of(cls))
-        if not ordered:
-            return
         self._signals.emit("unordered", message_id=headers.get(h.MESSAGE_ID),
                            message_type=headers.get(h.MESSAGE_TYPE))
         with self._lock:

@@ -117,7 +117,8 @@ class MessageProcessor:
         #: Where claim-checked bodies are read (``None``: nowhere, such a message fails).
         self._payloads = context.payloads()
         self._left_to_outbox = left_to_outbox
-        self._unordered = UnorderedArrivals(context.name, context.router, context.signals)
+        self._unordered = UnorderedArrivals(context.name, context.table.message_types,
+                                            context.router, context.signals)
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
@@ -195,7 +196,10 @@ class MessageProcessor:
             self._dead_letter(delivery, incoming, undecodable(error), attempts=0)
             return 0.0
         incoming.message = message
-        self._unordered.check(message, delivery.headers)
+        unordered = self._unordered
+        if unordered.types and type(message) in unordered.types \
+                and h.ORDERING_KEY not in delivery.headers:
+            unordered.arrived(message, delivery.headers)
         expired = expires is not None and self._clock.now() > expires
         try:
             failure = self._run_handlers(delivery, incoming, message, expired)
