@@ -197,3 +197,16 @@ def test_a_handler_may_order_by_a_field_or_a_callable():
     post = Post(account="E", amount=3)
     assert Endpoint("by-field", handlers=[ByAccount]).router.order_of(post) == ("E", 16)
     assert Endpoint("by-callable", handlers=[ByParity]).router.order_of(post) == ("1", 16)
+
+
+def test_a_scenario_sends_with_the_key_its_endpoint_orders_by():
+    from idembus.testing import Scenario
+
+    arrived: list[tuple[str | None, str | None]] = []
+    scenario = Scenario(handlers=[Ledger(arrived)])
+    scenario.send(Post(account="F", amount=1))
+    scenario.send(Flagged(account="F", tag="t"))  # ordered by its type: delivered too
+    scenario.run()
+    assert arrived == [("f", str(partition_of("f", 8)))]
+    assert scenario.state(Balance, "f").amounts == [1, -1]
+    assert scenario.endpoint().counters.snapshot()["unordered"] == 0
