@@ -278,3 +278,34 @@ def test_a_message_whose_elder_is_settled_while_it_is_passed_over_is_taken(
     finally:
         tool.close()
         consumer.close()
+
+
+@pytest.mark.timeout(90)
+def test_commands_ordered_by_a_handler_are_applied_in_order_by_competing_endpoints(client):
+    from tests.test_ordered_handlers import Balance, Ledger, Post
+
+    # Given two endpoints of three threads each hosting a ledger ordered by its aggregate id
+    queue = f"ledger-{uuid.uuid4().hex[:8]}"
+    storage = MemoryStorage()
+    endpoints = [Endpoint(queue, transport=_transport(client), storage=storage,
+                          handlers=[Ledger()], concurrency=3, prefetch=4, batching=None)
+                 for _ in range(2)]
+    for endpoint in endpoints:
+        endpoint.start()
+    try:
+        # When posts of six accounts are sent interleaved through one endpoint's bus
+        for amount in range(12):
+            for account in range(6):
+                endpoints[0].bus.send(Post(account=f"acc{account}", amount=amount))
+        keys = {document.get("ordering_key")
+                for document in _transport(client).messages.find({"queue": queue})}
+        assert None not in keys  # each stored with its key
+        wait_until_idle(endpoints, timeout=60)
+    finally:
+        for endpoint in endpoints:
+            endpoint.stop()
+    # Then every account saw them in order, and none came without its key
+    assert {record.aggregate_id: Balance.model_validate(record.state).amounts
+            for record in storage.records("Balance")} == {
+        f"acc{account}": list(range(12)) for account in range(6)}
+    assert sum(endpoint.counters.snapshot()["unordered"] for endpoint in endpoints) == 0
