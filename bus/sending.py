@@ -27,8 +27,6 @@ from .messages import (
     Event,
     Message,
     default_time_to_live,
-    ordered_partitions,
-    ordering_key,
     parents_of,
     partition_of,
 )
@@ -290,9 +288,9 @@ class Bus:
         if ttl is not None:
             # A deferred message lives from when it is due: it is meant to be received then.
             headers[h.DISCARD_AFTER] = discard_time(max(now, deliver_at or now), ttl)
-        key = ordering_key(message)
-        if key is not None:
-            partitions = ordered_partitions(message)
+        order = self._router.order_of(message)
+        if order is not None:
+            key, partitions = order
             partition = partition_of(key, partitions)
             headers.update({h.ORDERING_KEY: key, h.PARTITIONS: str(partitions),
                             h.PARTITION: str(partition)})

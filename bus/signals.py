@@ -55,6 +55,7 @@ SIGNAL_NAMES = (
     "not_found",      # a saga's message found no saga and does not start one (acknowledged)
     "timeout_dropped",  # a saga's timeout arrived once the saga was completed (acknowledged)
     "unrouted",       # a published event the broker reported no queue took (envelope)
+    "unordered",      # a message of an ordered type arrived without its key (handled)
     "settled",        # a received delivery is done with, just before its ack (outcome,
                       # effects, seconds, time_sent, deliver_at)
 )
@@ -132,6 +133,7 @@ class EndpointSignals:
     not_found: Signal
     timeout_dropped: Signal
     unrouted: Signal
+    unordered: Signal
     settled: Signal
 
     def emit(self, name: str, **details: Any) -> None:

@@ -33,10 +33,11 @@ from pydantic import BaseModel
 
 from ..context import MessageContext
 from ..logs import loggable, message_logger
-from ..messages import Command, Message
+from ..messages import DEFAULT_PARTITIONS, Command, Message
 from ..policies import RetryPolicy
 from ..sending import Bus
 from .errors import HandlerDefinitionError
+from .ordering import declare_order
 
 log = message_logger(__name__)
 
@@ -66,10 +67,23 @@ class Handler:
     #: retried per policy; ``None``: the endpoint's ``Recoverability(time_limits=...)``.
     time_limit: ClassVar[float | None] = None
 
+    #: What orders the commands this handler handles (``ordered=`` or ``ordered_by=``
+    #: class keyword, inherited): ``AGGREGATE_ID`` (an aggregate handler's
+    #: :meth:`~AggregateHandler.aggregate_id`), a field name, or a callable taking the
+    #: message; ``None``: unordered (unless their types declare it).
+    __ordered_by__: ClassVar[object] = None
+    #: Into how many partitions the keys are spread (``partitions=``, inherited).
+    __partitions__: ClassVar[int] = DEFAULT_PARTITIONS
+
     #: The message-scoped bus: records what the handler sends, publishes and replies.
     bus: Bus
     #: Headers and ids of the message being handled.
     context: MessageContext
+
+    def __init_subclass__(cls, *, ordered: bool = False, ordered_by: object = None,
+                          partitions: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declare_order(cls, ordered=ordered, ordered_by=ordered_by, partitions=partitions)
 
     @classmethod
     def name(cls) -> str:

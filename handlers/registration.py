@@ -12,16 +12,26 @@ hierarchy both get it; deduplication stays per (handler, message id).
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..messages import Message, enclosed_types, is_message_type, message_name
+from ..messages import (
+    Command,
+    Message,
+    enclosed_types,
+    is_message_type,
+    message_name,
+    ordered_partitions,
+)
+from ..routing import Ordering
 from .base import HANDLES_ATTRIBUTE, AggregateHandler, Handler
 from .errors import HandlerDefinitionError
+from .ordering import AGGREGATE_ID
 
 #: What an aggregate type name may be: a storage name (a MongoDB collection, a PostgreSQL
 #: column value), the event name of the gateway's replication stream, the first half of
@@ -139,6 +149,50 @@ class HandlerTable:
     @property
     def handlers(self) -> list[Handler]:
         return list(self._handlers)
+
+
+def handler_orderings(handlers: Iterable[Handler | type[Handler]]
+                      ) -> dict[type[Message], Ordering]:
+    """The orderings the ``handlers`` (instances, or classes created without arguments)
+    declare with ``ordered=True`` or ``ordered_by=``: one for each command type each
+    handles, keyed by its ``aggregate_id``, the field or the callable. Events are not
+    ordered (they reach every subscriber), nor types that declare ``ordered_by=``
+    themselves (their own declaration is used). A named field must be a field of every
+    command type the handler handles; two handlers ordering one type is a
+    :class:`~idembus.handlers.HandlerDefinitionError`."""
+    found: dict[type[Message], Ordering] = {}
+    for given in handlers:
+        handler = _instantiate(given)
+        cls = type(handler)
+        declared = cls.__ordered_by__
+        if declared is None:
+            continue
+        key = _key_function(handler, declared)
+        for binding in _bindings_of(handler):
+            message_type = binding.message_type
+            if not issubclass(message_type, Command) or ordered_partitions(message_type):
+                continue
+            if isinstance(declared, str) and declared not in message_type.model_fields:
+                raise HandlerDefinitionError(
+                    f"{_qualified(cls)}: ordered_by={declared!r} is not a field of "
+                    f"{message_name(message_type)}, which it handles")
+            other = found.get(message_type)
+            if other is not None and other.declared_by != _qualified(cls):
+                raise HandlerDefinitionError(
+                    f"{other.declared_by} and {_qualified(cls)} both order "
+                    f"{message_name(message_type)}; let one declare it (or the type, with "
+                    "ordered_by=)")
+            found[message_type] = Ordering(key, cls.__partitions__, _qualified(cls))
+    return found
+
+
+def _key_function(handler: Handler, declared: object) -> Callable[[Message], object]:
+    """The key of a message under ``handler``'s declaration."""
+    if declared is AGGREGATE_ID:
+        return typing.cast(AggregateHandler[Any], handler).aggregate_id
+    if isinstance(declared, str):
+        return operator.attrgetter(declared)
+    return typing.cast(Callable[[Message], object], declared)
 
 
 def _overlap(one: type[Message], other: type[Message]) -> str | None:

@@ -332,3 +332,135 @@ def test_settling_an_ordered_message_wakes_the_consumers_for_the_next_of_its_key
 def _sequences_of(storage: object) -> dict[str, list[int]]:
     return {record.aggregate_id: list((record.state or {})["seqs"])
             for record in storage.records("Seen")}  # type: ignore[attr-defined]
+
+
+# -- idembus status ------------------------------------------------------------------------
+
+
+def _status_json(viewer: Callable[[], Endpoint], monkeypatch: pytest.MonkeyPatch,
+                 capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    """``idembus status --json`` and ``--wide`` of an endpoint ``viewer()`` makes for each
+    (the command closes the endpoint it loads, as a process of its own would)."""
+    import json
+    import sys
+    import types
+
+    from idembus.cli import main
+
+    module = types.ModuleType("ordered_status_app")
+    module.make = viewer  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ordered_status_app", module)
+    assert main(["status", "ordered_status_app:make", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert main(["status", "ordered_status_app:make", "--wide"]) == 0
+    summary["table"] = capsys.readouterr().out
+    return summary  # type: ignore[no-any-return]
+
+
+@pytest.mark.amqp
+@pytest.mark.timeout(90)
+def test_status_shows_the_partition_queues_depths_and_consumers_on_rabbitmq(
+        monkeypatch, capsys):
+    from tests.test_cli_errors import SharedMemoryStorage
+    from tests.test_status import wait_until as eventually
+
+    require_service(AMQP_URL, "RabbitMQ")
+    queue = f"ordered-status-{uuid.uuid4().hex[:8]}"
+    storage = SharedMemoryStorage()
+    transport = KombuTransport(AMQP_URL)
+
+    def viewer() -> Endpoint:
+        return Endpoint(queue, transport=AMQP_URL, storage=storage, handlers=[Sequences])
+
+    worker = Endpoint(queue, transport=KombuTransport(AMQP_URL), storage=storage,
+                      handlers=[Sequences], concurrency=2, status_interval=0.05)
+    try:
+        # Given the partition queues, nobody consuming, and steps of two keys sent
+        transport.declare(queue)
+        transport.declare_partitions(queue, 16)
+        sender = Bus("sender", Router({Step: queue}), transport.dispatch)
+        for seq in range(3):
+            sender.send(Step(key="k0", seq=seq))
+        for seq in range(2):
+            sender.send(Step(key="k1", seq=seq))
+        expected = [0] * 16
+        expected[partition_of("k0", 16)] += 3
+        expected[partition_of("k1", 16)] += 2
+
+        # When status runs, Then each partition queue shows its depth and no consumer
+        def readies() -> list[int]:
+            ordering = _status_json(viewer, monkeypatch, capsys)["ordering"]
+            return [p["ready"] for p in ordering["partitions"]]
+
+        assert eventually(lambda: readies() == expected), readies()
+        summary = _status_json(viewer, monkeypatch, capsys)
+        partitions = summary["ordering"]["partitions"]
+        assert [p["queue"] for p in partitions] == [partition_queue(queue, i) for i in range(16)]
+        assert {p["consumers"] for p in partitions} == {0}
+        assert f"ordered: 16 partition queues {queue}.ordered.0 .. {queue}.ordered.15: ready 5"\
+            in summary["table"]
+        busiest = partition_queue(queue, expected.index(3))
+        assert f"most ready in {busiest} (3)" in summary["table"]
+
+        # When a worker consumes them, Then they empty and each has its consumer
+        with worker:
+            wait_until_idle([worker], timeout=30)
+            assert eventually(lambda: {
+                (p["ready"], p["consumers"])
+                for p in _status_json(viewer, monkeypatch, capsys)["ordering"]["partitions"]
+            } == {(0, 1)})
+            table = _status_json(viewer, monkeypatch, capsys)["table"]
+            assert "consumers 1 to 1 per partition (one active)" in table
+            assert f"queue {queue}.ordered.15: ready 0" in table  # --wide: each partition
+        assert _sequences_of(storage) == {"k0": [0, 1, 2], "k1": [0, 1]}
+    finally:
+        for index in range(16):
+            transport.delete_queue(partition_queue(queue, index))
+        transport.delete_queue(queue)
+        transport.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(60)
+def test_status_shows_the_keys_in_flight_on_the_postgresql_queue(monkeypatch, capsys):
+    from tests.test_cli_errors import SharedMemoryStorage
+
+    require_service(POSTGRES_URL, "PostgreSQL")
+    prefix = f"ords{uuid.uuid4().hex[:10]}"
+    transport = PostgresTransport(POSTGRES_URL, table_prefix=prefix)
+    queue, storage = f"steps-{prefix}", SharedMemoryStorage()
+
+    def viewer() -> Endpoint:
+        return Endpoint(queue, transport=PostgresTransport(POSTGRES_URL, table_prefix=prefix),
+                        storage=storage, handlers=[Sequences])
+
+    try:
+        # Given three steps of k and two of j, and a tool holding k's first
+        transport.declare(queue)
+        sender = Bus("sender", Router({Step: queue}), transport.dispatch)
+        for key, count in (("k", 3), ("j", 2)):
+            for seq in range(count):
+                sender.send(Step(key=key, seq=seq))
+        with transport.inspect(queue, limit=1):
+            # When status runs, Then one key is in flight and four ordered messages wait
+            summary = _status_json(viewer, monkeypatch, capsys)
+        assert summary["ordering"] == {"partitions": [], "keys_in_flight": 1, "waiting": 4,
+                                       "unknown": None}
+        assert "ordered: keys in flight 1, ordered messages waiting 4" in summary["table"]
+    finally:
+        transport.drop_tables()
+        transport.close()
+
+
+def test_status_says_nothing_of_ordering_for_an_endpoint_without_ordered_types():
+    import datetime
+
+    from idembus.cli.status import render
+    from idembus.runtime.status import ordering_depth, summarise
+
+    assert ordering_depth(KombuTransport("memory://"), "plain", partitions=0,
+                          ordered=False) is None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    summary = summarise("plain", [], now=now, stale_after=datetime.timedelta(seconds=15))
+    summary.update(queue=None, ordering=None)
+    assert "ordered" not in render(summary, now=now)

@@ -123,6 +123,18 @@ class QueueDepth:
     oldest_seconds: float | None = None
 
 
+@dataclass(frozen=True)
+class OrderedKeys:
+    """What a transport that orders messages by key in the endpoint's own queue (the
+    database queues) can tell of them now (``idembus status``)."""
+
+    #: Keys with a message claimed by a consumer and not settled yet.
+    in_flight: int
+    #: Ordered messages in the queue that no consumer holds (due, delayed, or waiting for
+    #: an older message of their key).
+    waiting: int
+
+
 OnDelivery = Callable[[Delivery], None]
 OnBatch = Callable[[Sequence[Delivery]], None]
 
@@ -153,6 +165,12 @@ class Transport(ABC):
     #: Seconds a reply queue outlives a requester that died without closing its endpoint
     #: (``expiring_reply_queues``); its lease is renewed every third of this.
     reply_lease: float = 30.0
+
+    def ordered_keys(self, queue: str) -> OrderedKeys | None:
+        """The ordered messages of ``queue`` by key (transports that order them in the
+        endpoint's own queue); ``None``: this transport cannot tell (on RabbitMQ, the depths
+        of the partition queues tell)."""
+        return None
 
     def declare_partitions(self, queue: str, count: int) -> None:
         """Create the ``count`` partition queues of ``queue`` (``partition_queues``)."""

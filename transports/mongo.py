@@ -6,7 +6,7 @@ Features
 
       {_id: "<message id>:<digest>", queue, headers: <JSON text>, body: <bytes>,
        size: <bytes in body>, content_type, content_encoding, visible_at,
-       order: <ObjectId>, leased_until, lease, deliveries}
+       order: <ObjectId>, leased_until, lease, deliveries, ordering_key}
 
   beside ``<prefix>_queues`` (``{_id: <queue>}``) and ``<prefix>_subscriptions``
   (``{_id, message_type, queue}``).
@@ -21,6 +21,12 @@ Features
   keeps its place). Unsettled deliveries have their leases renewed every third of
   ``visibility_timeout``; a consumer that dies renews nothing, and its messages are
   delivered again once their leases run out.
+* Ordered messages: a sent command's ``idembus.ordering.key`` header is kept in
+  ``ordering_key``. A claim passes over a document while an older one (by ``order``, the
+  sender's ObjectId) of its key is in its queue — waiting, delayed, or claimed and not
+  settled — taking the oldest due one as before but giving back at once, as it was, one
+  whose key has an older document, then leaving that key out. Acknowledging an ordered
+  message wakes its queue's idle consumers.
 * Delayed delivery is native: ``visible_at`` is the due time (``idembus.deliver_at``).
 * Size before body: idembus writes each body's size beside it (``size``). A claim takes
   only documents whose fields it can use as they are (``$type`` checks: a numeric
@@ -50,8 +56,9 @@ Features
   collection, ``<prefix>_signals``, that idle consumers follow with a tailable cursor
   (``TAILABLE_AWAIT``), so they wake at once without polling; they also wake when the next
   delayed message or lease is due, and at least every ``max_idle_wait`` seconds. On
-  mongomock (no capped collections, no tailable cursors) an idle consumer polls, from 5 ms
-  up to ``poll_interval`` seconds.
+  mongomock (no capped collections, no tailable cursors) an idle consumer is woken inside
+  the process by the same inserts and settlements, and polls too, from 5 ms up to
+  ``poll_interval`` seconds.
 * Times are this process's clock (mongomock has no server time): leases and due times of
   processes whose clocks differ are off by the difference.
 
@@ -118,7 +125,7 @@ from ..redaction import redact
 from ..routing import base_queue
 from ..storage.errors import StorageError
 from ..storage.mongo import is_mongomock, translated
-from .base import Delivery, QueueDepth
+from .base import Delivery, OrderedKeys, QueueDepth
 from .database import (
     MAX_METADATA_BYTES,
     check_prefix,
@@ -133,12 +140,16 @@ from .errors import BrokerAccessDenied, DestinationRefused, TransportError
 from .mongo_documents import (
     _aware,
     _client_lock,
+    _client_wakeups,
     _document_id,
     _due,
     _flaws,
     _MongoDelivery,
     _now,
     _readable,
+    behind,
+    ordered_keys,
+    pass_over,
     queue_depth,
 )
 from .mongo_replies import MongoReplyQueues
@@ -207,6 +218,8 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
             _client_lock(client) if self.process_local else contextlib.nullcontext())
         self._known_queues: set[str] = set()
         self._indexed = False
+        #: How idle consumers on mongomock are woken in this process (``None``: a server).
+        self._wakeups = _client_wakeups(client) if self.process_local else None
 
     @classmethod
     def embedded(cls, database: str = "idembus", **options: Any) -> MongoTransport:
@@ -224,6 +237,9 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
             self.messages.create_index([("queue", 1), ("visible_at", 1), ("order", 1)],
                                        name="idembus_ready")
             self.subscriptions.create_index([("message_type", 1)], name="idembus_routes")
+            self.messages.create_index(
+                [("queue", 1), ("ordering_key", 1), ("order", 1)], name="idembus_ordering",
+                partialFilterExpression={"ordering_key": {"$type": "string"}})
         self._indexed = True
         if not self.process_local:
             self._make_signals()
@@ -317,6 +333,8 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
         due = envelope.deliver_at
         visible_at = max(due, now) if due is not None else now
         headers = encode_headers(envelope.headers)
+        # The key of an ordered command (only a sent one: a published event has none).
+        key = envelope.headers.get(h.ORDERING_KEY) if envelope.destination else None
         with self._op(what):
             body = envelope.body.encode("utf-8", "surrogateescape")
         documents = [{
@@ -325,6 +343,7 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
             "content_type": envelope.content_type,
             "content_encoding": envelope.content_encoding, "visible_at": visible_at,
             "order": bson.ObjectId(), "leased_until": None, "lease": None, "deliveries": 0,
+            **({"ordering_key": key} if key is not None else {}),
         } for queue in queues]
         with self._op(what):
             try:
@@ -338,6 +357,8 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
     def _signal(self, queues: list[str]) -> None:
         """Wake the idle consumers of ``queues`` (real servers; best effort: they also look
         every ``max_idle_wait`` seconds)."""
+        if self._wakeups is not None:
+            self._wakeups.wake(queues)
         if self._signals is None:
             return
         try:
@@ -384,10 +405,12 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
         claimed: list[_MongoDelivery] = []
         moved = 0
         with self._op(f"consuming {queue!r}", refusal=BrokerAccessDenied):
+            passed: list[Any] = []  # keys in flight, or claimed here already
             while limit is None or len(claimed) < limit:
                 now = _now()
                 document = self.messages.find_one_and_update(
-                    {**_due(queue, now), **_readable(limits.max_bytes)},
+                    {**_due(queue, now), **_readable(limits.max_bytes),
+                     **({"ordering_key": {"$nin": passed}} if passed else {})},
                     {"$set": {"leased_until": now + datetime.timedelta(
                         seconds=self.visibility_timeout), "lease": token},
                      "$inc": {"deliveries": 1}},
@@ -395,6 +418,16 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
                     return_document=pymongo.ReturnDocument.AFTER)
                 if document is None:
                     break
+                key = document.get("ordering_key")
+                if key is not None:
+                    passed.append(key)
+                    if behind(self.messages, queue, document):
+                        pass_over(self.messages, document, token)
+                        if not behind(self.messages, queue, document):
+                            # Its elder was settled meanwhile, and whoever claimed then
+                            # saw it leased here: it is free now, look for it again.
+                            passed.remove(key)
+                        continue
                 claimed.append(_MongoDelivery(self, queue, document, lease=token))
             while limit is None or len(claimed) + moved < limit:
                 now = _now()
@@ -430,7 +463,7 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
         changes: dict[str, Any] = {
             "queue": limits.error_queue, "headers": encode_headers({**headers, **story}),
             "visible_at": _now(), "order": bson.ObjectId(), "leased_until": None,
-            "lease": None, "deliveries": 0}
+            "lease": None, "deliveries": 0, "ordering_key": None}
         if (unreadable or not isinstance(raw, str)) and len(
                 bson.encode({"kept": raw})) <= MAX_METADATA_BYTES:
             changes["original_headers"] = raw  # as written (bounded: the document must fit)
@@ -459,8 +492,12 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
     # -- settling ---------------------------------------------------------------------
 
     def _delete_row(self, delivery: _MongoDelivery) -> None:
+        """Delete ``delivery``'s document; if it was an ordered message, wake its queue's
+        idle consumers (the next message of its key is free)."""
         with self._op(f"acknowledging a message of {delivery.queue!r}"):
             self.messages.delete_one({"_id": delivery.document_id})
+        if h.ORDERING_KEY in delivery.headers:
+            self._signal([delivery.queue])
 
     def _clear_leases(self, deliveries: Sequence[_MongoDelivery]) -> None:
         """Clear the leases their claims still hold (they keep their places); wake the
@@ -496,6 +533,11 @@ class MongoTransport(MongoReplyQueues, DatabaseTransport[_MongoDelivery, None]):
         """Ready, leased and delayed documents of ``queue``, and the oldest ready one's wait."""
         with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
             return queue_depth(self.messages, queue, _now())
+
+    def ordered_keys(self, queue: str) -> OrderedKeys:
+        """Keys of ``queue`` in flight and ordered documents waiting."""
+        with self._op(f"counting {queue!r}", refusal=BrokerAccessDenied):
+            return ordered_keys(self.messages, queue, _now())
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, TypeGuard
 
 from .. import headers as h
 from .. import wire
 from ..envelope import Envelope
-from .base import QueueDepth
+from .base import OrderedKeys, QueueDepth
 from .database import oversize, read_headers
 from .db_engine import ClaimedRow
 
@@ -76,6 +76,32 @@ def queue_depth(messages: Any, queue: str, now: datetime.datetime) -> QueueDepth
                       unacked=int(messages.count_documents(leased)),
                       delayed=int(messages.count_documents(delayed)),
                       oldest_seconds=max(0.0, waited) if waited is not None else None)
+
+
+def behind(messages: Any, queue: str, document: Mapping[str, Any]) -> bool:
+    """Whether an older document of ``document``'s ordering key is still in ``queue``
+    (waiting, delayed, or claimed and not yet settled): then it must wait its turn."""
+    return messages.find_one(
+        {"queue": queue, "ordering_key": document["ordering_key"],
+         "order": {"$lt": document.get("order")}}, {"_id": 1}) is not None
+
+
+def pass_over(messages: Any, document: Mapping[str, Any], lease: int) -> None:
+    """Give back ``document``, claimed under ``lease`` though its key is in flight, as it
+    was (its place, its delivery count): no other consumer could have taken it."""
+    messages.update_one(
+        {"_id": document["_id"], "lease": lease},
+        {"$set": {"leased_until": None, "lease": None}, "$inc": {"deliveries": -1}})
+
+
+def ordered_keys(messages: Any, queue: str, now: datetime.datetime) -> OrderedKeys:
+    """The keys of ``queue``'s ordered documents with one leased (claimed, not settled),
+    and its ordered documents no lease holds, in the collection ``messages``."""
+    keyed = {"queue": queue, "ordering_key": {"$type": "string"}}
+    in_flight = messages.distinct("ordering_key", {**keyed, "leased_until": {"$gt": now}})
+    waiting = messages.count_documents(
+        {**keyed, "$or": [{"leased_until": None}, {"leased_until": {"$lte": now}}]})
+    return OrderedKeys(in_flight=len(in_flight), waiting=int(waiting))
 
 
 #: Delivery counts a claim increments: from 2**31 - 1 on, ``$inc`` could overflow a
@@ -147,6 +173,41 @@ def _client_lock(client: Any) -> Any:
     """The lock of every transport on this mongomock client, kept on the client itself."""
     attributes = vars(client)
     return attributes.setdefault("_idembus_transport_lock", threading.RLock())
+
+
+class _Wakeups:
+    """The wake-ups of the idle consumers of one mongomock client, in this process (the
+    only one that can see its collections): a count per queue, raised by each insert and
+    each settlement that frees a message, and a condition to wait for it on."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._counts: dict[str, int] = {}
+
+    def count(self, queue: str) -> int:
+        """How many wake-ups ``queue`` has had."""
+        with self._changed:
+            return self._counts.get(queue, 0)
+
+    def wake(self, queues: Collection[str]) -> None:
+        """Wake the idle consumers of ``queues``."""
+        with self._changed:
+            for queue in queues:
+                self._counts[queue] = self._counts.get(queue, 0) + 1
+            self._changed.notify_all()
+
+    def wait(self, queue: str, seen: int, seconds: float) -> bool:
+        """Wait until ``queue`` has had more than ``seen`` wake-ups (True), or ``seconds``
+        passed (False)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._counts.get(queue, 0) != seen, seconds)
+
+
+def _client_wakeups(client: Any) -> _Wakeups:
+    """The wake-ups of every transport on this mongomock client, kept on the client."""
+    with _client_lock(client):
+        wakeups: _Wakeups = vars(client).setdefault("_idembus_wakeups", _Wakeups())
+    return wakeups
 
 
 def _now() -> datetime.datetime:

@@ -36,6 +36,10 @@ class _Watch:
         self._poll = _FIRST_POLL
         self._cursor: Any = None
         self._failed = False
+        #: Wake-ups of the queue counted when the last wait ended (mongomock's, in this
+        #: process).
+        wakeups = transport._wakeups
+        self._seen = wakeups.count(queue) if wakeups is not None else 0
 
     def claimed(self, claim: Claim[Any]) -> None:
         """A consumer claimed: if a message came, the next idle wait polls quickly again."""
@@ -51,7 +55,17 @@ class _Watch:
                 self._failed = True
                 log.warning("idle consumers of %r will poll: following %s failed (%s)",
                             self._queue, self._transport._signals_name, redact(str(exc)))
-        stop.wait(min(seconds, self._poll))
+        wakeups = self._transport._wakeups
+        if wakeups is not None:  # mongomock: woken in this process, else poll
+            # Wake-ups since the last wait came after what the claim since then saw, or
+            # before it (then waking at once only costs a claim): none is missed.
+            deadline = time.monotonic() + min(seconds, self._poll)
+            while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                if wakeups.wait(self._queue, self._seen, min(left, _STOP_CHECK)):
+                    break
+            self._seen = wakeups.count(self._queue)
+        else:
+            stop.wait(min(seconds, self._poll))
         self._poll = min(self._poll * 2, self._transport.poll_interval)
 
     def _follow(self, seconds: float, stop: threading.Event) -> None:

@@ -106,7 +106,7 @@ from ..errors import ConfigurationError
 from ..policies import Backoff
 from ..redaction import redact
 from ..storage.postgres_errors import classified, discarding, login_problem
-from .base import Delivery, QueueDepth
+from .base import Delivery, OrderedKeys, QueueDepth
 from .database import MAX_METADATA_BYTES, oversize, transport_error
 from .db_engine import Claim, DatabaseTransport, check_times
 from .errors import BrokerAccessDenied, DestinationRefused, TransportError
@@ -130,6 +130,7 @@ from .postgres_statements import (
     QueuePart,
     Statements,
     count_ready,
+    ordered_keys,
     queue_depth,
 )
 
@@ -521,6 +522,11 @@ class PostgresTransport(PostgresReplyQueues,
         """Ready, leased and delayed rows of ``queue``, and the oldest ready one's wait."""
         with self._connection(f"counting {queue!r}", refusal=BrokerAccessDenied) as connection:
             return queue_depth(connection, self.schema, queue)
+
+    def ordered_keys(self, queue: str) -> OrderedKeys:
+        """Keys of ``queue`` in flight and ordered rows waiting (one statement)."""
+        with self._connection(f"counting {queue!r}", refusal=BrokerAccessDenied) as connection:
+            return ordered_keys(connection, self.schema, queue)
 
     @contextlib.contextmanager
     def browse(self, queue: str, *, page: int = 100) -> Iterator[Iterator[Delivery]]:

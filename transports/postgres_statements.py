@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .. import headers as h
 from ..envelope import Envelope
 from ..routing import base_queue
-from .base import QueueDepth
+from .base import OrderedKeys, QueueDepth
 from .database import STORY_TAIL, encode_headers, routing_names
 from .postgres_schema import QueueSchema
 
@@ -278,3 +278,16 @@ def queue_depth(connection: Any, schema: QueueSchema, queue: str) -> QueueDepth:
     ready, leased, delayed, oldest = row if row else (0, 0, 0, None)
     return QueueDepth(ready=int(ready), unacked=int(leased), delayed=int(delayed),
                       oldest_seconds=max(0.0, float(oldest)) if oldest is not None else None)
+
+
+def ordered_keys(connection: Any, schema: QueueSchema, queue: str) -> OrderedKeys:
+    """The keys of ``queue``'s ordered rows with one claimed and not settled, and its
+    ordered rows no consumer holds, in one statement over the queue's ordered rows (the
+    ordering index)."""
+    row = connection.execute(
+        f"SELECT count(DISTINCT m.ordering_key) FILTER (WHERE {_LEASED}),"
+        f" count(*) FILTER (WHERE NOT coalesce({_LEASED}, false))"
+        f" FROM {schema.messages} m WHERE m.queue = %s AND m.ordering_key IS NOT NULL",
+        (queue,)).fetchone()
+    in_flight, waiting = row if row else (0, 0)
+    return OrderedKeys(in_flight=int(in_flight), waiting=int(waiting))

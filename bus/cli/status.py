@@ -1,6 +1,7 @@
 """``idembus status package.module:endpoint [--wide] [--json]``: an endpoint's ledger, as
 each of its processes last reported it to the storage (:mod:`idembus.runtime.status`),
-and its queue's depth and lag.
+its queue's depth and lag, and, if it handles ordered messages, the depths of its
+partition queues (RabbitMQ; ``--wide``: each) or its keys in flight (the database queues).
 
 The table shows the ledger, whose terms add up to ``received``
 (:mod:`idembus.runtime.counters`), and fits 120 columns (long instance names are cut at
@@ -23,7 +24,13 @@ from typing import Any
 from ..envelope import parse_utc, utc_now
 from ..runtime.counters import LEDGER
 from ..runtime.loading import load_endpoint, refuse_process_local
-from ..runtime.status import HIDDEN_AFTER, duration_text, queue_depth, summarise
+from ..runtime.status import (
+    HIDDEN_AFTER,
+    duration_text,
+    ordering_depth,
+    queue_depth,
+    summarise,
+)
 from ..signals import SIGNAL_NAMES
 
 #: A running process that has not reported for this many status intervals counts as gone.
@@ -64,14 +71,19 @@ def _status(args: argparse.Namespace) -> int:
         endpoint.storage.forget_status(endpoint.name, updated_before=now - FORGOTTEN_AFTER)
         reports = endpoint.storage.status_reports(endpoint.name)
         stale_after = datetime.timedelta(seconds=_STALE_AFTER_INTERVALS * endpoint.status_interval)
+        visible = not endpoint.transport.process_local
         depth = None if endpoint.send_only else queue_depth(
-            endpoint.transport, endpoint.name, visible=not endpoint.transport.process_local)
+            endpoint.transport, endpoint.name, visible=visible)
+        ordering = None if endpoint.send_only else ordering_depth(
+            endpoint.transport, endpoint.name, partitions=endpoint.partitions,
+            ordered=bool(endpoint.ordered_types), visible=visible)
     finally:
         endpoint.close()
     shown = reports if args.all else [r for r in reports if now - r.updated_at <= HIDDEN_AFTER]
     summary = summarise(endpoint.name, shown, now=now, stale_after=stale_after)
     summary["hidden"] = len(reports) - len(shown)
     summary["queue"] = depth
+    summary["ordering"] = ordering
     print(json.dumps(summary, indent=2) if args.json
           else render(summary, wide=args.wide, now=now))
     return 0
@@ -100,6 +112,7 @@ def render(summary: dict[str, Any], *, wide: bool = False,
                    "--all shows them)")
     lines = _wrapped(header, wide)
     lines += _wrapped(_queue_line(summary.get("queue")), wide, indent="  ")
+    lines += _ordering_lines(summary.get("ordering"), wide)
     lines += _wrapped(f"last settled {_ago(summary.get('last_settled'), now)}, "
                       f"lag {_seconds(summary.get('lag_seconds'))} (from when it was sent, or "
                       "due, until it was settled)", wide, indent="  ")
@@ -139,6 +152,37 @@ def _queue_line(depth: dict[str, Any] | None) -> str:
             f"{_count(depth['unacked'])}, delayed {_count(depth['delayed'])}, consumers "
             f"{_count(depth['consumers'])}, oldest ready waiting "
             f"{_seconds(depth['oldest_seconds'])}")
+
+
+def _ordering_lines(ordering: dict[str, Any] | None, wide: bool) -> list[str]:
+    """The ordered messages: the partition queues' depths in sum (``wide``: each), or the
+    keys in flight on a database queue; nothing for an endpoint without ordered types."""
+    if ordering is None:
+        return []
+    if ordering.get("unknown"):
+        return _wrapped(f"ordered: {UNKNOWN} ({ordering['unknown']})", wide, indent="  ")
+    partitions = ordering.get("partitions") or []
+    if not partitions:
+        return _wrapped(
+            f"ordered: keys in flight {_count(ordering.get('keys_in_flight'))}, ordered "
+            f"messages waiting {_count(ordering.get('waiting'))}", wide, indent="  ")
+    known = [p for p in partitions if not p.get("unknown")]
+    ready = sum(p["ready"] or 0 for p in known)
+    consumers = [p["consumers"] for p in known if p["consumers"] is not None]
+    text = (f"ordered: {len(partitions)} partition queues {partitions[0]['queue']} .. "
+            f"{partitions[-1]['queue']}: ready {ready}")
+    if consumers:
+        text += (f", consumers {min(consumers)} to {max(consumers)} per partition (one "
+                 "active)")
+    if len(known) < len(partitions):
+        text += f", {len(partitions) - len(known)} unreadable"
+    busiest = max(known, key=lambda p: p["ready"] or 0, default=None)
+    if busiest is not None and busiest["ready"]:
+        text += f"; most ready in {busiest['queue']} ({busiest['ready']})"
+    lines = _wrapped(text, wide, indent="  ")
+    if wide:
+        lines += ["  " + _queue_line(partition) for partition in partitions]
+    return lines
 
 
 def _count(value: int | None) -> str:

@@ -36,6 +36,9 @@ figures ``idembus status`` shows:
   saga and does not start one (acknowledged);
 * ``idembus.messages.timeouts_dropped`` [``..._timeouts_dropped_total``]: a saga's timeout
   arrived once the saga was completed (acknowledged);
+* ``idembus.messages.unordered`` [``..._unordered_total``]: a message of an ordered type
+  arrived without its ordering key (a sender that did not know a handler's declaration;
+  handled, not in order);
 
 histograms, in seconds, with ``endpoint`` and ``message_type``:
 
@@ -98,6 +101,8 @@ COUNTERS = {
                   "Saga messages that found no saga and do not start one"),
     "timeout_dropped": ("idembus.messages.timeouts_dropped",
                         "Saga timeouts that arrived once their saga was completed"),
+    "unordered": ("idembus.messages.unordered",
+                  "Messages of an ordered type that arrived without their ordering key"),
 }
 HANDLING_DURATION = "idembus.message.handling.duration"
 CRITICAL_TIME = "idembus.message.critical_time"

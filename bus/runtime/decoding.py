@@ -1,9 +1,18 @@
-"""Turning a delivery into a message, or into the reason it cannot be one."""
+"""Turning a delivery into a message, or into the reason it cannot be one; noticing the
+messages of ordered types that arrive without their key (:class:`UnorderedArrivals`).
+
+A handler's ordering declaration (``ordered=True``, ``ordered_by=`` on the handler) reaches
+only the senders that know the handler (:mod:`idembus.routing`): another service that only
+routes the command sends it without a key. Such a message is handled like any other
+(deduplicated, its aggregate's state kept right), but not in order with its key: the
+endpoint counts it (``unordered``) and says so once per type.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 
 import pydantic
 
@@ -11,11 +20,16 @@ from .. import headers as h
 from ..errors import InvalidMessage, MalformedMessage
 from ..evolution import upcast_body
 from ..hierarchy import parse_enclosed
-from ..messages import Message, message_version
+from ..logs import loggable, message_logger
+from ..messages import Message, message_name, message_version
 from ..registry import MessageRegistry
+from ..routing import Router
+from ..signals import EndpointSignals
 from ..wire import parse_version
 
 _JSON_MEDIA_TYPES = ("", h.CONTENT_TYPE)
+
+log = message_logger(__name__)
 
 
 def decode(
@@ -90,3 +104,35 @@ def _summary(exc: pydantic.ValidationError) -> str:
         f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
         for error in exc.errors()
     )
+
+
+class UnorderedArrivals:
+    """Notices, for one endpoint, the messages of ordered types that arrive without a key:
+    :attr:`types` are the types it receives that are ordered (by their own declaration or
+    a handler's, as its ``router`` knows); :meth:`arrived` counts and tells of one."""
+
+    def __init__(self, endpoint: str, received: Iterable[type[Message]], router: Router,
+                 signals: EndpointSignals) -> None:
+        self._endpoint = endpoint
+        self._signals = signals
+        #: The types received here whose messages are ordered (empty: nothing to notice).
+        self.types = frozenset(t for t in received if router.partitions_of(t))
+        self._said: set[type[Message]] = set()
+        self._lock = threading.Lock()
+
+    def arrived(self, message: Message, headers: Mapping[str, str]) -> None:
+        """``message``, of one of :attr:`types`, came without the ``idembus.ordering.key``
+        header: count it, and say so the first time for its type."""
+        cls = type(message)
+        self._signals.emit("unordered", message_id=headers.get(h.MESSAGE_ID),
+                           message_type=headers.get(h.MESSAGE_TYPE))
+        with self._lock:
+            first = cls not in self._said
+            self._said.add(cls)
+        if first:
+            log.warning(
+                "%s received %s without its ordering key: sent unordered by a sender that did "
+                "not know the declaration (from %s); it is handled, but not in order with the "
+                "other messages of its key (counted as 'unordered'; said once per type)",
+                self._endpoint, message_name(cls), loggable(headers.get(h.ORIGINATING_ENDPOINT,
+                                                                        "an unnamed sender")))

@@ -34,7 +34,7 @@ from ..envelope import Envelope
 from ..errors import BusError, ConfigurationError
 from ..evolution import check_upcasters, version_of
 from ..handlers.base import AggregateHandler, Handler
-from ..handlers.registration import HandlerTable
+from ..handlers.registration import HandlerTable, handler_orderings
 from ..handlers.sends import check_sent_routes
 from ..hierarchy import check_routing_keys
 from ..logs import MessageLog, Throttle
@@ -44,7 +44,6 @@ from ..messages import (
     Message,
     is_message_type,
     message_name,
-    ordered_partitions,
 )
 from ..pipeline import Middleware, Pipeline, PropagateHeaders, check_handler_options
 from ..policies import DEFAULT_BATCHING, Batching, OutboxPolicy
@@ -187,6 +186,11 @@ class Endpoint:
         (:class:`~idembus.storage.claims.ClaimCheck`; the storage's payload role unless it
         names a store). Receiving needs no option: a claim-checked message is read from the
         claim check's store, else from the storage.
+    ordering_from:
+        Handlers hosted by other endpoints (classes created without arguments, or
+        instances) whose ordering declarations (``ordered=True``, ``ordered_by=``) this
+        endpoint's sends follow: the commands they handle are sent with their key. The
+        handlers this endpoint hosts are followed without it.
     """
 
     #: How deliveries are taken in batches (``None``: one at a time).
@@ -224,6 +228,7 @@ class Endpoint:
         schedules: Sequence[Schedule] | SchedulerPolicy = (),
         batching: Batching | None = DEFAULT_BATCHING, claim_check: ClaimCheck | None = None,
         strict_routes: bool = False, warn_unrouted_events: bool = False, send_only: bool = False,
+        ordering_from: Sequence[Handler | type[Handler]] = (),
     ) -> None:
         _check_options(name, concurrency=concurrency, prefetch=prefetch, clock=clock,
                        max_message_bytes=max_message_bytes, error_queue=error_queue,
@@ -234,11 +239,10 @@ class Endpoint:
         self.strict_routes, self.send_only = strict_routes, send_only
         self.table = HandlerTable(handlers)
         self.registry = MessageRegistry(self.table.message_types)
-        self.router = Router(_with_own_commands(name, routes or {}, self.table.message_types))
+        self.router = _router(name, routes or {}, self.table, ordering_from)
         self._check_routes(routes or {})
         self.transport = _transport_from(transport)
-        self.recoverability = recoverability or Recoverability()
-        settings = Settings(
+        self.recoverability, settings = recoverability or Recoverability(), Settings(
             outbox=_outbox_policy(outbox), journal=_journal_policy(journal), send_only=send_only,
             scheduling=scheduler_policy(schedules, endpoint=name, has_route=self.router.has_route),
             delayed_poll_interval=delayed_poll_interval, status_interval=status_interval,
@@ -688,7 +692,14 @@ class Endpoint:
         transport orders them in the endpoint's queue (the database queues)."""
         if not self.transport.partition_queues:
             return 0
-        return max((ordered_partitions(t) for t in self.table.message_types), default=0)
+        return max((self.router.partitions_of(t) for t in self.table.message_types),
+                   default=0)
+
+    @property
+    def ordered_types(self) -> list[type[Message]]:
+        """The message types this endpoint handles whose messages are ordered by key (their
+        own ``ordered_by=``, or a handler's declaration)."""
+        return [t for t in self.table.message_types if self.router.partitions_of(t)]
 
     def _declare_partitions(self) -> None:
         if self.partitions:
@@ -841,6 +852,15 @@ class Endpoint:
         """Whether any of the endpoint's consumer or helper threads is alive (a send-only
         endpoint: whether it was started and not stopped)."""
         return self._started or any(thread.is_alive() for thread in self._threads)
+
+
+def _router(name: str, routes: Mapping[type[Message], str], table: HandlerTable,
+            ordering_from: Sequence[Handler | type[Handler]]) -> Router:
+    """The endpoint's router: its routes, its own commands to itself, and the orderings of
+    the handlers it is told about and of those it hosts."""
+    return Router(_with_own_commands(name, routes, table.message_types),
+                  orderings={**handler_orderings(ordering_from),
+                             **handler_orderings(table.handlers)})
 
 
 def _with_own_commands(

@@ -55,7 +55,7 @@ from ..storage.errors import (
 )
 from ..transports.base import Delivery
 from ..transports.errors import DestinationRefused, TransportUnavailable
-from .decoding import decode
+from .decoding import UnorderedArrivals, decode
 from .dispatching import Dispatcher, DispatchProgress
 from .endpoint_context import EndpointContext
 from .invocation import HandlerInvoker, Outcome
@@ -119,6 +119,8 @@ class MessageProcessor:
         #: How long a claim-checked body is kept past a delayed retry's due time.
         self._retention = retention_of(context.claim_check)
         self._left_to_outbox = left_to_outbox
+        self._unordered = UnorderedArrivals(context.name, context.table.message_types,
+                                            context.router, context.signals)
 
     def __call__(self, delivery: Delivery) -> None:
         headers = delivery.headers
@@ -196,6 +198,10 @@ class MessageProcessor:
             self._dead_letter(delivery, incoming, undecodable(error), attempts=0)
             return 0.0
         incoming.message = message
+        unordered = self._unordered
+        if unordered.types and type(message) in unordered.types \
+                and h.ORDERING_KEY not in delivery.headers:
+            unordered.arrived(message, delivery.headers)
         expired = expires is not None and self._clock.now() > expires
         try:
             failure = self._run_handlers(delivery, incoming, message, expired)

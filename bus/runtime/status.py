@@ -20,6 +20,7 @@ from typing import Any
 
 from ..envelope import format_utc, utc_now
 from ..redaction import redact
+from ..routing import partition_queue
 from ..signals import SIGNAL_NAMES
 from ..storage.base import StatusReport, StatusStore
 from ..transports.base import QueueDepth, Transport
@@ -149,6 +150,35 @@ def queue_depth(transport: Transport, queue: str, *, visible: bool = True) -> di
         depth.update(dataclasses.asdict(transport.depth(queue)))
     except Exception as error:  # shown, never raised: the rest of the status still matters
         depth["unknown"] = redact(f"{type(error).__name__}: {error}")
+    return depth
+
+
+def ordering_depth(transport: Transport, queue: str, *, partitions: int, ordered: bool,
+                   visible: bool = True) -> dict[str, Any] | None:
+    """What ``transport`` tells of ``queue``'s ordered messages now, for an endpoint that
+    handles ordered types (``ordered``; else ``None``): the depth of each of its
+    ``partitions`` partition queues (RabbitMQ: ready and consumers, as
+    :func:`queue_depth`), or, where the endpoint's own queue orders them (the database
+    queues), the keys in flight and the ordered messages waiting; ``unknown``: why
+    nothing could be read."""
+    if not ordered:
+        return None
+    depth: dict[str, Any] = {"partitions": [], "keys_in_flight": None, "waiting": None,
+                             "unknown": None}
+    if not visible:
+        depth["unknown"] = (f"{type(transport).__name__} is process-local: its queues "
+                            "cannot be seen from another process")
+    elif partitions:
+        depth["partitions"] = [queue_depth(transport, partition_queue(queue, index))
+                               for index in range(partitions)]
+    else:
+        try:
+            keys = transport.ordered_keys(queue)
+        except Exception as error:  # shown, never raised, as the queue's depth
+            depth["unknown"] = redact(f"{type(error).__name__}: {error}")
+        else:
+            if keys is not None:
+                depth.update(keys_in_flight=keys.in_flight, waiting=keys.waiting)
     return depth
 
 

@@ -470,6 +470,15 @@ class _ScenarioRouter(Router):
         raise RoutingError(f"no endpoint of the scenario handles or routes {name}: add one "
                            "that does, or pass to='<queue>'")
 
+    def order_of(self, message: Message) -> tuple[str, int] | None:
+        """As the endpoint of the scenario that handles it orders it (it knows its
+        handlers' ordering declarations), else as its type says."""
+        name = message_name(type(message))
+        for endpoint in self._endpoints.values():
+            if name in endpoint.registry:
+                return endpoint.router.order_of(message)
+        return super().order_of(message)
+
     def has_route(self, command_type: type[Message]) -> bool:
         try:
             self.destination_for(command_type)

@@ -6,7 +6,8 @@ the queue. Deferral is native and runs on the scenario's clock: a message whose
 ``idembus.deliver_at`` is still ahead waits aside until :meth:`ScenarioTransport.release_due`
 finds the clock past it. Events go to the queues declared with their type, as on a broker.
 Every message gets a sequence number when it enters a queue, so the order of delivery is
-the order of arrival, across queues too: runs are deterministic.
+the order of arrival, across queues too: runs are deterministic (ordered commands, sent to
+a partition queue, go to their endpoint's queue: they are in order already).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .. import headers as h
 from ..clock import Clock
 from ..envelope import Envelope
 from ..hierarchy import parse_enclosed
+from ..routing import base_queue
 from ..transports.base import Delivery, OnDelivery, Transport
 
 
@@ -99,7 +101,9 @@ class ScenarioTransport(Transport):
         """Into its queue, or the queues subscribed to its type or its enclosed types, one
         copy each (caller holds the lock); whether any queue took it."""
         if envelope.destination is not None:
-            targets = [envelope.destination]
+            # An ordered command sent to a partition queue goes to its endpoint's queue
+            # (no partition queues here: the scenario delivers in the order of arrival).
+            targets = [base_queue(envelope.destination)]
         else:
             names = [envelope.message_type] + [
                 name for name, _ in parse_enclosed(envelope.headers.get(h.ENCLOSED_TYPES))]
