@@ -741,7 +741,7 @@ class Endpoint:
                                    prefetch=self.prefetch)
             return
         assert self.batching is not None
-        runner = BatchRunner(self._processor, size=size)
+        runner = BatchRunner(self._processor, size=size, parks=self._assembly.parks)
         self.transport.consume_batches(
             self.name, functools.partial(self._on_batch, runner), stop=self._stop,
             prefetch=max(self.prefetch, size), size=size, linger=self.batching.linger)
@@ -793,7 +793,8 @@ class Endpoint:
             for delivery in deliveries:
                 self._on_delivery(delivery)
             return
-        runner = BatchRunner(self._processor, size=size, requeue_escaped=False)
+        runner = BatchRunner(self._processor, size=size, requeue_escaped=False,
+                             parks=self._assembly.parks)
         for start in range(0, len(deliveries), size):
             self._on_batch(runner, deliveries[start:start + size])
 
