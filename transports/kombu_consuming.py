@@ -22,6 +22,7 @@ from .errors import BrokerAccessDenied, TransportUnavailable
 from .kombu_core import _DRAIN_TIMEOUT, KombuCore
 from .kombu_delivery import _KombuDelivery
 from .kombu_errors import _broker_errors, _classified
+from .kombu_in_process import InProcessMessage
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -143,14 +144,11 @@ class KombuConsuming(KombuCore):
                          stop: threading.Event, size: int, linger: float,
                          outage: tuple[type[BaseException], ...]) -> None:
         """The loop of :meth:`_consume_in_process` on one channel."""
-        message_class = channel.Message
-        qos = channel.qos
         exchange = self.exchange_name
 
         def delivery(raw: Any) -> _KombuDelivery:
-            message = message_class(raw, channel=channel)
-            qos.append(message, message.delivery_tag)
-            return _KombuDelivery(queue, message, outage=outage, native_requeue=False,
+            return _KombuDelivery(queue, InProcessMessage(raw, channel),  # type: ignore[arg-type]
+                                  outage=outage, native_requeue=False,
                                   events_exchange=exchange)
 
         while not stop.is_set():

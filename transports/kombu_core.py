@@ -7,7 +7,6 @@ broker holds them). The parts by concern — :mod:`.kombu_topology`, :mod:`.komb
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from . import amqp_reads, delays
 from .base import Transport
 from .kombu_errors import _connection_failure
 from .kombu_frames import _lenient_frames, _RawBody
+from .kombu_in_process import in_process_tags
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -195,18 +195,6 @@ class KombuCore(Transport):
         """Whether a subclass overrides one of ``methods`` (answered by
         :class:`~idembus.transports.kombu.KombuTransport`)."""
         raise NotImplementedError
-
-
-#: Delivery tags of the messages this process puts on memory:// (``m1``, ``m2``, ...): one
-#: count for every channel, so that no two messages share a tag; drawn in C, without the
-#: random bytes and the ``UUID`` object of kombu's own tag (which it makes per message).
-_IN_PROCESS_TAGS = map("m{}".format, itertools.count(1)).__next__
-
-
-def in_process_tags(channel: Any) -> None:
-    """Give a memory:// ``channel`` the process's cheap delivery tags (a tag only has to be
-    unique among the messages of the process's broker)."""
-    channel._next_delivery_tag = _IN_PROCESS_TAGS
 
 
 class _ChannelScope:

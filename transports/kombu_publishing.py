@@ -20,7 +20,7 @@ from . import amqp_properties, confirms, delays
 from .errors import DestinationRefused, TransportUnavailable
 from .kombu_errors import _classified
 from .kombu_frames import _as_sent
-from .kombu_core import in_process_tags
+from .kombu_in_process import in_process_message, in_process_tags
 from .kombu_topology import KombuTopology
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
@@ -145,20 +145,22 @@ class KombuPublishing(KombuTopology):
         return bool(returns)
 
     def _put_in_process(self, envelope: Envelope, exchange: str, routing_key: str) -> bool:
-        """memory://: the message kombu's ``Producer.publish`` would make (the same
-        fields, prepared by the producer and the channel), put on its queues directly: no
+        """memory://: the message kombu's ``Producer.publish`` would make
+        (:func:`.kombu_in_process.in_process_message`), put on its queues directly: no
         retry wrapper (this broker cannot be unreachable) and, for an event, the exchange's
-        bindings matched once (the queues it went to say whether it was routed). Returns
-        ``False``, as ``_publish`` does for a broker without returns; :attr:`_in_process_routed`
-        keeps whether an event reached a queue."""
+        bindings matched once (the queues it went to say whether it was routed: kept for
+        :meth:`publish` in this thread's ``routed``). Returns ``False``, as ``_publish``
+        does for a broker without returns."""
         _, producer = self._producer()
         channel = producer.channel
-        body, content_type, content_encoding = producer._prepare(
-            envelope.body.encode("utf-8", "surrogateescape"), None,
-            _as_sent(envelope.content_type), _as_sent(envelope.content_encoding))
-        message = channel.prepare_message(body, 0, content_type, content_encoding,
-                                          dict(envelope.headers), {"delivery_mode": 2})
-        channel._inplace_augment_message(message, exchange, routing_key)
+        body = envelope.body.encode("utf-8", "surrogateescape")
+        content_type = _as_sent(envelope.content_type)
+        content_encoding = _as_sent(envelope.content_encoding)
+        if not content_type:  # what kombu makes of a body without a content type
+            body, content_type, content_encoding = producer._prepare(
+                body, None, content_type, content_encoding)
+        message = in_process_message(body, content_type, content_encoding, envelope.headers,
+                                     exchange, routing_key)
         if not exchange:
             channel._put(routing_key, message)
             return False
