@@ -8,6 +8,7 @@ messages :mod:`.kombu_consuming` takes from them (:class:`InProcessMessage`, wha
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,37 @@ def in_process_message(body: bytes, content_type: Any, content_encoding: Any,
                            "delivery_tag": _TAGS(),
                            "delivery_info": {"exchange": exchange,
                                              "routing_key": routing_key}}}
+
+
+#: Topic bindings' patterns, compiled once each (as kombu's topic exchange keeps them).
+_PATTERNS: dict[str, re.Pattern[str]] = {}
+
+
+def routed_queues(channel: Any, exchange: str, routing_key: str) -> set[str]:
+    """The queues a memory:// ``exchange`` routes ``routing_key`` to, as kombu routes it:
+    for a topic exchange, every binding whose key is ``routing_key`` or whose pattern
+    matches it (kombu's own look-up, a function call a binding, otherwise); none when the
+    exchange has no bindings at all."""
+    try:
+        declared = channel.state.exchanges[exchange]
+        table = declared["table"]
+    except KeyError:
+        return set()
+    if declared.get("type") != "topic":
+        return set(channel.typeof(exchange).lookup(table, exchange, routing_key, None))
+    found = set()
+    for key, pattern, queue in table:
+        if key == routing_key:  # a key matches its own pattern
+            found.add(queue)
+            continue
+        if pattern is None:
+            continue
+        compiled = _PATTERNS.get(pattern)
+        if compiled is None:
+            compiled = _PATTERNS[pattern] = re.compile(pattern)
+        if compiled.match(routing_key):
+            found.add(queue)
+    return found
 
 
 class InProcessMessage:

@@ -20,7 +20,7 @@ from . import amqp_properties, confirms, delays
 from .errors import DestinationRefused, TransportUnavailable
 from .kombu_errors import _classified
 from .kombu_frames import _as_sent
-from .kombu_in_process import in_process_message, in_process_tags
+from .kombu_in_process import in_process_message, in_process_tags, routed_queues
 from .kombu_topology import KombuTopology
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
@@ -164,11 +164,7 @@ class KombuPublishing(KombuTopology):
         if not exchange:
             channel._put(routing_key, message)
             return False
-        try:
-            queues = channel.typeof(exchange).lookup(channel.get_table(exchange), exchange,
-                                                     routing_key, None)
-        except KeyError:  # the exchange has no bindings at all
-            queues = ()
+        queues = routed_queues(channel, exchange, routing_key)
         dead_letters = channel.deadletter_queue
         for queue in queues:
             if queue and queue != dead_letters:
