@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import kombu
 import pytest
@@ -29,7 +29,7 @@ def sent(queue: str) -> Envelope:
 
 
 @pytest.fixture
-def transport(unique: str) -> KombuTransport:
+def transport(unique: str) -> Iterator[KombuTransport]:
     made = KombuTransport("memory://", exchange=f"in-process-{unique}")
     yield made
     made.close()
