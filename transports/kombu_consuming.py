@@ -147,7 +147,7 @@ class KombuConsuming(KombuCore):
         exchange = self.exchange_name
 
         def delivery(raw: Any) -> _KombuDelivery:
-            return _KombuDelivery(queue, InProcessMessage(raw, channel),  # type: ignore[arg-type]
+            return _KombuDelivery(queue, InProcessMessage(raw, channel),
                                   outage=outage, native_requeue=False,
                                   events_exchange=exchange)
 

@@ -157,7 +157,9 @@ class Endpoint:
         Take deliveries in batches (:class:`~idembus.policies.Batching`): the ready ones up
         to a size, their loads, commits and publisher confirms each in one round trip,
         acknowledged together; each message keeps its own handlers, deduplication, retries
-        and failure path (:mod:`idembus.runtime.batch_runner`). On by default
+        and failure path (:mod:`idembus.runtime.batch_runner`; where the storage and the
+        transport both live in the process, memory:// with ``MemoryStorage``, there is no
+        round trip to share and a batch's messages run one after another). On by default
         (``Batching()``: up to ``prefetch`` deliveries, 2 ms of linger); ``None``: one
         message at a time.
     schedules:
