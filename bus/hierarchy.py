@@ -119,6 +119,8 @@ def expected_routing_key(message_type: str, enclosed: str | None) -> str:
     """The routing key an event with these ``idembus.message_type`` and
     ``idembus.enclosed_types`` values is published with: the hierarchy key when the
     enclosed types are several and start with the type, else the type's name."""
+    if not enclosed or "," not in enclosed:  # one type at most: nothing to parse
+        return message_type
     names = [name for name, _ in parse_enclosed(enclosed)]
     if len(names) > 1 and names[0] == message_type:
         return routing_key(names)
@@ -133,7 +135,7 @@ def unexpected_routing_key(routing: str, message_type: str | None,
     cannot reach a subscriber of another type by setting that type's header."""
     if message_type is None:
         return None  # refused later, for the missing header
-    if routing in (message_type, expected_routing_key(message_type, enclosed)):
+    if routing == message_type or routing == expected_routing_key(message_type, enclosed):
         return None
     return (f"its routing key {shown(routing)} is neither its type "
             f"{shown(message_type)} nor that type's hierarchy key: it was published with "

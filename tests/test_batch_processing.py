@@ -610,3 +610,41 @@ def test_with_batching_the_assembled_ports_group_a_batch_in_one_call_each():
         assert all(d.acked and not d.requeued for d in deliveries)
     finally:
         endpoint.close()
+
+
+class InProcessNotingTransport(StackNotingTransport):
+    """StackNotingTransport as a broker living in this process (memory://)."""
+
+    process_local = True
+
+
+def test_with_storage_and_transport_in_the_process_a_batch_runs_message_after_message():
+    """Parking shares round trips; memory:// with MemoryStorage has none, so its batches
+    run each message to its end in turn (no greenlet, no group call) and still acknowledge
+    together."""
+    journal = Journal()
+    endpoint = Endpoint(QUEUE, transport=InProcessNotingTransport(journal),
+                        storage=StackNotingStorage(journal), handlers=[BookHandler],
+                        error_queue=ERROR_QUEUE, outbox=False, status_interval=0,
+                        batching=Batching(size=8))
+    try:
+        # When five messages, three of one aggregate, come in one batch
+        accounts = ["account-a", "account-b", "account-a", "account-c", "account-a"]
+        deliveries = [received(message_id, account, n + 1)
+                      for n, (message_id, account) in enumerate(zip(ids(5), accounts,
+                                                                    strict=True))]
+        endpoint.process_batch(deliveries)
+
+        # Then each message was loaded, committed and published by plain calls, one
+        # message after the other, in delivery order, and the batch acknowledged together
+        assert [journal.count(name) for name in (
+            "load_many", "commit_many", "dispatch_many")] == [0, 0, 0]
+        assert all("idembus.runtime.batching_ports" not in frames
+                   for frames in journal.details("commit reached through"))
+        assert journal.count("commit") == 5
+        assert [len(acked) for acked in journal.details("ack_many")] == [5]
+        assert all(d.acked and not d.requeued for d in deliveries)
+        record = endpoint.storage.load(BookHandler.storage_name(), "account-a")
+        assert (record.state or {})["amounts"] == [1, 3, 5]
+    finally:
+        endpoint.close()

@@ -24,7 +24,14 @@ Features
   the process (even across virtual hosts), so give every test its own queue and exchange
   names. An unacknowledged message is dropped when its channel closes; idembus requeues a
   delivery whose processing stopped abruptly, which is the redelivery a real broker makes.
-  The polling interval defaults to 5 ms instead of kombu's 1 s.
+  idembus reaches this broker without kombu's producer and consumer machinery
+  (:mod:`.kombu_in_process`): a publish puts the message kombu would make (its body as
+  bytes, not base64 text) on the queues its bindings route it to, matched once; a batch
+  consumer blocks on its queue until a message is put there and takes each without
+  kombu's ``Message`` and QoS. The messages stay in kombu's format: a kombu producer or
+  channel in the process reads and writes the same queues. Consumers of one delivery at
+  a time (and partition queues) go through kombu, whose polling interval defaults to 5 ms
+  instead of its 1 s.
 * ``inspect(queue)`` (tools such as ``idembus errors``) takes the waiting messages with
   ``basic_get`` on one channel, unacknowledged. RabbitMQ puts the ones not acknowledged
   back in their original places (and does the same if the tool dies meanwhile). On

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from queue import Empty
 from typing import Any
 
 import kombu
@@ -21,6 +22,7 @@ from .errors import BrokerAccessDenied, TransportUnavailable
 from .kombu_core import _DRAIN_TIMEOUT, KombuCore
 from .kombu_delivery import _KombuDelivery
 from .kombu_errors import _broker_errors, _classified
+from .kombu_in_process import InProcessMessage
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -70,6 +72,9 @@ class KombuConsuming(KombuCore):
         if self._overrides("consume"):
             super().consume_batches(queue, on_batch, stop=stop, prefetch=prefetch)
             return
+        if self.process_local:
+            self._consume_in_process(queue, on_batch, stop, size, linger)
+            return
         if self._is_redis:
             size = 1
         # Virtual transports (memory://) poll: a short wait there is a poll interval's sleep.
@@ -106,6 +111,66 @@ class KombuConsuming(KombuCore):
                 self.deliver_batch(batch, on_batch)
 
         self._consuming(queue, stop, prefetch, receiving, after_drain)
+
+    def _consume_in_process(self, queue: str, on_batch: OnBatch, stop: threading.Event,
+                            size: int, linger: float) -> None:
+        """memory://: batches taken from the queue itself, on a channel of this consumer.
+        A wait for the first delivery blocks on the queue (it wakes when a message is put,
+        instead of kombu's polling every few milliseconds), and each message becomes the
+        channel's kombu ``Message``, held by the channel's QoS until it is settled, as a
+        ``basic_get`` makes it. A batch is settled before the next is taken: at most
+        ``size`` deliveries are unacknowledged at a time (within the prefetch, which the
+        endpoint keeps at least as large). Outages (a subclass's) as :meth:`consume`."""
+        failures = 0
+        while not stop.is_set():
+            try:
+                connection = self._connect()
+            except BrokerAccessDenied:
+                raise
+            except TransportUnavailable as exc:
+                failures = self._pause_after_failure(queue, exc, failures, stop)
+                continue
+            try:
+                channel = self._raw_channel(connection)
+                failures = 0
+                self._take_in_process(channel, queue, on_batch, stop, size, linger,
+                                      _broker_errors(connection))
+            except TransportUnavailable as exc:  # a delivery's connection went away
+                failures = self._pause_after_failure(queue, exc, failures, stop)
+            finally:
+                self._release(connection)
+
+    def _take_in_process(self, channel: Any, queue: str, on_batch: OnBatch,
+                         stop: threading.Event, size: int, linger: float,
+                         outage: tuple[type[BaseException], ...]) -> None:
+        """The loop of :meth:`_consume_in_process` on one channel."""
+        exchange = self.exchange_name
+
+        def delivery(raw: Any) -> _KombuDelivery:
+            return _KombuDelivery(queue, InProcessMessage(raw, channel),
+                                  outage=outage, native_requeue=False,
+                                  events_exchange=exchange)
+
+        while not stop.is_set():
+            waiting = channel._queue_for(queue)  # anew: a deleted queue is made again
+            try:
+                batch = [delivery(waiting.get(timeout=_DRAIN_TIMEOUT))]
+            except Empty:
+                continue
+            deadline = time.monotonic() + linger if size > 1 else 0.0
+            while len(batch) < size:
+                try:
+                    raw = waiting.get_nowait()
+                except Empty:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        raw = waiting.get(timeout=remaining)
+                    except Empty:
+                        break
+                batch.append(delivery(raw))
+            self.deliver_batch(batch, on_batch)
 
     def _consuming(
         self, queue: str, stop: threading.Event, prefetch: int,

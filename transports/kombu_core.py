@@ -23,6 +23,7 @@ from . import amqp_reads, delays
 from .base import Transport
 from .kombu_errors import _connection_failure
 from .kombu_frames import _lenient_frames, _RawBody
+from .kombu_in_process import in_process_tags
 from .reply_leases import check_lease
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
@@ -187,6 +188,8 @@ class KombuCore(Transport):
         decompressed by kombu (:class:`_RawBody`) nor decoded by py-amqp by their content
         encoding (which turned a latin-1 body into text that was then written as UTF-8)."""
         channel = connection.channel()
+        if self.process_local:
+            in_process_tags(channel)
         if hasattr(channel, "auto_decode"):
             channel.auto_decode = False
         base = type(channel).Message

@@ -20,6 +20,7 @@ from . import amqp_properties, confirms, delays
 from .errors import DestinationRefused, TransportUnavailable
 from .kombu_errors import _classified
 from .kombu_frames import _as_sent
+from .kombu_in_process import in_process_message, in_process_tags, routed_queues
 from .kombu_topology import KombuTopology
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
@@ -79,6 +80,8 @@ class KombuPublishing(KombuTopology):
         self._exchange_declared = True
         if self._is_amqp:
             return None if not self.publisher_confirms else not returned
+        if self.process_local and declare == []:
+            return bool(self._local.routed)  # matched as it was put (_put_in_process)
         return self._routed(key)
 
     def _routed(self, routing_key: str) -> bool | None:
@@ -99,6 +102,8 @@ class KombuPublishing(KombuTopology):
     def _publish(self, envelope: Envelope, *, exchange: str, routing_key: str,
                  declare: list[Any] | None = None, mandatory: bool = False) -> bool:
         """Publish; True if RabbitMQ returned the message as unroutable (``mandatory``)."""
+        if self.process_local and not declare:
+            return self._put_in_process(envelope, exchange, routing_key)
         connection, producer = self._producer()
         what = (f"publishing {envelope.headers.get(h.MESSAGE_ID, 'a message without id')} to "
                 f"{exchange or 'queue'} {routing_key!r}")
@@ -139,6 +144,34 @@ class KombuPublishing(KombuTopology):
         if returns and exchange == "":  # a send: the queue does not exist
             raise DestinationRefused(f"{what} on {self.safe_url}: {returns[0]}")
         return bool(returns)
+
+    def _put_in_process(self, envelope: Envelope, exchange: str, routing_key: str) -> bool:
+        """memory://: the message kombu's ``Producer.publish`` would make
+        (:func:`.kombu_in_process.in_process_message`), put on its queues directly: no
+        retry wrapper (this broker cannot be unreachable) and, for an event, the exchange's
+        bindings matched once (the queues it went to say whether it was routed: kept for
+        :meth:`publish` in this thread's ``routed``). Returns ``False``, as ``_publish``
+        does for a broker without returns."""
+        _, producer = self._producer()
+        channel = producer.channel
+        body = envelope.body.encode("utf-8", "surrogateescape")
+        content_type = _as_sent(envelope.content_type)
+        content_encoding = _as_sent(envelope.content_encoding)
+        if not content_type:  # what kombu makes of a body without a content type
+            body, content_type, content_encoding = producer._prepare(
+                body, None, content_type, content_encoding)
+        message = in_process_message(body, content_type, content_encoding, envelope.headers,
+                                     exchange, routing_key)
+        if not exchange:
+            channel._put(routing_key, message)
+            return False
+        queues = routed_queues(channel, exchange, routing_key)
+        dead_letters = channel.deadletter_queue
+        for queue in queues:
+            if queue and queue != dead_letters:
+                channel._put(queue, message)
+        self._local.routed = bool(queues)
+        return False
 
     def dispatch_many(self, envelopes: Sequence[Envelope]) -> list[bool | None | Exception]:
         """On RabbitMQ with publisher confirms: publish every envelope, then wait for their
@@ -273,8 +306,11 @@ class KombuPublishing(KombuTopology):
                           message: Any) -> None:
                 returns.append(redact(str(error)))
 
+            channel = connection.default_channel
+            if self.process_local:
+                in_process_tags(channel)
             publisher = (connection, kombu.Producer(
-                connection.default_channel, on_return=on_return if self._is_amqp else None))
+                channel, on_return=on_return if self._is_amqp else None))
             self._local.publisher = publisher
         return publisher
 

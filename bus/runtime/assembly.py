@@ -87,6 +87,10 @@ class Assembly:
     requests: Requests
     #: ``None`` in a send-only endpoint.
     time_limits: TimeLimiter | None = None
+    #: Whether a batch's messages park to share their loads, commits and dispatches
+    #: (:mod:`.batch_runner`): batched, unless both the storage and the transport live in
+    #: this process (nothing to share: the messages run one after another).
+    parks: bool = False
 
 
 def assemble(context: EndpointContext, settings: Settings, *,
@@ -107,13 +111,17 @@ def assemble(context: EndpointContext, settings: Settings, *,
     shared = shared_transaction(context, journal, keep_bodies=keep_bodies,
                                 on_unrouted=on_unrouted)
     batched = settings.batching is not None and shared is None
+    # A batch's messages park to share round trips; where the storage and the transport
+    # both live in this process there are none to share, and they run one after another.
+    parks = batched and not (context.transport.process_local
+                             and context.role(AggregateStore).process_local)
     dispatcher, outbox, bus, delayed, requests = _sending(
         context, settings, journal, on_unrouted=on_unrouted,
-        dispatch_through=BatchingTransport(context.transport) if batched else None)
+        dispatch_through=BatchingTransport(context.transport) if parks else None)
     limiter = TimeLimiter(context.name, context.recoverability.time_limits,
                           context.table.handlers, stopping=context.stopping)
     invoker = HandlerInvoker(
-        replace(context, storage=BatchingStorage(context.role(AggregateStore))) if batched
+        replace(context, storage=BatchingStorage(context.role(AggregateStore))) if parks
         else context, defer_fresh_redispatch=policy.defer_fresh_redispatch, shared=shared,
         requests=requests, time_limits=limiter)
     recovery = Recovery(context.name, context.recoverability, stopping=context.stopping,
@@ -133,7 +141,7 @@ def assemble(context: EndpointContext, settings: Settings, *,
                             interval=settings.status_interval,
                             problems=problems) if settings.status_interval else None
     return Assembly(dispatcher=dispatcher, shared_transaction=shared, batched=batched,
-                    recovery=recovery, processor=processor, bus=bus, delayed=delayed,
+                    parks=parks, recovery=recovery, processor=processor, bus=bus, delayed=delayed,
                     outbox=outbox, scheduler=scheduler, status=status, requests=requests,
                     time_limits=limiter)
 

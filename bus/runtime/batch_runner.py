@@ -25,6 +25,12 @@ dispatches were confirmed, as ever — are acknowledged together
 (:meth:`~idembus.transports.base.Transport.ack_many`); a delivery requeued by its message
 goes back at once.
 
+Where both the storage and the transport live in the process (memory:// with
+MemoryStorage or mongomock) there is no round trip to share: the assembly leaves the ports
+unwrapped and the runner (``parks=False``) runs each message of the batch to its end in
+turn, on the consumer's thread without a greenlet, the deliveries still acknowledged
+together.
+
 While the endpoint's circuit breaker is open, a batch is processed one message at a time
 (``one_at_a_time``): each message is handled, acknowledged and followed by the breaker's
 pause before the next one starts, exactly as without batching, so once the breaker has
@@ -149,7 +155,7 @@ class BatchRunner:
     acknowledgement included), at most ``size`` a batch, on the calling thread."""
 
     def __init__(self, process: Callable[[Delivery], None], *, size: int,
-                 requeue_escaped: bool = True) -> None:
+                 requeue_escaped: bool = True, parks: bool = True) -> None:
         if size < 1:
             raise ValueError(f"batch size must be at least 1, got {size}")
         self.size = size
@@ -158,6 +164,10 @@ class BatchRunner:
         #: (:meth:`Transport.deliver`); otherwise (deliveries nobody would give back, such
         #: as a replay's rows) what it raised is raised once the batch is settled.
         self._requeue_escaped = requeue_escaped
+        #: Whether members run in greenlets that park (the ports of the batch are the
+        #: batching ones); ``False``: each runs to its end in turn on the calling thread,
+        #: the deliveries still acknowledged together.
+        self._parks = parks
 
     def run(self, deliveries: Sequence[Delivery], transport: Transport, *,
             one_at_a_time: bool = False) -> None:
@@ -180,6 +190,10 @@ class BatchRunner:
 
     def _settle(self, members: list[Member]) -> None:
         """Run ``members`` to their end, doing their parked work together."""
+        if not self._parks:
+            for member in members:
+                self._runner_of(member)()
+            return
         for member in members:
             member.greenlet = _MemberGreenlet(self._runner_of(member), member)
             member.greenlet.switch()  # until it parks or is done

@@ -156,7 +156,9 @@ class Endpoint:
         Take deliveries in batches (:class:`~idembus.policies.Batching`): the ready ones up
         to a size, their loads, commits and publisher confirms each in one round trip,
         acknowledged together; each message keeps its own handlers, deduplication, retries
-        and failure path (:mod:`idembus.runtime.batch_runner`). On by default
+        and failure path (:mod:`idembus.runtime.batch_runner`; where the storage and the
+        transport both live in the process, memory:// with ``MemoryStorage``, there is no
+        round trip to share and a batch's messages run one after another). On by default
         (``Batching()``: up to ``prefetch`` deliveries, 2 ms of linger); ``None``: one
         message at a time.
     schedules:
@@ -766,7 +768,7 @@ class Endpoint:
                                    prefetch=self.prefetch)
             return
         assert self.batching is not None
-        runner = BatchRunner(self._processor, size=size)
+        runner = BatchRunner(self._processor, size=size, parks=self._assembly.parks)
         self.transport.consume_batches(
             self.name, functools.partial(self._on_batch, runner), stop=self._stop,
             prefetch=max(self.prefetch, size), size=size, linger=self.batching.linger)
@@ -818,7 +820,8 @@ class Endpoint:
             for delivery in deliveries:
                 self._on_delivery(delivery)
             return
-        runner = BatchRunner(self._processor, size=size, requeue_escaped=False)
+        runner = BatchRunner(self._processor, size=size, requeue_escaped=False,
+                             parks=self._assembly.parks)
         for start in range(0, len(deliveries), size):
             self._on_batch(runner, deliveries[start:start + size])
 
