@@ -34,10 +34,7 @@ _LATER: tuple[tuple[int, str], ...] = (
 _LAST: tuple[tuple[int, str], ...] = (
     (0x0020, "type"), (0x0010, "user_id"), (0x0008, "app_id"), (0x0004, "cluster_id"))
 _S = ord("S")
-
-
-def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "surrogatepass")
+_UTF8, _ERRORS = "utf-8", "surrogatepass"  # as py-amqp decodes text
 
 
 def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
@@ -50,11 +47,11 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     properties: dict[str, Any] = {}
     if flags & 0x8000:
         size = buf[offset]
-        properties["content_type"] = _text(buf[offset + 1:offset + 1 + size])
+        properties["content_type"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
         offset += 1 + size
     if flags & 0x4000:
         size = buf[offset]
-        properties["content_encoding"] = _text(buf[offset + 1:offset + 1 + size])
+        properties["content_encoding"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
         offset += 1 + size
     if flags & 0x2000:
         (size,) = _LONG(buf, offset)
@@ -72,11 +69,11 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
             raw_value = buf[offset:offset + value_size]
             offset += value_size
             try:
-                key: Any = _text(raw_key)
+                key: Any = raw_key.decode(_UTF8, _ERRORS)
             except UnicodeDecodeError:
                 key = raw_key
             try:
-                table[key] = _text(raw_value)
+                table[key] = raw_value.decode(_UTF8, _ERRORS)
             except UnicodeDecodeError:
                 table[key] = raw_value
         properties["application_headers"] = table
@@ -89,7 +86,7 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     for bit, name in _LATER:
         if flags & bit:
             size = buf[offset]
-            properties[name] = _text(buf[offset + 1:offset + 1 + size])
+            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
             offset += 1 + size
     if flags & 0x0040:
         (properties["timestamp"],) = _TIMESTAMP(buf, offset)
@@ -97,7 +94,7 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     for bit, name in _LAST:
         if flags & bit:
             size = buf[offset]
-            properties[name] = _text(buf[offset + 1:offset + 1 + size])
+            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
             offset += 1 + size
     return properties, offset
 

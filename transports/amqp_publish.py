@@ -37,6 +37,12 @@ _CONTENT = struct.Struct(">HHQH")
 _OCTETS = tuple(bytes((n,)) for n in range(256))
 #: What a frame adds to its payload (header and end).
 _OVERHEAD = 8
+#: How many method frames and header names :func:`frames` keeps encoded (each memory).
+_REMEMBERED = 1024
+#: (exchange, routing key, mandatory) -> the method frame's payload.
+_methods: dict[tuple[str, str, bool], bytes] = {}
+#: header name -> its length octet, bytes and type tag in a table.
+_names: dict[str, bytes] = {}
 
 
 def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, body: bytes,
@@ -48,12 +54,9 @@ def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, bo
     write (see the module docstring)."""
     if not _KNOWN.issuperset(properties) or not 0 <= delivery_mode <= 255:
         return None
-    exchange_bytes = exchange.encode("utf-8", "surrogatepass")
-    key_bytes = routing_key.encode("utf-8", "surrogatepass")
-    if len(exchange_bytes) > 255 or len(key_bytes) > 255:
+    method = _method(exchange, routing_key, mandatory)
+    if method is None:
         return None
-    method = b"".join((_PUBLISH_PREFIX, _OCTETS[len(exchange_bytes)], exchange_bytes,
-                       _OCTETS[len(key_bytes)], key_bytes, _OCTETS[1 if mandatory else 0]))
     flags = 0
     parts: list[bytes] = []
     for flag, value in ((0x8000, content_type), (0x4000, content_encoding)):
@@ -89,6 +92,29 @@ def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, bo
     return b"".join(written)
 
 
+def _method(exchange: str, routing_key: str, mandatory: bool) -> bytes | None:
+    """The method frame's payload (``None`` for a name over 255 bytes); the last
+    :data:`_REMEMBERED` kinds are kept (a batch publishes a few kinds many times)."""
+    place = (exchange, routing_key, mandatory)
+    method = _methods.get(place)
+    if method is not None:
+        return method
+    exchange_bytes = exchange.encode("utf-8", "surrogatepass")
+    key_bytes = routing_key.encode("utf-8", "surrogatepass")
+    if len(exchange_bytes) > 255 or len(key_bytes) > 255:
+        return None
+    method = b"".join((_PUBLISH_PREFIX, _OCTETS[len(exchange_bytes)], exchange_bytes,
+                       _OCTETS[len(key_bytes)], key_bytes, _OCTETS[1 if mandatory else 0]))
+    _remember(_methods, place, method)
+    return method
+
+
+def _remember(memory: dict[Any, bytes], key: Any, value: bytes) -> None:
+    if len(memory) >= _REMEMBERED:
+        memory.clear()  # a bound, not a cache policy: names are few in practice
+    memory[key] = value
+
+
 def _short(value: Any) -> bytes | None:
     """A short string property: its length octet and UTF-8 bytes (``None`` if it is not a
     string of at most 255 bytes)."""
@@ -106,11 +132,14 @@ def _table(headers: Mapping[str, Any]) -> bytes | None:
     for name, value in headers.items():
         if type(name) is not str or type(value) is not str:
             return None
-        name_bytes = name.encode("utf-8", "surrogatepass")
-        if len(name_bytes) > 255:
-            return None
+        named = _names.get(name)
+        if named is None:
+            name_bytes = name.encode("utf-8", "surrogatepass")
+            if len(name_bytes) > 255:
+                return None
+            named = _OCTETS[len(name_bytes)] + name_bytes + b"S"
+            _remember(_names, name, named)
         value_bytes = value.encode("utf-8", "surrogatepass")
-        items += (_OCTETS[len(name_bytes)], name_bytes, b"S", _LONG(len(value_bytes)),
-                  value_bytes)
+        items += (named, _LONG(len(value_bytes)), value_bytes)
     content = b"".join(items)
     return _LONG(len(content)) + content
