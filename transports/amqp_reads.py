@@ -50,3 +50,27 @@ def _chunked(recv: Callable[[int], bytes]) -> Callable[[int], bytes]:
         return recv(wanted if wanted > CHUNK else CHUNK)
 
     return receive
+
+
+def drain(connection: Any, timeout: float) -> None:
+    """``connection.drain_events(timeout=timeout)`` (a kombu connection to RabbitMQ): one
+    whole method read and handled, or ``TimeoutError``. The frames py-amqp holds in its
+    read buffer already are handled first, straight from it, without the socket's timeout
+    set and restored, nor kombu's and py-amqp's layers around each read; the rest as
+    kombu reads it. A connection without py-amqp's buffer drains as kombu drains it."""
+    amqp_connection = connection.connection
+    transport = getattr(amqp_connection, "transport", None)
+    buffered = getattr(transport, "_read_buffer", None)
+    if type(buffered) is bytes:
+        read_frame = transport.read_frame  # type: ignore[union-attr]
+        on_frame = amqp_connection.on_inbound_frame  # type: ignore[union-attr]
+        while _whole_frame(transport._read_buffer):  # type: ignore[union-attr]
+            if on_frame(read_frame()):
+                return
+    connection.drain_events(timeout=timeout)
+
+
+def _whole_frame(buffered: bytes) -> bool:
+    """Whether ``buffered`` starts with a whole frame (header, payload and end octet)."""
+    return (len(buffered) >= 7
+            and len(buffered) >= 8 + int.from_bytes(buffered[3:7], "big"))

@@ -21,7 +21,7 @@ import amqp
 import kombu
 
 from .. import headers as h
-from . import amqp_publish
+from . import amqp_publish, amqp_reads
 
 #: How a published message ended: confirmed (``ACKED``) or refused (``NACKED``) by the
 #: broker; ``RETURNED``: confirmed after the broker returned it (``mandatory``, no queue).
@@ -138,7 +138,7 @@ class ConfirmingChannel:
             if remaining <= 0:
                 raise TimeoutError(f"the broker confirmed {sum(p.end is not None for p in waiting)}"
                                    f" of {len(waiting)} messages in {timeout:.0f}s")
-            self.connection.drain_events(timeout=remaining)
+            amqp_reads.drain(self.connection, remaining)
         self._waiting.clear()
         self._by_id.clear()
         return {published.tag: (published.end or NACKED, published.returned)
