@@ -13,6 +13,7 @@ from typing import Any
 
 import amqp.transport
 import pytest
+from amqp.exceptions import UnexpectedFrame
 
 from idembus.transports import amqp_reads
 from tests.conftest import AMQP_URL, foreign_connection
@@ -135,6 +136,16 @@ def test_a_drain_handles_the_frames_already_read_without_the_socket(pair):
     assert connection.handled[-2:] == [b"e", b"f"] and connection.drained == 1
     with pytest.raises(socket.timeout):
         amqp_reads.drain(connection, 0.05)
+
+
+def test_a_buffered_frame_that_does_not_end_as_a_frame_must_is_refused(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    peer.sendall(frame(b"a") + frame(b"b")[:-1] + b"\x00")
+    transport.read_frame()
+
+    with pytest.raises(UnexpectedFrame, match="0x00"):
+        amqp_reads.drain(FakeKombuConnection(transport), 1.0)
 
 
 def test_a_transport_it_does_not_know_is_left_as_it_is():
