@@ -39,8 +39,10 @@ _OCTETS = tuple(bytes((n,)) for n in range(256))
 _OVERHEAD = 8
 #: How many method frames and header names :func:`frames` keeps encoded (each memory).
 _REMEMBERED = 1024
-#: (exchange, routing key, mandatory) -> the method frame's payload.
-_methods: dict[tuple[str, str, bool], bytes] = {}
+#: (channel, exchange, routing key, mandatory) -> the method frame.
+_methods: dict[tuple[int, str, str, bool], bytes] = {}
+#: (content type, content encoding) -> their flags and bytes in a content header.
+_kinds: dict[tuple[str, str], tuple[int, bytes]] = {}
 #: header name -> its length octet, bytes and type tag in a table.
 _names: dict[str, bytes] = {}
 
@@ -54,18 +56,12 @@ def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, bo
     write (see the module docstring)."""
     if not _KNOWN.issuperset(properties) or not 0 <= delivery_mode <= 255:
         return None
-    method = _method(exchange, routing_key, mandatory)
-    if method is None:
+    method = _method_frame(channel, exchange, routing_key, mandatory)
+    leading = _leading(content_type, content_encoding)
+    if method is None or leading is None:
         return None
-    flags = 0
-    parts: list[bytes] = []
-    for flag, value in ((0x8000, content_type), (0x4000, content_encoding)):
-        if value:
-            encoded = _short(value)
-            if encoded is None:
-                return None
-            flags |= flag
-            parts.append(encoded)
+    flags, first = leading
+    parts = [first]
     if headers is not None:  # py-amqp writes an empty table too
         table = _table(headers)
         if table is None:
@@ -85,17 +81,17 @@ def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, bo
     header = _CONTENT.pack(60, 0, len(body), flags) + b"".join(parts)
     if max(len(method), len(header), len(body)) + 2 * _OVERHEAD > frame_max:
         return None  # a body split over frames, or a header py-amqp would refuse
-    written = [_FRAME.pack(1, channel, len(method)), method, _FRAME_END,
-               _FRAME.pack(2, channel, len(header)), header, _FRAME_END]
+    written = [method, _FRAME.pack(2, channel, len(header)), header, _FRAME_END]
     if body:
         written += (_FRAME.pack(3, channel, len(body)), body, _FRAME_END)
     return b"".join(written)
 
 
-def _method(exchange: str, routing_key: str, mandatory: bool) -> bytes | None:
-    """The method frame's payload (``None`` for a name over 255 bytes); the last
-    :data:`_REMEMBERED` kinds are kept (a batch publishes a few kinds many times)."""
-    place = (exchange, routing_key, mandatory)
+def _method_frame(channel: int, exchange: str, routing_key: str,
+                  mandatory: bool) -> bytes | None:
+    """The method frame (``None`` for a name over 255 bytes); the last
+    :data:`_REMEMBERED` are kept (a batch publishes a few kinds many times)."""
+    place = (channel, exchange, routing_key, mandatory)
     method = _methods.get(place)
     if method is not None:
         return method
@@ -103,13 +99,34 @@ def _method(exchange: str, routing_key: str, mandatory: bool) -> bytes | None:
     key_bytes = routing_key.encode("utf-8", "surrogatepass")
     if len(exchange_bytes) > 255 or len(key_bytes) > 255:
         return None
-    method = b"".join((_PUBLISH_PREFIX, _OCTETS[len(exchange_bytes)], exchange_bytes,
-                       _OCTETS[len(key_bytes)], key_bytes, _OCTETS[1 if mandatory else 0]))
+    payload = b"".join((_PUBLISH_PREFIX, _OCTETS[len(exchange_bytes)], exchange_bytes,
+                        _OCTETS[len(key_bytes)], key_bytes, _OCTETS[1 if mandatory else 0]))
+    method = _FRAME.pack(1, channel, len(payload)) + payload + _FRAME_END
     _remember(_methods, place, method)
     return method
 
 
-def _remember(memory: dict[Any, bytes], key: Any, value: bytes) -> None:
+def _leading(content_type: str, content_encoding: str) -> tuple[int, bytes] | None:
+    """The flags and bytes of the content type and encoding (``None``: not short
+    strings), kept as :func:`_method_frame` keeps its frames."""
+    kind = (content_type, content_encoding)
+    known = _kinds.get(kind)
+    if known is not None:
+        return known
+    flags, parts = 0, []
+    for flag, value in ((0x8000, content_type), (0x4000, content_encoding)):
+        if value:
+            encoded = _short(value)
+            if encoded is None:
+                return None
+            flags |= flag
+            parts.append(encoded)
+    known = (flags, b"".join(parts))
+    _remember(_kinds, kind, known)
+    return known
+
+
+def _remember(memory: dict[Any, Any], key: Any, value: Any) -> None:
     if len(memory) >= _REMEMBERED:
         memory.clear()  # a bound, not a cache policy: names are few in practice
     memory[key] = value
