@@ -80,3 +80,21 @@ def test_the_frame_handler_assembles_a_delivery_and_refuses_frames_out_of_order(
     assert connection.bytes_recv == 5
     with pytest.raises(UnexpectedFrame):
         on_frame((3, 1, b"x"))
+
+
+def test_a_header_that_is_not_utf8_is_read_again_as_the_handler_is_told():
+    received: list[Any] = []
+    connection = type("Connection", (), {"bytes_recv": 0})()
+    raw = bytearray(b"\x00\x3c\x00\x00" + (0).to_bytes(8, "big") + header(message_id="ab"))
+    raw[raw.index(b"ab"):raw.index(b"ab") + 2] = b"\xff\xfe"
+    strict = amqp_content.frame_handler(connection, lambda *args: received.append(args))
+    strict((1, 1, b"\x00\x3c\x00\x3c"))
+    with pytest.raises(UnicodeDecodeError):
+        strict((2, 1, bytes(raw)))
+
+    lenient = amqp_content.frame_handler(
+        connection, lambda *args: received.append(args),
+        reread=lambda payload: payload.replace(b"\xff\xfe", b"??"))
+    lenient((1, 1, b"\x00\x3c\x00\x3c"))
+    assert lenient((2, 1, bytes(raw))) is True  # no body: the delivery is complete
+    assert received[-1][3].properties == {"message_id": "??"}

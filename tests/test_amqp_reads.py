@@ -104,7 +104,7 @@ class FakeKombuConnection:
     def __init__(self, transport: Any) -> None:
         self.handled: list[bytes] = []
         self.drained = 0
-        self.connection = self
+        self._connection = self
         self.transport = transport
 
     def on_inbound_frame(self, frame: Any) -> bool:

@@ -109,9 +109,11 @@ class _Message(amqp.Message):  # type: ignore[misc]
         return offset
 
 
-def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[Any], bool]:
+def frame_handler(connection: Any, callback: Callable[..., Any], *,
+                  reread: Callable[[bytes], bytes] | None = None) -> Callable[[Any], bool]:
     """py-amqp's frame handler (``amqp.method_framing.frame_handler``), step for step,
-    with :class:`_Message` for the content that comes with a method."""
+    with :class:`_Message` for the content that comes with a method. ``reread``: what a
+    content header that raises ``UnicodeDecodeError`` is read again as (else it raises)."""
     expected_types: defaultdict[int, int] = defaultdict(lambda: 1)
     partial_messages: dict[int, _Message] = {}
 
@@ -132,7 +134,12 @@ def frame_handler(connection: Any, callback: Callable[..., Any]) -> Callable[[An
             callback(channel, method_sig, buf, None)
         elif frame_type == 2:
             msg = partial_messages[channel]
-            msg.inbound_header(buf)
+            try:
+                msg.inbound_header(buf)
+            except UnicodeDecodeError:
+                if reread is None:
+                    raise
+                msg.inbound_header(reread(bytes(buf)))
             if not msg.ready:
                 expected_types[channel] = 3
                 return False

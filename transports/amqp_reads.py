@@ -63,7 +63,9 @@ def drain(connection: Any, timeout: float) -> None:
     without the socket's timeout set and restored, nor kombu's and py-amqp's layers
     around each read; the rest as kombu reads it. A connection without py-amqp's buffer
     drains as kombu drains it."""
-    amqp_connection = connection.connection
+    # kombu's ``connection`` property checks the connection at each call; an unusable one
+    # has no transport (or no kombu connection at all), and drains as kombu drains it.
+    amqp_connection = getattr(connection, "_connection", None)
     transport = getattr(amqp_connection, "transport", None)
     if type(getattr(transport, "_read_buffer", None)) is bytes:
         on_frame = amqp_connection.on_inbound_frame

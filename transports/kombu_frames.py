@@ -81,10 +81,9 @@ def _lenient_frames(connection: Any, callback: Any, **options: Any) -> Callable[
     of them), so the message arrives: a content type or encoding that is not text is
     refused, and so is a core property (``message_id``, ``type``, ... read as idembus
     headers, :mod:`.amqp_properties`) that is not, as an ``idembus.*`` header would be."""
-    # py-amqp's handler with a faster reader of content headers (:mod:`.amqp_content`);
-    # its own where options ask for something else.
-    on_frame = (amqp_content.frame_handler(connection, callback) if not options
-                else amqp.method_framing.frame_handler(connection, callback, **options))
+    if not options:  # py-amqp's handler with a faster reader of content headers
+        return amqp_content.frame_handler(connection, callback, reread=_escaped_header)
+    on_frame = amqp.method_framing.frame_handler(connection, callback, **options)
 
     def on_any_frame(frame: Any) -> Any:
         try:
