@@ -65,7 +65,7 @@ def drain(connection: Any, timeout: float) -> None:
     drains as kombu drains it."""
     # kombu's ``connection`` property checks the connection at each call; an unusable one
     # has no transport (or no kombu connection at all), and drains as kombu drains it.
-    amqp_connection = getattr(connection, "_connection", None)
+    amqp_connection: Any = getattr(connection, "_connection", None)
     transport = getattr(amqp_connection, "transport", None)
     if type(getattr(transport, "_read_buffer", None)) is bytes:
         on_frame = amqp_connection.on_inbound_frame
