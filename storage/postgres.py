@@ -795,14 +795,16 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
     def _mark_statement(self) -> str:
         return (f"UPDATE {self._processed} AS p SET dispatched = true, outgoing = CASE "
                 "WHEN m.keep THEN p.outgoing ELSE '[]'::jsonb END "
-                "FROM unnest(%s::text[], %s::text[], %s::text[], %s::boolean[]) "
-                "AS m(t, i, k, keep) "
+                "FROM jsonb_to_recordset(%s) AS m(t text, i text, k text, keep boolean) "
                 "WHERE p.aggregate_type = m.t AND p.aggregate_id = m.i AND p.key = m.k "
                 "AND NOT p.dispatched")
 
     @staticmethod
-    def _mark_arguments(marks: list[_Mark]) -> list[list[Any]]:
-        return [list(column) for column in zip(*marks, strict=True)]
+    def _mark_arguments(marks: list[_Mark]) -> list[Jsonb]:
+        """The marks as one JSON parameter, as the groups take their rows (an array a
+        column made psycopg quote every element in Python, with a regular expression)."""
+        return [Jsonb([{"t": aggregate_type, "i": aggregate_id, "k": key, "keep": keep}
+                       for aggregate_type, aggregate_id, key, keep in marks])]
 
     def _write_marks(self, batch: list[tuple[_Mark, tuple[JournalEntry, ...]]]) -> None:
         """One transaction: the batch's journal entries, then its marks."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import amqp.transport
 import pytest
+from amqp.exceptions import UnexpectedFrame
 
 from idembus.transports import amqp_reads
 from tests.conftest import AMQP_URL, foreign_connection
@@ -93,6 +94,58 @@ def test_a_read_that_times_out_mid_frame_keeps_what_it_had(pair):
     peer.sendall(whole[10:] + frame(b"after"))
 
     assert read_all(transport, 2) == [(1, 1, b"split across two sends"), (1, 1, b"after")]
+
+
+class FakeKombuConnection:
+    """What :func:`amqp_reads.drain` uses of a kombu connection: py-amqp's connection
+    (here its transport and a frame handler that completes a method every other frame),
+    and ``drain_events``, which reads from the socket."""
+
+    def __init__(self, transport: Any) -> None:
+        self.handled: list[bytes] = []
+        self.drained = 0
+        self._connection = self
+        self.transport = transport
+
+    def on_inbound_frame(self, frame: Any) -> bool:
+        self.handled.append(bytes(frame[2]))
+        return len(self.handled) % 2 == 0
+
+    def drain_events(self, timeout: float) -> None:
+        self.drained += 1
+        with self.transport.having_timeout(timeout):
+            while not self.on_inbound_frame(self.transport.read_frame()):
+                pass
+
+
+def test_a_drain_handles_the_frames_already_read_without_the_socket(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    peer.sendall(frame(b"a") + frame(b"b") + frame(b"c") + frame(b"d") + frame(b"e")[:5])
+    connection = FakeKombuConnection(transport)
+    transport.read_frame()  # the first read takes every byte sent so far
+    connection.on_inbound_frame((1, 1, b"a"))
+
+    amqp_reads.drain(connection, 1.0)  # b: completes a method, from the buffer
+    amqp_reads.drain(connection, 1.0)  # c, d
+    assert connection.handled == [b"a", b"b", b"c", b"d"]
+    assert connection.drained == 0 and transport.sock.recv_calls == 1
+    # The rest of a frame is not there yet: the drain reads the socket, as kombu does.
+    peer.sendall(frame(b"e")[5:] + frame(b"f"))
+    amqp_reads.drain(connection, 1.0)
+    assert connection.handled[-2:] == [b"e", b"f"] and connection.drained == 1
+    with pytest.raises(socket.timeout):
+        amqp_reads.drain(connection, 0.05)
+
+
+def test_a_buffered_frame_that_does_not_end_as_a_frame_must_is_refused(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    peer.sendall(frame(b"a") + frame(b"b")[:-1] + b"\x00")
+    transport.read_frame()
+
+    with pytest.raises(UnexpectedFrame, match="0x00"):
+        amqp_reads.drain(FakeKombuConnection(transport), 1.0)
 
 
 def test_a_transport_it_does_not_know_is_left_as_it_is():

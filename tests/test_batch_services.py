@@ -386,6 +386,31 @@ def test_a_delivery_that_comes_alone_is_handed_over_without_waiting_the_linger(r
     assert transport.pending(queue) == 0
 
 
+@pytest.mark.amqp
+def test_deliveries_the_broker_has_sent_join_the_batch_past_the_linger(rabbitmq):
+    """Under load (messages waiting), a batch takes what is in the socket already, even with
+    no linger: without it a batch held one or two deliveries and paid its load, commit,
+    acknowledgement and confirm wait for them alone."""
+    transport, name = rabbitmq
+    queue = name("sent")
+    transport.declare(queue)
+    for _ in range(8):
+        transport.send(command(queue))
+    batches: list[int] = []
+    stop = threading.Event()
+
+    def on_batch(deliveries: Any) -> None:
+        transport.ack_many(deliveries)
+        batches.append(len(deliveries))
+        if sum(batches) >= 8:
+            stop.set()
+
+    transport.consume_batches(queue, on_batch, stop=stop, prefetch=8, size=8, linger=0)
+
+    assert sum(batches) == 8 and max(batches) > 2, batches
+    assert transport.pending(queue) == 0
+
+
 def deposits(queue: str, plan: list[tuple[str, str, int]]) -> list[Envelope]:
     return [Envelope(headers={h.MESSAGE_ID: message_id, h.MESSAGE_TYPE: message_name(Deposit),
                               h.INTENT: h.Intent.SEND.value},

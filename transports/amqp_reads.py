@@ -27,6 +27,10 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+from amqp.exceptions import UnexpectedFrame
+
+#: The octet that ends every frame.
+_FRAME_END = 0xCE
 #: The least a ``recv`` asks for: far more than a batch of small deliveries, and below
 #: the allocator's threshold for a separate mapping (glibc: 128 KiB).
 CHUNK = 64 * 1024
@@ -50,3 +54,40 @@ def _chunked(recv: Callable[[int], bytes]) -> Callable[[int], bytes]:
         return recv(wanted if wanted > CHUNK else CHUNK)
 
     return receive
+
+
+def drain(connection: Any, timeout: float) -> None:
+    """``connection.drain_events(timeout=timeout)`` (a kombu connection to RabbitMQ): one
+    whole method read and handled, or ``TimeoutError``. The frames py-amqp holds in its
+    read buffer already are handled first, straight from it (:func:`_buffered_frame`),
+    without the socket's timeout set and restored, nor kombu's and py-amqp's layers
+    around each read; the rest as kombu reads it. A connection without py-amqp's buffer
+    drains as kombu drains it."""
+    # kombu's ``connection`` property checks the connection at each call; an unusable one
+    # has no transport (or no kombu connection at all), and drains as kombu drains it.
+    amqp_connection: Any = getattr(connection, "_connection", None)
+    transport = getattr(amqp_connection, "transport", None)
+    if type(getattr(transport, "_read_buffer", None)) is bytes:
+        on_frame = amqp_connection.on_inbound_frame
+        frame = _buffered_frame(transport)
+        while frame is not None:
+            if on_frame(frame):
+                return
+            frame = _buffered_frame(transport)
+    connection.drain_events(timeout=timeout)
+
+
+def _buffered_frame(transport: Any) -> tuple[int, int, bytes] | None:
+    """The first frame of py-amqp's read buffer, taken out of it, as its ``read_frame``
+    gives it (and with its error for a frame that does not end as a frame must); ``None``
+    while the buffer does not hold a whole frame."""
+    buffered: bytes = transport._read_buffer
+    if len(buffered) < 8:
+        return None
+    end = 7 + int.from_bytes(buffered[3:7], "big")
+    if len(buffered) <= end:
+        return None
+    if buffered[end] != _FRAME_END:
+        raise UnexpectedFrame(f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
+    transport._read_buffer = buffered[end + 1:]
+    return buffered[0], int.from_bytes(buffered[1:3], "big"), buffered[7:end]

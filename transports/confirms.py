@@ -21,6 +21,7 @@ import amqp
 import kombu
 
 from .. import headers as h
+from . import amqp_publish, amqp_reads
 
 #: How a published message ended: confirmed (``ACKED``) or refused (``NACKED``) by the
 #: broker; ``RETURNED``: confirmed after the broker returned it (``mandatory``, no queue).
@@ -86,7 +87,14 @@ class ConfirmingChannel:
         would put it there for bytes with a content type (an encoding of ``binary`` when
         none is given), without kombu's serializer look-ups and retry wrapping; a message
         without a content type goes through kombu, which picks one."""
-        if content_type:
+        written = amqp_publish.frames(
+            self._channel.channel_id, exchange=exchange, routing_key=routing_key,
+            mandatory=True, body=body, headers=headers, frame_max=self._frame_max(),
+            content_type=content_type, content_encoding=content_encoding or "binary",
+            **properties) if content_type else None
+        if written is not None:
+            self._write(written)
+        elif content_type:
             self._channel.basic_publish(
                 amqp.Message(body, content_type=content_type,
                              content_encoding=content_encoding or "binary",
@@ -104,6 +112,20 @@ class ConfirmingChannel:
         self._by_id.setdefault(published.message_id, []).append(published)
         return published.tag
 
+    def _frame_max(self) -> int:
+        connection = self._channel.connection
+        frame_max = getattr(connection, "frame_max", None)
+        return frame_max if isinstance(frame_max, int) else 0
+
+    def _write(self, frames: bytes) -> None:
+        """Write a publish's frames (:mod:`.amqp_publish`) as py-amqp's frame writer
+        would: on an open channel, counted as data sent for the heartbeats."""
+        connection = self._channel.connection
+        if connection is None or not self._channel.is_open:
+            raise amqp.exceptions.RecoverableConnectionError("basic_publish: connection closed")
+        connection.transport.write(frames)
+        connection.bytes_sent += 1
+
     def wait(self, timeout: float) -> dict[int, tuple[str, str]]:
         """Wait until the broker confirmed (or refused) every message published since the
         last wait; return each handle's end (:data:`ACKED`, :data:`NACKED`,
@@ -116,7 +138,7 @@ class ConfirmingChannel:
             if remaining <= 0:
                 raise TimeoutError(f"the broker confirmed {sum(p.end is not None for p in waiting)}"
                                    f" of {len(waiting)} messages in {timeout:.0f}s")
-            self.connection.drain_events(timeout=remaining)
+            amqp_reads.drain(self.connection, remaining)
         self._waiting.clear()
         self._by_id.clear()
         return {published.tag: (published.end or NACKED, published.returned)

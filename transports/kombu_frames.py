@@ -11,6 +11,8 @@ from typing import Any
 
 import amqp.method_framing
 
+from . import amqp_content
+
 
 class _RawBody:
     """Mixed into a channel's kombu ``Message`` class: the body stays as the broker holds
@@ -79,6 +81,8 @@ def _lenient_frames(connection: Any, callback: Any, **options: Any) -> Callable[
     of them), so the message arrives: a content type or encoding that is not text is
     refused, and so is a core property (``message_id``, ``type``, ... read as idembus
     headers, :mod:`.amqp_properties`) that is not, as an ``idembus.*`` header would be."""
+    if not options:  # py-amqp's handler with a faster reader of content headers
+        return amqp_content.frame_handler(connection, callback, reread=_escaped_header)
     on_frame = amqp.method_framing.frame_handler(connection, callback, **options)
 
     def on_any_frame(frame: Any) -> Any:

@@ -188,6 +188,7 @@ class KombuPublishing(KombuTopology):
         handles: dict[int, int] = {}
         try:
             confirming = self._confirming()
+            frame_max = _frame_max(confirming.connection)  # once a batch, not a message
             for index, envelope in enumerate(envelopes):
                 route = self._pipelined_route(envelope)
                 if route is None:
@@ -195,7 +196,8 @@ class KombuPublishing(KombuTopology):
                     continue
                 exchange, key = route
                 try:
-                    self._check_fits(confirming.connection, envelope, key, _what(envelope, key))
+                    self._check_fits(confirming.connection, envelope, key, _what(envelope, key),
+                                     frame_max)
                 except DestinationRefused as refused:
                     results[index] = refused
                     continue
@@ -270,15 +272,17 @@ class KombuPublishing(KombuTopology):
             self._release(confirming.connection)
 
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
-                    what: str) -> None:
+                    what: str, frame_max: Any = None) -> None:
         """Refuse, before the broker does it by closing the connection, what AMQP cannot
-        carry: a routing key over 255 bytes, headers that do not fit one frame."""
+        carry: a routing key over 255 bytes, headers that do not fit one frame
+        (``frame_max``: the connection's, when the caller has read it already)."""
         if not self._is_amqp:
             return
         if len(routing_key.encode("utf-8", "surrogateescape")) > delays.MAX_KEY_BYTES:
             raise DestinationRefused(f"{what}: the routing key is longer than "
                                      f"{delays.MAX_KEY_BYTES} bytes, the AMQP limit")
-        frame_max = getattr(getattr(connection, "connection", None), "frame_max", None)
+        if frame_max is None:
+            frame_max = _frame_max(connection)
         if not isinstance(frame_max, int) or frame_max <= 0:
             return
         headers = envelope.headers
@@ -322,6 +326,11 @@ class _Unanswered:
 _UNANSWERED = _Unanswered()
 #: Seconds a batch's publishes wait for their confirms before each goes alone.
 _CONFIRM_TIMEOUT = 30.0
+
+
+def _frame_max(connection: kombu.Connection) -> Any:
+    """The largest frame ``connection``'s broker takes (what py-amqp says it is)."""
+    return getattr(getattr(connection, "connection", None), "frame_max", None)
 
 
 def _what(envelope: Envelope, routing_key: str) -> str:

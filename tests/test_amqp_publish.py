@@ -1,0 +1,62 @@
+"""``basic.publish`` written as bytes (:mod:`idembus.transports.amqp_publish`): the same
+frames py-amqp's own frame writer makes, or ``None`` where it leaves them to py-amqp."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import amqp
+import pytest
+from amqp import spec
+from amqp.method_framing import frame_writer
+from amqp.serialization import dumps
+
+from idembus.transports import amqp_publish
+
+FRAME_MAX = 131072
+
+
+def py_amqp_frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool,
+                   body: bytes, headers: Any, frame_max: int = FRAME_MAX,
+                   **properties: Any) -> bytes:
+    """What py-amqp writes for the same publish (its frame writer on a fake socket)."""
+    written: list[bytes] = []
+    connection = SimpleNamespace(frame_max=frame_max, bytes_sent=0)
+    transport = SimpleNamespace(write=lambda data: written.append(bytes(data)))
+    write = frame_writer(connection, transport)
+    message = amqp.Message(body, application_headers=headers, delivery_mode=2, **properties)
+    write(1, channel, spec.Basic.Publish,
+          dumps("Bssbb", (0, exchange, routing_key, mandatory, False)), message)
+    return b"".join(written)
+
+
+CASES = [
+    dict(exchange="", routing_key="orders", mandatory=True, body=b'{"a": 1}',
+         headers={"idembus.conversation_id": "c-1", "idembus.intent": "send"},
+         content_type="application/json", content_encoding="utf-8",
+         message_id="m-1", type="PlaceOrder", app_id="sales"),
+    dict(exchange="events.x", routing_key="OrderPlaced", mandatory=False, body=b"",
+         headers={}, content_type="application/json", content_encoding="binary"),
+    dict(exchange="é", routing_key="ключ", mandatory=True, body="ü".encode() * 500,
+         headers={"naïve": "värde \udcff", "x": ""}, content_type="text/plain",
+         content_encoding="utf-8", correlation_id="c", reply_to="r", message_id="m",
+         type="t", app_id="a"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_frames_are_those_py_amqp_writes(case):
+    assert amqp_publish.frames(5, frame_max=FRAME_MAX, **case) == py_amqp_frames(5, **case)
+
+
+@pytest.mark.parametrize("change", [
+    {"headers": {"count": 3}},  # a value of another type than text
+    {"headers": {"n" * 256: "v"}},  # a name too long for a short string
+    {"message_id": "m" * 256},  # a short string property over 255 bytes
+    {"priority": 5},  # a property it does not write
+    {"body": b"x" * FRAME_MAX},  # a body over more than one frame
+])
+def test_what_it_does_not_write_is_left_to_py_amqp(change):
+    case = {**CASES[0], **change}
+    assert amqp_publish.frames(1, frame_max=FRAME_MAX, **case) is None

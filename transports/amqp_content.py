@@ -1,0 +1,161 @@
+"""Reading RabbitMQ's content headers without py-amqp's generic table reader.
+
+py-amqp reads a delivery's content header (its basic properties and headers table)
+through ``decode_properties_basic`` and ``loads``: per table item a format look-up, a
+``chr``, a ``struct`` call and a helper that decodes the text. :func:`frame_handler` is
+py-amqp's own frame handler (the same frames, states and errors) whose messages read a
+basic content header with :func:`decode_basic`: the same properties, the same values
+(text as py-amqp decodes it, bytes where it is not UTF-8), for a table whose values are
+all long strings, as idembus' are; any other table, or a payload that is not ``bytes``,
+is read by py-amqp's reader as before.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from struct import Struct
+from typing import Any
+
+import amqp
+from amqp import spec
+from amqp.exceptions import UnexpectedFrame
+from amqp.serialization import decode_properties_basic
+
+#: Methods whose content (header, then body) follows them.
+_CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.GetOk])
+_SHORT, _LONG, _OCTET = Struct(">H").unpack_from, Struct(">I").unpack_from, Struct(">B")
+_TIMESTAMP = Struct(">Q").unpack_from
+_METHOD = Struct(">HH").unpack_from
+#: The short-string properties after the headers and the octets, by flag bit, in order.
+_LATER: tuple[tuple[int, str], ...] = (
+    (0x0400, "correlation_id"), (0x0200, "reply_to"), (0x0100, "expiration"),
+    (0x0080, "message_id"))
+_LAST: tuple[tuple[int, str], ...] = (
+    (0x0020, "type"), (0x0010, "user_id"), (0x0008, "app_id"), (0x0004, "cluster_id"))
+_S = ord("S")
+_UTF8, _ERRORS = "utf-8", "surrogatepass"  # as py-amqp decodes text
+
+
+def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
+    """The basic properties at ``offset`` of ``buf`` and the offset after them, as
+    py-amqp's ``decode_properties_basic`` reads them; through it for a headers table with
+    a value that is not a long string."""
+    start = offset
+    (flags,) = _SHORT(buf, offset)
+    offset += 2
+    properties: dict[str, Any] = {}
+    if flags & 0x8000:
+        size = buf[offset]
+        properties["content_type"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+        offset += 1 + size
+    if flags & 0x4000:
+        size = buf[offset]
+        properties["content_encoding"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+        offset += 1 + size
+    if flags & 0x2000:
+        (size,) = _LONG(buf, offset)
+        offset += 4
+        limit = offset + size
+        table: dict[Any, Any] = {}
+        while offset < limit:
+            key_size = buf[offset]
+            raw_key = buf[offset + 1:offset + 1 + key_size]
+            offset += 1 + key_size
+            if buf[offset] != _S:
+                return decode_properties_basic(buf, start)  # type: ignore[no-any-return]
+            (value_size,) = _LONG(buf, offset + 1)
+            offset += 5
+            raw_value = buf[offset:offset + value_size]
+            offset += value_size
+            try:
+                key: Any = raw_key.decode(_UTF8, _ERRORS)
+            except UnicodeDecodeError:
+                key = raw_key
+            try:
+                table[key] = raw_value.decode(_UTF8, _ERRORS)
+            except UnicodeDecodeError:
+                table[key] = raw_value
+        properties["application_headers"] = table
+    if flags & 0x1000:
+        properties["delivery_mode"] = buf[offset]
+        offset += 1
+    if flags & 0x0800:
+        properties["priority"] = buf[offset]
+        offset += 1
+    for bit, name in _LATER:
+        if flags & bit:
+            size = buf[offset]
+            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+            offset += 1 + size
+    if flags & 0x0040:
+        (properties["timestamp"],) = _TIMESTAMP(buf, offset)
+        offset += 8
+    for bit, name in _LAST:
+        if flags & bit:
+            size = buf[offset]
+            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+            offset += 1 + size
+    return properties, offset
+
+
+class _Message(amqp.Message):  # type: ignore[misc]
+    """py-amqp's message, whose basic content header :func:`decode_basic` reads."""
+
+    def _load_properties(self, class_id: int, buf: Any, offset: int) -> int:
+        if class_id != spec.Basic.CLASS_ID or type(buf) is not bytes:
+            return super()._load_properties(class_id, buf, offset)  # type: ignore[no-any-return]
+        self.properties, offset = decode_basic(buf, offset)
+        return offset
+
+
+def frame_handler(connection: Any, callback: Callable[..., Any], *,
+                  reread: Callable[[bytes], bytes] | None = None) -> Callable[[Any], bool]:
+    """py-amqp's frame handler (``amqp.method_framing.frame_handler``), step for step,
+    with :class:`_Message` for the content that comes with a method. ``reread``: what a
+    content header that raises ``UnicodeDecodeError`` is read again as (else it raises)."""
+    expected_types: defaultdict[int, int] = defaultdict(lambda: 1)
+    partial_messages: dict[int, _Message] = {}
+
+    def on_frame(frame: Any) -> bool:
+        frame_type, channel, buf = frame
+        connection.bytes_recv += 1
+        if frame_type not in (expected_types[channel], 8):
+            raise UnexpectedFrame(
+                f"Received frame {frame_type} while expecting type: "
+                f"{expected_types[channel]}")
+        if frame_type == 1:
+            method_sig = _METHOD(buf, 0)
+            if method_sig in _CONTENT_METHODS:
+                partial_messages[channel] = _Message(frame_method=method_sig,
+                                                     frame_args=buf)
+                expected_types[channel] = 2
+                return False
+            callback(channel, method_sig, buf, None)
+        elif frame_type == 2:
+            msg = partial_messages[channel]
+            try:
+                msg.inbound_header(buf)
+            except UnicodeDecodeError:
+                if reread is None:
+                    raise
+                msg.inbound_header(reread(bytes(buf)))
+            if not msg.ready:
+                expected_types[channel] = 3
+                return False
+            expected_types[channel] = 1
+            partial_messages.pop(channel, None)
+            callback(channel, msg.frame_method, msg.frame_args, msg)
+        elif frame_type == 3:
+            msg = partial_messages[channel]
+            msg.inbound_body(buf)
+            if not msg.ready:
+                return False
+            expected_types[channel] = 1
+            partial_messages.pop(channel, None)
+            callback(channel, msg.frame_method, msg.frame_args, msg)
+        elif frame_type == 8:
+            return False
+        return True
+
+    return on_frame
