@@ -106,6 +106,9 @@ Options
                      error queue included: ``x-max-length`` there drops failed messages,
                      ``x-delivery-limit`` lets the broker drop a message idembus never saw
                      fail
+``partition_lease``  on Redis, the life (seconds, 10) of a process's lease on a partition
+                     queue of ordered messages: a process consumes a partition only while it
+                     holds its lease (:mod:`.redis_leases`)
 """
 
 from __future__ import annotations
@@ -147,6 +150,10 @@ class KombuTransport(KombuPublishing, KombuConsuming, KombuInspection):
         RabbitMQ queues: ``"quorum"`` or ``"classic"``.
     queue_arguments:
         Further arguments of every queue declared (RabbitMQ ``x-*``), the error queue too.
+    partition_lease:
+        On Redis, the life in seconds of a process's lease on a partition queue of ordered
+        messages (renewed every fifth of it): how long the partitions of a process that
+        died wait before another process consumes them.
     """
 
     #: Ordered messages travel in partition queues (``<queue>.ordered.<i>``).
