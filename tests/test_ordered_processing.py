@@ -332,3 +332,9 @@ def test_settling_an_ordered_message_wakes_the_consumers_for_the_next_of_its_key
 def _sequences_of(storage: object) -> dict[str, list[int]]:
     return {record.aggregate_id: list((record.state or {})["seqs"])
             for record in storage.records("Seen")}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("lease", [0, -1.0, True, "10"])
+def test_a_partition_lease_that_is_not_a_positive_number_of_seconds_is_refused(lease):
+    with pytest.raises(ConfigurationError, match="partition_lease must be"):
+        KombuTransport("memory://", partition_lease=lease)
