@@ -184,6 +184,8 @@ def _redis_case(tmp_path, keys: int, per_key: int) -> None:
         _run_killed(app, keys, per_key, bus.send,
                     pending=lambda: sum(transport.pending(name) for name in names),
                     APP_TRANSPORT=REDIS_URL, APP_LEASE="3")
+        # The two workers started after the kills share the partitions.
+        assert app.running[0].err.wait_for("a share of 8 for 2 live process(es)", timeout=30)
     finally:
         for running in app.running:
             running.stop()

@@ -170,8 +170,9 @@ class KombuConsuming(KombuCore):
                 if not mine:
                     _wait_either(changed, stop)
                     continue
-                self._consume_partition_queues(queue, mine, on_delivery,
-                                               _EitherEvent(stop, changed))
+                with leases.consuming(mine):
+                    self._consume_partition_queues(queue, mine, on_delivery,
+                                                   _EitherEvent(stop, changed))
         finally:
             leases.release(partitions, unwatch=True)
 

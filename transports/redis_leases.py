@@ -22,6 +22,7 @@ kombu's Redis transport has nothing of the kind. Here each partition has a lease
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from .. import routing
@@ -46,8 +47,13 @@ _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
           "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
-# Take a free lease: ARGV[1] the owner, ARGV[2] the ttl (ms).
-_TAKE = "return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])"
+# Take a free lease (or one still ours, after an outage): ARGV[1] the owner, ARGV[2] the
+# ttl (ms).
+_TAKE = ("local holder = redis.call('get', KEYS[1]) "
+         "if holder == false then "
+         "return redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) "
+         "elseif holder == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
+         "else return 0 end")
 # Announce ARGV[1] until the server's now + ARGV[2] ms, forget the expired; how many live.
 _ANNOUNCE = ("local t = redis.call('time') "
              "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
@@ -90,6 +96,9 @@ class PartitionLeases:
         self._held: set[int] = set()
         #: Held partitions to give back (above this process's share) once not consumed.
         self._leaving: set[int] = set()
+        #: Partitions a consumer thread of this process consumes now (or still finishes a
+        #: message of): never taken again, nor their messages put back, meanwhile.
+        self._busy: set[int] = set()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._connection: Any = None
@@ -117,6 +126,17 @@ class PartitionLeases:
         with self._lock:
             return {index for index in partitions
                     if index in self._held and index not in self._leaving}
+
+    @contextlib.contextmanager
+    def consuming(self, partitions: Collection[int]) -> Iterator[None]:
+        """Marks ``partitions`` as consumed by the caller while the block runs."""
+        with self._lock:
+            self._busy.update(partitions)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy.difference_update(partitions)
 
     def release(self, partitions: Collection[int], *, unwatch: bool = False) -> None:
         """Give back the leases of ``partitions`` that are held but no longer consumable
@@ -173,7 +193,7 @@ class PartitionLeases:
         live = max(1, int(client.eval(_ANNOUNCE, 1, self._members_key(), self.owner, ttl_ms)))
         with self._lock:
             held = sorted(self._held)
-            watched = sorted(self._watchers)
+            watched = sorted(set(self._watchers) - self._busy)
         lost = {index for index in held
                 if not client.eval(_RENEW, 1, self._lease_key(index), self.owner, ttl_ms)}
         self._renewed = time.monotonic()
