@@ -45,15 +45,19 @@ class Sequences(AggregateHandler[Seen]):
 def make() -> Endpoint:
     """The endpoint as ``idembus run tests.ordered_app:make`` starts it, from
     ``APP_QUEUE``, ``APP_TRANSPORT``, ``APP_POSTGRES``, ``APP_PREFIX`` and
-    ``APP_ERROR_QUEUE`` (a PostgreSQL transport's tables are ``APP_PREFIX`` and ``q``)."""
+    ``APP_ERROR_QUEUE`` (a PostgreSQL transport's tables are ``APP_PREFIX`` and ``q``);
+    ``APP_LEASE``, if set, is the kombu transport's ``partition_lease`` (Redis)."""
     from idembus.storage.postgres import PostgresStorage
+    from idembus.transports.kombu import KombuTransport
     from idembus.transports.postgres import PostgresTransport
 
     url = os.environ["APP_TRANSPORT"]
+    lease = os.environ.get("APP_LEASE")
     return Endpoint(
         os.environ["APP_QUEUE"],
         transport=(PostgresTransport(url, table_prefix=os.environ["APP_PREFIX"] + "q")
-                   if url.startswith("postgresql://") else url),
+                   if url.startswith("postgresql://")
+                   else KombuTransport(url, partition_lease=float(lease)) if lease else url),
         storage=PostgresStorage(os.environ["APP_POSTGRES"],
                                 table_prefix=os.environ["APP_PREFIX"]),
         handlers=[Sequences],

@@ -464,3 +464,7 @@ def test_status_says_nothing_of_ordering_for_an_endpoint_without_ordered_types()
     summary = summarise("plain", [], now=now, stale_after=datetime.timedelta(seconds=15))
     summary.update(queue=None, ordering=None)
     assert "ordered" not in render(summary, now=now)
+@pytest.mark.parametrize("lease", [0, -1.0, True, "10"])
+def test_a_partition_lease_that_is_not_a_positive_number_of_seconds_is_refused(lease):
+    with pytest.raises(ConfigurationError, match="partition_lease must be"):
+        KombuTransport("memory://", partition_lease=lease)

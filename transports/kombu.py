@@ -115,6 +115,9 @@ Options
                      fail
 ``reply_lease``      redis://: seconds a reply queue (``bus.request``) outlives a requester
                      that died without closing its endpoint (30; renewed every third of it)
+``partition_lease``  on Redis, the life (seconds, 10) of a process's lease on a partition
+                     queue of ordered messages: a process consumes a partition only while it
+                     holds its lease (:mod:`.redis_leases`)
 """
 
 from __future__ import annotations
@@ -159,6 +162,10 @@ class KombuTransport(KombuPublishing, KombuConsuming, KombuInspection):
     reply_lease:
         redis://: seconds a reply queue outlives a requester that died without closing its
         endpoint (:mod:`idembus.transports.kombu_replies`).
+    partition_lease:
+        On Redis, the life in seconds of a process's lease on a partition queue of ordered
+        messages (renewed every fifth of it): how long the partitions of a process that
+        died wait before another process consumes them.
     """
 
     #: Ordered messages travel in partition queues (``<queue>.ordered.<i>``).

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from queue import Empty
 from typing import Any
 
@@ -24,6 +24,7 @@ from .kombu_core import _DRAIN_TIMEOUT, KombuCore
 from .kombu_delivery import _KombuDelivery
 from .kombu_errors import _broker_errors, _classified
 from .kombu_in_process import InProcessMessage
+from .redis_leases import PartitionLeases
 
 log = logging.getLogger(f"{__package__}.kombu")  # one logger for the kombu transport
 
@@ -204,15 +205,58 @@ class KombuConsuming(KombuCore):
         :meth:`consume`. On RabbitMQ the broker makes one consumer of each partition
         active at a time: while this one is, the partition's messages come here in order,
         the next one only once the previous one is settled."""
-        names = [routing.partition_queue(queue, index) for index in partitions]
+        if self._is_redis:
+            self._consume_leased(queue, partitions, on_delivery, stop)
+            return
+        self._consume_partition_queues(queue, partitions, on_delivery, stop)
+
+    def _consume_partition_queues(self, queue: str, partitions: Collection[int],
+                                  on_delivery: OnDelivery, stop: threading.Event) -> None:
+        names = [routing.partition_queue(queue, index) for index in sorted(partitions)]
+        leaving = self._is_redis
 
         def consumers(connection: kombu.Connection, channel: Any) -> list[kombu.Consumer]:
-            return [kombu.Consumer(
+            made = [kombu.Consumer(
                 channel, [Queue(name, durable=True, no_declare=True)],
-                on_message=self._delivering(name, on_delivery, connection), prefetch_count=1)
+                on_message=self._delivering(name, on_delivery, connection,
+                                            unless=stop if leaving else None),
+                prefetch_count=1)
                 for name in names]
+            return [*made, _PendingRead(channel)] if leaving else made
 
         self._consuming_with(", ".join(names), stop, consumers, lambda connection: None)
+
+    def _consume_leased(self, queue: str, partitions: Sequence[int], on_delivery: OnDelivery,
+                        stop: threading.Event) -> None:
+        """Redis: consume those of ``partitions`` whose lease this process holds
+        (:mod:`.redis_leases`), again each time they change, until ``stop`` is set."""
+        leases = self._partition_leases(queue, partitions)
+        changed = threading.Event()
+        leases.watch(partitions, changed)
+        try:
+            while not stop.is_set():
+                changed.clear()
+                mine = leases.consumable(partitions)
+                # Those given up are no longer consumed: their leases go back.
+                leases.release([index for index in partitions if index not in mine])
+                if not mine:
+                    _wait_either(changed, stop)
+                    continue
+                with leases.consuming(mine):
+                    self._consume_partition_queues(queue, mine, on_delivery,
+                                                   _EitherEvent(stop, changed))
+        finally:
+            leases.release(partitions, unwatch=True)
+
+    def _partition_leases(self, queue: str, partitions: Sequence[int]) -> PartitionLeases:
+        with self._connections_lock:
+            leases = self._leases.get(queue)
+            if leases is None:
+                count = self._partition_counts.get(queue, max(partitions, default=0) + 1)
+                leases = PartitionLeases(self._connect, self._release, queue, count,
+                                         ttl=self.partition_lease)
+                self._leases[queue] = leases
+            return leases
 
     def _consuming_with(
         self, queue: str, stop: threading.Event,
@@ -286,12 +330,17 @@ class KombuConsuming(KombuCore):
         for delivery in held:
             delivery.settled = True
 
-    def _delivering(self, queue: str, on_delivery: OnDelivery,
-                    connection: kombu.Connection) -> Callable[[kombu.Message], None]:
-        """The kombu callback that hands each message of ``queue`` to ``on_delivery``."""
+    def _delivering(self, queue: str, on_delivery: OnDelivery, connection: kombu.Connection,
+                    *, unless: threading.Event | None = None,
+                    ) -> Callable[[kombu.Message], None]:
+        """The kombu callback that hands each message of ``queue`` to ``on_delivery``;
+        once ``unless`` is set, a message is left unacknowledged instead, for the channel's
+        closing to put back first in line (kombu's Redis transport)."""
         outage = _broker_errors(connection)
 
         def on_message(message: kombu.Message) -> None:
+            if unless is not None and unless.is_set():
+                return
             delivery = _KombuDelivery(queue, message, outage=outage,
                                       native_requeue=self._is_amqp,
                                       events_exchange=self.exchange_name)
@@ -342,3 +391,49 @@ def _one_more_at_once(connection: kombu.Connection, ready: list[Delivery]) -> bo
     except TimeoutError:
         pass
     return len(ready) > before
+
+
+class _EitherEvent(threading.Event):
+    """Set when either of two events is (what a consumer's loop looks at to stop)."""
+
+    def __init__(self, first: threading.Event, second: threading.Event) -> None:
+        super().__init__()
+        self._either = (first, second)
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self._either)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            remaining = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if remaining <= 0:
+                return False
+            self._either[0].wait(remaining)
+        return True
+
+
+def _wait_either(first: threading.Event, second: threading.Event) -> None:
+    """Wait until ``first`` or ``second`` is set."""
+    _EitherEvent(first, second).wait()
+
+
+class _PendingRead:
+    """Reads, on leaving, the reply of a BRPOP a kombu Redis channel left pending, while the
+    consumers' callbacks are still in place (they leave its message unacknowledged, and the
+    channel's closing puts it back first in line). Without it, the channel's closing reads
+    the reply with no consumer left, and kombu requeues the message at the back of its queue,
+    behind later messages of its key."""
+
+    def __init__(self, channel: Any) -> None:
+        self._channel = channel
+
+    def __enter__(self) -> _PendingRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if getattr(self._channel, "_in_poll", None):
+            try:
+                self._channel._brpop_read()
+            except Exception:  # Empty, or the connection is gone: nothing was taken
+                log.debug("reading a pending BRPOP failed", exc_info=True)

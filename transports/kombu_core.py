@@ -61,6 +61,7 @@ class KombuCore(Transport):
         queue_type: str = "quorum",
         queue_arguments: Mapping[str, Any] | None = None,
         reply_lease: float = 30.0,
+        partition_lease: float = 10.0,
     ) -> None:
         #: The broker URLs: one, or the nodes of a cluster.
         self.urls = _split_urls(url)
@@ -129,6 +130,17 @@ class KombuCore(Transport):
         self._delay_bound: set[str] = set()
         self._delay_levels_declared = False
         self._raw_message_classes: dict[type, type] = {}
+        if (isinstance(partition_lease, bool) or not isinstance(partition_lease, int | float)
+                or not partition_lease > 0):
+            raise ConfigurationError(
+                f"partition_lease must be a number of seconds above 0, not {partition_lease!r}")
+        #: On Redis, the life of a partition's lease (seconds): how long a partition of a
+        #: process that died waits before another process takes it.
+        self.partition_lease = float(partition_lease)
+        #: How many partitions each queue was declared with (``declare_partitions``).
+        self._partition_counts: dict[str, int] = {}
+        #: On Redis, this process's leases on each queue's partitions.
+        self._leases: dict[str, Any] = {}
 
     @property
     def exchange_name(self) -> str:

@@ -85,6 +85,7 @@ class KombuTopology(KombuReplyQueues):
                                                  f"declaring queue {name!r}",
                                                  refusal=BrokerAccessDenied) from exc
                 self._known_queues.add(name)
+        self._partition_counts[queue] = count
 
     def _unbind_legacy(self, channel: Any, queue: str, subscriptions: Collection[str]) -> None:
         """Remove the unanchored ``#.<name>.#`` bindings an earlier idembus made for

@@ -711,7 +711,8 @@ class Endpoint:
         """One more thread per consumer thread for the partition queues, each consuming
         its share of them (partition ``i`` goes to thread ``i mod concurrency``) one
         delivery at a time: a partition's messages are handled in order in this process,
-        and the broker gives each partition to one process at a time."""
+        and each partition is consumed by one process at a time (the broker's single active
+        consumer on RabbitMQ, a lease per partition on Redis)."""
         for index in range(min(self.concurrency, self.partitions)):
             share = list(range(index, self.partitions, self.concurrency))
             thread = threading.Thread(
