@@ -282,7 +282,8 @@ def test_tables_of_an_earlier_idembus_get_the_ordering_key_column_at_start():
         with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
             connection.execute(f"DROP INDEX {prefix}_messages_ordering")
             connection.execute(f"ALTER TABLE {prefix}_messages DROP COLUMN ordering_key")
-            assert transport.schema.missing(connection) == [f"{prefix}_messages.ordering_key"]
+            assert transport.schema.missing(connection) == [
+                f"{prefix}_messages.ordering_key", f"index {prefix}_messages_ordering"]
         later = PostgresTransport(POSTGRES_URL, table_prefix=prefix)
         later.verify()  # what an endpoint does at start
         later.declare("steps")
