@@ -23,7 +23,7 @@ from pydantic_core import PydanticSerializationError, to_json
 def text_json(value: Any) -> str:
     """``value`` (text, numbers, booleans, ``None``, in lists and dicts) as JSON text."""
     try:
-        return to_json(value, inf_nan_mode="constants").decode()
+        return to_json(value).decode()  # NaN and Infinity as json.dumps writes them
     except PydanticSerializationError:
         return json.dumps(value)
 
