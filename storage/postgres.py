@@ -81,6 +81,7 @@ from .. import headers as h
 from ..envelope import Envelope
 from ..errors import ConfigurationError
 from ..redaction import redact
+from . import postgres_json as pg_json
 from .base import (
     INBOX,
     OVERDUE_DELAYED,
@@ -539,11 +540,11 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         try:
             with self._connection() as connection:
                 with connection.pipeline():
-                    entries = connection.execute(self._load_inbox_group, (Jsonb([
+                    entries = connection.execute(self._load_inbox_group, (_jsonb_of([
                         {"position": position, "aggregate_id": requests[index][1],
                          "key": requests[index][2] or requests[index][1]}
                         for position, index in enumerate(inbox, 1)]), INBOX)) if inbox else None
-                    group = connection.execute(self._load_group, (Jsonb([
+                    group = connection.execute(self._load_group, (_jsonb_of([
                         {"position": position, "aggregate_type": requests[index][0],
                          "aggregate_id": requests[index][1], "key": requests[index][2]}
                         for position, index in enumerate(grouped, 1)]),)) if grouped else None
@@ -803,8 +804,9 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
     def _mark_arguments(marks: list[_Mark]) -> list[Jsonb]:
         """The marks as one JSON parameter, as the groups take their rows (an array a
         column made psycopg quote every element in Python, with a regular expression)."""
-        return [Jsonb([{"t": aggregate_type, "i": aggregate_id, "k": key, "keep": keep}
-                       for aggregate_type, aggregate_id, key, keep in marks])]
+        return [pg_json.jsonb(pg_json.text_json(
+            [{"t": aggregate_type, "i": aggregate_id, "k": key, "keep": keep}
+             for aggregate_type, aggregate_id, key, keep in marks]))]
 
     def _write_marks(self, batch: list[tuple[_Mark, tuple[JournalEntry, ...]]]) -> None:
         """One transaction: the batch's journal entries, then its marks."""
@@ -1363,8 +1365,10 @@ class _CommitValues(NamedTuple):
         completed = bool(pending.options.get("completed", False))
         return cls(
             entry=(loaded.aggregate_type, loaded.aggregate_id, pending.key,
-                   Jsonb([envelope.to_record() for envelope in outgoing]),
-                   Jsonb([envelope.message_id for envelope in outgoing]), not outgoing,
+                   pg_json.jsonb(pg_json.text_json(
+                       [envelope.to_record() for envelope in outgoing])),
+                   pg_json.jsonb(pg_json.text_json(
+                       [envelope.message_id for envelope in outgoing])), not outgoing,
                    pending.options.get("message_type")),
             # A tombstone keeps the state it was given as its last (``final_state``).
             document=Jsonb(dict(pending.state)) if pending.state is not None else None,
@@ -1376,26 +1380,33 @@ class _CommitValues(NamedTuple):
 def _update_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
     """The rows of ``_update_group``: each aggregate's loaded version, new state and
     processed row."""
-    return (Jsonb([{**_aggregate_row(pending), "version": pending.loaded.version}
-                   for pending in commits]),)
+    return (pg_json.jsonb_array(_aggregate_row(pending, version=pending.loaded.version)
+                                for pending in commits),)
 
 
 def _create_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
     """The rows of ``_create_group``: the new aggregates' and their processed rows'."""
-    return (Jsonb([_aggregate_row(pending) for pending in commits]),)
+    return (pg_json.jsonb_array(_aggregate_row(pending) for pending in commits),)
 
 
-def _aggregate_row(pending: PendingCommit) -> dict[str, Any]:
-    """The aggregate's columns and the processed row of ``pending``, as a JSON object."""
-    return {**_entry_row(pending),
-            "state": dict(pending.state) if pending.state is not None else None,
-            "state_version": pending.options.get("state_version"),
-            "completed": bool(pending.options.get("completed", False))}
+def _jsonb_of(rows: list[dict[str, Any]]) -> Jsonb:
+    """``rows`` (text and numbers) as one ``jsonb`` parameter."""
+    return pg_json.jsonb(pg_json.text_json(rows))
+
+
+def _aggregate_row(pending: PendingCommit, **more: Any) -> str:
+    """The aggregate's columns and the processed row of ``pending`` (and ``more``), as
+    JSON text; the state written by ``json.dumps``."""
+    return pg_json.row_with_state(
+        {**_entry_row(pending), "state_version": pending.options.get("state_version"),
+         "completed": bool(pending.options.get("completed", False)), **more},
+        pending.state)
 
 
 def _inbox_group_arguments(commits: Sequence[PendingCommit]) -> tuple[Jsonb]:
     """The rows of ``_inbox_group``: the processed rows."""
-    return (Jsonb([_entry_row(pending) for pending in commits]),)
+    return (pg_json.jsonb_array(pg_json.text_json(_entry_row(pending))
+                                for pending in commits),)
 
 
 def _entry_row(pending: PendingCommit) -> dict[str, Any]:

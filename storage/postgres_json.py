@@ -1,0 +1,52 @@
+"""JSON parameters of :class:`~idembus.storage.postgres.PostgresStorage` written quickly.
+
+The rows a commit writes (its outgoing messages' records, headers and body as text) are
+most of the JSON idembus sends PostgreSQL, and ``json.dumps`` escapes every character of
+that text in a loop of its own. :func:`text_json` writes the same JSON document with
+pydantic-core's encoder (compact, UTF-8 kept as is, which ``jsonb`` stores alike) and
+falls back to ``json.dumps`` for what that encoder refuses (a lone surrogate), so that
+PostgreSQL refuses it as before. It is meant for values idembus builds from text,
+numbers, booleans and ``None``: an aggregate's state, the user's data, stays with
+``json.dumps`` (:func:`row_with_state`), which refuses what JSON cannot hold.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from psycopg.types.json import Jsonb
+from pydantic_core import PydanticSerializationError, to_json
+
+
+def text_json(value: Any) -> str:
+    """``value`` (text, numbers, booleans, ``None``, in lists and dicts) as JSON text."""
+    try:
+        return to_json(value).decode()  # NaN and Infinity as json.dumps writes them
+    except PydanticSerializationError:
+        return json.dumps(value)
+
+
+def row_with_state(row: Mapping[str, Any], state: Mapping[str, Any] | None) -> str:
+    """``row`` (as :func:`text_json` writes it) with a ``state`` member: the aggregate's
+    state as ``json.dumps`` writes it (``null`` for none)."""
+    written = text_json(row)
+    state_json = "null" if state is None else json.dumps(dict(state))
+    return f'{written[:-1]},"state":{state_json}}}' if len(written) > 2 else (
+        f'{{"state":{state_json}}}')
+
+
+def written(text: str) -> str:
+    """The dump function of :func:`jsonb`: the text is JSON already."""
+    return text
+
+
+def jsonb(text: str) -> Jsonb:
+    """A ``jsonb`` parameter whose JSON text is ``text``, as written."""
+    return Jsonb(text, dumps=written)
+
+
+def jsonb_array(texts: Iterable[str]) -> Jsonb:
+    """A ``jsonb`` array parameter of the JSON values ``texts``."""
+    return Jsonb(f"[{','.join(texts)}]", dumps=written)
