@@ -91,17 +91,42 @@ class _CachedSignal(Signal):
         finally:
             self._version += 1
 
-    def references_for(self, sender: str) -> list[Any]:
-        """The receivers for ``sender`` (a string: its own id) as they are stored: the
-        callables, or weak references to them, in ``receivers_for``'s order."""
+    def references_for(self, sender: str) -> list[tuple[Any, Any]]:
+        """The receivers for ``sender`` (a string: its own id), in ``receivers_for``'s
+        order, as pairs ready to call: ``(None, receiver)`` for one held strongly,
+        ``(reference, None)`` for a weakly held callable (call what the reference gives),
+        ``(reference, function)`` for a weakly held bound method (``function`` called with
+        what the reference to its instance gives: no ``WeakMethod`` call and no bound
+        method made per send). The function of a method is held strongly; its instance
+        stays weak, and when it is collected blinker disconnects it, which works the pairs
+        out again."""
         cached = self._cached.get(sender)
         version = self._version
         if cached is not None and cached[0] == version:
             return cached[1]
         ids = self._by_sender[ANY_ID] | self._by_sender.get(sender, set())
-        references = [self.receivers[each] for each in ids if each in self.receivers]
+        references = []
+        for each in ids:
+            stored = self.receivers.get(each)
+            pair = None if stored is None else _callable(stored)
+            if pair is not None:
+                references.append(pair)
         self._cached[sender] = (version, references)
         return references
+
+
+def _callable(stored: Any) -> tuple[Any, Any] | None:
+    """A receiver as blinker stores it (itself, a ``weakref.ref`` or a ``WeakMethod``) as
+    the pair :meth:`_CachedSignal.references_for` describes (``None``: a method whose
+    instance was collected, which blinker disconnects)."""
+    if isinstance(stored, weakref.WeakMethod):
+        method = stored()
+        if method is None:
+            return None
+        return weakref.ref(method.__self__), method.__func__
+    if isinstance(stored, weakref.ref):
+        return stored, None
+    return None, stored
 
 
 class EndpointSignals:
@@ -148,18 +173,22 @@ class EndpointSignals:
         signal: _CachedSignal = getattr(self, name)
         if not signal.receivers:
             return
-        cached = signal._cached.get(self.endpoint)  # references_for's cache, looked at here
+        endpoint = self.endpoint
+        cached = signal._cached.get(endpoint)  # references_for's cache, looked at here
         references = (cached[1] if cached is not None and cached[0] == signal._version
-                      else signal.references_for(self.endpoint))
-        for receiver in references:
-            if isinstance(receiver, weakref.ref):
-                receiver = receiver()
-                if receiver is None:  # collected: blinker disconnects it
-                    continue
+                      else signal.references_for(endpoint))
+        for reference, function in references:
             try:
-                result = receiver(self.endpoint, **details)
+                if reference is None:
+                    result = function(endpoint, **details)
+                else:
+                    receiver = reference()
+                    if receiver is None:  # collected: blinker disconnects it
+                        continue
+                    result = (receiver(endpoint, **details) if function is None
+                              else function(receiver, endpoint, **details))
             except Exception:
-                log.exception("a receiver of the %r signal of %s raised", name, self.endpoint)
+                log.exception("a receiver of the %r signal of %s raised", name, endpoint)
                 continue
             if result is not None and isinstance(result, Coroutine):
                 result.close()

@@ -129,6 +129,8 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         """``processed`` (the newest entry last) within the window and the retention: the
         newest ``processed_window`` entries, and every entry whose messages were never
         dispatched whatever its age, for the outbox to send."""
+        if len(processed) == 1:  # the newest entry, always kept (an aggregate's first)
+            return processed
         keys = list(processed)
         recent = set(keys[-(self.processed_window or len(keys)):])
         horizon = utc_now() - self.retention if self.retention is not None else None

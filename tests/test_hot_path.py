@@ -4,6 +4,7 @@ fields of the message being processed, the receivers a signal remembers between 
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 from idembus.logs import current_context, message_context
@@ -72,6 +73,33 @@ def test_a_signal_skips_a_weakly_connected_receiver_once_it_is_collected() -> No
     signals.emit("handled", message_id="2")
     assert seen == ["1"]
     assert not signals.handled.receivers
+
+
+def test_a_signal_calls_weak_methods_on_their_instance_and_strong_receivers_from_its_cache(
+) -> None:
+    signals = EndpointSignals("sales")
+    seen: list[tuple[str, str, str]] = []
+
+    class Observer:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_settled(self, sender: str, *, outcome: str, **details: Any) -> None:
+            seen.append((self.name, sender, outcome))
+
+    first, second = Observer("first"), Observer("second")
+    signals.settled.connect(first.on_settled)  # weak: blinker keeps a WeakMethod
+    signals.settled.connect(second.on_settled, weak=False)
+    for outcome in ("handled", "duplicate"):  # the second send from the remembered pairs
+        signals.emit("settled", outcome=outcome)
+    assert sorted(seen) == [("first", "sales", "duplicate"), ("first", "sales", "handled"),
+                            ("second", "sales", "duplicate"), ("second", "sales", "handled")]
+    collected = weakref.ref(first)
+    del first
+    gc.collect()
+    assert collected() is None  # the remembered pair did not keep the instance alive
+    signals.emit("settled", outcome="handled")
+    assert seen[-1] == ("second", "sales", "handled") and len(seen) == 5
 
 
 def test_derived_ids_are_the_uuid5_of_their_name() -> None:

@@ -87,6 +87,14 @@ class _Dispatching(DispatchProgress):
     redispatch_counted: bool = field(default=False)
 
 
+def _dispatch_details(outcome: Outcome, headers: Mapping[str, str]) -> dict[str, object]:
+    """What the ``left_to_outbox`` and ``redispatched`` signals say of ``outcome``'s
+    outgoing messages (worked out only when one is sent, not for every message)."""
+    return {"key": outcome.key, "count": len(outcome.outgoing),
+            "message_id": headers.get(h.MESSAGE_ID),
+            "message_type": headers.get(h.MESSAGE_TYPE), "handler": outcome.handler}
+
+
 class MessageProcessor:
     """Processes deliveries of one endpoint; safe to call from several threads.
 
@@ -459,11 +467,8 @@ class MessageProcessor:
         committer and the outbox."""
         if not outcome.outgoing:
             return  # an entry without outgoing messages is born dispatched
-        details = {"key": outcome.key, "count": len(outcome.outgoing),
-                   "message_id": headers.get(h.MESSAGE_ID),
-                   "message_type": headers.get(h.MESSAGE_TYPE), "handler": outcome.handler}
         if outcome.left_to_outbox:
-            self._signals.emit("left_to_outbox", **details)
+            self._signals.emit("left_to_outbox", **_dispatch_details(outcome, headers))
             self._left_to_outbox()
             return
         already = len(progress.sent)
@@ -479,7 +484,7 @@ class MessageProcessor:
                     and len(progress.done) == len(outcome.outgoing)):
                 progress.redispatch_counted = True
                 self._signals.emit("redispatched", time_sent=headers.get(h.TIME_SENT),
-                                   **details)
+                                   **_dispatch_details(outcome, headers))
 
     def reject(self, delivery: Delivery, reason: str) -> None:
         """Bad input found before decoding: straight to the error queue with ``reason``;
