@@ -56,10 +56,10 @@ def test_every_order_takes_effect_once_through_a_node_kill_a_node_stop_and_a_pg_
 
     # When 300 orders (20% of them sent twice) go through the three endpoints on the
     # cluster and the pair, a node killed and PostgreSQL failed over halfway, a node
-    # stopped after, and a random worker SIGKILLed every ~4 s (at 10 s, a quiet machine
-    # shipped every order before the first kill)
+    # stopped after, and a random worker SIGKILLed every ~1.5 s (at 4 s, the batched
+    # workers shipped every order before the first kill)
     done = run_torture("--cluster", "--orders", str(ORDERS), "--duplicates", "0.2",
-                       "--workers", "2", "--kill-interval", "4", "--seed", "5",
+                       "--workers", "2", "--kill-interval", "1.5", "--seed", "5",
                        "--timeout", "700", timeout=900)
 
     # Then every order was placed, billed, charged and shipped exactly once in the
