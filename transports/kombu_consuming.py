@@ -129,24 +129,13 @@ class KombuConsuming(KombuCore):
         ``basic_get`` makes it. A batch is settled before the next is taken: at most
         ``size`` deliveries are unacknowledged at a time (within the prefetch, which the
         endpoint keeps at least as large). Outages (a subclass's) as :meth:`consume`."""
-        failures = 0
-        while not stop.is_set():
-            try:
-                connection = self._connect()
-            except BrokerAccessDenied:
-                raise
-            except TransportUnavailable as exc:
-                failures = self._pause_after_failure(queue, exc, failures, stop)
-                continue
-            try:
-                channel = self._raw_channel(connection)
-                failures = 0
-                self._take_in_process(channel, queue, on_batch, stop, size, linger,
-                                      _broker_errors(connection))
-            except TransportUnavailable as exc:  # a delivery's connection went away
-                failures = self._pause_after_failure(queue, exc, failures, stop)
-            finally:
-                self._release(connection)
+        def taking(connection: kombu.Connection, channel: Any,
+                   started: Callable[[], None]) -> None:
+            started()
+            self._take_in_process(channel, queue, on_batch, stop, size, linger,
+                                  _broker_errors(connection))
+
+        self._reconnecting(queue, stop, taking)
 
     def _take_in_process(self, channel: Any, queue: str, on_batch: OnBatch,
                          stop: threading.Event, size: int, linger: float,
@@ -267,8 +256,45 @@ class KombuConsuming(KombuCore):
         """Consume with the consumers ``consumers(connection, channel)`` makes (``queue``
         names what they consume, in warnings), calling ``after_drain`` after each
         delivery, until ``stop`` is set; reconnect after outages."""
-        failures = 0
         drain = _drain_with(self._is_amqp)
+
+        def draining(connection: kombu.Connection, channel: Any,
+                     started: Callable[[], None]) -> None:
+            with contextlib.ExitStack() as consuming:
+                for consumer in consumers(connection, channel):
+                    consuming.enter_context(consumer)
+                started()
+                if ready is not None:
+                    ready.set()
+                # Heartbeats (``?heartbeat=`` in the URL) tell a node that vanished
+                # without closing the socket from a quiet queue.
+                beating = self._is_amqp and bool(connection.heartbeat)
+                while not stop.is_set():
+                    try:
+                        drain(connection, _DRAIN_TIMEOUT)
+                    except TimeoutError:
+                        if beating:
+                            connection.heartbeat_check()
+                        continue
+                    if beating:
+                        connection.heartbeat_check()
+                    after_drain(connection)
+
+        self._reconnecting(queue, stop, draining)
+
+    def _reconnecting(self, queue: str, stop: threading.Event,
+                      session: Callable[[kombu.Connection, Any, Callable[[], None]], None],
+                      ) -> None:
+        """Run ``session(connection, channel, started)`` on a connection of the pool until
+        ``stop`` is set, connecting again after each outage, paused by the reconnect backoff
+        (whose count starts again once the session calls ``started``: its consumers are in
+        place); a refused login ends it."""
+        failures = 0
+
+        def started() -> None:
+            nonlocal failures
+            failures = 0
+
         while not stop.is_set():
             try:
                 connection = self._connect()
@@ -279,25 +305,7 @@ class KombuConsuming(KombuCore):
                 continue
             try:
                 channel = self._raw_channel(connection)
-                with contextlib.ExitStack() as consuming:
-                    for consumer in consumers(connection, channel):
-                        consuming.enter_context(consumer)
-                    failures = 0
-                    if ready is not None:
-                        ready.set()
-                    # Heartbeats (``?heartbeat=`` in the URL) tell a node that vanished
-                    # without closing the socket from a quiet queue.
-                    beating = self._is_amqp and bool(connection.heartbeat)
-                    while not stop.is_set():
-                        try:
-                            drain(connection, _DRAIN_TIMEOUT)
-                        except TimeoutError:
-                            if beating:
-                                connection.heartbeat_check()
-                            continue
-                        if beating:
-                            connection.heartbeat_check()
-                        after_drain(connection)
+                session(connection, channel, started)
             except TransportUnavailable as exc:  # a delivery's connection went away
                 failures = self._pause_after_failure(queue, exc, failures, stop)
             except Exception as exc:
