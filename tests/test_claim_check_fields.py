@@ -30,7 +30,6 @@ from idembus import (
     ConfigurationError,
     Endpoint,
     KombuTransport,
-    MongoStorage,
     Recoverability,
 )
 from idembus import headers as h
@@ -38,9 +37,8 @@ from idembus.envelope import Envelope, utc_now
 from idembus.handlers import Handler, handles
 from idembus.storage.base import PayloadStore
 from idembus.storage.claims import field_payload_id, payload_id
-from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
-from tests.conftest import POSTGRES_URL, require_service
+from tests.payload_stores import payload_store
 from tests.support import SignalCounter
 from tests.test_claim_check import Watched, WireHeaders, blob
 from tests.test_cli_errors import NO_RETRIES, SharedMemoryStorage, idembus, shared_in_this_process
@@ -95,21 +93,8 @@ class Refusing(Handler):
                         pytest.param("postgres", marks=pytest.mark.postgres)])
 def payloads(request: pytest.FixtureRequest, unique: str) -> Iterator[PayloadStore]:
     """The payload store the endpoints of a test share."""
-    if request.param == "memory":
-        yield SharedMemoryStorage()
-        return
-    if request.param == "mongomock":
-        storage: MongoStorage | PostgresStorage = MongoStorage.embedded(f"fields-{unique}")
-        storage.migrate()
-        yield storage
-        storage.close()
-        return
-    require_service(POSTGRES_URL, "PostgreSQL")
-    postgres = PostgresStorage(POSTGRES_URL, table_prefix=f"f{unique}")
-    postgres.verify()
-    yield postgres
-    postgres.drop_tables()
-    postgres.close()
+    with payload_store(request.param, f"fields-{unique}", f"f{unique}") as store:
+        yield store
 
 
 def sender_check(store: PayloadStore) -> ClaimCheck:

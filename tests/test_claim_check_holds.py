@@ -20,16 +20,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from idembus import ClaimCheck, Endpoint, KombuTransport, MongoStorage, Recoverability
+from idembus import ClaimCheck, Endpoint, KombuTransport, Recoverability
 from idembus import headers as h
 from idembus.envelope import utc_now
 from idembus.handlers import Handler, handles
 from idembus.policies import RetryPolicy
 from idembus.storage.base import PayloadStore
 from idembus.storage.claims import payload_id
-from idembus.storage.postgres import PostgresStorage
 from idembus.testing import wait_until_idle
-from tests.conftest import POSTGRES_URL, require_service
+from tests.payload_stores import payload_store
 from tests.support import SignalCounter
 from tests.test_claim_check import Blobs, Refusing, StoreBlob, blob
 from tests.test_cli_errors import (
@@ -48,21 +47,8 @@ RETENTION = datetime.timedelta(hours=1)
                         pytest.param("postgres", marks=pytest.mark.postgres)])
 def payloads(request: pytest.FixtureRequest, unique: str) -> Iterator[PayloadStore]:
     """The payload store every endpoint of a test shares."""
-    if request.param == "memory":
-        yield SharedMemoryStorage()
-        return
-    if request.param == "mongomock":
-        storage = MongoStorage.embedded(f"holds-{unique}")
-        storage.migrate()
-        yield storage
-        storage.close()
-        return
-    require_service(POSTGRES_URL, "PostgreSQL")
-    postgres = PostgresStorage(POSTGRES_URL, table_prefix=f"h{unique}")
-    postgres.verify()
-    yield postgres
-    postgres.drop_tables()
-    postgres.close()
+    with payload_store(request.param, f"holds-{unique}", f"h{unique}") as store:
+        yield store
 
 
 def later(delta: datetime.timedelta) -> datetime.datetime:
