@@ -1,7 +1,7 @@
 """Ordered processing on Redis: a process consumes a partition queue only while it holds its
 lease (``transports/redis_leases.py``); a lease is taken over only once it expired, and the
-message its dead holder left unacknowledged is handled first; keys stay in order under
-2 workers x 4 threads with kills."""
+message its dead holder left unacknowledged (or had just taken) is handled first; keys stay
+in order under 2 workers x 4 threads with kills."""
 
 from __future__ import annotations
 
@@ -196,11 +196,8 @@ def _redis_case(tmp_path, keys: int, per_key: int) -> None:
         storage.close()
 
 
-# A soak, not in make test: kombu's Redis transport takes a message (BRPOP) before it
-# records it as unacknowledged, so a SIGKILL in between loses it (docs/transports/redis.md);
-# under a loaded CI machine the two kills hit that window now and then, and the key goes on
-# without its message. The lease tests above run in make test.
-@pytest.mark.slow
+# The consumers take a message by moving it (transports/redis_taking.py): the two kills lose
+# nothing, wherever they hit (kombu's BRPOP lost the message it was taking).
 @pytest.mark.postgres
 @pytest.mark.parametrize("keys, per_key", SIZES)
 def test_redis_applies_keys_in_order_under_2_workers_x_4_threads_with_kills(

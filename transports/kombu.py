@@ -40,8 +40,9 @@ Features
   were taken. (kombu's own requeue there would route an event through its exchange again,
   into every subscribed queue, and memory:// drops unacknowledged messages when a channel
   closes.) A tool that dies on redis:// leaves them to kombu's visibility timeout (1 h).
-* On ``redis://`` the polling interval (kombu's BRPOP timeout) defaults to 0.1 s, so a
-  consumer stops within a fraction of a second.
+* On ``redis://`` the polling interval (kombu's BRPOP timeout, here ``BLMOVE``'s) defaults
+  to 0.1 s, so a consumer stops within a fraction of a second. Consumers take a message by
+  moving it, so that a process killed loses nothing (:mod:`.redis_taking`).
 
 Failures
 ========
@@ -117,7 +118,8 @@ Options
                      that died without closing its endpoint (30; renewed every third of it)
 ``partition_lease``  on Redis, the life (seconds, 10) of a process's lease on a partition
                      queue of ordered messages: a process consumes a partition only while it
-                     holds its lease (:mod:`.redis_leases`)
+                     holds its lease (:mod:`.redis_leases`); and of a consumer's lease on the
+                     message it is taking (:mod:`.redis_taking`)
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class KombuTransport(KombuPublishing, KombuConsuming, KombuInspection):
     partition_lease:
         On Redis, the life in seconds of a process's lease on a partition queue of ordered
         messages (renewed every fifth of it): how long the partitions of a process that
-        died wait before another process consumes them.
+        died wait before another process consumes them, and the message it was taking
+        before it goes back to its queue.
     """
 
     #: Ordered messages travel in partition queues (``<queue>.ordered.<i>``).

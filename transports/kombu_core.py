@@ -137,6 +137,10 @@ class KombuCore(Transport):
         #: On Redis, the life of a partition's lease (seconds): how long a partition of a
         #: process that died waits before another process takes it.
         self.partition_lease = float(partition_lease)
+        if self._is_redis:
+            # A consumer's landing lists (:mod:`.redis_taking`) outlive a killed process as
+            # long as its partitions' leases.
+            options.setdefault("landing_lease", self.partition_lease)
         #: How many partitions each queue was declared with (``declare_partitions``).
         self._partition_counts: dict[str, int] = {}
         #: On Redis, this process's leases on each queue's partitions.
@@ -154,10 +158,9 @@ class KombuCore(Transport):
         (round robin; every node is tried at least once)."""
         start = self._preferred
         ordered = self.urls[start:] + self.urls[:start]
-        connection = kombu.Connection(ordered if len(ordered) > 1 else ordered[0],
-                                      transport_options=dict(
-                                          self._transport_options if options is None
-                                          else options))
+        connection = self._connection_class()(
+            ordered if len(ordered) > 1 else ordered[0],
+            transport_options=dict(self._transport_options if options is None else options))
         failures = 0
 
         def failed(error: Exception, interval: float) -> None:
@@ -177,6 +180,14 @@ class KombuCore(Transport):
         with self._connections_lock:
             self._connections.append(connection)
         return connection
+
+    def _connection_class(self) -> Any:
+        """kombu's, or on Redis one whose consumers take messages by moving them
+        (:mod:`.redis_taking`)."""
+        if not self._is_redis:
+            return kombu.Connection
+        from .redis_taking import TakingConnection
+        return TakingConnection
 
     def _release(self, connection: kombu.Connection) -> None:
         with self._connections_lock:

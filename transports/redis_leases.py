@@ -12,8 +12,9 @@ kombu's Redis transport has nothing of the kind. Here each partition has a lease
   expired, ``ttl`` after its holder's last renewal (a process killed or cut off).
 - Before consuming a partition it has just taken, a process puts back, first in line, the
   messages of that partition left unacknowledged in kombu's ``unacked`` hash by an earlier
-  holder (a process killed mid-message): they are handled before the later ones of their key,
-  without waiting for kombu's visibility timeout (an hour).
+  holder (a process killed mid-message), and those it had just taken (its landing lists,
+  :mod:`.redis_taking`): they are handled before the later ones of their key, without
+  waiting for kombu's visibility timeout (an hour) or the landing list's lease.
 - Processes announce themselves in the sorted set ``_idembus.leases.<queue>`` (scored with
   their expiry, by the Redis server's clock); a process holds at most
   ``ceil(partitions / live processes)`` leases, gives back the ones above that share, and
@@ -235,6 +236,12 @@ class PartitionLeases:
         client = channel.client
         name = self._name(index)
         prefix = getattr(channel, "global_keyprefix", "") or ""
+        # Taken by an earlier holder and not yet recorded as unacknowledged: the newest, so
+        # put back first (the unacknowledged ones then go ahead of them).
+        from .redis_taking import give_back
+        give_back(client, prefix, dead_only=False,
+                  sources={prefix + channel._q_for_pri(name, step)
+                           for step in channel.priority_steps})
         entries = client.hgetall(prefix + channel.unacked_key)
         orphans = []
         for tag, value in entries.items():
