@@ -14,16 +14,19 @@ IDEMBUS_NAMESPACE = uuid.UUID("6f1c1d7e-3c53-5a0b-9a0e-3e1d2b0a9c11")
 _NAMESPACE_BYTES = IDEMBUS_NAMESPACE.bytes
 
 
+#: The hex digit of a uuid's variant nibble (``8``-``b``, RFC 4122) for each hex digit of
+#: the digest there: its two low bits kept, its two high bits ``10``.
+_VARIANT_DIGIT = {digit: "89ab"[int(digit, 16) & 0x3] for digit in "0123456789abcdef"}
+
+
 def derived_id(name: str) -> str:
     """``str(uuid.uuid5(IDEMBUS_NAMESPACE, name))``, without building a ``UUID``: the same
-    SHA-1 and version bits, formatted straight from the digest (once per outgoing message
-    and per idempotency key)."""
-    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8"),
-                                    usedforsecurity=False).digest()[:16])
-    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
-    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    text = digest.hex()
-    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+    SHA-1, its first 16 bytes in hex with the version digit (``5``) and the variant digit
+    put in place of theirs (once per outgoing message and per idempotency key)."""
+    text = hashlib.sha1(_NAMESPACE_BYTES + name.encode("utf-8"),
+                        usedforsecurity=False).hexdigest()
+    return (f"{text[:8]}-{text[8:12]}-5{text[13:16]}-{_VARIANT_DIGIT[text[16]]}"
+            f"{text[17:20]}-{text[20:32]}")
 
 
 @dataclass(frozen=True)

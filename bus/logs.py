@@ -113,13 +113,17 @@ class Throttle:
         """How many lines of ``key`` were held back since the last one, if this one may be
         written now; ``None`` if it is held back."""
         now = time.monotonic()
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not a with block: an unrouted event asks for every one
+        try:
             last, held = self._last.get(key, (None, 0))
             if last is not None and now - last < self.interval:
                 self._last[key] = (last, held + 1)
                 return None
             self._last[key] = (now, 0)
             return held
+        finally:
+            lock.release()
 
     def said(self, held: int) -> str:
         """What a line let through adds about the ``held`` ones before it (``""``: none)."""

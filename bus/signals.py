@@ -71,7 +71,7 @@ class _CachedSignal(Signal):
         #: Bumped by every change of the receivers; a cached list of an older version is
         #: worked out again.
         self._version = 0
-        self._cached: dict[Hashable, tuple[int, list[Any]]] = {}
+        self._cached: dict[Hashable, tuple[int, list[Any], tuple[Tally, ...]]] = {}
 
     def connect(self, receiver: Any, sender: Any = ANY, weak: bool = True) -> Any:
         try:
@@ -100,19 +100,56 @@ class _CachedSignal(Signal):
         method made per send). The function of a method is held strongly; its instance
         stays weak, and when it is collected blinker disconnects it, which works the pairs
         out again."""
+        return self._prepared(sender)[1]
+
+    def _prepared(self, sender: str) -> tuple[int, list[tuple[Any, Any]], tuple[Tally, ...]]:
+        """``(version, pairs, tallies)`` for ``sender``, from the cache while the receivers
+        are unchanged: the pairs of :meth:`references_for` but for the strongly held
+        :class:`Tally` receivers, which :meth:`EndpointSignals.emit` counts itself."""
         cached = self._cached.get(sender)
         version = self._version
         if cached is not None and cached[0] == version:
-            return cached[1]
+            return cached
         ids = self._by_sender[ANY_ID] | self._by_sender.get(sender, set())
         references = []
+        tallies = []
         for each in ids:
             stored = self.receivers.get(each)
+            if type(stored) is Tally:
+                tallies.append(stored)
+                continue
             pair = None if stored is None else _callable(stored)
             if pair is not None:
                 references.append(pair)
-        self._cached[sender] = (version, references)
-        return references
+        prepared = self._cached[sender] = (version, references, tuple(tallies))
+        return prepared
+
+
+class Tally:
+    """A receiver that counts the sends of one signal, as ``counts[name] += 1`` under
+    ``lock``, and does nothing else: the endpoint's counters
+    (:mod:`idembus.runtime.counters`). Connected strongly (``weak=False``), it is counted
+    by :meth:`EndpointSignals.emit` without a call (a call with the details as keyword
+    arguments costs more than the count); a plain ``send`` calls it."""
+
+    __slots__ = ("counts", "lock", "name", "__weakref__")
+
+    def __init__(self, counts: dict[str, int], lock: Any, name: str) -> None:
+        self.counts = counts
+        self.lock = lock
+        self.name = name
+
+    def __call__(self, sender: Any, **details: Any) -> None:
+        self.add()
+
+    def add(self) -> None:
+        """Count one send."""
+        lock = self.lock
+        lock.acquire()
+        try:
+            self.counts[self.name] += 1
+        finally:
+            lock.release()
 
 
 def _callable(stored: Any) -> tuple[Any, Any] | None:
@@ -174,10 +211,17 @@ class EndpointSignals:
         if not signal.receivers:
             return
         endpoint = self.endpoint
-        cached = signal._cached.get(endpoint)  # references_for's cache, looked at here
-        references = (cached[1] if cached is not None and cached[0] == signal._version
-                      else signal.references_for(endpoint))
-        for reference, function in references:
+        cached = signal._cached.get(endpoint)  # _prepared's cache, looked at here
+        if cached is None or cached[0] != signal._version:
+            cached = signal._prepared(endpoint)
+        for tally in cached[2]:  # counted here: Tally.add without its call
+            lock = tally.lock
+            lock.acquire()
+            try:
+                tally.counts[tally.name] += 1
+            finally:
+                lock.release()
+        for reference, function in cached[1]:
             try:
                 if reference is None:
                     result = function(endpoint, **details)

@@ -84,8 +84,12 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
     def load(
         self, aggregate_type: str, aggregate_id: str, key: str | None = None
     ) -> AggregateRecord:
-        with self._lock:
+        lock = self._lock  # acquired and released, not a with block: the hot path's
+        lock.acquire()     # three per message look no __enter__ and __exit__ up
+        try:
             record = self._records.get((aggregate_type, aggregate_id))
+        finally:
+            lock.release()
         if record is None:
             return _record(aggregate_type, aggregate_id, 0, None, {}, None, False, None, None)
         # The states are the mutable parts a caller could change; entries are immutable.
@@ -108,7 +112,9 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         entry = _entry(key, outgoing, tuple([envelope.message_id for envelope in outgoing]),
                        not outgoing, utc_now(), 0, message_type)
         kept = _copied(dict(state)) if state is not None else None
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             current = self._records.get(address)
             current_version = current.version if current else 0
             accepted = current_version == loaded.version and (
@@ -123,6 +129,8 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
                     None if completed else kept, processed, entry.at, completed,
                     state_version, kept if completed else None)
                 return
+        finally:
+            lock.release()
         raise self._refusal(loaded.aggregate_type, loaded.aggregate_id, key)
 
     def _remembered(self, processed: dict[str, ProcessedMessage]) -> dict[str, ProcessedMessage]:
@@ -146,7 +154,9 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
         if journal:
             self.append_journal(journal)
         address = (aggregate_type, aggregate_id)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             if lease is not None:
                 self._check_fence(lease)
             record = self._records.get(address)
@@ -158,6 +168,8 @@ class MemoryStorage(Storage, LimitStore, PayloadStore):
                                     entry.outgoing_ids, True, entry.at, 0,
                                     entry.message_type)
             self._records[address] = _with_processed(record, processed)
+        finally:
+            lock.release()
 
     def note_repair_failure(self, aggregate_type: str, aggregate_id: str, key: str) -> None:
         address = (aggregate_type, aggregate_id)

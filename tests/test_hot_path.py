@@ -211,3 +211,88 @@ def test_hand_written_initialisers_of_frozen_records_take_and_set_every_field() 
             pass
         else:
             raise AssertionError(f"{cls.__name__} is no longer frozen")
+
+
+def test_a_delivery_standing_for_another_takes_every_field_init_sets() -> None:
+    # Given a delivery built by Delivery.__init__, when a held delivery of a batch stands
+    # for it, then it has every field __init__ set, with the original's values (a field
+    # added to __init__ and forgotten in _stand_for fails this test), and is unsettled.
+    from idembus.runtime.batch_runner import _HeldDelivery
+    from idembus.transports.base import Delivery
+
+    class _Plain(Delivery):
+        def _ack(self) -> None: ...
+
+        def _requeue(self) -> None: ...
+
+    original = _Plain(queue="q", headers={"a": "1"}, body=b"{}", content_type="ct",
+                      redelivered=True, wire_error="bad", content_encoding="utf-8")
+    held = _HeldDelivery(original)
+    shared = {name: value for name, value in vars(held).items()
+              if name not in ("original", "ack_at_once", "acked")}
+    assert shared == vars(original)
+
+
+def test_format_utc_is_isoformat_in_utc() -> None:
+    # Given moments in UTC and in other zones, with and without microseconds, in early
+    # years too, then the header is what isoformat gives of the moment in UTC.
+    import datetime
+
+    from idembus.envelope import format_utc
+
+    utc = datetime.timezone.utc
+    plus_two = datetime.timezone(datetime.timedelta(hours=2))
+    for moment in (datetime.datetime(2026, 11, 28, 17, 3, 9, 4005, tzinfo=utc),
+                   datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=utc),
+                   datetime.datetime(999, 12, 31, 23, 59, 59, 999999, tzinfo=utc),
+                   datetime.datetime(2026, 3, 1, 1, 0, 0, 1, tzinfo=plus_two),
+                   datetime.datetime.now(utc)):
+        assert format_utc(moment) == moment.astimezone(utc).isoformat()
+
+
+def test_derived_ids_are_uuid5_of_the_idembus_namespace() -> None:
+    import uuid
+
+    from idembus.context import IDEMBUS_NAMESPACE, derived_id
+
+    for index in range(2000):
+        name = f"OrderHandler/{uuid.UUID(int=index * 7919)}/{index}"
+        assert derived_id(name) == str(uuid.uuid5(IDEMBUS_NAMESPACE, name))
+
+
+def test_tallies_are_counted_by_emit_and_by_a_plain_send() -> None:
+    # Given the endpoint's counters (Tally receivers, counted by emit without a call),
+    # when a signal is emitted, sent through blinker, and emitted after another receiver
+    # connected, then every send is counted once and the other receiver gets the details.
+    from idembus.runtime.counters import Counters
+
+    signals = EndpointSignals("sales")
+    counters = Counters(signals)
+    signals.emit("handled", message_id="m-1", message_type="T")
+    signals.handled.send("sales", message_id="m-2", message_type="T")
+    seen: list[dict[str, Any]] = []
+    signals.handled.connect(lambda sender, **details: seen.append(details), weak=False)
+    signals.emit("handled", message_id="m-3", message_type="T")
+    assert counters["handled"] == 3
+    assert seen == [{"message_id": "m-3", "message_type": "T"}]
+
+
+def test_memory_routes_follow_the_bindings_of_the_exchange() -> None:
+    # Given a memory:// topic exchange whose routes for a key were remembered, when a
+    # binding is added and another removed, then the queues are worked out again.
+    from idembus.transports.kombu_in_process import routed_queues
+
+    class _State:
+        exchanges = {"events": {"type": "topic", "table": [("A", None, "q1")]}}
+
+    class _Channel:
+        state = _State()
+
+    channel = _Channel()
+    assert routed_queues(channel, "events", "A") == {"q1"}
+    table = _State.exchanges["events"]["table"]
+    table.append(("#", r"^.*?$", "q2"))
+    assert routed_queues(channel, "events", "A") == {"q1", "q2"}
+    table[:] = [("#", r"^.*?$", "q2")]
+    assert routed_queues(channel, "events", "A") == {"q2"}
+    assert routed_queues(channel, "missing", "A") == set()

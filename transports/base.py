@@ -85,6 +85,19 @@ class Delivery(ABC):
         self.wire_error = wire_error
         self.settled = False
 
+    def _stand_for(self, original: Delivery) -> None:
+        """Take the fields ``__init__`` sets from ``original``'s (not settled yet): for a
+        delivery that stands for another, without a call of ``__init__`` with seven
+        keywords for every message."""
+        self.queue = original.queue
+        self.headers = original.headers
+        self.body = original.body
+        self.content_type = original.content_type
+        self.content_encoding = original.content_encoding
+        self.redelivered = original.redelivered
+        self.wire_error = original.wire_error
+        self.settled = False
+
     def ack(self) -> None:
         """Remove the message from its queue for good."""
         self._settle(self._ack)

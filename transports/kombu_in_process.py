@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 #: Delivery tags of the messages this process puts on memory:// (``m1``, ``m2``, ...): one
@@ -43,18 +44,34 @@ def in_process_message(body: bytes, content_type: Any, content_encoding: Any,
 _PATTERNS: dict[str, re.Pattern[str]] = {}
 
 
-def routed_queues(channel: Any, exchange: str, routing_key: str) -> set[str]:
+def routed_queues(channel: Any, exchange: str, routing_key: str) -> AbstractSet[str]:
     """The queues a memory:// ``exchange`` routes ``routing_key`` to, as kombu routes it:
     for a topic exchange, every binding whose key is ``routing_key`` or whose pattern
     matches it (kombu's own look-up, a function call a binding, otherwise); none when the
-    exchange has no bindings at all."""
+    exchange has no bindings at all. A topic exchange's answer is remembered on the
+    channel per routing key, with the bindings it was worked out from: used again while
+    the exchange's bindings are still those (compared, not trusted)."""
     try:
         declared = channel.state.exchanges[exchange]
         table = declared["table"]
     except KeyError:
-        return set()
+        return frozenset()
     if declared.get("type") != "topic":
         return set(channel.typeof(exchange).lookup(table, exchange, routing_key, None))
+    try:
+        routes = channel.idembus_routes
+    except AttributeError:
+        routes = channel.idembus_routes = {}
+    remembered: tuple[list[Any], frozenset[str]] | None = routes.get((exchange, routing_key))
+    if remembered is not None and remembered[0] == table:  # the same bindings: the same
+        return remembered[1]                                # queues (one compare, in C)
+    found = frozenset(_matched(table, routing_key))
+    routes[exchange, routing_key] = (list(table), found)
+    return found
+
+
+def _matched(table: list[Any], routing_key: str) -> set[str]:
+    """The queues of the topic bindings in ``table`` that ``routing_key`` matches."""
     found = set()
     for key, pattern, queue in table:
         if key == routing_key:  # a key matches its own pattern

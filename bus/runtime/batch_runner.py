@@ -86,10 +86,7 @@ class _HeldDelivery(Delivery):
     may be acknowledged with the batch; requeueing it gives it back at once."""
 
     def __init__(self, original: Delivery, *, ack_at_once: bool = False) -> None:
-        super().__init__(queue=original.queue, headers=original.headers, body=original.body,
-                         content_type=original.content_type,
-                         redelivered=original.redelivered, wire_error=original.wire_error,
-                         content_encoding=original.content_encoding)
+        self._stand_for(original)  # Delivery.__init__ of original's fields
         self.original = original
         self.settled = original.settled
         #: Acknowledge the original when the message does (one message at a time), not

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from ..envelope import parse_utc
-from ..signals import SIGNAL_NAMES, EndpointSignals
+from ..signals import SIGNAL_NAMES, EndpointSignals, Tally
 
 #: The ledger's terms, in the order they are shown, each with what it means.
 LEDGER: dict[str, str] = {
@@ -80,27 +80,26 @@ class Counters:
         #: (epoch seconds, time_sent, deliver_at) of the last settled delivery: its lag is
         #: worked out when asked for, not on every delivery.
         self._last: tuple[float, str | None, str | None] | None = None
-        self._receivers = []
         for name in SIGNAL_NAMES:
-            receiver = self._settled if name == "settled" else self._counter_for(name)
-            self._receivers.append(receiver)  # blinker holds receivers weakly
-            getattr(signals, name).connect(receiver)
-
-    def _counter_for(self, name: str) -> Any:
-        def count(sender: object, **details: Any) -> None:
-            with self._lock:
-                self._counts[name] += 1
-
-        return count
+            if name == "settled":
+                signals.settled.connect(self._settled)  # held weakly, as a method
+            else:  # a count and nothing else, held by the signal (it holds no Counters)
+                getattr(signals, name).connect(Tally(self._counts, self._lock, name),
+                                               weak=False)
 
     def _settled(self, sender: object, *, outcome: str | None = None,
                  effects: str | None = None, time_sent: str | None = None,
                  deliver_at: str | None = None, **details: Any) -> None:
         term = _TERM_OF_OUTCOME.get(outcome) or effects or "dropped"
-        with self._lock:
-            self._counts["settled"] += 1
-            self._counts["ledger_" + term] += 1
+        lock = self._lock
+        lock.acquire()  # not a with block: no __enter__ and __exit__ looked up each time
+        try:
+            counts = self._counts
+            counts["settled"] += 1
+            counts["ledger_" + term] += 1
             self._last = (time.time(), time_sent, deliver_at)
+        finally:
+            lock.release()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

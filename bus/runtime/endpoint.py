@@ -474,21 +474,23 @@ class Endpoint:
         ``warn_unrouted_events=True``: a WARNING per type every 10 s at most). It is not
         kept: publishing for subscribers still to come is normal, and an event nobody
         subscribes to is not a failure of the message (README, "Message hierarchies")."""
-        self.signals.emit("unrouted", message_id=envelope.message_id,
-                          message_type=envelope.message_type, envelope=envelope)
+        message_id, message_type = envelope.message_id, envelope.message_type
+        self.signals.emit("unrouted", message_id=message_id, message_type=message_type,
+                          envelope=envelope)
         if self.warn_unrouted_events:
-            held = self._unrouted_lines.allow(envelope.message_type)
+            held = self._unrouted_lines.allow(message_type)
             if held is None:
                 return
             level, said = logging.WARNING, self._unrouted_lines.said(held)
-        elif self._unrouted_seen.allow(envelope.message_type) is not None:
+        elif self._unrouted_seen.allow(message_type) is not None:
             level, said = logging.INFO, "; further ones of this type are logged at DEBUG"
         else:
             level, said = logging.DEBUG, ""
-        log.log(level, "event %s %s reached no queue: no endpoint subscribes to it or to "
-                "a type it derives from%s", envelope.message_type, envelope.message_id, said,
-                extra={"endpoint": self.name, "message_id": envelope.message_id,
-                       "message_type": envelope.message_type})
+        if log.isEnabledFor(level):  # the line's fields only when it is written
+            log.log(level, "event %s %s reached no queue: no endpoint subscribes to it or to "
+                    "a type it derives from%s", message_type, message_id, said,
+                    extra={"endpoint": self.name, "message_id": message_id,
+                           "message_type": message_type})
 
     def unit_of_work(
         self,

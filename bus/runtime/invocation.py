@@ -181,12 +181,10 @@ class HandlerInvoker:
                 committer: Callable[..., bool | None] = (
                     self._storage.commit if self._shared is None
                     else functools.partial(self._shared.commit, settle=settle))
-                commit = functools.partial(committer, loaded, key=key, state=state,
-                                           outgoing=outgoing, completed=completed,
-                                           state_version=version,
-                                           message_type=context.message_type)
                 try:
-                    sent = self._pipeline.commit(call, commit)
+                    sent = self._pipeline.commit(call, _committing(
+                        committer, loaded, key, state, outgoing, completed, version,
+                        context.message_type))
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -441,6 +439,16 @@ def _without_saga(binding: HandlerBinding, message: Message, headers: Mapping[st
     if starts is None or isinstance(message, starts):
         return None
     return NOT_FOUND
+
+
+def _committing(committer: Callable[..., bool | None], loaded: AggregateRecord, key: str,
+                state: dict[str, Any] | None, outgoing: list[Envelope], completed: bool,
+                version: int | None, message_type: str) -> Callable[[], bool | None]:
+    """The commit stage's body: ``committer`` with these, in a closure (a
+    ``functools.partial`` with keywords merges them into a new dict at its call)."""
+    return lambda: committer(loaded, key=key, state=state, outgoing=outgoing,
+                             completed=completed, state_version=version,
+                             message_type=message_type)
 
 
 def _state_version(binding: HandlerBinding) -> int | None:

@@ -19,7 +19,6 @@ those that had still send again what they stored.
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -359,10 +358,9 @@ class MessageProcessor:
                     if outcome is None:
                         call = HandlerCall(incoming, context, message, attempts,
                                            handler_object=binding.handler)
-                        outcome = self._pipeline.handler(call, functools.partial(
-                            self._invoker.invoke, binding, call,
-                            commit_may_have_landed=commit_may_have_landed, expired=expired,
-                            settle=delivery if last else None))
+                        outcome = self._pipeline.handler(call, _invoking(
+                            self._invoker, binding, call, commit_may_have_landed, expired,
+                            delivery if last else None))
                         if outcome.discarded:
                             self._discarded(handler_name, delivery.headers)
                     self._dispatch(outcome, delivery.headers, dispatching)
@@ -572,6 +570,15 @@ class MessageProcessor:
                            "message_id": _logged_id(delivery.headers),
                            "message_type": loggable(delivery.headers.get(h.MESSAGE_TYPE))})
         return headers
+
+
+def _invoking(invoker: HandlerInvoker, binding: HandlerBinding, call: HandlerCall,
+              commit_may_have_landed: bool, expired: bool,
+              settle: Delivery | None) -> Callable[[], Outcome]:
+    """The handler stage's body: ``invoker.invoke`` of ``call``, in a closure (a
+    ``functools.partial`` with keywords merges them into a new dict at its call)."""
+    return lambda: invoker.invoke(binding, call, commit_may_have_landed=commit_may_have_landed,
+                                  expired=expired, settle=settle)
 
 
 def _logged_id(headers: Mapping[str, str]) -> str:

@@ -70,8 +70,12 @@ class HandlingTimes(Middleware):
     def record(self, milliseconds: float) -> None:
         """Count one delivery handled in ``milliseconds``."""
         index = bisect.bisect_left(BOUNDS_MS, milliseconds)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not a with block: no __enter__ and __exit__ looked up each time
+        try:
             self._counts[index] += 1
+        finally:
+            lock.release()
 
     def snapshot(self) -> dict[str, int]:
         """The count of every bucket, by its status-report key."""

@@ -38,6 +38,8 @@ class CircuitBreaker:
         self._lock = threading.Lock()
 
     def succeeded(self) -> None:
+        if not self._failures:  # the common case, on every message: nothing to reset
+            return  # (a failure counted meanwhile is as if it came after this success)
         with self._lock:
             if self._failures >= self.policy.threshold:
                 log.info("a message succeeded again; the circuit breaker closes")
