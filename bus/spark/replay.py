@@ -319,6 +319,9 @@ class _Tally:
                 "retried_later": self.retried_later, "partitions": 1}
 
 
+#: Rows of an Arrow record batch turned into Python values at a time (a record batch may
+#: hold thousands of large messages).
+_ROWS_AT_ONCE = 256
 #: What each partition reports (:meth:`_Tally.counts`), as a Spark schema.
 _COUNTS_SCHEMA = ", ".join(f"{field.name} long" for field in fields(ReplaySummary))
 
@@ -327,10 +330,13 @@ def _replay_arrow_partition(endpoint_factory: str, batches: Iterable[Any]) -> It
     """:func:`_replay_partition` of the rows of one partition as Spark hands them over in
     Arrow record batches (``DataFrame.mapInArrow``: columns, not a pickled ``Row`` per row,
     cross from the executor's JVM; maps arrive as dictionaries, structs as dictionaries);
-    its counts as one record batch."""
+    its counts as one record batch. A record batch holds up to Spark's
+    ``spark.sql.execution.arrow.maxRecordsPerBatch`` rows (10,000 by default); they become
+    Python values :data:`_ROWS_AT_ONCE` at a time."""
     import pyarrow
 
-    rows = (row for batch in batches for row in batch.to_pylist(maps_as_pydicts="strict"))
+    rows = (row for batch in batches for start in range(0, batch.num_rows, _ROWS_AT_ONCE)
+            for row in batch.slice(start, _ROWS_AT_ONCE).to_pylist(maps_as_pydicts="strict"))
     for counts in _replay_partition(endpoint_factory, rows):
         yield pyarrow.RecordBatch.from_pylist(
             [{field.name: counts[field.name] for field in fields(ReplaySummary)}])
