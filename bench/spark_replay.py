@@ -20,7 +20,8 @@ available before the clock starts:
   machine (:class:`bench.spark_cluster.StandaloneCluster`, workers of 1 core each) with one
   worker and one partition, and with two workers and two partitions. Both clusters run
   for the whole part; each round opens a session on one, warms its executors up with a
-  replay of 400 messages, waits up to 10 s for the shared machine to be nearly idle, times
+  replay of 400 messages per worker (each executor as warm as the lone one of the
+  one-worker cluster), waits up to 10 s for the shared machine to be nearly idle, times
   a replay, closes the session, and does the same on the other. ``ratio_2w_1w`` is the
   best two-worker rate over the best one-worker rate; each round's own ratio is printed
   too.
@@ -271,7 +272,10 @@ def measure_clusters(names: RunNames, batches: Batches, directory: Path, *, mess
                 spark = start_spark(cluster.master_url, cluster_conf(names))
                 try:
                     workers = cluster.worker_count
-                    spark_run(spark, names, batches.take(SPARK_WARMUP), workers, variant)
+                    # Each executor warms up on as many rows as the lone one of the 1-worker
+                    # cluster: its JIT compiler and its Python worker are as warm.
+                    spark_run(spark, names, batches.take(SPARK_WARMUP * workers), workers,
+                              variant)
                     wait_for_quiet(longest=QUIET_WAIT)
                     results.append(spark_run(spark, names, batches.take(messages), workers,
                                              variant))

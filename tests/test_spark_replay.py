@@ -290,6 +290,25 @@ def test_bad_rows_are_dead_lettered_failing_ones_retried_later_row_headers_kept(
     assert replaying.trails() == {"agg-0": [0]}
 
 
+def test_a_map_of_headers_and_a_struct_body_are_read_as_json_objects(make_world, unique):
+    # Spark hands the rows over as Arrow columns: a map and a struct arrive as objects.
+    replaying = make_world()
+    message = Message(f"{unique}-typed", "agg-3", 0)
+    rows = [(message.message_id, "spark.Step", {"aggregate": "agg-3", "sequence": 0},
+             {h.CORRELATION_ID: "order-78"}, "agg-3", 0)]
+    frame = replaying.spark.createDataFrame(
+        rows, "message_id string, message_type string, "
+              "body struct<aggregate: string, sequence: long>, "
+              "headers map<string, string>, aggregate_id string, sequence long")
+
+    summary = replay(frame, replaying.reference)
+
+    assert (summary.replayed, summary.handled, summary.ok) == (1, 1, True)
+    [event] = replaying.drain()
+    assert event.headers[h.CORRELATION_ID] == "order-78"
+    assert replaying.trails() == {"agg-3": [0]}
+
+
 def test_an_endpoint_on_process_local_storage_is_refused(spark):
     frame = spark.createDataFrame([], SCHEMA)
 
