@@ -138,48 +138,6 @@ def test_a_drain_handles_the_frames_already_read_without_the_socket(pair):
         amqp_reads.drain(connection, 0.05)
 
 
-class DeliveryFrames(FakeKombuConnection):
-    """A frame handler that completes a method at each body frame and notes, at each
-    frame, whether the transport's buffer then holds exactly what follows that frame."""
-
-    def __init__(self, transport: Any, frames: list[bytes]) -> None:
-        super().__init__(transport)
-        self.frames, self.wire = frames, b"".join(frames)
-        self.consistent: list[bool] = []
-
-    def on_inbound_frame(self, frame: Any) -> bool:
-        self.handled.append(bytes(frame[2]))
-        sent = b"".join(self.frames[:len(self.handled)])
-        self.consistent.append(self.wire.endswith(self.transport._read_buffer)
-                               and len(sent) + len(self.transport._read_buffer)
-                               == len(self.wire))
-        return frame[0] == 3
-
-
-def test_whoever_a_frame_calls_finds_what_follows_it_in_the_buffer(pair):
-    transport, peer = pair
-    amqp_reads.read_in_chunks(transport)
-    deliver = struct.pack(">HH", 60, 60) + b"args"
-    header = struct.pack(">HHQ", 60, 0, 2) + b"props"
-    frames = [frame(b"first")]
-    for number in range(3):
-        frames += [frame(deliver), frame(header, kind=2), frame(b"b%d" % number, kind=3)]
-    frames.append(frame(b"last"))
-    peer.sendall(b"".join(frames))
-    connection = DeliveryFrames(transport, frames)
-    transport.read_frame()  # the first frame; the rest stays in the buffer
-    connection.handled.append(b"first")
-
-    for _ in range(3):
-        amqp_reads.drain(connection, 1.0)  # a delivery: method, header, body
-    assert connection.handled[1:] == [
-        payload for number in range(3) for payload in (deliver, header, b"b%d" % number)]
-    # Method and content header frames call no one: the buffer is cut before the body
-    # only (one copy of the rest a delivery), which finds what follows it there.
-    assert connection.consistent == [False, False, True] * 3
-    assert transport._read_buffer == frames[-1] and transport.sock.recv_calls == 1
-
-
 def test_a_buffered_frame_that_does_not_end_as_a_frame_must_is_refused(pair):
     transport, peer = pair
     amqp_reads.read_in_chunks(transport)

@@ -24,21 +24,13 @@ from __future__ import annotations
 
 import socket
 import ssl
-import struct
 from collections.abc import Callable
 from typing import Any
 
-from amqp import spec
 from amqp.exceptions import UnexpectedFrame
 
 #: The octet that ends every frame.
 _FRAME_END = 0xCE
-#: The class and method ids of the methods whose content (header, then body) follows.
-_CONTENT_METHODS = frozenset(struct.pack(">HH", *method)
-                             for method in (spec.Basic.Deliver, spec.Basic.Return,
-                                            spec.Basic.GetOk))
-#: A content header's body size when it has no body.
-_NO_BODY = bytes(8)
 #: The least a ``recv`` asks for: far more than a batch of small deliveries, and below
 #: the allocator's threshold for a separate mapping (glibc: 128 KiB).
 CHUNK = 64 * 1024
@@ -67,62 +59,35 @@ def _chunked(recv: Callable[[int], bytes]) -> Callable[[int], bytes]:
 def drain(connection: Any, timeout: float) -> None:
     """``connection.drain_events(timeout=timeout)`` (a kombu connection to RabbitMQ): one
     whole method read and handled, or ``TimeoutError``. The frames py-amqp holds in its
-    read buffer already are handled first, straight from it (:func:`_frame_at`), without
-    the socket's timeout set and restored, nor kombu's and py-amqp's layers around each
-    read; the rest as kombu reads it. A connection without py-amqp's buffer drains as
-    kombu drains it.
-
-    The buffer given back to py-amqp is cut after a frame only before a frame that may
-    call anyone (:func:`_quiet`: a delivery's method and content header frames call no
-    one), and whenever the drain ends: whoever a frame calls finds in the buffer exactly
-    what follows that frame, while a delivery costs one copy of the buffer's rest, not
-    three."""
+    read buffer already are handled first, straight from it (:func:`_buffered_frame`),
+    without the socket's timeout set and restored, nor kombu's and py-amqp's layers
+    around each read; the rest as kombu reads it. A connection without py-amqp's buffer
+    drains as kombu drains it."""
     # kombu's ``connection`` property checks the connection at each call; an unusable one
     # has no transport (or no kombu connection at all), and drains as kombu drains it.
     amqp_connection: Any = getattr(connection, "_connection", None)
     transport = getattr(amqp_connection, "transport", None)
-    buffered = getattr(transport, "_read_buffer", None)
-    if type(buffered) is bytes:
+    if type(getattr(transport, "_read_buffer", None)) is bytes:
         on_frame = amqp_connection.on_inbound_frame
-        offset = 0
-        try:
-            frame, end = _frame_at(buffered, offset)
-            while frame is not None:
-                offset = end
-                if not _quiet(frame):
-                    transport._read_buffer = buffered = buffered[offset:]
-                    offset = 0
-                    if on_frame(frame):
-                        return
-                    buffered = transport._read_buffer  # as the callees left it
-                elif on_frame(frame):  # (a quiet frame completes no method)
-                    return
-                frame, end = _frame_at(buffered, offset)
-        finally:
-            if offset:
-                transport._read_buffer = buffered[offset:]
+        frame = _buffered_frame(transport)
+        while frame is not None:
+            if on_frame(frame):
+                return
+            frame = _buffered_frame(transport)
     connection.drain_events(timeout=timeout)
 
 
-def _quiet(frame: tuple[int, int, bytes]) -> bool:
-    """Whether handling ``frame`` calls no one: the method frame of a method whose content
-    follows (a delivery, a return), or a content header whose body follows."""
-    kind, _, payload = frame
-    if kind == 1:
-        return payload[:4] in _CONTENT_METHODS
-    return kind == 2 and len(payload) >= 12 and payload[4:12] != _NO_BODY
-
-
-def _frame_at(buffered: bytes, offset: int) -> tuple[tuple[int, int, bytes] | None, int]:
-    """The frame at ``offset`` of ``buffered`` as py-amqp's ``read_frame`` gives it (and
-    with its error for a frame that does not end as a frame must), and the offset after
-    it; ``None`` while the buffer does not hold a whole frame there."""
-    if len(buffered) < offset + 8:
-        return None, offset
-    end = offset + 7 + int.from_bytes(buffered[offset + 3:offset + 7], "big")
+def _buffered_frame(transport: Any) -> tuple[int, int, bytes] | None:
+    """The first frame of py-amqp's read buffer, taken out of it, as its ``read_frame``
+    gives it (and with its error for a frame that does not end as a frame must); ``None``
+    while the buffer does not hold a whole frame."""
+    buffered: bytes = transport._read_buffer
+    if len(buffered) < 8:
+        return None
+    end = 7 + int.from_bytes(buffered[3:7], "big")
     if len(buffered) <= end:
-        return None, offset
+        return None
     if buffered[end] != _FRAME_END:
         raise UnexpectedFrame(f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
-    return (buffered[offset], int.from_bytes(buffered[offset + 1:offset + 3], "big"),
-            buffered[offset + 7:end]), end + 1
+    transport._read_buffer = buffered[end + 1:]
+    return buffered[0], int.from_bytes(buffered[1:3], "big"), buffered[7:end]
