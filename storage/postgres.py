@@ -190,6 +190,7 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         self._pool = ConnectionPool(
             conninfo, min_size=1, max_size=pool_size, open=False, timeout=connect_timeout,
             kwargs={"autocommit": True}, name=f"idembus-{table_prefix}",
+            configure=pg_json.read_quickly,
         )
         self._pool_attempts = PoolAttempts(self._pool.name)
         self._opened = False
@@ -1459,7 +1460,7 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
     first wait timed out, and a closed pool cannot be opened again."""
     return ConnectionPool(pool.conninfo, min_size=pool.min_size, max_size=pool.max_size,
                           open=False, timeout=pool.timeout, kwargs=pool.kwargs,
-                          name=pool.name)
+                          name=pool.name, configure=pg_json.read_quickly)
 
 
 #: Takes the transaction-level advisory locks of an array, in the array's order (a scan

@@ -8,6 +8,11 @@ falls back to ``json.dumps`` for what that encoder refuses (a lone surrogate), s
 PostgreSQL refuses it as before. It is meant for values idembus builds from text,
 numbers, booleans and ``None``: an aggregate's state, the user's data, stays with
 ``json.dumps`` (:func:`row_with_state`), which refuses what JSON cannot hold.
+
+The other way, every ``json`` and ``jsonb`` value read (a loaded state, a processed row's
+outgoing messages and their ids) is parsed by pydantic-core's parser
+(:func:`read_quickly`): the same values as ``json.loads`` for what PostgreSQL sends (valid
+JSON, no duplicate keys in ``jsonb``), in a tenth of its time for small documents.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from psycopg.types.json import Jsonb
-from pydantic_core import PydanticSerializationError, to_json
+import psycopg
+from psycopg.types.json import Jsonb, set_json_loads
+from pydantic_core import PydanticSerializationError, from_json, to_json
 
 
 def text_json(value: Any) -> str:
@@ -50,3 +56,9 @@ def jsonb(text: str) -> Jsonb:
 def jsonb_array(texts: Iterable[str]) -> Jsonb:
     """A ``jsonb`` array parameter of the JSON values ``texts``."""
     return Jsonb(f"[{','.join(texts)}]", dumps=written)
+
+
+def read_quickly(connection: psycopg.Connection[Any]) -> None:
+    """A connection pool's ``configure``: ``connection`` reads ``json`` and ``jsonb``
+    values with pydantic-core's parser."""
+    set_json_loads(from_json, connection)

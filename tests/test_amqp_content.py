@@ -9,8 +9,8 @@ from typing import Any
 import amqp
 import pytest
 from amqp import spec
-from amqp.exceptions import UnexpectedFrame
-from amqp.serialization import decode_properties_basic
+from amqp.exceptions import RecoverableConnectionError, UnexpectedFrame
+from amqp.serialization import decode_properties_basic, dumps, loads
 
 from idembus.transports import amqp_content
 
@@ -98,3 +98,77 @@ def test_a_header_that_is_not_utf8_is_read_again_as_the_handler_is_told():
     lenient((1, 1, b"\x00\x3c\x00\x3c"))
     assert lenient((2, 1, bytes(raw))) is True  # no body: the delivery is complete
     assert received[-1][3].properties == {"message_id": "??"}
+
+
+@pytest.mark.parametrize("arguments", [
+    ["amq.ctag-1", 1, False, "", "orders"],
+    ["ctag", 2**63 + 5, True, "events.x", "sales.OrderPlaced"],
+    ["", 0, False, "naïve", "é" * 100],
+])
+def test_deliver_arguments_read_as_py_amqp_reads_them(arguments):
+    payload = b"\x00\x3c\x00\x3c" + dumps("sLbss", arguments)
+    assert amqp_content.deliver_arguments(payload) == loads("sLbss", payload, 4)[0] == arguments
+
+
+def test_deliver_arguments_refuse_text_that_is_not_utf8_as_py_amqp_does():
+    payload = bytearray(b"\x00\x3c\x00\x3c" + dumps("sLbss", ["ab", 1, True, "", "k"]))
+    payload[payload.index(b"ab"):payload.index(b"ab") + 2] = b"\xff\xfe"
+    with pytest.raises(UnicodeDecodeError):
+        loads("sLbss", bytes(payload), 4)
+    with pytest.raises(UnicodeDecodeError):
+        amqp_content.deliver_arguments(bytes(payload))
+
+
+class _Channel:
+    """What :func:`_dispatch_delivery` reads of a py-amqp channel, recording what it gets."""
+
+    def __init__(self, *, auto_decode: bool = False, is_closing: bool = False) -> None:
+        self.auto_decode, self.is_closing = auto_decode, is_closing
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._callbacks = {spec.Basic.Deliver: lambda *a: self.calls.append(("listener", a))}
+        self._pending = {spec.Basic.Deliver: lambda *a: self.calls.append(("one shot", a))}
+
+    def dispatch_method(self, *args: Any) -> None:
+        self.calls.append(("py-amqp", args))
+
+
+class _Connection:
+    def __init__(self, channel: _Channel) -> None:
+        self.bytes_recv, self.channels = 0, {1: channel}
+
+    def on_inbound_method(self, *args: Any) -> None:  # replaced below by py-amqp's own
+        raise AssertionError("not called")
+
+
+def _deliver(connection: Any) -> tuple[bytes, Any]:
+    on_frame = amqp_content.frame_handler(
+        connection, amqp.Connection.on_inbound_method.__get__(connection))
+    method = b"\x00\x3c\x00\x3c" + dumps("sLbss", ["ctag", 7, True, "ex", "key"])
+    on_frame((1, 1, method))
+    on_frame((2, 1, b"\x00\x3c\x00\x00" + (2).to_bytes(8, "big") + header(message_id="m")))
+    assert on_frame((3, 1, b"hi")) is True
+    return method, connection.channels[1]
+
+
+def test_a_delivery_goes_to_its_channel_listener_and_one_shot_as_py_amqp_sends_it():
+    method, channel = _deliver(_Connection(_Channel()))
+    [(kind, listened), (shot, once)] = channel.calls
+    assert (kind, shot) == ("listener", "one shot")
+    assert listened[:5] == ("ctag", 7, True, "ex", "key") and listened[5].body == b"hi"
+    assert once[0] == spec.Basic.Deliver and once[1:] == listened
+    assert spec.Basic.Deliver not in channel._pending  # a one-shot waiter is used up
+
+
+@pytest.mark.parametrize("options", [{"auto_decode": True}, {"is_closing": True}])
+def test_a_channel_that_decodes_bodies_or_is_closing_gets_py_amqps_dispatch(options):
+    method, channel = _deliver(_Connection(_Channel(**options)))
+    [(kind, (signature, payload, message))] = channel.calls
+    assert (kind, signature, payload, message.body) == (
+        "py-amqp", spec.Basic.Deliver, method, b"hi")
+
+
+def test_a_delivery_on_a_closed_connection_raises_as_py_amqp_does():
+    connection = _Connection(_Channel())
+    connection.channels = None  # type: ignore[assignment]
+    with pytest.raises(RecoverableConnectionError):
+        _deliver(connection)

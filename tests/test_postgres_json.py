@@ -85,3 +85,26 @@ def test_a_group_commit_with_a_lone_surrogate_is_refused_commit_by_commit(
     assert isinstance(answers[0], StorageError) and answers[1] is None
     assert storage.load("Order", "good").state == {"n": 2}
     assert storage.load("Order", "bad").state is None
+
+
+@pytest.mark.postgres
+def test_states_are_read_back_as_json_loads_reads_them(storage: PostgresStorage):
+    """The storage's connections parse ``jsonb`` with pydantic-core's parser: what PostgreSQL
+    sends back of awkward states (big and negative numbers, floats, nesting, text) is the
+    value ``json.loads`` reads from the same text."""
+    states = [{"big": 2**70, "negative": -3, "float": 0.1, "tiny": 1e-300, "huge": 1.5e300,
+               "exact": 12345678901234567890.0, "nested": [{"a": [None, True, False]}],
+               "text": text, text or "empty": [text]} for text in AWKWARD]
+    commits = [PendingCommit(storage.load("Order", f"s{index}"), f"H/s{index}", state, ())
+               for index, state in enumerate(states)]
+    assert storage.commit_many(commits) == [None] * len(commits)
+    loaded = storage.load_many([("Order", f"s{index}", None) for index in range(len(states))])
+    with storage._connection() as connection:
+        texts = [row[0] for row in connection.execute(
+            f"SELECT state::text FROM {storage.table_prefix}_aggregates "
+            "WHERE aggregate_id LIKE 's%%' ORDER BY aggregate_id")]
+    by_id = {record.aggregate_id: record.state for record in loaded}
+    assert [by_id[f"s{index}"] for index in sorted(range(len(states)), key=str)] == [
+        json.loads(text) for text in texts]
+    assert by_id["s0"]["big"] == 2**70 and by_id["s0"]["float"] == 0.1  # (jsonb prints
+    # 1.5e300 as its digits, which both parsers read as an int)

@@ -8,6 +8,11 @@ basic content header with :func:`decode_basic`: the same properties, the same va
 (text as py-amqp decodes it, bytes where it is not UTF-8), for a table whose values are
 all long strings, as idembus' are; any other table, or a payload that is not ``bytes``,
 is read by py-amqp's reader as before.
+
+A whole ``basic.deliver`` (method, header, body) then goes to its channel as py-amqp's
+``dispatch_method`` would send it, with its arguments read by :func:`deliver_arguments`
+instead of py-amqp's generic ``loads`` (a format string walked item by item): the same
+values, the same listeners, the same checks (:func:`_dispatch_delivery`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,14 @@ from typing import Any
 
 import amqp
 from amqp import spec
-from amqp.exceptions import UnexpectedFrame
+from amqp.exceptions import RecoverableConnectionError, UnexpectedFrame
 from amqp.serialization import decode_properties_basic
 
 #: Methods whose content (header, then body) follows them.
 _CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.GetOk])
 _SHORT, _LONG, _OCTET = Struct(">H").unpack_from, Struct(">I").unpack_from, Struct(">B")
-_TIMESTAMP = Struct(">Q").unpack_from
+_TIMESTAMP = _LONGLONG = Struct(">Q").unpack_from
+_DELIVER = spec.Basic.Deliver
 _METHOD = Struct(">HH").unpack_from
 #: The short-string properties after the headers and the octets, by flag bit, in order.
 _LATER: tuple[tuple[int, str], ...] = (
@@ -99,6 +105,48 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     return properties, offset
 
 
+def deliver_arguments(buf: bytes) -> list[Any]:
+    """``basic.deliver``'s arguments in its method frame's payload ``buf`` — consumer tag,
+    delivery tag, redelivered, exchange, routing key — as py-amqp's ``loads("sLbss", buf,
+    4)`` reads them."""
+    size = buf[4]
+    offset = 5 + size
+    consumer_tag = buf[5:offset].decode(_UTF8, _ERRORS)
+    (delivery_tag,) = _LONGLONG(buf, offset)
+    redelivered = buf[offset + 8] & 1 == 1
+    size = buf[offset + 9]
+    start, offset = offset + 10, offset + 10 + size
+    exchange = buf[start:offset].decode(_UTF8, _ERRORS)
+    size = buf[offset]
+    routing_key = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+    return [consumer_tag, delivery_tag, redelivered, exchange, routing_key]
+
+
+def _dispatch_delivery(connection: Any, channel_id: int, msg: Any) -> None:
+    """What py-amqp's ``Connection.on_inbound_method`` and ``AbstractChannel.
+    dispatch_method`` do with a whole ``basic.deliver``, its arguments read by
+    :func:`deliver_arguments`; a channel that would decode the body, or a payload that
+    is not ``bytes``, goes through them as before."""
+    channels = connection.channels
+    if channels is None:
+        raise RecoverableConnectionError("Connection already closed")
+    channel = channels[channel_id]
+    buf = msg.frame_args
+    if channel.auto_decode or type(buf) is not bytes or channel.is_closing:
+        channel.dispatch_method(_DELIVER, buf, msg)
+        return
+    listener = channel._callbacks.get(_DELIVER)
+    one_shot = channel._pending.pop(_DELIVER, None)
+    if listener is None and one_shot is None:
+        return
+    arguments = deliver_arguments(buf)
+    arguments.append(msg)
+    if listener is not None:
+        listener(*arguments)
+    if one_shot:
+        one_shot(_DELIVER, *arguments)
+
+
 class _Message(amqp.Message):  # type: ignore[misc]
     """py-amqp's message, whose basic content header :func:`decode_basic` reads."""
 
@@ -113,9 +161,20 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
                   reread: Callable[[bytes], bytes] | None = None) -> Callable[[Any], bool]:
     """py-amqp's frame handler (``amqp.method_framing.frame_handler``), step for step,
     with :class:`_Message` for the content that comes with a method. ``reread``: what a
-    content header that raises ``UnicodeDecodeError`` is read again as (else it raises)."""
+    content header that raises ``UnicodeDecodeError`` is read again as (else it raises).
+    A delivery goes to its channel through :func:`_dispatch_delivery` when ``callback`` is
+    the connection's own ``on_inbound_method``."""
     expected_types: defaultdict[int, int] = defaultdict(lambda: 1)
     partial_messages: dict[int, _Message] = {}
+    quick_deliveries = (getattr(callback, "__self__", None) is connection
+                        and getattr(callback, "__func__", None)
+                        is amqp.Connection.on_inbound_method)
+
+    def completed(channel: int, msg: _Message) -> None:
+        if msg.frame_method == _DELIVER and quick_deliveries:
+            _dispatch_delivery(connection, channel, msg)
+        else:
+            callback(channel, msg.frame_method, msg.frame_args, msg)
 
     def on_frame(frame: Any) -> bool:
         frame_type, channel, buf = frame
@@ -145,7 +204,7 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
                 return False
             expected_types[channel] = 1
             partial_messages.pop(channel, None)
-            callback(channel, msg.frame_method, msg.frame_args, msg)
+            completed(channel, msg)
         elif frame_type == 3:
             msg = partial_messages[channel]
             msg.inbound_body(buf)
@@ -153,7 +212,7 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
                 return False
             expected_types[channel] = 1
             partial_messages.pop(channel, None)
-            callback(channel, msg.frame_method, msg.frame_args, msg)
+            completed(channel, msg)
         elif frame_type == 8:
             return False
         return True
