@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,6 +137,45 @@ def test_a_drain_handles_the_frames_already_read_without_the_socket(pair):
     assert connection.handled[-2:] == [b"e", b"f"] and connection.drained == 1
     with pytest.raises(socket.timeout):
         amqp_reads.drain(connection, 0.05)
+
+
+def test_what_is_read_already_is_readable_without_a_wait_or_a_system_call(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    connection = FakeKombuConnection(transport)
+    assert not amqp_reads.readable_within(connection, 0)  # nothing sent yet
+    peer.sendall(frame(b"a") + frame(b"b") + frame(b"c")[:4])
+    assert amqp_reads.readable_within(connection, 0)  # in the socket
+    transport.read_frame()  # takes every byte sent so far
+
+    assert amqp_reads.readable_within(connection, 60)  # b, whole in the buffer
+    transport.read_frame()
+    # Only part of c is in the buffer: the rest is waited for in the socket.
+    assert not amqp_reads.readable_within(connection, 0.01)
+    assert transport.sock.recv_calls == 1
+
+
+def test_a_short_wait_is_not_rounded_up_to_a_millisecond(pair):
+    """A batch looks 0.2 ms for a delivery that came with the first; a socket timeout
+    (what a drain waits with) waits whole milliseconds, rounded up: never less than 1 ms.
+    A busy machine makes waits longer, never shorter: the shortest of a few tells."""
+    transport, _ = pair
+    amqp_reads.read_in_chunks(transport)
+    connection = FakeKombuConnection(transport)
+    waits = []
+    for _ in range(20):
+        started = time.perf_counter()
+        assert not amqp_reads.readable_within(connection, 0.0002)
+        waits.append(time.perf_counter() - started)
+
+    assert min(waits) < 0.0009, waits
+
+
+def test_a_transport_it_cannot_watch_is_always_worth_a_drain():
+    class Unknown:
+        _connection = None
+
+    assert amqp_reads.readable_within(Unknown(), 0.0002)
 
 
 def test_a_buffered_frame_that_does_not_end_as_a_frame_must_is_refused(pair):

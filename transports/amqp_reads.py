@@ -18,10 +18,15 @@ before.
 Connections over TLS read through the SSL object's own buffer and are left as they are;
 so is a py-amqp whose transport lacks the attributes this relies on (a later release may
 change them): then reads stay exact, and correct.
+
+:func:`readable_within` waits for the socket the way a batch's short waits need: a socket
+timeout is a ``poll`` in whole milliseconds, rounded up, so a 0.2 ms wait for a second
+delivery took 1 ms; ``select`` waits in microseconds.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 from collections.abc import Callable
@@ -75,6 +80,30 @@ def drain(connection: Any, timeout: float) -> None:
                 return
             frame = _buffered_frame(transport)
     connection.drain_events(timeout=timeout)
+
+
+def readable_within(connection: Any, timeout: float) -> bool:
+    """Whether ``connection`` (a kombu connection to RabbitMQ) has something to read within
+    ``timeout`` seconds (0: only what has arrived already): at once when py-amqp's read
+    buffer holds a whole frame, else when its socket becomes readable, waited for with
+    ``select``, to the microsecond (a socket timeout would round it up to a whole
+    millisecond). True, without waiting, where that cannot be told (TLS, a transport
+    without py-amqp's buffer, a descriptor ``select`` cannot watch): the caller's drain
+    then waits with its own timeout, as before."""
+    amqp_connection: Any = getattr(connection, "_connection", None)
+    transport = getattr(amqp_connection, "transport", None)
+    buffered = getattr(transport, "_read_buffer", None)
+    sock = getattr(transport, "sock", None)
+    if (type(buffered) is not bytes or not isinstance(sock, socket.socket)
+            or isinstance(sock, ssl.SSLSocket)):
+        return True
+    if len(buffered) >= 8 and len(buffered) > 7 + int.from_bytes(buffered[3:7], "big"):
+        return True  # a whole frame, read already
+    try:
+        readable, _, _ = select.select([sock], [], [], max(timeout, 0.0))
+    except (ValueError, OSError):  # a descriptor beyond select's range, a closed socket
+        return True
+    return bool(readable)
 
 
 def _buffered_frame(transport: Any) -> tuple[int, int, bytes] | None:

@@ -63,9 +63,9 @@ class KombuConsuming(KombuCore):
     ) -> None:
         """See the contract: once a delivery is ready, the next ones are taken as they come,
         up to ``size`` or for ``linger`` seconds; outages as :meth:`consume`. On AMQP the
-        linger is waited only under load, when a second delivery is there at once: a
-        delivery that comes alone (light load) is handed over without waiting, so batching
-        adds nothing to its latency.
+        linger is waited only under load, when a second delivery comes within
+        :data:`AT_ONCE` of the first: a delivery that comes alone (light load) is handed
+        over after that look, without the linger; and no wait goes past the linger.
 
         On Redis batches hold one delivery: a wait for more leaves a ``BRPOP`` pending while
         the batch is processed, which takes the message a stopping consumer gives back.
@@ -81,7 +81,7 @@ class KombuConsuming(KombuCore):
             size = 1
         # Virtual transports (memory://) poll: a short wait there is a poll interval's sleep.
         probe = self._is_amqp
-        drain = _drain_with(self._is_amqp)
+        drain = _drain_within if self._is_amqp else _drain_with(False)
         ready: list[Delivery] = []
 
         def receiving(connection: kombu.Connection) -> Callable[[kombu.Message], None]:
@@ -97,16 +97,16 @@ class KombuConsuming(KombuCore):
 
         def after_drain(connection: kombu.Connection) -> None:
             deadline = time.monotonic() + linger
-            if (probe and len(ready) == 1 and size > 1
-                    and not _another_at_once(connection, ready)):
-                deadline = 0.0  # a message alone: light load, it goes without the linger
-            while ready and len(ready) < size:
+            # A message alone (light load) goes at once: no linger, no second look.
+            alone = (probe and len(ready) == 1 and size > 1
+                     and not _arrives_within(connection, ready, AT_ONCE))
+            while not alone and ready and len(ready) < size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     # RabbitMQ: past the linger, what the broker has sent already (it is in
                     # the socket, nothing is waited for) still joins the batch. Under load,
                     # when the consumer is what is slow, batches fill up to ``size``.
-                    if probe and _one_more_at_once(connection, ready):
+                    if probe and _arrives_within(connection, ready, 0.0):
                         continue
                     break
                 try:
@@ -382,20 +382,23 @@ def _drain_with(amqp: bool) -> Callable[[kombu.Connection, float], None]:
     return lambda connection, timeout: connection.drain_events(timeout=timeout)
 
 
-def _another_at_once(connection: kombu.Connection, ready: list[Delivery]) -> bool:
-    """Whether a second delivery arrives within :data:`AT_ONCE` of the first."""
-    try:
-        amqp_reads.drain(connection, AT_ONCE)
-    except TimeoutError:
-        pass
-    return len(ready) > 1
+def _drain_within(connection: kombu.Connection, timeout: float) -> None:
+    """:func:`.amqp_reads.drain` for a batch's short waits on RabbitMQ: ``TimeoutError``
+    unless something comes within ``timeout`` (waited for to the microsecond,
+    :func:`.amqp_reads.readable_within`; a socket timeout waits whole milliseconds), then
+    one method read. Never a non-blocking read: py-amqp spins on one that stops mid-frame."""
+    if not amqp_reads.readable_within(connection, timeout):
+        raise TimeoutError
+    amqp_reads.drain(connection, max(timeout, AT_ONCE))
 
 
-def _one_more_at_once(connection: kombu.Connection, ready: list[Delivery]) -> bool:
-    """Whether another delivery arrives within :data:`AT_ONCE` (one already sent)."""
+def _arrives_within(connection: kombu.Connection, ready: list[Delivery],
+                    timeout: float) -> bool:
+    """Whether another delivery joins ``ready`` within ``timeout`` (0: only one the broker
+    has sent already)."""
     before = len(ready)
     try:
-        amqp_reads.drain(connection, AT_ONCE)
+        _drain_within(connection, timeout)
     except TimeoutError:
         pass
     return len(ready) > before
