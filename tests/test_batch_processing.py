@@ -24,6 +24,7 @@ from idembus import headers as h
 from idembus.envelope import Envelope
 from idembus.handlers import AggregateHandler, handles
 from idembus.messages import Command, Event, message_name
+from idembus.runtime import batch_runner
 from idembus.runtime.batch_runner import BatchRunner
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord, PendingCommit
@@ -257,6 +258,44 @@ def test_one_failing_message_goes_to_the_error_queue_and_the_others_are_handled(
     assert rig.amounts("a") == [1] and rig.amounts("b") == [] and rig.amounts("c") == [3]
     assert all(d.acked and not d.requeued for d in deliveries)
     assert rig.signals["handled"] == 2 and rig.signals["dead_lettered"] == 1
+
+
+def test_later_batches_run_in_the_greenlets_of_the_earlier_ones_whatever_became_of_those(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a runner whose member greenlets are counted as they are made, and a process
+    # that dies after one message's commit (the message's crash escapes its greenlet)
+    made: list[object] = []
+    original = batch_runner._MemberGreenlet.__init__
+
+    def counted(self: Any) -> None:
+        made.append(self)
+        original(self)
+
+    monkeypatch.setattr(batch_runner._MemberGreenlet, "__init__", counted)
+    first, bad, crash, last = ids(4)
+    rig = Rig(middleware=[CrashAfterCommit(crash)])
+    try:
+        # When three batches of four run: one with a message that fails for good and one
+        # that crashes, then two clean ones
+        batches = [[received(first, "a", 1), received(bad, "b", -5), received(crash, "c", 3),
+                    received(last, "d", 4)]]
+        batches += [[received(message_id, f"e{n}", n + 1) for n, message_id in
+                     enumerate(ids(4))] for _ in range(2)]
+        for batch in batches:
+            try:
+                rig.run(batch)
+            except SimulatedCrash:
+                pass
+        # Then four greenlets served all twelve members, and each message met its own fate
+        assert len(made) == 4
+        assert [envelope.message_id for envelope in rig.transport.dead_letters] == [bad]
+        assert [d.requeued for d in batches[0]] == [False, False, True, False]
+        assert all(d.acked for batch in batches[1:] for d in batch)
+        assert rig.amounts("a") == [1] and rig.amounts("d") == [4]
+        assert [rig.amounts(f"e{n}") for n in range(4)] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    finally:
+        rig.close()
 
 
 @pytest.fixture
