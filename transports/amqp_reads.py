@@ -97,7 +97,7 @@ def readable_within(connection: Any, timeout: float) -> bool:
     if (type(buffered) is not bytes or not isinstance(sock, socket.socket)
             or isinstance(sock, ssl.SSLSocket)):
         return True
-    if len(buffered) >= 8 and len(buffered) > 7 + int.from_bytes(buffered[3:7], "big"):
+    if _whole_frame_end(buffered) is not None:
         return True  # a whole frame, read already
     try:
         readable, _, _ = select.select([sock], [], [], max(timeout, 0.0))
@@ -106,15 +106,22 @@ def readable_within(connection: Any, timeout: float) -> bool:
     return bool(readable)
 
 
+def _whole_frame_end(buffered: bytes) -> int | None:
+    """Where the first frame of ``buffered`` ends (the index of its frame-end octet), or
+    ``None`` while ``buffered`` does not hold the whole frame."""
+    if len(buffered) < 8:
+        return None
+    end = 7 + int.from_bytes(buffered[3:7], "big")
+    return end if len(buffered) > end else None
+
+
 def _buffered_frame(transport: Any) -> tuple[int, int, bytes] | None:
     """The first frame of py-amqp's read buffer, taken out of it, as its ``read_frame``
     gives it (and with its error for a frame that does not end as a frame must); ``None``
     while the buffer does not hold a whole frame."""
     buffered: bytes = transport._read_buffer
-    if len(buffered) < 8:
-        return None
-    end = 7 + int.from_bytes(buffered[3:7], "big")
-    if len(buffered) <= end:
+    end = _whole_frame_end(buffered)
+    if end is None:
         return None
     if buffered[end] != _FRAME_END:
         raise UnexpectedFrame(f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
