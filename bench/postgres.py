@@ -44,7 +44,8 @@ this workplace's 2-core machine.
 Also measured: idembus' duplicate path against its fresh path (:mod:`bench.pg_duplicates`),
 one worker's resident memory over a long run (:mod:`bench.pg_memory`) and one message's
 latency end to end at 10 % and 80 % of the best one-worker rate, batching on and off
-(:mod:`bench.pg_latency`);
+(:mod:`bench.pg_latency`), and what a second worker process costs per message against a
+loop that coordinates nothing (:mod:`bench.pg_scaling`);
 ``--profile`` shows where an idembus worker's time goes (:mod:`bench.pg_profile`).
 
 Run ``python -m bench.postgres`` (``make bench``); ``--help`` lists the options. Results go
@@ -67,7 +68,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from bench import pg_costs, pg_duplicates, pg_latency, pg_memory, pg_profile
+from bench import pg_costs, pg_duplicates, pg_latency, pg_memory, pg_profile, pg_scaling
 from bench.common import display_url, postgres_unreachable_reason, unreachable_reason
 from bench.pg_common import AMQP_URL, POSTGRES_URL
 from bench.pg_idembus import DEFAULT_BATCH, IdembusVariant, configuration
@@ -82,7 +83,7 @@ from bench.pg_runner import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "postgres.json"
-PARTS = ("grid", "duplicates", "memory", "latency")
+PARTS = ("grid", "duplicates", "memory", "latency", "scaling")
 
 
 def variants() -> list[Variant]:
@@ -287,6 +288,14 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                                          warmup=args.latency_warmup, logs=logs)
         report["latency"] = latency
         lines.append(pg_latency.latency_line(latency))
+    if "scaling" in args.parts:
+        print(f"\nscaling: idembus and the raw kombu loop with one and two processes, "
+              f"{args.scaling_rounds} rounds of {args.scaling_messages} messages", flush=True)
+        scaling = pg_scaling.measure(rounds=args.scaling_rounds, warmup=args.warmup,
+                                     count=args.scaling_messages, logs=logs)
+        report["scaling"] = scaling.as_json()
+        lines.append(scaling.line())
+        lines += [f"  problem: {problem}" for problem in scaling.problems]
     line, figures = summary(results)
     report["summary"] = {key: None if value is None else round(value, 3)
                          for key, value in figures.items()}
@@ -300,7 +309,7 @@ def bench(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 def had_problems(report: dict[str, Any]) -> bool:
     runs = [run for each in report.get("variants", {}).values() for run in each]
-    parts = [report.get("duplicates", {}), report.get("memory", {})]
+    parts = [report.get(part, {}) for part in ("duplicates", "memory", "scaling")]
     return any(entry.get("problems") for entry in runs + parts)
 
 
@@ -314,7 +323,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a sample of the configurations instead of all of them")
     parser.add_argument("--parts", type=_parts, default=list(PARTS),
-                        help="grid,duplicates,memory,latency (all)")
+                        help="grid,duplicates,memory,latency,scaling (all)")
     parser.add_argument("--latency-messages", type=int, default=1000, metavar="N",
                         help="timed messages of each latency run (1000)")
     parser.add_argument("--latency-warmup", type=int, default=100, metavar="W",
@@ -333,6 +342,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-batch", type=int, default=DEFAULT_BATCH,
                         help=f"batch size of the memory run's worker, 0: one message at a "
                              f"time ({DEFAULT_BATCH})")
+    parser.add_argument("--scaling-rounds", type=int, default=3, metavar="R",
+                        help="rounds of the scaling part; medians are reported (3)")
+    parser.add_argument("--scaling-messages", type=int, default=10_000, metavar="N",
+                        help="timed messages of each scaling run (10000)")
     parser.add_argument("--profile", action="store_true",
                         help="instead: profile one idembus worker (wall clock with 1 thread, "
                              "then thread CPU with --profile-threads)")
@@ -340,7 +353,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="consumer threads of the CPU profile (4)")
     parser.add_argument("--json", type=Path, default=RESULTS, help=f"results file ({RESULTS})")
     args = parser.parse_args(argv)
-    if min(args.messages, args.warmup, args.memory_first, args.memory_threads) < 1:
+    if min(args.messages, args.warmup, args.memory_first, args.memory_threads,
+           args.scaling_rounds, args.scaling_messages) < 1:
         parser.error("counts must be at least 1")
     if args.memory_messages <= args.memory_first:
         parser.error("--memory-messages must be larger than --memory-first")
