@@ -156,6 +156,11 @@ class StandaloneCluster:
                       if EXECUTOR_CLASS in _command_line(pid)]
         return found
 
+    def python_cpu(self) -> float:
+        """CPU seconds the executors' Python workers (the processes that run the tasks:
+        where idembus's work is done) have used so far, those that ended included."""
+        return sum(_python_cpu(pid) for pid in self.executors())
+
     def busiest_worker(self) -> int:
         """The worker whose executor's Python workers (its pyspark daemon and what the
         daemon forked, the processes that run the tasks) have used the most CPU so far,

@@ -24,7 +24,9 @@ available before the clock starts:
   one-worker cluster), waits up to 10 s for the shared machine to be nearly idle, times
   a replay, closes the session, and does the same on the other. ``ratio_2w_1w`` is the
   best two-worker rate over the best one-worker rate; each round's own ratio is printed
-  too.
+  too. ``cpu_ratio_2w_1w`` compares the whole machine's CPU per message (Spark's JVMs and
+  the services included); ``python_cpu_ratio_2w_1w`` the CPU per message of the executors'
+  Python workers only, where the endpoints run (median of the rounds).
 
 Every run also reports the cores the whole machine kept busy meanwhile (``/proc/stat``):
 two workers can only be faster than one while the machine has a core to spare for the
@@ -48,8 +50,10 @@ half for ``--parts local``, two more minutes for ``cluster`` here (2 cores).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -89,6 +93,8 @@ class Result:
     seconds: float
     #: Cores the whole machine kept busy meanwhile: this run, the services, anyone else.
     busy: float
+    #: CPU seconds of the cluster executors' Python workers meanwhile (cluster runs only).
+    python_cpu: float | None = None
 
     @property
     def rate(self) -> float:
@@ -98,6 +104,11 @@ class Result:
     def cpu_ms_per_message(self) -> float:
         """The machine's CPU time per message: every process, the services' included."""
         return self.busy * self.seconds * 1000 / self.messages
+
+    @property
+    def python_cpu_ms_per_message(self) -> float | None:
+        """The executors' Python workers' CPU time per message (cluster runs)."""
+        return None if self.python_cpu is None else self.python_cpu * 1000 / self.messages
 
 
 class Stopwatch:
@@ -277,8 +288,10 @@ def measure_clusters(names: RunNames, batches: Batches, directory: Path, *, mess
                     spark_run(spark, names, batches.take(SPARK_WARMUP * workers), workers,
                               variant)
                     wait_for_quiet(longest=QUIET_WAIT)
-                    results.append(spark_run(spark, names, batches.take(messages), workers,
-                                             variant))
+                    before = cluster.python_cpu()
+                    timed = spark_run(spark, names, batches.take(messages), workers, variant)
+                    results.append(dataclasses.replace(
+                        timed, python_cpu=cluster.python_cpu() - before))
                 finally:
                     spark.stop()
                 print(f"  {variant}: {results[-1].rate:.0f} msgs/s, "
@@ -322,6 +335,13 @@ def report(results: Sequence[Result], master: str) -> None:
         fields += [f"cluster_1w={one:.0f}", f"cluster_2w={two:.0f}",
                    f"ratio_2w_1w={two / one:.2f}", f"cpu_ms_1w={cpu_one:.2f}",
                    f"cpu_ms_2w={cpu_two:.2f}", f"cpu_ratio_2w_1w={cpu_two / cpu_one:.2f}"]
+        python = {variant: statistics.median(
+            r.python_cpu_ms_per_message for r in results
+            if r.variant == variant and r.python_cpu_ms_per_message is not None)
+            for variant in CLUSTER_VARIANTS}
+        fields += [f"python_cpu_ms_1w={python['cluster 1w']:.3f}",
+                   f"python_cpu_ms_2w={python['cluster 2w']:.3f}",
+                   f"python_cpu_ratio_2w_1w={python['cluster 2w'] / python['cluster 1w']:.2f}"]
     print("bench: " + " ".join(fields))
 
 
