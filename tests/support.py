@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pydantic import BaseModel
@@ -136,3 +137,14 @@ def delayed_poller(endpoint: str, transport: Transport, storage: Any,
     """The delayed-message poller of ``endpoint``, run alone."""
     return DelayedDeliveries(EndpointContext.standalone(endpoint, transport, storage),
                              **options)
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 120.0) -> bool:
+    """Look at ``condition`` (a query of a broker or a database, which tells no one when it
+    changes) every 100 ms until it holds; ``False`` if it still does not after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

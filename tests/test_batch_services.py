@@ -17,15 +17,17 @@ import pytest
 from idembus import Batching, Endpoint
 from idembus import headers as h
 from idembus.envelope import Envelope
+from idembus.handlers import Handler, handles
 from idembus.messages import message_name
 from idembus.storage.base import INBOX, AggregateRecord, PendingCommit
 from idembus.storage.errors import AlreadyProcessed, ConcurrencyConflict
+from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports import confirms
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL
-from tests.support import AccountHandler, Deposit, Ledger, SignalCounter
+from tests.support import AccountHandler, Deposit, Ledger, SignalCounter, eventually
 
 ACCOUNT = AccountHandler.storage_name()
 
@@ -455,6 +457,47 @@ def run_batched(transport: Any, name: Callable[[str], str], storage: Any) -> Non
     finally:
         sales.close()
         billing.close()
+
+
+class HeldDeposits(Handler):
+    """Handles deposits; the first one waits in its handler until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    @handles
+    def deposit(self, message: Deposit) -> None:
+        if not self.holding.is_set():
+            self.holding.set()
+            self.release.wait(30)
+
+
+@pytest.mark.amqp
+def test_with_a_prefetch_of_two_batches_the_next_is_on_its_way_while_one_is_handled(rabbitmq):
+    transport, name = rabbitmq
+    held = HeldDeposits()
+    endpoint = Endpoint(name("held"), transport=transport, storage=MemoryStorage(),
+                        handlers=[held], error_queue=name("error"), prefetch=8,
+                        batching=Batching(size=4, linger=0), status_interval=0)
+    handled = SignalCounter(endpoint, "handled")
+    transport.declare(endpoint.name, subscriptions=endpoint.subscriptions)
+    for n in range(20):
+        transport.send(Envelope(
+            headers={h.MESSAGE_ID: str(uuid.uuid4()), h.MESSAGE_TYPE: "test.Deposit"},
+            body=f'{{"account": "acc-{n}", "amount": 1}}', destination=endpoint.name))
+    endpoint.start()
+    try:
+        assert held.holding.wait(30)
+        # While the first batch is held in its handler, the broker has sent the next batch
+        # too: 8 of the 20 have left the queue, not the batch's 4.
+        assert eventually(lambda: transport.pending(endpoint.name) == 12, timeout=10), \
+            transport.pending(endpoint.name)
+        held.release.set()
+        assert handled.wait_for(20, timeout=60)
+    finally:
+        held.release.set()
+        endpoint.close()
 
 
 @pytest.mark.amqp

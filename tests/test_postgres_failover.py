@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -21,7 +21,7 @@ from idembus.storage.postgres import PostgresStorage
 from idembus.testing.pg_cluster import PostgresPair, server_programs
 from idembus.transports.kombu import KombuTransport
 from idembus.transports.postgres import PostgresTransport
-from tests.support import AccountHandler, Deposit, Ledger
+from tests.support import AccountHandler, Deposit, Ledger, eventually
 
 pytestmark = pytest.mark.postgres
 
@@ -77,16 +77,6 @@ def applied(url: str, prefix: str) -> dict[str, tuple[int, int]]:
     found = {account: (balance, count) for account, balance, count in rows}
     found["processed"] = (processed[0] if processed else 0, 0)
     return found
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 120.0) -> bool:
-    """Look at ``condition`` (a query of the database) every 100 ms until it holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def exactly_once(count: int) -> dict[str, tuple[int, int]]:
