@@ -18,6 +18,7 @@ import pytest
 
 from idembus import headers as h
 from idembus.envelope import Envelope
+from idembus.errors import ConfigurationError
 from idembus.transports.base import Delivery
 from idembus.transports.kombu import KombuTransport
 from idembus.transports.redis_taking import LANDINGS_KEY
@@ -152,3 +153,54 @@ def test_a_foreign_kombu_producers_message_is_consumed(priority):
         assert channel.client.hlen(channel.unacked_key) == 0 or all(
             queue.encode() not in value
             for value in channel.client.hvals(channel.unacked_key))
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("version", ["6.0.16", "5.0.14", ""])
+def test_a_redis_server_older_than_6_2_is_refused_at_start_naming_its_version(
+        monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    require_service(REDIS_URL, "Redis")
+    import redis
+
+    real_info = redis.Redis.info
+
+    def older(client: redis.Redis, section: str | None = None, *args: object) -> dict:
+        found = dict(real_info(client, section, *args))
+        found["redis_version"] = version
+        return found
+
+    monkeypatch.setattr(redis.Redis, "info", older)
+    transport = _transport()
+    try:
+        with pytest.raises(ConfigurationError,
+                           match=f"version {version or 'unknown'}: idembus needs Redis 6.2"):
+            transport.declare(f"old-server-{uuid.uuid4()}")
+    finally:
+        transport.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("version", ["6.2.0", "7.0.15", "7.2-rc1", "10.0.0"])
+def test_a_redis_server_of_6_2_or_later_is_taken(monkeypatch: pytest.MonkeyPatch,
+                                                 version: str) -> None:
+    require_service(REDIS_URL, "Redis")
+    import redis
+
+    real_info = redis.Redis.info
+    seen: list[str] = []
+
+    def newer(client: redis.Redis, section: str | None = None, *args: object) -> dict:
+        found = dict(real_info(client, section, *args))
+        found["redis_version"] = version
+        seen.append(version)
+        return found
+
+    monkeypatch.setattr(redis.Redis, "info", newer)
+    transport = _transport()
+    queue = f"new-server-{uuid.uuid4()}"
+    try:
+        transport.declare(queue)
+        assert seen  # the version was asked for
+        transport.delete_queue(queue)
+    finally:
+        transport.close()

@@ -45,6 +45,9 @@ class KombuTopology(KombuReplyQueues):
         scope = self._channel()
         with scope as channel:
             try:
+                if self._is_redis:
+                    from .redis_taking import require_server
+                    require_server(channel.client, self.safe_url)
                 if bindings:
                     self._events(channel).declare()
                 Queue(queue, durable=True, bindings=bindings or None,
@@ -55,6 +58,8 @@ class KombuTopology(KombuReplyQueues):
                     channel.client.sadd(REDIS_QUEUES, queue)
                 if delayed:
                     self._declare_delays(channel, queue)
+            except ConfigurationError:
+                raise
             except Exception as exc:
                 raise self._topology_failure(exc, scope.connection, f"declaring queue {queue!r}",
                                              refusal=BrokerAccessDenied) from exc

@@ -43,6 +43,7 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from ..errors import ConfigurationError
 from .redis_leases import owner_id
 
 log = logging.getLogger(f"{__package__}.kombu")  # the kombu transport's logger
@@ -86,6 +87,35 @@ _GIVE_BACK = ("local live = redis.call('EXISTS', KEYS[1]) == 1 "
               "return moved")
 _END = "return redis.call('DEL', KEYS[1])"
 _TURN = "return redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1])"
+
+
+#: The oldest Redis server whose commands the consumers use (``LMOVE``, ``BLMOVE``).
+OLDEST_SERVER = (6, 2)
+
+
+def require_server(client: Any, where: str) -> None:
+    """Fail with a :class:`~idembus.errors.ConfigurationError` naming the server's version
+    when the Redis server at ``where`` (a URL without its password) is older than
+    :data:`OLDEST_SERVER`: its consumers could take no message."""
+    version = str(client.info("server").get("redis_version", ""))
+    if _version_of(version) < OLDEST_SERVER:
+        oldest = ".".join(map(str, OLDEST_SERVER))
+        raise ConfigurationError(
+            f"the Redis server at {where} is version {version or 'unknown'}: idembus needs "
+            f"Redis {oldest} or later (its consumers take messages with LMOVE and BLMOVE); "
+            f"upgrade the server or use another broker")
+
+
+def _version_of(text: str) -> tuple[int, ...]:
+    """``"7.0.15"`` as ``(7, 0, 15)``; each part's leading digits (``"7.2-rc1"``: (7, 2)),
+    ``()`` when there are none."""
+    parts = []
+    for part in text.split("."):
+        digits = len(part) - len(part.lstrip("0123456789"))
+        if not digits:
+            break
+        parts.append(int(part[:digits]))
+    return tuple(parts)
 
 
 def give_back(client: Any, prefix: str, *, sources: Collection[str] | None = None,
