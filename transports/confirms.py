@@ -14,6 +14,7 @@ else; no second client is needed (README, "Batching").
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import amqp
 import kombu
 
 from .. import headers as h
-from . import amqp_publish, amqp_reads
+from . import amqp_properties, amqp_publish, amqp_reads
 
 #: How a published message ended: confirmed (``ACKED``) or refused (``NACKED``) by the
 #: broker; ``RETURNED``: confirmed after the broker returned it (``mandatory``, no queue).
@@ -64,6 +65,7 @@ class ConfirmingChannel:
         _no_read_before_each_publish(connection)
         self._channel: Any = connection.channel()
         self._channel.confirm_select()
+        self._frame_max = self._negotiated_frame_max()
         self._channel.events["basic_ack"].add(self._on_ack)
         self._channel.events["basic_nack"].add(self._on_nack)
         self._channel.events["basic_return"].add(self._on_return)
@@ -74,22 +76,45 @@ class ConfirmingChannel:
         self._unanswered = 0
         self._by_id: dict[str, list[_Published]] = {}
 
-    def publish(self, body: bytes, *, headers: dict[str, str], exchange: str,
-                routing_key: str, content_type: Any, content_encoding: Any,
-                **properties: Any) -> int:
-        """Publish one persistent ``mandatory`` message, not waiting for its confirm;
-        return its handle for :meth:`wait`. ``properties``: further AMQP basic properties
-        (:mod:`.amqp_properties`); the message's id is its ``message_id`` property or,
-        without one, its ``idembus.message_id`` header (``headers`` is published as it is,
-        not copied).
+    def publish(self, body: bytes, *, headers: Mapping[str, str], exchange: str,
+                routing_key: str, content_type: Any, content_encoding: Any) -> int:
+        """Publish one persistent ``mandatory`` message with idembus's ``headers``, not
+        waiting for its confirm; return its handle for :meth:`wait`. On the wire the core
+        headers are AMQP basic properties (:mod:`.amqp_properties`); the message's id is
+        its ``idembus.message_id``.
 
         The message goes straight to py-amqp's channel, as kombu's ``Producer.publish``
         would put it there for bytes with a content type (an encoding of ``binary`` when
         none is given), without kombu's serializer look-ups and retry wrapping; a message
         without a content type goes through kombu, which picks one."""
+        encoding = content_encoding or "binary"
+        written = amqp_publish.envelope_frames(
+            self._channel.channel_id, exchange=exchange, routing_key=routing_key,
+            mandatory=True, body=body, headers=headers, frame_max=self._frame_max,
+            content_type=content_type, content_encoding=encoding) if content_type else None
+        if written is not None:
+            self._write(written)
+        else:
+            self._publish_split(body, headers, exchange, routing_key, content_type,
+                                content_encoding)
+        tag = self._next_tag
+        published = _Published(tag, headers.get(h.MESSAGE_ID, ""))
+        self._next_tag = tag + 1
+        self._waiting[tag] = published
+        self._unanswered += 1
+        self._by_id.setdefault(published.message_id, []).append(published)
+        return tag
+
+    def _publish_split(self, body: bytes, idembus_headers: Mapping[str, str], exchange: str,
+                       routing_key: str, content_type: Any, content_encoding: Any) -> None:
+        """:meth:`publish` of what :func:`.amqp_publish.envelope_frames` does not write:
+        the headers split first, then the frames written here if :func:`.amqp_publish.frames`
+        writes them, else through py-amqp (or kombu, without a content type)."""
+        headers, split_properties = amqp_properties.split(idembus_headers)
+        properties: dict[str, Any] = dict(split_properties)
         written = amqp_publish.frames(
             self._channel.channel_id, exchange=exchange, routing_key=routing_key,
-            mandatory=True, body=body, headers=headers, frame_max=self._frame_max(),
+            mandatory=True, body=body, headers=headers, frame_max=self._frame_max,
             content_type=content_type, content_encoding=content_encoding or "binary",
             **properties) if content_type else None
         if written is not None:
@@ -104,17 +129,11 @@ class ConfirmingChannel:
             self._producer.publish(body, headers=headers, exchange=exchange,
                                    routing_key=routing_key, content_encoding=content_encoding,
                                    delivery_mode=2, mandatory=True, retry=False, **properties)
-        published = _Published(self._next_tag,
-                               properties.get("message_id") or headers.get(h.MESSAGE_ID, ""))
-        self._next_tag += 1
-        self._waiting[published.tag] = published
-        self._unanswered += 1
-        self._by_id.setdefault(published.message_id, []).append(published)
-        return published.tag
 
-    def _frame_max(self) -> int:
-        connection = self._channel.connection
-        frame_max = getattr(connection, "frame_max", None)
+    def _negotiated_frame_max(self) -> int:
+        """The largest frame the broker takes (0: unknown), as negotiated when the
+        connection opened: read once, when this channel is made."""
+        frame_max = getattr(self._channel.connection, "frame_max", None)
         return frame_max if isinstance(frame_max, int) else 0
 
     def _write(self, frames: bytes) -> None:

@@ -196,18 +196,15 @@ class KombuPublishing(KombuTopology):
                     continue
                 exchange, key = route
                 try:
-                    self._check_fits(confirming.connection, envelope, key, _what(envelope, key),
-                                     frame_max)
+                    self._check_fits(confirming.connection, envelope, key, None, frame_max)
                 except DestinationRefused as refused:
                     results[index] = refused
                     continue
-                headers, properties = amqp_properties.split(envelope.headers)
                 handles[confirming.publish(
-                    envelope.body.encode("utf-8", "surrogateescape"), headers=headers,
+                    envelope.body.encode("utf-8", "surrogateescape"), headers=envelope.headers,
                     exchange=exchange, routing_key=key,
                     content_type=_as_sent(envelope.content_type),
-                    content_encoding=_as_sent(envelope.content_encoding),
-                    **properties)] = index
+                    content_encoding=_as_sent(envelope.content_encoding))] = index
             ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
         except Exception as exc:
             log.info("publishing %d messages with one confirm wait failed (%s); each goes "
@@ -272,13 +269,16 @@ class KombuPublishing(KombuTopology):
             self._release(confirming.connection)
 
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
-                    what: str, frame_max: Any = None) -> None:
+                    what: str | None, frame_max: Any = None) -> None:
         """Refuse, before the broker does it by closing the connection, what AMQP cannot
         carry: a routing key over 255 bytes, headers that do not fit one frame
-        (``frame_max``: the connection's, when the caller has read it already)."""
+        (``frame_max``: the connection's, when the caller has read it already). ``what``
+        names the publish in the refusal (``None``: :func:`_what` names it)."""
         if not self._is_amqp:
             return
-        if len(routing_key.encode("utf-8", "surrogateescape")) > delays.MAX_KEY_BYTES:
+        if (4 * len(routing_key) > delays.MAX_KEY_BYTES  # no encoding for a short key
+                and len(routing_key.encode("utf-8", "surrogateescape")) > delays.MAX_KEY_BYTES):
+            what = what or _what(envelope, routing_key)
             raise DestinationRefused(f"{what}: the routing key is longer than "
                                      f"{delays.MAX_KEY_BYTES} bytes, the AMQP limit")
         if frame_max is None:
@@ -293,6 +293,7 @@ class KombuPublishing(KombuTopology):
                      + len(value.encode("utf-8", "surrogateescape")) + 6
                      for name, value in headers.items())
         if weight + _FRAME_MARGIN > frame_max:
+            what = what or _what(envelope, routing_key)
             raise DestinationRefused(
                 f"{what}: its headers take {weight} bytes and the broker's frames hold "
                 f"{frame_max} (frame_max)")
