@@ -304,7 +304,7 @@ class Bus:
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
                             destination=destination)
         (emit or self._emit)(envelope)
-        return envelope.message_id
+        return headers[h.MESSAGE_ID]
 
     def _headers(
         self,

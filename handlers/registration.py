@@ -11,6 +11,7 @@ hierarchy both get it; deduplication stays per (handler, message id).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import re
@@ -69,8 +70,10 @@ class HandlerBinding:
     method_name: str
     message_type: type[Message]
 
-    @property
+    @functools.cached_property
     def handler_name(self) -> str:
+        """The handler's :meth:`~idembus.handlers.Handler.name` (asked once per binding:
+        a class attribute, set when the class is made)."""
         return type(self.handler).name()
 
     @property

@@ -344,6 +344,7 @@ def event_routing_key(envelope: Envelope) -> str:
     """The routing key of a published event: its type's name, or, for an event that
     encloses several types (``idembus.enclosed_types``), the key that reaches the
     subscribers of each (:func:`idembus.hierarchy.routing_key`)."""
-    return hierarchy.expected_routing_key(envelope.message_type,
-                                          envelope.headers.get(h.ENCLOSED_TYPES))
+    headers = envelope.headers
+    return hierarchy.expected_routing_key(headers[h.MESSAGE_TYPE],
+                                          headers.get(h.ENCLOSED_TYPES))
 

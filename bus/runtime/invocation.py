@@ -181,10 +181,11 @@ class HandlerInvoker:
                 committer: Callable[..., bool | None] = (
                     self._storage.commit if self._shared is None
                     else functools.partial(self._shared.commit, settle=settle))
-                try:
-                    sent = self._pipeline.commit(call, _committing(
-                        committer, loaded, key, state, outgoing, completed, version,
-                        context.message_type))
+                commit = _committing(committer, loaded, key, state, outgoing, completed,
+                                     version, context.message_type)
+                pipeline = self._pipeline
+                try:  # the commit stage, if any middleware hooks it
+                    sent = pipeline.commit(call, commit) if pipeline.hooks_commit else commit()
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -336,14 +337,16 @@ class HandlerInvoker:
             returned = self._call_limited(handler, binding, method, message, limit)
         elif limiter is None:
             returned = method(message)
-            if inspect.iscoroutine(returned) and self._is_async(method):
+            if returned is not None and inspect.iscoroutine(returned) and self._is_async(
+                    method):
                 returned = run_to_completion(returned)
         else:  # watched while it runs (idembus status shows it if it runs long), no limit
             key = id(handler)
             limiter.running[key] = (binding.handler_name, handler.context, time.monotonic())
             try:
                 returned = method(message)
-                if inspect.iscoroutine(returned) and self._is_async(method):
+                if returned is not None and inspect.iscoroutine(returned) and self._is_async(
+                        method):
                     returned = run_to_completion(returned)
             finally:
                 del limiter.running[key]
