@@ -13,6 +13,7 @@ else; no second client is needed (README, "Batching").
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import amqp
 import kombu
+from amqp import spec
 
 from .. import headers as h
 from . import amqp_properties, amqp_publish, amqp_reads
@@ -27,6 +29,12 @@ from . import amqp_properties, amqp_publish, amqp_reads
 #: How a published message ended: confirmed (``ACKED``) or refused (``NACKED``) by the
 #: broker; ``RETURNED``: confirmed after the broker returned it (``mandatory``, no queue).
 ACKED, NACKED, RETURNED = "acked", "nacked", "returned"
+#: ``basic.ack``'s method signature, and its arguments after the class and method ids: the
+#: delivery tag (long long) and the octet holding the ``multiple`` bit.
+_BASIC_ACK = spec.Basic.Ack
+_ACK_ARGUMENTS = struct.Struct(">QB")
+#: Bytes of kept frames (:meth:`ConfirmingChannel.publish`) written before the wait.
+_WRITE_AT = 256 * 1024
 
 
 @dataclass
@@ -75,6 +83,13 @@ class ConfirmingChannel:
         #: How many of those the broker has not answered yet.
         self._unanswered = 0
         self._by_id: dict[str, list[_Published]] = {}
+        #: Frames of publishes not written yet, and their size: written together, at the
+        #: wait (or sooner: see :meth:`flush`).
+        self._unwritten: list[bytes] = []
+        self._unwritten_bytes = 0
+        # py-amqp's dispatch of this channel's methods, with basic.ack read here.
+        self._dispatch_method = self._channel.dispatch_method
+        self._channel.dispatch_method = self._dispatched
 
     def publish(self, body: bytes, *, headers: Mapping[str, str], exchange: str,
                 routing_key: str, content_type: Any, content_encoding: Any) -> int:
@@ -86,14 +101,21 @@ class ConfirmingChannel:
         The message goes straight to py-amqp's channel, as kombu's ``Producer.publish``
         would put it there for bytes with a content type (an encoding of ``binary`` when
         none is given), without kombu's serializer look-ups and retry wrapping; a message
-        without a content type goes through kombu, which picks one."""
+        without a content type goes through kombu, which picks one.
+
+        The frames written here are kept until :meth:`wait` (or :meth:`flush`) writes them
+        with the others, in the order they were published: the broker numbers them as
+        this channel does."""
         encoding = content_encoding or "binary"
         written = amqp_publish.envelope_frames(
             self._channel.channel_id, exchange=exchange, routing_key=routing_key,
             mandatory=True, body=body, headers=headers, frame_max=self._frame_max,
             content_type=content_type, content_encoding=encoding) if content_type else None
         if written is not None:
-            self._write(written)
+            self._unwritten.append(written)
+            self._unwritten_bytes += len(written)
+            if self._unwritten_bytes >= _WRITE_AT:
+                self.flush()
         else:
             self._publish_split(body, headers, exchange, routing_key, content_type,
                                 content_encoding)
@@ -110,6 +132,7 @@ class ConfirmingChannel:
         """:meth:`publish` of what :func:`.amqp_publish.envelope_frames` does not write:
         the headers split first, then the frames written here if :func:`.amqp_publish.frames`
         writes them, else through py-amqp (or kombu, without a content type)."""
+        self.flush()  # what was published before goes first
         headers, split_properties = amqp_properties.split(idembus_headers)
         properties: dict[str, Any] = dict(split_properties)
         written = amqp_publish.frames(
@@ -136,6 +159,16 @@ class ConfirmingChannel:
         frame_max = getattr(self._channel.connection, "frame_max", None)
         return frame_max if isinstance(frame_max, int) else 0
 
+    def flush(self) -> None:
+        """Write the frames of the publishes kept so far (:meth:`publish`), in one write;
+        before anything is sent another way that should follow them."""
+        unwritten = self._unwritten
+        if unwritten:
+            frames = b"".join(unwritten)
+            unwritten.clear()
+            self._unwritten_bytes = 0
+            self._write(frames)
+
     def _write(self, frames: bytes) -> None:
         """Write a publish's frames (:mod:`.amqp_publish`) as py-amqp's frame writer
         would: on an open channel, counted as data sent for the heartbeats."""
@@ -151,6 +184,7 @@ class ConfirmingChannel:
         :data:`RETURNED`) and the reason it was returned. Raises ``TimeoutError`` after
         ``timeout`` seconds, and what py-amqp raises if the connection fails."""
         deadline = time.monotonic() + timeout
+        self.flush()
         waiting = list(self._waiting.values())
         while self._unanswered:  # a count: a scan of the batch after each frame was O(n²)
             remaining = deadline - time.monotonic()
@@ -171,6 +205,23 @@ class ConfirmingChannel:
             if published is not None and published.end is None:
                 published.end = RETURNED if end == ACKED and published.returned else end
                 self._unanswered -= 1
+
+    def _dispatched(self, method_sig: Any, payload: bytes, content: Any) -> Any:
+        """The channel's ``dispatch_method``: a ``basic.ack`` (one a message, most of a
+        wait's frames) has its delivery tag and ``multiple`` bit unpacked here and goes to
+        the channel's ``basic_ack`` listeners, as py-amqp's own dispatch and
+        ``_on_basic_ack`` hand it over, without its generic argument reader; anything else,
+        and an ack on a closing channel or one that a ``wait`` of py-amqp's expects, goes
+        through py-amqp's dispatch."""
+        channel = self._channel
+        if (method_sig == _BASIC_ACK and not channel.is_closing
+                and _BASIC_ACK not in channel._pending):
+            delivery_tag, bits = _ACK_ARGUMENTS.unpack_from(payload, 4)
+            multiple = (bits & 1) == 1
+            for listener in channel.events["basic_ack"]:
+                listener(delivery_tag, multiple)
+            return None
+        return self._dispatch_method(method_sig, payload, content)
 
     def _on_ack(self, delivery_tag: int, multiple: bool) -> None:
         self._ended(delivery_tag, multiple, ACKED)

@@ -192,6 +192,7 @@ class KombuPublishing(KombuTopology):
             for index, envelope in enumerate(envelopes):
                 route = self._pipelined_route(envelope)
                 if route is None:
+                    confirming.flush()  # those published before it go out first
                     results[index] = self._dispatch_or_error(envelope)
                     continue
                 exchange, key = route
