@@ -398,6 +398,9 @@ class Pipeline:
         #: one, a caller may run the stage's body itself (and skip making the
         #: :class:`Dispatch` that :meth:`dispatch` would not look at).
         self.hooks_commit = self._commit is not None
+        #: Whether any middleware has ``outgoing`` hooks (:meth:`prepare` changes nothing
+        #: without one).
+        self.hooks_outgoing = bool(self._outgoing)
         self.hooks_dispatch = self._dispatch is not None
 
     def append(self, middleware: Middleware) -> None:

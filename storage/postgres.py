@@ -1416,7 +1416,7 @@ def _entry_row(pending: PendingCommit) -> dict[str, Any]:
     loaded, outgoing = pending.loaded, pending.outgoing
     return {"aggregate_type": loaded.aggregate_type, "aggregate_id": loaded.aggregate_id,
             "key": pending.key, "outgoing": [envelope.to_record() for envelope in outgoing],
-            "outgoing_ids": [envelope.message_id for envelope in outgoing],
+            "outgoing_ids": [envelope.headers[h.MESSAGE_ID] for envelope in outgoing],
             "dispatched": not outgoing, "message_type": pending.options.get("message_type")}
 
 

@@ -195,22 +195,22 @@ def _table(headers: Mapping[str, Any], places: Mapping[str, int] = _NOWHERE,
     A header named in ``places`` goes into ``shorts`` at its place instead, as a short
     string: ``None`` if its value is not ASCII of at most 255 characters."""
     items: list[bytes] = []
+    names, long = _names, _LONG  # a dozen headers a message: locals, not globals
     for name, value in headers.items():
         if type(value) is not str:
             return None
-        place = places.get(name)
-        if place is not None and shorts is not None:
+        if name in places and shorts is not None:
             if len(value) > SHORTSTR_MAX or not value.isascii():
                 return None
-            shorts[place] = _OCTETS[len(value)] + value.encode()
+            shorts[places[name]] = _OCTETS[len(value)] + value.encode()
             continue
-        named = _names.get(name)
+        named = names.get(name)
         if named is None:
             named = _name(name)
             if named is None:
                 return None
         value_bytes = value.encode("utf-8", "surrogatepass")
-        items += (named, _LONG(len(value_bytes)), value_bytes)
+        items += (named, long(len(value_bytes)), value_bytes)
     content = b"".join(items)
     return _LONG(len(content)) + content
 

@@ -82,7 +82,8 @@ class ConfirmingChannel:
         self._waiting: dict[int, _Published] = {}
         #: How many of those the broker has not answered yet.
         self._unanswered = 0
-        self._by_id: dict[str, list[_Published]] = {}
+        #: Those messages by id, once a return needs them (``None``: not indexed yet).
+        self._by_id: dict[str, list[_Published]] | None = None
         #: Frames of publishes not written yet, and their size: written together, at the
         #: wait (or sooner: see :meth:`flush`).
         self._unwritten: list[bytes] = []
@@ -123,8 +124,8 @@ class ConfirmingChannel:
         published = _Published(tag, headers.get(h.MESSAGE_ID, ""))
         self._next_tag = tag + 1
         self._waiting[tag] = published
+        self._by_id = None
         self._unanswered += 1
-        self._by_id.setdefault(published.message_id, []).append(published)
         return tag
 
     def _publish_split(self, body: bytes, idembus_headers: Mapping[str, str], exchange: str,
@@ -193,7 +194,7 @@ class ConfirmingChannel:
                                    f" of {len(waiting)} messages in {timeout:.0f}s")
             amqp_reads.drain(self.connection, remaining)
         self._waiting.clear()
-        self._by_id.clear()
+        self._by_id = None
         return {published.tag: (published.end or NACKED, published.returned)
                 for published in waiting}
 
@@ -234,8 +235,12 @@ class ConfirmingChannel:
         properties = getattr(message, "properties", None) or {}
         headers = getattr(message, "headers", None) or {}
         message_id = properties.get("message_id") or headers.get(h.MESSAGE_ID, "")
-        candidates = self._by_id.get(str(message_id), [])
-        for published in candidates:
+        by_id = self._by_id
+        if by_id is None:  # indexed at the wait's first return, not at every publish
+            by_id = self._by_id = {}
+            for published in self._waiting.values():
+                by_id.setdefault(published.message_id, []).append(published)
+        for published in by_id.get(str(message_id), ()):
             if published.end is None and not published.returned:
                 published.returned = str(error) or "returned"
                 return

@@ -186,6 +186,9 @@ class KombuPublishing(KombuTopology):
             return super().dispatch_many(envelopes)
         results: list[bool | None | Exception | _Unanswered] = [_UNANSWERED] * len(envelopes)
         handles: dict[int, int] = {}
+        #: (content type, content encoding) -> as sent (:func:`_as_sent`): a batch's
+        #: messages have one or two kinds.
+        kinds: dict[tuple[str, str | None], tuple[Any, Any]] = {}
         try:
             confirming = self._confirming()
             frame_max = _frame_max(confirming.connection)  # once a batch, not a message
@@ -201,11 +204,14 @@ class KombuPublishing(KombuTopology):
                 except DestinationRefused as refused:
                     results[index] = refused
                     continue
+                kind = (envelope.content_type, envelope.content_encoding)
+                sent_as = kinds.get(kind)
+                if sent_as is None:
+                    sent_as = kinds[kind] = (_as_sent(kind[0]), _as_sent(kind[1]))
                 handles[confirming.publish(
                     envelope.body.encode("utf-8", "surrogateescape"), headers=envelope.headers,
-                    exchange=exchange, routing_key=key,
-                    content_type=_as_sent(envelope.content_type),
-                    content_encoding=_as_sent(envelope.content_encoding))] = index
+                    exchange=exchange, routing_key=key, content_type=sent_as[0],
+                    content_encoding=sent_as[1])] = index
             ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
         except Exception as exc:
             log.info("publishing %d messages with one confirm wait failed (%s); each goes "

@@ -33,7 +33,7 @@ from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
 from ..errors import EndpointBlocked, HandlerContractError, TimeLimitExceeded
-from ..evolution import load_state, version_keyword
+from ..evolution import load_state, version_of
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
@@ -270,8 +270,10 @@ class HandlerInvoker:
         limited = limiter is not None and limiter.limits.get(
             type(binding.handler), limiter.policy.default) is not None
         sink = _Sink(outgoing, binding.handler_name) if limited else None
-        handler = self._copy(binding, context, self._pipeline.recorder(
-            sink or outgoing.append, context), loaded)
+        record = sink or outgoing.append
+        pipeline = self._pipeline  # middleware is not added while messages are processed
+        handler = self._copy(binding, context, pipeline.recorder(record, context)
+                             if pipeline.hooks_outgoing else record, loaded)
         try:
             if isinstance(handler, AggregateHandler):
                 if loaded.live:
@@ -461,7 +463,8 @@ def _state_version(binding: HandlerBinding) -> int | None:
     handler = binding.handler
     if not isinstance(handler, AggregateHandler):
         return None
-    return version_keyword(type(handler).state_type).get("state_version")
+    version = version_of(type(handler).state_type)  # what version_keyword gives a commit
+    return None if version == 1 else version
 
 
 class _Sink:
