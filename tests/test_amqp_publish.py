@@ -109,3 +109,16 @@ def test_a_core_value_other_than_short_ascii_is_left_to_split(core):
 
     assert amqp_publish.envelope_frames(3, headers={**IDEMBUS_HEADERS, **core},
                                         frame_max=FRAME_MAX, **place) is None
+
+
+def test_a_core_header_once_written_in_a_table_still_becomes_its_property():
+    place = dict(exchange="", routing_key="q", mandatory=True, body=b"{}",
+                 content_type="application/json", content_encoding="utf-8")
+    # Given a message whose id was too long for a property, written with it in its table
+    long_id = {**IDEMBUS_HEADERS, "idembus.message_id": "m" * 300}
+    assert _split_frames(long_id, **place) is not None
+
+    # Then the next message's short id is its property again, as split puts it
+    written = amqp_publish.envelope_frames(3, headers=IDEMBUS_HEADERS, frame_max=FRAME_MAX,
+                                           **place)
+    assert written == _split_frames(IDEMBUS_HEADERS, **place)

@@ -191,38 +191,43 @@ def _short(value: Any) -> bytes | None:
 
 def _table(headers: Mapping[str, Any], places: Mapping[str, int] = _NOWHERE,
            shorts: list[bytes | None] | None = None) -> bytes | None:
-    """A headers table of text values, each a long string (``S``), as py-amqp writes it.
-    A header named in ``places`` goes into ``shorts`` at its place instead, as a short
-    string: ``None`` if its value is not ASCII of at most 255 characters."""
+    """A headers table of text values, each a long string (``S``), as py-amqp writes it
+    (``None`` for a value that is not text, or a name over 255 bytes). A header named in
+    ``places`` goes into ``shorts`` at its place instead, as a short string: ``None`` if
+    its value is not ASCII of at most 255 characters."""
     items: list[bytes] = []
     names, long = _names, _LONG  # a dozen headers a message: locals, not globals
-    for name, value in headers.items():
-        if type(value) is not str:
-            return None
-        if name in places and shorts is not None:
-            if len(value) > SHORTSTR_MAX or not value.isascii():
-                return None
-            shorts[places[name]] = _OCTETS[len(value)] + value.encode()
-            continue
-        named = names.get(name)
-        if named is None:
-            named = _name(name)
+    try:
+        for name, value in headers.items():
+            named = names.get(name)  # never a name of ``places`` (see _name)
             if named is None:
-                return None
-        value_bytes = value.encode("utf-8", "surrogatepass")
-        items += (named, long(len(value_bytes)), value_bytes)
+                if name in places and shorts is not None:
+                    if type(value) is not str or len(value) > SHORTSTR_MAX or (
+                            not value.isascii()):
+                        return None
+                    shorts[places[name]] = _OCTETS[len(value)] + value.encode()
+                    continue
+                named = _name(name)
+                if named is None:
+                    return None
+            value_bytes = value.encode("utf-8", "surrogatepass")
+            items += (named, long(len(value_bytes)), value_bytes)
+    except AttributeError:  # a value that is not text (no ``encode``): py-amqp writes it
+        return None
     content = b"".join(items)
     return _LONG(len(content)) + content
 
 
 def _name(name: str) -> bytes | None:
     """A header name's length octet, bytes and value type tag (``S``) in a table, kept in
-    :data:`_names`; ``None`` for a name over 255 bytes."""
+    :data:`_names` unless it is a core header's; ``None`` for a name over 255 bytes (or
+    not text)."""
     if type(name) is not str:
         return None
     name_bytes = name.encode("utf-8", "surrogatepass")
     if len(name_bytes) > 255:
         return None
     named = _OCTETS[len(name_bytes)] + name_bytes + b"S"
-    _remember(_names, name, named)
+    if name not in _CORE_PLACES:  # a core header's name is looked up in places first
+        _remember(_names, name, named)
     return named
