@@ -33,7 +33,7 @@ from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
 from ..errors import EndpointBlocked, HandlerContractError, TimeLimitExceeded
-from ..evolution import load_state, version_of
+from ..evolution import load_state
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
@@ -166,7 +166,8 @@ class HandlerInvoker:
                 if expired:
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
                                    context.handler_name, discarded=True)
-                if attempt == 0:
+                if attempt == 0 and self._storage.processed_window is not None:
+                    # (a storage keeping every entry, PostgreSQL's, forgets none)
                     self._notice_forgotten_window(loaded, headers, details)
                 absent = _without_saga(binding, message, headers, loaded)
                 if absent is not None:
@@ -177,7 +178,7 @@ class HandlerInvoker:
                                    context.handler_name, dropped=True)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
-                version = None if state is None else _state_version(binding)
+                version = None if state is None else binding.state_version
                 committer: Callable[..., bool | None] = (
                     self._storage.commit if self._shared is None
                     else functools.partial(self._shared.commit, settle=settle))
@@ -454,17 +455,6 @@ def _committing(committer: Callable[..., bool | None], loaded: AggregateRecord, 
     return lambda: committer(loaded, key=key, state=state, outgoing=outgoing,
                              completed=completed, state_version=version,
                              message_type=message_type)
-
-
-def _state_version(binding: HandlerBinding) -> int | None:
-    """The ``state_version`` an aggregate handler's commit stores: its state model's
-    version, ``None`` at version 1 (read back as 1, as units of work store it too); ``None``
-    for a stateless handler."""
-    handler = binding.handler
-    if not isinstance(handler, AggregateHandler):
-        return None
-    version = version_of(type(handler).state_type)  # what version_keyword gives a commit
-    return None if version == 1 else version
 
 
 class _Sink:
