@@ -43,6 +43,10 @@ F = TypeVar("F", bound=Upcast)
 _UPCASTERS = "__idembus_upcasters__"
 #: The class variable a state model declares its version with.
 STATE_VERSION = "state_version"
+#: State model -> its version, and the keys its fields are read from: looked up once per
+#: model (a model's class variables and fields are set when the class is made).
+_state_versions: dict[type[BaseModel], int] = {}
+_declared_keys: dict[type[BaseModel], frozenset[str]] = {}
 
 
 def upcaster(target: type[BaseModel], *, from_version: int) -> Callable[[F], F]:
@@ -80,11 +84,17 @@ def version_of(target: type[BaseModel]) -> int:
     """The current version of a message class or a state model (1 unless declared)."""
     if issubclass(target, Message):
         return target.__message_version__
+    known = _state_versions.get(target)
+    if known is not None:
+        return known
+    # Checked once per model: a model without the class variable misses it through
+    # pydantic's metaclass, which raises AttributeError for getattr to catch.
     version = getattr(target, STATE_VERSION, 1)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise ConfigurationError(
             f"{target.__qualname__}.{STATE_VERSION} must be a whole number from 1 "
             f"(state_version: ClassVar[int] = 2), got {version!r}")
+    _state_versions[target] = version
     return version
 
 
@@ -114,8 +124,10 @@ def upcast_state(state_type: type[BaseModel], state: Mapping[str, Any],
     """A stored state of ``version`` (``None``: stored before versions existed, read as 1)
     as the current version of ``state_type``;
     :class:`~idembus.errors.IncompatibleState` if that cannot be done."""
-    result = _upcast(state_type, dict(state), 1 if version is None else version,
-                     IncompatibleState, "stored state")
+    version = 1 if version is None else version
+    if version == version_of(state_type):  # the usual case: nothing to upcast
+        return dict(state)
+    result = _upcast(state_type, dict(state), version, IncompatibleState, "stored state")
     return dict(result)
 
 
@@ -133,7 +145,7 @@ def load_state(state_type: type[StateT], stored: Mapping[str, Any],
     ``extra``."""
     data = upcast_state(state_type, stored, version)
     if state_type.model_config.get("extra") is None:
-        unknown = sorted(set(data) - _declared(state_type))
+        unknown = sorted(data.keys() - _declared(state_type))
         if unknown:
             raise IncompatibleState(
                 f"the stored state of {state_type.__qualname__} has field(s) "
@@ -165,15 +177,19 @@ def version_keyword(state_type: type[BaseModel]) -> VersionKeyword:
     return VersionKeyword() if version == 1 else VersionKeyword(state_version=version)
 
 
-def _declared(model: type[BaseModel]) -> set[str]:
+def _declared(model: type[BaseModel]) -> frozenset[str]:
     """The keys a model's fields are read from: names and string aliases."""
+    known = _declared_keys.get(model)
+    if known is not None:
+        return known
     names: set[str] = set()
     for name, field in model.model_fields.items():
         names.add(name)
         for alias in (field.alias, field.validation_alias):
             if isinstance(alias, str):
                 names.add(alias)
-    return names
+    known = _declared_keys[model] = frozenset(names)
+    return known
 
 
 def _upcast(target: type[BaseModel], body: Any, version: int,

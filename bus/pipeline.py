@@ -394,6 +394,14 @@ class Pipeline:
             stage if stage.pairs else None
             for stage in (self._stages[name] for name in _STAGES))
         self._outgoing = [m.outgoing for m in middleware if _overrides(m, "outgoing")]
+        #: Whether any middleware hooks the ``commit`` and ``dispatch`` stages: without
+        #: one, a caller may run the stage's body itself (and skip making the
+        #: :class:`Dispatch` that :meth:`dispatch` would not look at).
+        self.hooks_commit = self._commit is not None
+        #: Whether any middleware has ``outgoing`` hooks (:meth:`prepare` changes nothing
+        #: without one).
+        self.hooks_outgoing = bool(self._outgoing)
+        self.hooks_dispatch = self._dispatch is not None
 
     def append(self, middleware: Middleware) -> None:
         """Add ``middleware`` last (innermost). Not while messages are processed: the

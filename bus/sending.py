@@ -26,7 +26,6 @@ from .messages import (
     Command,
     Event,
     Message,
-    default_time_to_live,
     parents_of,
     partition_of,
 )
@@ -277,7 +276,8 @@ class Bus:
         emit: Emit | None = None,
     ) -> str:
         """Build the envelope and emit it (through ``emit`` if given); return its id."""
-        ttl = (default_time_to_live(message) if discard_after is None
+        # default_time_to_live(message), read straight from the class (once a message)
+        ttl = (type(message).__discard_after__ if discard_after is None
                else time_to_live(discard_after))
         now = self._clock.now()
         headers = self._headers(message, intent, extra, message_id, now)
@@ -304,7 +304,7 @@ class Bus:
         envelope = Envelope(headers=headers, body=message.model_dump_json(),
                             destination=destination)
         (emit or self._emit)(envelope)
-        return envelope.message_id
+        return headers[h.MESSAGE_ID]
 
     def _headers(
         self,

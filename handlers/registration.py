@@ -11,6 +11,7 @@ hierarchy both get it; deduplication stays per (handler, message id).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import re
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Union
 
+from ..evolution import version_of
 from ..messages import (
     Command,
     Message,
@@ -69,9 +71,22 @@ class HandlerBinding:
     method_name: str
     message_type: type[Message]
 
-    @property
+    @functools.cached_property
     def handler_name(self) -> str:
+        """The handler's :meth:`~idembus.handlers.Handler.name` (asked once per binding:
+        a class attribute, set when the class is made)."""
         return type(self.handler).name()
+
+    @functools.cached_property
+    def state_version(self) -> int | None:
+        """The ``state_version`` an aggregate handler's commit stores: its state model's
+        version, ``None`` at version 1 (read back as 1, as units of work store it too);
+        ``None`` for a stateless handler. Asked once per binding."""
+        handler = self.handler
+        if not isinstance(handler, AggregateHandler):
+            return None
+        version = version_of(type(handler).state_type)  # what version_keyword gives a commit
+        return None if version == 1 else version
 
     @property
     def is_aggregate(self) -> bool:

@@ -652,9 +652,10 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         return [None if written.get(index) == 1 else self._refusal_in_group(pending)
                 for index, pending in enumerate(commits)]
 
-    def _batch_locks(self, commits: Sequence[PendingCommit]) -> list[int]:
+    def _batch_locks(self, commits: Sequence[PendingCommit]) -> str:
         """The advisory-lock keys of the aggregates (of the inbox entries: the entries)
-        ``commits`` write, sorted: the order in which every batch takes them."""
+        ``commits`` write, sorted: the order in which every batch takes them; as the text
+        of a ``bigint[]`` (psycopg would dump a list element by element in Python)."""
         keys = set()
         for pending in commits:
             loaded = pending.loaded
@@ -662,7 +663,7 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
             if loaded.aggregate_type == INBOX:  # one id holds every entry of a handler
                 name = f"{name}\n{pending.key}"
             keys.add(_advisory_key(name))
-        return sorted(keys)
+        return "{" + ",".join(map(str, sorted(keys))) + "}"
 
     def _commit_groups(self, commits: Sequence[PendingCommit], order: Sequence[int]
                        ) -> list[tuple[str, tuple[Any, ...], list[int]]]:
@@ -1416,7 +1417,7 @@ def _entry_row(pending: PendingCommit) -> dict[str, Any]:
     loaded, outgoing = pending.loaded, pending.outgoing
     return {"aggregate_type": loaded.aggregate_type, "aggregate_id": loaded.aggregate_id,
             "key": pending.key, "outgoing": [envelope.to_record() for envelope in outgoing],
-            "outgoing_ids": [envelope.message_id for envelope in outgoing],
+            "outgoing_ids": [envelope.headers[h.MESSAGE_ID] for envelope in outgoing],
             "dispatched": not outgoing, "message_type": pending.options.get("message_type")}
 
 
@@ -1463,8 +1464,9 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
                           name=pool.name, configure=pg_json.read_quickly)
 
 
-#: Takes the transaction-level advisory locks of an array, in the array's order (a scan
-#: of ``unnest`` yields its elements in order, and each is locked as it is read).
+#: Takes the transaction-level advisory locks of an array (given as its text), in the
+#: array's order (a scan of ``unnest`` yields its elements in order, and each is locked as
+#: it is read).
 _LOCK_IN_ORDER = "SELECT count(pg_advisory_xact_lock(k)) FROM unnest(%s::bigint[]) AS k"
 #: What PostgreSQL answers a transaction it rolled back for another's sake.
 _LOST_STATES = frozenset({"40P01", "40001"})

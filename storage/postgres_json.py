@@ -25,6 +25,9 @@ import psycopg
 from psycopg.types.json import Jsonb, set_json_loads
 from pydantic_core import PydanticSerializationError, from_json, to_json
 
+#: ``json.dumps`` with its defaults, without its look at its arguments each call.
+_STATE_ENCODER = json.JSONEncoder()
+
 
 def text_json(value: Any) -> str:
     """``value`` (text, numbers, booleans, ``None``, in lists and dicts) as JSON text."""
@@ -38,7 +41,8 @@ def row_with_state(row: Mapping[str, Any], state: Mapping[str, Any] | None) -> s
     """``row`` (as :func:`text_json` writes it) with a ``state`` member: the aggregate's
     state as ``json.dumps`` writes it (``null`` for none)."""
     written = text_json(row)
-    state_json = "null" if state is None else json.dumps(dict(state))
+    state_json = "null" if state is None else _STATE_ENCODER.encode(
+        state if type(state) is dict else dict(state))
     return f'{written[:-1]},"state":{state_json}}}' if len(written) > 2 else (
         f'{{"state":{state_json}}}')
 

@@ -37,7 +37,10 @@ class Batcher(Generic[T]):
         self._interval = interval
         self._size = size
         self._pending: list[T] = []
-        self._changed = threading.Condition()
+        #: The lock of ``_changed``, taken directly where nothing waits on the condition
+        #: (a ``with`` on a Condition runs two Python calls around the lock's own).
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._writing = 0
         #: Items in the batch being written.
         self._in_write = 0
@@ -46,7 +49,7 @@ class Batcher(Generic[T]):
         self._thread: threading.Thread | None = None
 
     def add(self, item: T) -> None:
-        with self._changed:
+        with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._name} is closed")
             self._pending.append(item)

@@ -315,6 +315,28 @@ def test_a_group_is_published_without_reading_the_socket_between_messages(rabbit
 
 
 @pytest.mark.amqp
+def test_a_group_larger_than_one_write_goes_out_whole_and_in_order(rabbitmq):
+    # Given six sends of 100 kB each: more than the frames kept for one write
+    transport, name = rabbitmq
+    queue = name("sink")
+    transport.declare(queue)
+    envelopes = [Envelope(headers={h.MESSAGE_ID: str(uuid.uuid4()),
+                                   h.MESSAGE_TYPE: "test.Deposit"},
+                          body=f'{{"n": {n}, "pad": "{"x" * 100_000}"}}', destination=queue)
+                 for n in range(6)]
+
+    # When they are dispatched as one group
+    results = transport.dispatch_many(envelopes)
+
+    # Then each is confirmed, and the queue holds them in the order given, whole
+    assert results == [None] * 6
+    received = []
+    while (delivery := transport.get(queue)) is not None:
+        received.append((delivery.headers[h.MESSAGE_ID], len(delivery.body)))
+    assert received == [(envelope.message_id, len(envelope.body)) for envelope in envelopes]
+
+
+@pytest.mark.amqp
 def test_a_message_the_broker_nacks_is_an_outage_for_its_sender_only(rabbitmq):
     transport, name = rabbitmq
     full = name("full")

@@ -60,6 +60,24 @@ def test_explicit_types_in_handles_take_the_place_of_annotations():
     assert table(Audit).bindings_for(Opened)[0].handler_name == "Audit"
 
 
+def test_each_binding_keeps_the_name_of_its_own_handler_class():
+    class Audit(Handler):
+        @handles(Open)
+        def note(self, message):
+            pass
+
+    class Ledger(Handler):
+        handler_name = "ledger-v2"
+
+        @handles(Open)
+        def note(self, message):
+            pass
+
+    bindings = table(Audit, Ledger).bindings_for(Open)
+    for _ in range(2):  # asked again: the kept name is still each one's own
+        assert [binding.handler_name for binding in bindings] == ["Audit", "ledger-v2"]
+
+
 class NotAMessage(BaseModel):
     x: int
 

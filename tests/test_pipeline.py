@@ -25,7 +25,7 @@ from idembus.context import MessageContext
 from idembus.envelope import Envelope
 from idembus.errors import ConfigurationError
 from idembus.handlers import Handler, handles
-from idembus.pipeline import Dispatch, HandlerCall, IncomingMessage
+from idembus.pipeline import Dispatch, HandlerCall, IncomingMessage, Pipeline
 from idembus.policies import OutboxPolicy
 from idembus.runtime.timings import HandlingTimes
 from idembus.storage.memory import MemoryStorage
@@ -502,3 +502,18 @@ def test_a_crash_in_an_inner_after_hook_still_runs_the_outer_ones_then_goes_on()
         pipeline.message(incoming, lambda: None)
     assert calls == ["a.before_message", "b.before_message", "b.after_message",
                      "a.after_message!SimulatedCrash"]
+
+
+def test_a_stage_is_skipped_only_while_no_middleware_hooks_it() -> None:
+    # Given a pipeline whose middleware hooks only the outgoing messages
+    pipeline = Pipeline([Stamp()])
+    assert not pipeline.hooks_commit and not pipeline.hooks_dispatch
+    # When middleware hooking every stage is added later
+    calls: list[str] = []
+    pipeline.append(Recorder("late", calls))
+    # Then the commit and dispatch stages are run through it
+    assert pipeline.hooks_commit and pipeline.hooks_dispatch
+    envelope = Envelope(headers={h.MESSAGE_ID: "m", h.MESSAGE_TYPE: "T"}, body="{}")
+    assert pipeline.dispatch(Dispatch(envelope, "e", "handler"), lambda: "sent") == "sent"
+    assert [call.split("[")[0] for call in calls] == ["late.before_dispatch",
+                                                      "late.after_dispatch"]

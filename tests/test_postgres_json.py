@@ -8,6 +8,7 @@ import datetime
 import json
 import uuid
 from collections.abc import Iterator
+from types import MappingProxyType
 
 import pytest
 
@@ -41,6 +42,14 @@ def test_a_state_is_written_by_json_dumps_which_refuses_what_json_cannot_hold():
     assert json.loads(row_with_state({}, {"a": "b"})) == {"state": {"a": "b"}}
     with pytest.raises(TypeError):
         row_with_state(row, {"at": datetime.datetime.now(datetime.timezone.utc)})
+
+
+def test_a_state_is_the_text_json_dumps_writes_whatever_mapping_holds_it():
+    state = {"name": "é\u2028\ud800", "n": [1, 2.5, None], "deep": {"ok": True}}
+    expected = json.dumps(state)
+    for given in (state, MappingProxyType(state)):
+        assert row_with_state({"k": "v"}, given) == f'{{"k":"v","state":{expected}}}'
+    assert json.dumps(state) == expected  # the given state is left as it was
 
 
 @pytest.fixture

@@ -13,11 +13,12 @@ from typing import Any, ClassVar
 
 import psycopg
 import pytest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from idembus import Command, Endpoint, IncompatibleState, RetryPolicy, upcaster
 from idembus import headers as h
 from idembus.errors import ConfigurationError
+from idembus.evolution import load_state, upcast_state, version_of
 from idembus.handlers import AggregateHandler, handles
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.base import AggregateRecord
@@ -193,6 +194,32 @@ def test_a_state_version_that_is_not_a_whole_number_fails_when_the_endpoint_is_b
 
     with pytest.raises(ConfigurationError, match="state_version must be a whole number"):
         Endpoint(f"odd-{uuid.uuid4().hex[:8]}", storage=MemoryStorage(), handlers=[Odds])
+
+
+def test_each_models_version_and_declared_fields_are_its_own_when_looked_up_again():
+    # Given two models, one a subclass with a version and a field of its own, each asked
+    # for once already (what is looked up once per model is kept)
+    class First(BaseModel):
+        cents: int = 0
+
+    class Second(First):
+        state_version: ClassVar[int] = 3
+        note: str = Field("", alias="remark")
+
+    for model in (First, Second):
+        version_of(model)
+        load_state(model, {}, None if model is First else 3)
+
+    # Then each still reads as its own: version, upcast, and the fields it declares
+    assert (version_of(First), version_of(Second)) == (1, 3)
+    assert load_state(First, {"cents": 2}, None) == First(cents=2)
+    assert load_state(Second, {"cents": 2, "remark": "r"}, 3) == Second(cents=2, remark="r")
+    with pytest.raises(IncompatibleState, match="'remark'"):
+        load_state(First, {"cents": 2, "remark": "r"}, 1)
+    with pytest.raises(IncompatibleState, match="version 2 of .*Second.* no upcaster"):
+        load_state(Second, {"cents": 2}, 2)
+    assert upcast_state(Wallet, {"euros": 1.5}, None) == {"cents": 150}
+    assert upcast_state(Wallet, {"cents": 5}, 2) == {"cents": 5}
 
 
 # -- PostgreSQL: the column, added to an existing schema --------------------------------

@@ -22,6 +22,7 @@ import pytest
 
 from idembus import Command, Endpoint, Event, RetryPolicy
 from idembus import headers as h
+from idembus.envelope import Envelope
 from idembus.handlers import Handler, handles
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.testing import wait_until_idle
@@ -236,3 +237,40 @@ def test_a_failed_message_of_the_new_shape_reaches_the_error_queue_with_its_prop
     assert headers[h.EXCEPTION_TYPE].endswith("ValueError")
     assert headers[h.FAILED_QUEUE] == stock.name
     assert body == b'{"sku": "s", "quantity": -1}'
+
+
+@pytest.mark.amqp
+def test_a_batch_publishes_non_ascii_and_long_core_values_as_a_single_message_does(
+    broker: tuple[Any, Callable[[], Endpoint]], unique: str,
+) -> None:
+    # Given a queue of pika's own, and a transport with publisher confirms
+    channel, _ = broker
+    queue = f"watch-{unique}"
+    channel.queue_declare(queue, durable=False)
+    transport = KombuTransport(AMQP_URL, exchange=f"test-events-{unique}")
+    plain = {h.MESSAGE_ID: "m-plain", h.MESSAGE_TYPE: "wire.Reserve",
+             h.ORIGINATING_ENDPOINT: "stock", h.REPLY_TO: "stock", "tenant": "t-7"}
+    non_ascii = {**plain, h.MESSAGE_ID: "m-non-ascii", h.ORIGINATING_ENDPOINT: "lager-ö"}
+    long_name = "ö" * 128  # 128 characters, 256 bytes of UTF-8: over a short string
+    long = {**plain, h.MESSAGE_ID: "m-long", h.ORIGINATING_ENDPOINT: long_name}
+    try:
+        # When one batch sends a message with short ASCII core values, one with a
+        # non-ASCII endpoint name and one whose endpoint name is too long for a property
+        results = transport.dispatch_many([
+            Envelope(headers=headers, body='{"sku": "s", "quantity": 1}', destination=queue)
+            for headers in (plain, non_ascii, long)])
+
+        # Then each went out, and pika reads each core value where split puts it: the
+        # short ones as properties, the long one in the headers table
+        assert results == [None, None, None]
+        for sent in (plain, non_ascii, long):
+            properties, headers, _ = _received(channel, queue)
+            table, carried = amqp_properties.split(sent)
+            assert properties.message_id == sent[h.MESSAGE_ID]
+            assert properties.app_id == carried.get("app_id")
+            assert properties.type == "wire.Reserve" and properties.reply_to == "stock"
+            assert {name: value for name, value in headers.items()} == table
+        assert long_name not in (properties.app_id or "")
+        assert headers[h.ORIGINATING_ENDPOINT] == long_name
+    finally:
+        transport.close()

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
+
+from . import amqp_properties
+from .amqp_properties import SHORTSTR_MAX
 
 #: The basic properties :func:`frames` writes, in the content header's order, each with
 #: its flag bit; all short strings except ``delivery_mode`` (an octet) and the headers.
@@ -25,6 +29,12 @@ _LATER: tuple[tuple[str, int], ...] = (
     ("correlation_id", 0x0400), ("reply_to", 0x0200), ("message_id", 0x0080),
     ("type", 0x0020), ("app_id", 0x0008))
 _KNOWN = frozenset(name for name, _ in _LATER)
+_LATER_FLAGS = tuple(flag for _, flag in _LATER)
+#: No header goes elsewhere than the table (:func:`_table`).
+_NOWHERE: Mapping[str, int] = MappingProxyType({})
+#: Core header (:data:`.amqp_properties.CORE`) -> the place of its property in _LATER.
+_CORE_PLACES = {header: [name for name, _ in _LATER].index(name)
+                for header, name in amqp_properties.CORE}
 _HEADERS_FLAG, _DELIVERY_MODE_FLAG = 0x2000, 0x1000
 #: A frame's header (type, channel, size) and its end octet.
 _FRAME = struct.Struct(">BHI")
@@ -35,6 +45,8 @@ _LONG = struct.Struct(">I").pack
 _PUBLISH_PREFIX = struct.pack(">HHH", 60, 40, 0)
 _CONTENT = struct.Struct(">HHQH")
 _OCTETS = tuple(bytes((n,)) for n in range(256))
+#: ``delivery_mode`` 2 (persistent), as the content header holds it.
+_PERSISTENT = _OCTETS[2]
 #: What a frame adds to its payload (header and end).
 _OVERHEAD = 8
 #: How many method frames and header names :func:`frames` keeps encoded (each memory).
@@ -78,6 +90,40 @@ def frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool, bo
                 return None
             flags |= flag
             parts.append(encoded)
+    return _written(channel, method, flags, parts, body, frame_max)
+
+
+def envelope_frames(channel: int, *, exchange: str, routing_key: str, mandatory: bool,
+                    body: bytes, headers: Mapping[str, Any], frame_max: int,
+                    content_type: str, content_encoding: str) -> bytes | None:
+    """:func:`frames` of a persistent message with idembus's headers as they are, not yet
+    split (:func:`.amqp_properties.split`): in one pass over them, a core header whose
+    value is ASCII of at most 255 characters becomes its property, as ``split`` puts it,
+    and every other header goes into the table. ``None`` for anything else — a core value
+    that is not such text (``split`` then decides where it goes), or what :func:`frames`
+    does not write."""
+    method = _method_frame(channel, exchange, routing_key, mandatory)
+    leading = _leading(content_type, content_encoding)
+    if method is None or leading is None:
+        return None
+    shorts: list[bytes | None] = [None] * len(_LATER)
+    table = _table(headers, _CORE_PLACES, shorts)
+    if table is None:
+        return None
+    flags, first = leading
+    parts = [first, table, _PERSISTENT]
+    flags |= _HEADERS_FLAG | _DELIVERY_MODE_FLAG
+    for flag, encoded in zip(_LATER_FLAGS, shorts, strict=True):
+        if encoded is not None:
+            flags |= flag
+            parts.append(encoded)
+    return _written(channel, method, flags, parts, body, frame_max)
+
+
+def _written(channel: int, method: bytes, flags: int, parts: list[bytes], body: bytes,
+             frame_max: int) -> bytes | None:
+    """The three frames, from the method frame and the content header's flags and parts
+    (``None`` for what does not fit a frame)."""
     header = _CONTENT.pack(60, 0, len(body), flags) + b"".join(parts)
     if max(len(method), len(header), len(body)) + 2 * _OVERHEAD > frame_max:
         return None  # a body split over frames, or a header py-amqp would refuse
@@ -143,20 +189,45 @@ def _short(value: Any) -> bytes | None:
     return _OCTETS[len(encoded)] + encoded
 
 
-def _table(headers: Mapping[str, Any]) -> bytes | None:
-    """A headers table of text values, each a long string (``S``), as py-amqp writes it."""
+def _table(headers: Mapping[str, Any], places: Mapping[str, int] = _NOWHERE,
+           shorts: list[bytes | None] | None = None) -> bytes | None:
+    """A headers table of text values, each a long string (``S``), as py-amqp writes it
+    (``None`` for a value that is not text, or a name over 255 bytes). A header named in
+    ``places`` goes into ``shorts`` at its place instead, as a short string: ``None`` if
+    its value is not ASCII of at most 255 characters."""
     items: list[bytes] = []
-    for name, value in headers.items():
-        if type(name) is not str or type(value) is not str:
-            return None
-        named = _names.get(name)
-        if named is None:
-            name_bytes = name.encode("utf-8", "surrogatepass")
-            if len(name_bytes) > 255:
-                return None
-            named = _OCTETS[len(name_bytes)] + name_bytes + b"S"
-            _remember(_names, name, named)
-        value_bytes = value.encode("utf-8", "surrogatepass")
-        items += (named, _LONG(len(value_bytes)), value_bytes)
+    names, long = _names, _LONG  # a dozen headers a message: locals, not globals
+    try:
+        for name, value in headers.items():
+            named = names.get(name)  # never a name of ``places`` (see _name)
+            if named is None:
+                if name in places and shorts is not None:
+                    if type(value) is not str or len(value) > SHORTSTR_MAX or (
+                            not value.isascii()):
+                        return None
+                    shorts[places[name]] = _OCTETS[len(value)] + value.encode()
+                    continue
+                named = _name(name)
+                if named is None:
+                    return None
+            value_bytes = value.encode("utf-8", "surrogatepass")
+            items += (named, long(len(value_bytes)), value_bytes)
+    except AttributeError:  # a value that is not text (no ``encode``): py-amqp writes it
+        return None
     content = b"".join(items)
     return _LONG(len(content)) + content
+
+
+def _name(name: str) -> bytes | None:
+    """A header name's length octet, bytes and value type tag (``S``) in a table, kept in
+    :data:`_names` unless it is a core header's; ``None`` for a name over 255 bytes (or
+    not text)."""
+    if type(name) is not str:
+        return None
+    name_bytes = name.encode("utf-8", "surrogatepass")
+    if len(name_bytes) > 255:
+        return None
+    named = _OCTETS[len(name_bytes)] + name_bytes + b"S"
+    if name not in _CORE_PLACES:  # a core header's name is looked up in places first
+        _remember(_names, name, named)
+    return named

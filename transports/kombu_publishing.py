@@ -186,28 +186,32 @@ class KombuPublishing(KombuTopology):
             return super().dispatch_many(envelopes)
         results: list[bool | None | Exception | _Unanswered] = [_UNANSWERED] * len(envelopes)
         handles: dict[int, int] = {}
+        #: (content type, content encoding) -> as sent (:func:`_as_sent`): a batch's
+        #: messages have one or two kinds.
+        kinds: dict[tuple[str, str | None], tuple[Any, Any]] = {}
         try:
             confirming = self._confirming()
             frame_max = _frame_max(confirming.connection)  # once a batch, not a message
             for index, envelope in enumerate(envelopes):
                 route = self._pipelined_route(envelope)
                 if route is None:
+                    confirming.flush()  # those published before it go out first
                     results[index] = self._dispatch_or_error(envelope)
                     continue
                 exchange, key = route
                 try:
-                    self._check_fits(confirming.connection, envelope, key, _what(envelope, key),
-                                     frame_max)
+                    self._check_fits(confirming.connection, envelope, key, None, frame_max)
                 except DestinationRefused as refused:
                     results[index] = refused
                     continue
-                headers, properties = amqp_properties.split(envelope.headers)
+                kind = (envelope.content_type, envelope.content_encoding)
+                sent_as = kinds.get(kind)
+                if sent_as is None:
+                    sent_as = kinds[kind] = (_as_sent(kind[0]), _as_sent(kind[1]))
                 handles[confirming.publish(
-                    envelope.body.encode("utf-8", "surrogateescape"), headers=headers,
-                    exchange=exchange, routing_key=key,
-                    content_type=_as_sent(envelope.content_type),
-                    content_encoding=_as_sent(envelope.content_encoding),
-                    **properties)] = index
+                    envelope.body.encode("utf-8", "surrogateescape"), headers=envelope.headers,
+                    exchange=exchange, routing_key=key, content_type=sent_as[0],
+                    content_encoding=sent_as[1])] = index
             ends = confirming.wait(_CONFIRM_TIMEOUT) if handles else {}
         except Exception as exc:
             log.info("publishing %d messages with one confirm wait failed (%s); each goes "
@@ -272,13 +276,16 @@ class KombuPublishing(KombuTopology):
             self._release(confirming.connection)
 
     def _check_fits(self, connection: kombu.Connection, envelope: Envelope, routing_key: str,
-                    what: str, frame_max: Any = None) -> None:
+                    what: str | None, frame_max: Any = None) -> None:
         """Refuse, before the broker does it by closing the connection, what AMQP cannot
         carry: a routing key over 255 bytes, headers that do not fit one frame
-        (``frame_max``: the connection's, when the caller has read it already)."""
+        (``frame_max``: the connection's, when the caller has read it already). ``what``
+        names the publish in the refusal (``None``: :func:`_what` names it)."""
         if not self._is_amqp:
             return
-        if len(routing_key.encode("utf-8", "surrogateescape")) > delays.MAX_KEY_BYTES:
+        if (4 * len(routing_key) > delays.MAX_KEY_BYTES  # no encoding for a short key
+                and len(routing_key.encode("utf-8", "surrogateescape")) > delays.MAX_KEY_BYTES):
+            what = what or _what(envelope, routing_key)
             raise DestinationRefused(f"{what}: the routing key is longer than "
                                      f"{delays.MAX_KEY_BYTES} bytes, the AMQP limit")
         if frame_max is None:
@@ -293,6 +300,7 @@ class KombuPublishing(KombuTopology):
                      + len(value.encode("utf-8", "surrogateescape")) + 6
                      for name, value in headers.items())
         if weight + _FRAME_MARGIN > frame_max:
+            what = what or _what(envelope, routing_key)
             raise DestinationRefused(
                 f"{what}: its headers take {weight} bytes and the broker's frames hold "
                 f"{frame_max} (frame_max)")
@@ -343,6 +351,7 @@ def event_routing_key(envelope: Envelope) -> str:
     """The routing key of a published event: its type's name, or, for an event that
     encloses several types (``idembus.enclosed_types``), the key that reaches the
     subscribers of each (:func:`idembus.hierarchy.routing_key`)."""
-    return hierarchy.expected_routing_key(envelope.message_type,
-                                          envelope.headers.get(h.ENCLOSED_TYPES))
+    headers = envelope.headers
+    return hierarchy.expected_routing_key(headers[h.MESSAGE_TYPE],
+                                          headers.get(h.ENCLOSED_TYPES))
 

@@ -16,7 +16,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..envelope import Envelope, utc_now
+from .. import headers as h
+from ..envelope import Envelope, parse_utc, utc_now
 from ..pipeline import Dispatch
 from ..storage.base import AggregateStore, DelayedStore, Lease, ParkingStore
 from ..storage.claims import claimed
@@ -78,7 +79,8 @@ class Dispatcher:
     def dispatch(self, envelope: Envelope) -> None:
         """Put ``envelope`` on the wire (or, deferred on a transport without delay, in the
         storage until it is due). No middleware: for error-queue copies and retries."""
-        due = envelope.deliver_at
+        deliver_at = envelope.headers.get(h.DELIVER_AT)  # most messages have none
+        due = parse_utc(deliver_at) if deliver_at else None
         if due is not None and not self._transport.native_delay and due > self._clock.now():
             self._context.role(DelayedStore).schedule(envelope, due, owner=self.endpoint)
         elif (self._transport.dispatch(envelope) is False
@@ -91,8 +93,10 @@ class Dispatcher:
         reference (:mod:`idembus.storage.claims`); the stored envelope keeps its body, so
         sending it again writes the same body under the same id."""
         claim_check = self._context.claim_check
+        if claim_check is None:
+            return envelope
         store = self._context.payloads()
-        if claim_check is None or store is None:
+        if store is None:
             return envelope
         return claimed(envelope, claim_check, store, now=utc_now())
 
@@ -111,12 +115,14 @@ class Dispatcher:
         progress = progress if progress is not None else DispatchProgress()
         if not outgoing:
             return progress
+        done = progress.done
         for envelope in outgoing:
-            if envelope.message_id in progress.done:
+            message_id = envelope.headers[h.MESSAGE_ID]
+            if message_id in done:
                 continue
             if self.dispatch_committed(envelope, endpoint=endpoint, source=source):
                 progress.sent.append(envelope)
-            progress.done.add(envelope.message_id)
+            done.add(message_id)
         self.mark_dispatched(aggregate_type, aggregate_id, key, progress.sent, lease=lease)
         return progress
 
@@ -131,8 +137,11 @@ class Dispatcher:
         raises on an outage, or if it cannot be parked."""
         owner = endpoint if endpoint is not None else self.endpoint
         try:
-            self.pipeline.dispatch(Dispatch(envelope, owner, source),
-                                    lambda: self.dispatch(self.claimed(envelope)))
+            if self.pipeline.hooks_dispatch:
+                self.pipeline.dispatch(Dispatch(envelope, owner, source),
+                                       lambda: self.dispatch(self.claimed(envelope)))
+            else:  # no middleware around it: no Dispatch to make
+                self.dispatch(self.claimed(envelope))
         except DestinationRefused as refused:
             if awaited_reply(envelope):  # its requester is gone, and its queue with it
                 log.info("reply %s dropped: its requester's reply queue %r is gone",
@@ -158,7 +167,10 @@ class Dispatcher:
 
     def dispatch_now(self, envelope: Envelope) -> None:
         """Dispatch a message sent outside handlers (``endpoint.bus``), and journal it."""
-        self.pipeline.dispatch(Dispatch(envelope, self.endpoint, "bus"),
-                                lambda: self.dispatch(self.claimed(envelope)))
+        if self.pipeline.hooks_dispatch:
+            self.pipeline.dispatch(Dispatch(envelope, self.endpoint, "bus"),
+                                   lambda: self.dispatch(self.claimed(envelope)))
+        else:
+            self.dispatch(self.claimed(envelope))
         if self._journal is not None:
             self._journal.record([envelope])

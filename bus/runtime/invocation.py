@@ -33,7 +33,7 @@ from .. import headers as h
 from ..context import MessageContext
 from ..envelope import Envelope, parse_utc, utc_now
 from ..errors import EndpointBlocked, HandlerContractError, TimeLimitExceeded
-from ..evolution import load_state, version_keyword
+from ..evolution import load_state
 from ..handlers.base import AggregateHandler
 from ..handlers.registration import HandlerBinding
 from ..messages import Message
@@ -166,7 +166,8 @@ class HandlerInvoker:
                 if expired:
                     return Outcome(aggregate_type, aggregate_id, key, (), False,
                                    context.handler_name, discarded=True)
-                if attempt == 0:
+                if attempt == 0 and self._storage.processed_window is not None:
+                    # (a storage keeping every entry, PostgreSQL's, forgets none)
                     self._notice_forgotten_window(loaded, headers, details)
                 absent = _without_saga(binding, message, headers, loaded)
                 if absent is not None:
@@ -177,14 +178,15 @@ class HandlerInvoker:
                                    context.handler_name, dropped=True)
                 state, outgoing, completed = self._run(binding, message, context, loaded)
                 call.outgoing = outgoing
-                version = None if state is None else _state_version(binding)
+                version = None if state is None else binding.state_version
                 committer: Callable[..., bool | None] = (
                     self._storage.commit if self._shared is None
                     else functools.partial(self._shared.commit, settle=settle))
-                try:
-                    sent = self._pipeline.commit(call, _committing(
-                        committer, loaded, key, state, outgoing, completed, version,
-                        context.message_type))
+                commit = _committing(committer, loaded, key, state, outgoing, completed,
+                                     version, context.message_type)
+                pipeline = self._pipeline
+                try:  # the commit stage, if any middleware hooks it
+                    sent = pipeline.commit(call, commit) if pipeline.hooks_commit else commit()
                 except StorageUnavailable as outage:
                     if isinstance(outage, EndpointBlocked | CommitOutcomeUnknown):
                         raise
@@ -269,8 +271,10 @@ class HandlerInvoker:
         limited = limiter is not None and limiter.limits.get(
             type(binding.handler), limiter.policy.default) is not None
         sink = _Sink(outgoing, binding.handler_name) if limited else None
-        handler = self._copy(binding, context, self._pipeline.recorder(
-            sink or outgoing.append, context), loaded)
+        record = sink or outgoing.append
+        pipeline = self._pipeline  # middleware is not added while messages are processed
+        handler = self._copy(binding, context, pipeline.recorder(record, context)
+                             if pipeline.hooks_outgoing else record, loaded)
         try:
             if isinstance(handler, AggregateHandler):
                 if loaded.live:
@@ -336,14 +340,16 @@ class HandlerInvoker:
             returned = self._call_limited(handler, binding, method, message, limit)
         elif limiter is None:
             returned = method(message)
-            if inspect.iscoroutine(returned) and self._is_async(method):
+            if returned is not None and inspect.iscoroutine(returned) and self._is_async(
+                    method):
                 returned = run_to_completion(returned)
         else:  # watched while it runs (idembus status shows it if it runs long), no limit
             key = id(handler)
             limiter.running[key] = (binding.handler_name, handler.context, time.monotonic())
             try:
                 returned = method(message)
-                if inspect.iscoroutine(returned) and self._is_async(method):
+                if returned is not None and inspect.iscoroutine(returned) and self._is_async(
+                        method):
                     returned = run_to_completion(returned)
             finally:
                 del limiter.running[key]
@@ -449,16 +455,6 @@ def _committing(committer: Callable[..., bool | None], loaded: AggregateRecord, 
     return lambda: committer(loaded, key=key, state=state, outgoing=outgoing,
                              completed=completed, state_version=version,
                              message_type=message_type)
-
-
-def _state_version(binding: HandlerBinding) -> int | None:
-    """The ``state_version`` an aggregate handler's commit stores: its state model's
-    version, ``None`` at version 1 (read back as 1, as units of work store it too); ``None``
-    for a stateless handler."""
-    handler = binding.handler
-    if not isinstance(handler, AggregateHandler):
-        return None
-    return version_keyword(type(handler).state_type).get("state_version")
 
 
 class _Sink:

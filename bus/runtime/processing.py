@@ -476,8 +476,9 @@ class MessageProcessor:
                 source="redispatch" if outcome.duplicate else "handler", progress=progress)
         finally:
             for envelope in progress.sent[already:]:
-                self._signals.emit("dispatched", message_id=envelope.message_id,
-                                   message_type=envelope.message_type, envelope=envelope)
+                sent = envelope.headers
+                self._signals.emit("dispatched", message_id=sent[h.MESSAGE_ID],
+                                   message_type=sent[h.MESSAGE_TYPE], envelope=envelope)
             if (outcome.duplicate and outcome.outgoing and not progress.redispatch_counted
                     and len(progress.done) == len(outcome.outgoing)):
                 progress.redispatch_counted = True
