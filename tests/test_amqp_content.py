@@ -42,6 +42,52 @@ def test_a_header_reads_as_py_amqp_reads_it(properties):
     assert amqp_content.decode_basic(raw, 6) == decode_properties_basic(raw, 6)
 
 
+ASCII_SHAPES = [
+    {"application_headers": {"idembus.message_id": "m-1", "": "", "k": "\x00\x7f"}},
+    {"content_type": "application/json", "message_id": "m-1", "type": "PlaceOrder",
+     "application_headers": {"idembus.intent": "send", "idembus.time_sent": "2026"}},
+    {"application_headers": {"a" * 100: "v" * 1100}},  # sizes of ASCII octets alone
+]
+
+
+@pytest.mark.parametrize("properties", ASCII_SHAPES)
+def test_an_ascii_table_reads_as_py_amqp_reads_it_in_one_decode(properties):
+    raw = b"prefix" + header(**properties) + b"rest"
+    ours = amqp_content.decode_basic(raw, 6)
+    assert ours == decode_properties_basic(raw, 6)
+    table = ours[0]["application_headers"]
+    assert type(table) is amqp_content.TextTable
+    assert all(type(name) is str and type(value) is str for name, value in table.items())
+    assert table.plain
+
+
+@pytest.mark.parametrize("properties", [
+    {"application_headers": {"x-death": "x", "k": "v"}},  # a broker's name
+    {"application_headers": {"k": "v"}, "type": "naïve"},  # a property that is not ASCII
+    {"application_headers": {"k": "x-v"}},  # maybe a broker's name: read as before
+])
+def test_a_header_with_a_broker_name_or_beyond_ascii_is_not_plain(properties):
+    raw = header(**properties)
+    ours = amqp_content.decode_basic(raw, 0)
+    assert ours == decode_properties_basic(raw, 0)
+    assert not getattr(ours[0]["application_headers"], "plain", False)
+
+
+def test_a_table_with_a_size_octet_beyond_ascii_is_read_byte_by_byte():
+    raw = header(application_headers={"a" * 200: "v"})  # 200: a size octet beyond ASCII
+    ours = amqp_content.decode_basic(raw, 0)
+    assert ours == decode_properties_basic(raw, 0)
+    assert type(ours[0]["application_headers"]) is dict
+
+
+def test_an_ascii_table_whose_sizes_overrun_it_is_read_as_before():
+    raw = bytearray(header(application_headers={"k": "value"}))
+    at = raw.index(b"value") - 4
+    raw[at:at + 4] = (200).to_bytes(4, "big")  # the value's size runs past the table
+    ours = amqp_content.decode_basic(bytes(raw) + b"\0" * 300, 0)
+    assert type(ours[0]["application_headers"]) is dict
+
+
 def test_table_text_that_is_not_utf8_stays_bytes_as_py_amqp_leaves_it():
     raw = bytearray(header(application_headers={"k": "ab", "kk": "x"}))
     raw[raw.index(b"ab"):raw.index(b"ab") + 2] = b"\xff\xfe"

@@ -41,6 +41,9 @@ _LAST: tuple[tuple[int, str], ...] = (
     (0x0020, "type"), (0x0010, "user_id"), (0x0008, "app_id"), (0x0004, "cluster_id"))
 _S = ord("S")
 _UTF8, _ERRORS = "utf-8", "surrogatepass"  # as py-amqp decodes text
+#: Where a content header may have a header name that starts with ``x-``: such a name is
+#: these bytes after its size octet; their absence from the header proves there is none.
+_BROKER_NAME = b"x-"
 
 
 def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
@@ -51,38 +54,48 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     (flags,) = _SHORT(buf, offset)
     offset += 2
     properties: dict[str, Any] = {}
+    wide = 0  # octets beyond one a character in the short strings: 0 when all are ASCII
     if flags & 0x8000:
         size = buf[offset]
-        properties["content_type"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+        properties["content_type"] = text = buf[offset + 1:offset + 1 + size].decode(
+            _UTF8, _ERRORS)
         offset += 1 + size
+        wide += size - len(text)
     if flags & 0x4000:
         size = buf[offset]
-        properties["content_encoding"] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+        properties["content_encoding"] = text = buf[offset + 1:offset + 1 + size].decode(
+            _UTF8, _ERRORS)
         offset += 1 + size
+        wide += size - len(text)
     if flags & 0x2000:
         (size,) = _LONG(buf, offset)
         offset += 4
         limit = offset + size
-        table: dict[Any, Any] = {}
-        while offset < limit:
-            key_size = buf[offset]
-            raw_key = buf[offset + 1:offset + 1 + key_size]
-            offset += 1 + key_size
-            if buf[offset] != _S:
-                return decode_properties_basic(buf, start)  # type: ignore[no-any-return]
-            (value_size,) = _LONG(buf, offset + 1)
-            offset += 5
-            raw_value = buf[offset:offset + value_size]
-            offset += value_size
-            try:
-                key: Any = raw_key.decode(_UTF8, _ERRORS)
-            except UnicodeDecodeError:
-                key = raw_key
-            try:
-                table[key] = raw_value.decode(_UTF8, _ERRORS)
-            except UnicodeDecodeError:
-                table[key] = raw_value
-        properties["application_headers"] = table
+        ascii_table = _ascii_table(buf, offset, limit)
+        if ascii_table is not None:
+            properties["application_headers"] = ascii_table
+            offset = limit
+        else:
+            table: dict[Any, Any] = {}
+            while offset < limit:
+                key_size = buf[offset]
+                raw_key = buf[offset + 1:offset + 1 + key_size]
+                offset += 1 + key_size
+                if buf[offset] != _S:
+                    return decode_properties_basic(buf, start)  # type: ignore[no-any-return]
+                (value_size,) = _LONG(buf, offset + 1)
+                offset += 5
+                raw_value = buf[offset:offset + value_size]
+                offset += value_size
+                try:
+                    key: Any = raw_key.decode(_UTF8, _ERRORS)
+                except UnicodeDecodeError:
+                    key = raw_key
+                try:
+                    table[key] = raw_value.decode(_UTF8, _ERRORS)
+                except UnicodeDecodeError:
+                    table[key] = raw_value
+            properties["application_headers"] = table
     if flags & 0x1000:
         properties["delivery_mode"] = buf[offset]
         offset += 1
@@ -92,17 +105,63 @@ def decode_basic(buf: bytes, offset: int) -> tuple[dict[str, Any], int]:
     for bit, name in _LATER:
         if flags & bit:
             size = buf[offset]
-            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+            properties[name] = text = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
             offset += 1 + size
+            wide += size - len(text)
     if flags & 0x0040:
         (properties["timestamp"],) = _TIMESTAMP(buf, offset)
         offset += 8
     for bit, name in _LAST:
         if flags & bit:
             size = buf[offset]
-            properties[name] = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
+            properties[name] = text = buf[offset + 1:offset + 1 + size].decode(_UTF8, _ERRORS)
             offset += 1 + size
+            wide += size - len(text)
+    read = properties.get("application_headers")
+    if type(read) is TextTable and wide:  # plain: the short strings are ASCII too
+        read.plain = False
     return properties, offset
+
+
+class TextTable(dict):  # type: ignore[type-arg]
+    """A headers table :func:`decode_basic` read from ASCII bytes alone: every name and
+    value is ``str``, as py-amqp would decode it, and valid UTF-8 text. ``plain``: every
+    short-string property of its content header is ASCII too, and no header name starts
+    with ``x-`` (a broker's own: dead-letter history, delivery counts), so that a
+    consumer may take the headers as they are, without checking them again."""
+
+    __slots__ = ("plain",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = False
+
+
+def _ascii_table(buf: bytes, offset: int, limit: int) -> TextTable | None:
+    """The headers table in ``buf[offset:limit]`` when it holds only ASCII bytes and only
+    long-string values: decoded once as a whole (an ASCII character is one byte, so the
+    sizes the table gives in bytes are sizes in characters), each name and value a slice
+    of that text. ``None`` for any other table, or one whose sizes do not add up: the
+    caller reads it byte by byte, or py-amqp's reader does."""
+    raw = buf[offset:limit]
+    if not raw.isascii():
+        return None
+    text = raw.decode("ascii")
+    size = limit - offset
+    table = TextTable()
+    table.plain = _BROKER_NAME not in raw  # may be in a size too: then not plain, wrongly
+    at = 0
+    while at < size:
+        key_at = at + 1
+        value_at = key_at + raw[at]  # the type octet, then the value's size
+        if value_at + 5 > size or raw[value_at] != _S:
+            return None
+        (value_size,) = _LONG(raw, value_at + 1)
+        at = value_at + 5 + value_size
+        if at > size:
+            return None
+        table[text[key_at:value_at]] = text[value_at + 5:at]
+    return table
 
 
 def deliver_arguments(buf: bytes) -> list[Any]:

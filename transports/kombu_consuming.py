@@ -386,10 +386,12 @@ def _drain_within(connection: kombu.Connection, timeout: float) -> None:
     """:func:`.amqp_reads.drain` for a batch's short waits on RabbitMQ: ``TimeoutError``
     unless something comes within ``timeout`` (waited for to the microsecond,
     :func:`.amqp_reads.readable_within`; a socket timeout waits whole milliseconds), then
-    one method read. Never a non-blocking read: py-amqp spins on one that stops mid-frame."""
+    every frame read already, or one method read. Never a non-blocking read: py-amqp
+    spins on one that stops mid-frame."""
     if not amqp_reads.readable_within(connection, timeout):
         raise TimeoutError
-    amqp_reads.drain(connection, max(timeout, AT_ONCE))
+    # a batch's consumer only collects deliveries: every frame read already at once
+    amqp_reads.drain(connection, max(timeout, AT_ONCE), every=True)
 
 
 def _arrives_within(connection: kombu.Connection, ready: list[Delivery],
