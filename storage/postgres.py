@@ -219,8 +219,9 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # A group of loads in one statement: a row for each (type, id, key) given, with its
         # position among them.
         self._load_group = (
-            "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
-            " p.outgoing_ids, p.dispatched, p.processed_at, a.completed, p.message_type"
+            "SELECT r.position, a.version, a.state, a.state_version, p.key,"
+            f" {_OUTGOING}, p.outgoing_ids, p.dispatched, p.processed_at, a.completed,"
+            " p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_type text,"
             " aggregate_id text, key text)"
             f" LEFT JOIN {self._aggregates} a"
@@ -230,7 +231,7 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # The inbox entries of a group of loads: a row for each (id, key) that has one,
         # with the position of its request; as the single load's statement.
         self._load_inbox_group = (
-            "SELECT r.position, 1, NULL::jsonb, NULL::integer, p.key, p.outgoing,"
+            f"SELECT r.position, 1, NULL::jsonb, NULL::integer, p.key, {_OUTGOING},"
             " p.outgoing_ids, p.dispatched, p.processed_at, false, p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_id text, key text)"
             f" JOIN {self._processed} p ON p.aggregate_type = %s"
@@ -563,11 +564,11 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
     def _load_statement(self, aggregate_type: str, aggregate_id: str,
                         key: str | None) -> tuple[str, tuple[Any, ...]]:
         if aggregate_type == INBOX:
-            return (f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
-                    f"dispatched, processed_at, false, message_type FROM {self._processed} "
+            return (f"SELECT 1, NULL::jsonb, NULL::integer, key, {_OUTGOING}, outgoing_ids, "
+                    f"dispatched, processed_at, false, message_type FROM {self._processed} p "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id))
-        return (f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
+        return (f"""SELECT a.version, a.state, a.state_version, p.key, {_OUTGOING},
                            p.outgoing_ids, p.dispatched, p.processed_at, a.completed,
                            p.message_type
                     FROM (SELECT 1) AS one
@@ -1336,9 +1337,18 @@ def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord
     if found_key is not None:
         processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at,
                                       message_type)
-    return _kept_state(AggregateRecord(aggregate_type, aggregate_id, version or 0, state,
-                                       processed, completed=bool(completed),
-                                       state_version=state_version))
+    if completed:
+        return _kept_state(AggregateRecord(aggregate_type, aggregate_id, version or 0, state,
+                                           processed, completed=True,
+                                           state_version=state_version))
+    # AggregateRecord(...) of a live record (or none), every field given: a frozen
+    # dataclass sets each through object.__setattr__, twice a load of every message.
+    record = _new_record(AggregateRecord)
+    record.__dict__.update(aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           version=version or 0, state=state, processed=processed,
+                           updated_at=None, completed=False, state_version=state_version,
+                           final_state=None)
+    return record
 
 
 def _kept_state(record: AggregateRecord) -> AggregateRecord:
@@ -1430,14 +1440,24 @@ class _Refused(Exception):
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
            at: Any, message_type: str | None = None) -> ProcessedMessage:
-    return ProcessedMessage(
+    # ProcessedMessage(...), every field given, as _record makes its record
+    entry = _new_record(ProcessedMessage)
+    entry.__dict__.update(
         key=key,
-        outgoing=tuple(Envelope.from_record(record) for record in outgoing or ()),
-        outgoing_ids=tuple(outgoing_ids or ()),
+        outgoing=tuple([Envelope.from_record(record) for record in outgoing])
+        if outgoing else (),
+        outgoing_ids=tuple(outgoing_ids) if outgoing_ids else (),
         dispatched=bool(dispatched),
         at=at,
+        attempts=0,
+        stored_bytes=0,
         message_type=message_type,
     )
+    return entry
+
+
+#: An instance of a dataclass without its ``__init__``: the caller sets every field.
+_new_record = object.__new__
 
 
 def _has_column(connection: psycopg.Connection[Any], table: str, column: str) -> bool:
@@ -1463,6 +1483,9 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
                           name=pool.name, configure=pg_json.read_quickly)
 
 
+#: A load's outgoing messages of a processed row: none once they are compacted (an empty
+#: array, which ``NULL`` stands for, read without a JSON parse).
+_OUTGOING = "NULLIF(p.outgoing, '[]'::jsonb)"
 #: Takes the transaction-level advisory locks of an array, in the array's order (a scan
 #: of ``unnest`` yields its elements in order, and each is locked as it is read).
 _LOCK_IN_ORDER = "SELECT count(pg_advisory_xact_lock(k)) FROM unnest(%s::bigint[]) AS k"
