@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Iterator
 
 import pytest
 
 from idembus.envelope import Envelope
 from idembus.storage.base import INBOX, AggregateRecord, ProcessedMessage
-from idembus.storage.postgres import PostgresStorage, _entry, _record
-from tests.conftest import POSTGRES_URL
+from idembus.storage.postgres import _entry, _record
 
 AT = datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc)
 
@@ -55,21 +53,11 @@ def test_a_tombstone_keeps_its_last_state_as_before():
     assert built.completed and built.state is None and built.final_state == {"n": 2}
 
 
-@pytest.fixture
-def postgres(unique: str) -> Iterator[PostgresStorage]:
-    storage = PostgresStorage(POSTGRES_URL, table_prefix=f"t{unique}_load")
-    storage.verify()
-    try:
-        yield storage
-    finally:
-        storage.drop_tables()
-        storage.close()
-
-
 @pytest.mark.postgres
-def test_outgoing_loads_until_compacted_then_none_for_every_load(postgres):
+def test_outgoing_loads_until_compacted_then_none_for_every_load(postgres_storage):
     """A duplicate whose outgoing messages were not dispatched finds them (same ids) in
     a single load and in a group of loads; once marked and compacted, none."""
+    postgres = postgres_storage
     sent = envelope()
     for aggregate_type, aggregate_id in (("Order", "o-1"), (INBOX, "m-1")):
         loaded = postgres.load(aggregate_type, aggregate_id, "m-1")
