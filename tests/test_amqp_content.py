@@ -7,6 +7,7 @@ import datetime
 from typing import Any
 
 import amqp
+import amqp.method_framing
 import pytest
 from amqp import spec
 from amqp.exceptions import RecoverableConnectionError, UnexpectedFrame
@@ -126,6 +127,25 @@ def test_the_frame_handler_assembles_a_delivery_and_refuses_frames_out_of_order(
     assert connection.bytes_recv == 5
     with pytest.raises(UnexpectedFrame):
         on_frame((3, 1, b"x"))
+
+
+@pytest.mark.parametrize("body", [b"", b"hello"])
+def test_a_body_in_one_frame_or_none_completes_the_delivery_as_py_amqp_does(body):
+    ours: list[tuple[Any, ...]] = []
+    theirs: list[tuple[Any, ...]] = []
+    method = b"\x00\x3c\x00\x3c" + b"args"
+    content = (b"\x00\x3c\x00\x00" + len(body).to_bytes(8, "big")
+               + header(message_id="m", application_headers={"h": "v"}))
+    frames = [(1, 1, method), (2, 1, content)] + ([(3, 1, body)] if body else [])
+    for made, into in ((amqp_content.frame_handler, ours),
+                       (amqp.method_framing.frame_handler, theirs)):
+        on_frame = made(type("Connection", (), {"bytes_recv": 0})(),
+                        lambda *args, into=into: into.append(args))
+        assert [on_frame(frame) for frame in frames][-1] is True
+    [(*call, message)], [(*expected, py_amqps)] = ours, theirs
+    assert call == expected
+    assert (message.body, message.properties, message.body_received, message.ready) == (
+        py_amqps.body, py_amqps.properties, py_amqps.body_received, py_amqps.ready)
 
 
 def test_a_header_that_is_not_utf8_is_read_again_as_the_handler_is_told():

@@ -53,6 +53,7 @@ SHAPES = [
     # a body kombu would decompress, an encoding idembus does not read
     {"application_headers": {"compression": "gzip", "idembus.message_id": "m-3"}},
     {"application_headers": {"idembus.message_id": "m-4"}, "content_encoding": "base64"},
+    {"application_headers": {"k": "v"}, "content_encoding": " UTF-8 "},  # plain, told late
     # a broker's own headers: left out
     {"application_headers": {"x-death": "x", "x-delivery-count": "2", "k": "v"}},
     # a property that is not ASCII, one with an encoded surrogate

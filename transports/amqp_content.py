@@ -32,6 +32,8 @@ _CONTENT_METHODS = frozenset([spec.Basic.Return, spec.Basic.Deliver, spec.Basic.
 _SHORT, _LONG, _OCTET = Struct(">H").unpack_from, Struct(">I").unpack_from, Struct(">B")
 _TIMESTAMP = _LONGLONG = Struct(">Q").unpack_from
 _DELIVER = spec.Basic.Deliver
+#: How a basic content header's payload starts: its class id.
+_BASIC_CLASS = spec.Basic.CLASS_ID.to_bytes(2, "big")
 _METHOD = Struct(">HH").unpack_from
 #: The short-string properties after the headers and the octets, by flag bit, in order.
 _LATER: tuple[tuple[int, str], ...] = (
@@ -229,12 +231,6 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
                         and getattr(callback, "__func__", None)
                         is amqp.Connection.on_inbound_method)
 
-    def completed(channel: int, msg: _Message) -> None:
-        if msg.frame_method == _DELIVER and quick_deliveries:
-            _dispatch_delivery(connection, channel, msg)
-        else:
-            callback(channel, msg.frame_method, msg.frame_args, msg)
-
     def on_frame(frame: Any) -> bool:
         frame_type, channel, buf = frame
         connection.bytes_recv += 1
@@ -250,10 +246,17 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
                 expected_types[channel] = 2
                 return False
             callback(channel, method_sig, buf, None)
-        elif frame_type == 2:
+            return True
+        if frame_type == 2:
             msg = partial_messages[channel]
             try:
-                msg.inbound_header(buf)
+                if type(buf) is bytes and buf[:2] == _BASIC_CLASS:  # inbound_header's work
+                    (msg.body_size,) = _LONGLONG(buf, 4)
+                    msg.properties, _ = decode_basic(buf, 12)
+                    if not msg.body_size:
+                        msg.ready = True
+                else:
+                    msg.inbound_header(buf)
             except UnicodeDecodeError:
                 if reread is None:
                     raise
@@ -261,19 +264,25 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
             if not msg.ready:
                 expected_types[channel] = 3
                 return False
-            expected_types[channel] = 1
-            partial_messages.pop(channel, None)
-            completed(channel, msg)
         elif frame_type == 3:
             msg = partial_messages[channel]
-            msg.inbound_body(buf)
-            if not msg.ready:
-                return False
-            expected_types[channel] = 1
-            partial_messages.pop(channel, None)
-            completed(channel, msg)
-        elif frame_type == 8:
+            # py-amqp's inbound_body, for a body in one frame without its call
+            received = msg.body_received + len(buf)
+            if received >= msg.body_size and not msg._pending_chunks:
+                msg.body_received, msg.body, msg.ready = received, buf, True
+            else:
+                msg.inbound_body(buf)
+                if not msg.ready:
+                    return False
+        else:  # a heartbeat
             return False
+        # a method's content complete: to its channel
+        expected_types[channel] = 1
+        partial_messages.pop(channel, None)
+        if msg.frame_method == _DELIVER and quick_deliveries:
+            _dispatch_delivery(connection, channel, msg)
+        else:
+            callback(channel, msg.frame_method, msg.frame_args, msg)
         return True
 
     return on_frame

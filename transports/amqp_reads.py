@@ -93,8 +93,11 @@ def drain(connection: Any, timeout: float, *, every: bool = False) -> None:
         on_frame = amqp_connection.on_inbound_frame
         at = 0  # where the frames not handled yet start in ``buffered``
         completed = False
+        size = len(buffered)
         try:
-            while (end := _whole_frame_end(buffered, at)) is not None:
+            # each whole frame (what _whole_frame_end tells, without a call a frame)
+            while size >= at + 8 and size > (
+                    end := at + 7 + int.from_bytes(buffered[at + 3:at + 7], "big")):
                 if buffered[end] != _FRAME_END:
                     raise UnexpectedFrame(
                         f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
@@ -103,7 +106,7 @@ def drain(connection: Any, timeout: float, *, every: bool = False) -> None:
                 at = end + 1
                 if not every and not _starts_content(kind, payload):
                     transport._read_buffer = buffered = buffered[at:]
-                    at = 0
+                    at, size = 0, len(buffered)
                 if on_frame(frame):
                     if not every:
                         return

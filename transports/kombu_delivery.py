@@ -48,8 +48,14 @@ class _KombuDelivery(Delivery):
                 if message.properties.keys() & amqp_properties.NAMES:  # set logic, no call
                     raw = amqp_properties.merged(raw, message.properties)
                 headers, problem = wire.text_headers(raw)
-            encoding = _encoding_problem(raw, message.content_encoding)
-            foreign = _foreign_key(message, headers, events_exchange)
+            content_encoding = message.content_encoding
+            # the usual case told at once: no compression, a plain encoding, not an event
+            encoding = (None if "compression" not in raw and (
+                content_encoding is None or content_encoding in wire.PLAIN_ENCODINGS)
+                else _encoding_problem(raw, content_encoding))
+            foreign = (None if events_exchange is None or (message.delivery_info or {}).get(
+                "exchange") != events_exchange
+                else _foreign_key(message, headers, events_exchange))
             if problem or encoding or foreign:
                 problem = _joined(problem, encoding, foreign)
         except Exception as exc:  # input nobody foresaw: refused, never a stopped consumer
