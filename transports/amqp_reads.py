@@ -87,7 +87,7 @@ def drain(connection: Any, timeout: float, *, every: bool = False) -> None:
     # kombu's ``connection`` property checks the connection at each call; an unusable one
     # has no transport (or no kombu connection at all), and drains as kombu drains it.
     amqp_connection: Any = getattr(connection, "_connection", None)
-    transport = getattr(amqp_connection, "transport", None)
+    transport: Any = getattr(amqp_connection, "transport", None)
     buffered = getattr(transport, "_read_buffer", None)
     if type(buffered) is bytes:
         on_frame = amqp_connection.on_inbound_frame
