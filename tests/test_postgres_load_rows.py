@@ -78,6 +78,7 @@ def test_outgoing_loads_until_compacted_then_none_for_every_load(postgres_storag
     assert all(entry.outgoing[0].message_id == "e-1" and not entry.dispatched
                for entry in pending[:2])
     assert pending[2] is None
+    assert all(entry.at.utcoffset() == datetime.timedelta(0) for entry in pending[:2])
     postgres.mark_dispatched("Order", "o-1", "m-1")
     postgres.mark_dispatched(INBOX, "m-1", "m-1")
     postgres.flush()
