@@ -8,9 +8,11 @@ from typing import Any
 
 import amqp
 import pytest
+from kombu.transport import pyamqp
 
 from idembus.transports import amqp_content
 from idembus.transports.kombu_delivery import _KombuDelivery
+from idembus.transports.kombu_frames import _RawAmqpBody, _RawBody
 
 
 class FakeMessage:
@@ -82,3 +84,26 @@ def test_a_decoded_body_is_encoded_back_as_before():
     read_as = read({"application_headers": {"k": "v"}, "content_encoding": "latin-1"})
     delivery = _KombuDelivery("q", FakeMessage(read_as, body="\xe9"))  # type: ignore[arg-type]
     assert delivery.body == b"\xe9"
+
+
+@pytest.mark.parametrize("properties", [
+    {"application_headers": {"k": "v"}, "content_type": "application/json",
+     "content_encoding": "utf-8", "message_id": "m-1"},
+    {},  # no properties at all
+    {"application_headers": {"compression": "gzip"}},  # kept raw, never decompressed
+])
+def test_kombus_message_of_py_amqp_is_built_in_one_call_as_kombu_builds_it(properties):
+    raw = amqp.Message(b"body", **properties)
+    raw.delivery_info = {"delivery_tag": 7, "redelivered": False, "exchange": "",
+                         "routing_key": "q", "consumer_tag": "c"}
+    channel = object()
+    fast = type("Fast", (_RawAmqpBody, pyamqp.Message), {})(raw, channel=channel)
+    kombus = type("Kombus", (_RawBody, pyamqp.Message), {})(raw, channel=channel)
+
+    def fields(message: Any) -> dict[str, Any]:
+        names = [name for cls in type(message).__mro__
+                 for name in getattr(cls, "__slots__", ()) if name != "__dict__"]
+        return {**{name: getattr(message, name) for name in names}, **vars(message)}
+
+    assert fields(fast) == fields(kombus)
+    assert fast.body == b"body" and fast.delivery_tag == 7 and fast.errors == []
