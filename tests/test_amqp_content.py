@@ -238,3 +238,14 @@ def test_a_delivery_on_a_closed_connection_raises_as_py_amqp_does():
     connection.channels = None  # type: ignore[assignment]
     with pytest.raises(RecoverableConnectionError):
         _deliver(connection)
+
+
+def test_a_started_message_has_the_fields_py_amqp_gives_it():
+    def fields(message: Any) -> dict[str, Any]:
+        return {name: getattr(message, name) for cls in type(message).__mro__
+                for name in getattr(cls, "__slots__", ())}
+
+    method = spec.Basic.Deliver
+    started = amqp_content._Message.started(method, b"args")
+    assert fields(started) == fields(amqp_content._Message(frame_method=method,
+                                                           frame_args=b"args"))

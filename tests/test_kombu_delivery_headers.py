@@ -11,6 +11,7 @@ import pytest
 from kombu.transport import pyamqp
 
 from idembus.transports import amqp_content
+from idembus.transports.base import Delivery
 from idembus.transports.kombu_delivery import _KombuDelivery
 from idembus.transports.kombu_frames import _RawAmqpBody, _RawBody
 
@@ -107,3 +108,17 @@ def test_kombus_message_of_py_amqp_is_built_in_one_call_as_kombu_builds_it(prope
 
     assert fields(fast) == fields(kombus)
     assert fast.body == b"body" and fast.delivery_tag == 7 and fast.errors == []
+
+
+def test_a_delivery_has_every_field_deliverys_init_sets():
+    class Plain(Delivery):
+        def _ack(self) -> None: ...
+
+        def _requeue(self) -> None: ...
+
+    plain = Plain(queue="q", headers={}, body=b"", content_type=None, redelivered=False)
+    message: Any = FakeMessage(read({"application_headers": {"k": "v"}}))
+    ours = _KombuDelivery("q", message)
+    assert set(vars(plain)) <= set(vars(ours))
+    assert (ours.queue, ours.headers, ours.body, ours.redelivered, ours.wire_error,
+            ours.settled) == ("q", {"k": "v"}, b"{}", False, None, False)

@@ -211,6 +211,17 @@ def _dispatch_delivery(connection: Any, channel_id: int, msg: Any) -> None:
 class _Message(amqp.Message):  # type: ignore[misc]
     """py-amqp's message, whose basic content header :func:`decode_basic` reads."""
 
+    @classmethod
+    def started(cls, frame_method: tuple[int, int], frame_args: bytes) -> _Message:
+        """``_Message(frame_method=frame_method, frame_args=frame_args)``: the fields
+        py-amqp's ``Message`` and ``GenericContent`` set, in one call instead of two with
+        their keywords."""
+        msg = cls.__new__(cls)
+        msg.frame_method, msg.frame_args, msg.properties = frame_method, frame_args, {}
+        msg._pending_chunks, msg.body_received, msg.body_size = [], 0, 0
+        msg.ready, msg.delivery_info, msg.body, msg.channel = False, None, "", None
+        return msg
+
     def _load_properties(self, class_id: int, buf: Any, offset: int) -> int:
         if class_id != spec.Basic.CLASS_ID or type(buf) is not bytes:
             return super()._load_properties(class_id, buf, offset)  # type: ignore[no-any-return]
@@ -241,8 +252,7 @@ def frame_handler(connection: Any, callback: Callable[..., Any], *,
         if frame_type == 1:
             method_sig = _METHOD(buf, 0)
             if method_sig in _CONTENT_METHODS:
-                partial_messages[channel] = _Message(frame_method=method_sig,
-                                                     frame_args=buf)
+                partial_messages[channel] = _Message.started(method_sig, buf)
                 expected_types[channel] = 2
                 return False
             callback(channel, method_sig, buf, None)

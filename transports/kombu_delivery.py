@@ -61,16 +61,16 @@ class _KombuDelivery(Delivery):
         except Exception as exc:  # input nobody foresaw: refused, never a stopped consumer
             log.exception("could not read the headers of a message of %r", queue)
             headers, problem = {}, f"its headers could not be read: {wire.shown(exc)}"
-        super().__init__(
-            queue=queue,
-            headers=headers,
-            body=body if type(body := message.body) is bytes
-            else _as_bytes(body, message.content_encoding),
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            redelivered=bool(message.delivery_info.get("redelivered")),
-            wire_error=problem,
-        )
+        # Delivery.__init__'s fields, set here without its call with seven keywords (as
+        # Delivery._stand_for sets them), once a delivery
+        self.queue = queue
+        self.headers = headers
+        body = message.body
+        self.body = body if type(body) is bytes else _as_bytes(body, message.content_encoding)
+        self.content_type = message.content_type
+        self.content_encoding = message.content_encoding
+        self.redelivered = bool(message.delivery_info.get("redelivered"))
+        self.wire_error = problem
         self._message = message
         self.settled = settled
         self._native_requeue = native_requeue
