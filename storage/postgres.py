@@ -64,7 +64,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 try:
@@ -541,7 +541,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         rows: list[Any] = [None] * len(requests)
         try:
             with self._connection() as connection:
-                with connection.pipeline():
+                # two statements share a round trip in a pipeline; one needs none
+                with connection.pipeline() if inbox and grouped else nullcontext():
                     entries = connection.execute(self._load_inbox_group, (_jsonb_of([
                         {"position": position, "aggregate_id": requests[index][1],
                          "key": requests[index][2] or requests[index][1]}

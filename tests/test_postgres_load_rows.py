@@ -71,6 +71,10 @@ def test_outgoing_loads_until_compacted_then_none_for_every_load(postgres_storag
                    for record, request in zip(postgres.load_many(requests), requests,
                                               strict=True)]
         assert single == grouped
+        aggregates_only = [requests[0], requests[2]]  # one statement, outside a pipeline
+        assert [record.processed.get(request[2]) for record, request in zip(  # type: ignore[union-attr]
+            postgres.load_many(aggregates_only), aggregates_only, strict=True)] == [
+            single[0], single[2]]
         return single
 
     pending = entries()
