@@ -67,6 +67,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
+from pydantic_core import from_json
+
 try:
     import psycopg
     import psycopg.errors
@@ -219,9 +221,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # A group of loads in one statement: a row for each (type, id, key) given, with its
         # position among them.
         self._load_group = (
-            "SELECT r.position, a.version, a.state, a.state_version, p.key,"
-            f" {_OUTGOING}, p.outgoing_ids, p.dispatched, p.processed_at, a.completed,"
-            " p.message_type"
+            f"SELECT r.position, a.version, {_documents('a.state')}, a.state_version, p.key,"
+            f" {_OUTGOING}, p.dispatched, p.processed_at, a.completed, p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_type text,"
             " aggregate_id text, key text)"
             f" LEFT JOIN {self._aggregates} a"
@@ -231,8 +232,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # The inbox entries of a group of loads: a row for each (id, key) that has one,
         # with the position of its request; as the single load's statement.
         self._load_inbox_group = (
-            f"SELECT r.position, 1, NULL::jsonb, NULL::integer, p.key, {_OUTGOING},"
-            " p.outgoing_ids, p.dispatched, p.processed_at, false, p.message_type"
+            f"SELECT r.position, 1, {_documents('NULL::jsonb')}, NULL::integer, p.key,"
+            f" {_OUTGOING}, p.dispatched, p.processed_at, false, p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_id text, key text)"
             f" JOIN {self._processed} p ON p.aggregate_type = %s"
             " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
@@ -565,12 +566,13 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
     def _load_statement(self, aggregate_type: str, aggregate_id: str,
                         key: str | None) -> tuple[str, tuple[Any, ...]]:
         if aggregate_type == INBOX:
-            return (f"SELECT 1, NULL::jsonb, NULL::integer, key, {_OUTGOING}, outgoing_ids, "
-                    f"dispatched, processed_at, false, message_type FROM {self._processed} p "
+            return (f"SELECT 1, {_documents('NULL::jsonb')}, NULL::integer, key, "
+                    f"{_OUTGOING}, dispatched, processed_at, false, message_type "
+                    f"FROM {self._processed} p "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id))
-        return (f"""SELECT a.version, a.state, a.state_version, p.key, {_OUTGOING},
-                           p.outgoing_ids, p.dispatched, p.processed_at, a.completed,
+        return (f"""SELECT a.version, {_documents('a.state')}, a.state_version, p.key,
+                           {_OUTGOING}, p.dispatched, p.processed_at, a.completed,
                            p.message_type
                     FROM (SELECT 1) AS one
                     LEFT JOIN {self._aggregates} a
@@ -1332,8 +1334,9 @@ def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord
     """The record a load's row describes (none: the aggregate does not exist)."""
     if row is None:
         return AggregateRecord(aggregate_type, aggregate_id)
-    (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
-     completed, message_type) = row
+    (version, documents, state_version, found_key, outgoing, dispatched, at, completed,
+     message_type) = row
+    state, outgoing_ids = from_json(documents)  # one parse of both (see _documents)
     processed = {}
     if found_key is not None:
         processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at,
@@ -1487,6 +1490,13 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
 #: A load's outgoing messages of a processed row: none once they are compacted (an empty
 #: array, which ``NULL`` stands for, read without a JSON parse).
 _OUTGOING = "NULLIF(p.outgoing, '[]'::jsonb)"
+def _documents(state: str) -> str:
+    """A load's column of its aggregate's ``state`` and its processed row's outgoing ids,
+    as the text of one JSON array: parsed once (:func:`_record`), not twice, each by
+    psycopg's JSON loader."""
+    return f"jsonb_build_array({state}, p.outgoing_ids)::text"
+
+
 #: Takes the transaction-level advisory locks of an array, in the array's order (a scan
 #: of ``unnest`` yields its elements in order, and each is locked as it is read).
 _LOCK_IN_ORDER = "SELECT count(pg_advisory_xact_lock(k)) FROM unnest(%s::bigint[]) AS k"

@@ -35,21 +35,21 @@ def test_a_loaded_entry_is_the_dataclass_built_one():
 
 
 def test_a_loaded_record_is_the_dataclass_built_one():
-    row = (3, {"n": 1}, 2, "k", None, ["e-1"], True, AT, False, "T")
+    row = (3, '[{"n": 1}, ["e-1"]]', 2, "k", None, True, AT, False, "T")
     built = _record("Order", "o-1", row)
     expected = AggregateRecord("Order", "o-1", 3, {"n": 1}, {"k": _entry(
         "k", None, ["e-1"], True, AT, "T")}, state_version=2)
     assert built == expected and vars(built) == vars(expected)
     assert built.live and built.processed["k"].outgoing == ()
     assert vars(_record("Order", "o-2", None)) == vars(AggregateRecord("Order", "o-2"))
-    none_found = _record("Order", "o-1", (3, {"n": 1}, None, None, None, None, None, None,
-                                          False, None))
+    none_found = _record("Order", "o-1", (3, '[{"n": 1}, null]', None, None, None, None,
+                                          None, False, None))
     assert vars(none_found) == vars(AggregateRecord("Order", "o-1", 3, {"n": 1}))
 
 
 def test_a_tombstone_keeps_its_last_state_as_before():
-    built = _record("Order", "o-1", (4, {"n": 2}, None, None, None, None, None, None, True,
-                                     None))
+    built = _record("Order", "o-1", (4, '[{"n": 2}, null]', None, None, None, None, None,
+                                     True, None))
     assert built.completed and built.state is None and built.final_state == {"n": 2}
 
 
@@ -82,6 +82,8 @@ def test_outgoing_loads_until_compacted_then_none_for_every_load(postgres_storag
     assert all(entry.outgoing[0].message_id == "e-1" and not entry.dispatched
                for entry in pending[:2])
     assert pending[2] is None
+    assert postgres.load("Order", "o-1", "m-1").state == {"n": 1}
+    assert postgres.load_many([requests[0], requests[0]])[0].state == {"n": 1}  # type: ignore[union-attr]
     assert all(entry.at.utcoffset() == datetime.timedelta(0) for entry in pending[:2])
     postgres.mark_dispatched("Order", "o-1", "m-1")
     postgres.mark_dispatched(INBOX, "m-1", "m-1")
