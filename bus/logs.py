@@ -33,7 +33,6 @@ its own, and no 70 KB type name fills the log.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import json
@@ -218,13 +217,19 @@ _CONTEXT: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
     "idembus_message_context", default=_NO_FIELDS)
 
 
-class _MessageFields:
-    """The context manager :func:`message_context` returns: a class rather than a
-    generator, since the endpoint enters three of them for every message."""
+class message_context:  # noqa: N801 - called as a function; a class saves a call
+    """Within the block, records logged by this thread (and the tasks it starts) carry
+    ``fields`` (over those of an enclosing block; ``None`` removes one): the endpoint
+    sets ``endpoint``, ``message_id``, ``message_type`` around each message and
+    ``handler`` and ``attempt`` around each handler attempt. Values from the wire must be
+    passed through :func:`loggable` first.
+
+    A context manager class rather than a function returning a generator's: the endpoint
+    enters two of them for every message."""
 
     __slots__ = ("_fields", "_token")
 
-    def __init__(self, fields: dict[str, Any]) -> None:
+    def __init__(self, **fields: Any) -> None:
         self._fields = fields
         self._token: contextvars.Token[Mapping[str, Any]] | None = None
 
@@ -240,15 +245,6 @@ class _MessageFields:
         if self._token is not None:
             _CONTEXT.reset(self._token)
             self._token = None
-
-
-def message_context(**fields: Any) -> contextlib.AbstractContextManager[None]:
-    """Within the block, records logged by this thread (and the tasks it starts) carry
-    ``fields`` (over those of an enclosing block; ``None`` removes one): the endpoint
-    sets ``endpoint``, ``message_id``, ``message_type`` around each message and
-    ``handler`` and ``attempt`` around each handler attempt. Values from the wire must be
-    passed through :func:`loggable` first."""
-    return _MessageFields(fields)
 
 
 def current_context() -> dict[str, Any]:

@@ -64,8 +64,10 @@ import logging
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
+
+from pydantic_core import from_json
 
 try:
     import psycopg
@@ -219,8 +221,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # A group of loads in one statement: a row for each (type, id, key) given, with its
         # position among them.
         self._load_group = (
-            "SELECT r.position, a.version, a.state, a.state_version, p.key, p.outgoing,"
-            " p.outgoing_ids, p.dispatched, p.processed_at, a.completed, p.message_type"
+            f"SELECT r.position, a.version, {_documents('a.state')}, a.state_version, p.key,"
+            f" {_OUTGOING}, p.dispatched, p.processed_at, a.completed, p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_type text,"
             " aggregate_id text, key text)"
             f" LEFT JOIN {self._aggregates} a"
@@ -230,8 +232,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         # The inbox entries of a group of loads: a row for each (id, key) that has one,
         # with the position of its request; as the single load's statement.
         self._load_inbox_group = (
-            "SELECT r.position, 1, NULL::jsonb, NULL::integer, p.key, p.outgoing,"
-            " p.outgoing_ids, p.dispatched, p.processed_at, false, p.message_type"
+            f"SELECT r.position, 1, {_documents('NULL::jsonb')}, NULL::integer, p.key,"
+            f" {_OUTGOING}, p.dispatched, p.processed_at, false, p.message_type"
             " FROM jsonb_to_recordset(%s) AS r(position integer, aggregate_id text, key text)"
             f" JOIN {self._processed} p ON p.aggregate_type = %s"
             " AND p.aggregate_id = r.aggregate_id AND p.key = r.key")
@@ -540,7 +542,8 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
         rows: list[Any] = [None] * len(requests)
         try:
             with self._connection() as connection:
-                with connection.pipeline():
+                # two statements share a round trip in a pipeline; one needs none
+                with connection.pipeline() if inbox and grouped else nullcontext():
                     entries = connection.execute(self._load_inbox_group, (_jsonb_of([
                         {"position": position, "aggregate_id": requests[index][1],
                          "key": requests[index][2] or requests[index][1]}
@@ -563,12 +566,13 @@ class PostgresStorage(Storage, LimitStore, PayloadStore):
     def _load_statement(self, aggregate_type: str, aggregate_id: str,
                         key: str | None) -> tuple[str, tuple[Any, ...]]:
         if aggregate_type == INBOX:
-            return (f"SELECT 1, NULL::jsonb, NULL::integer, key, outgoing, outgoing_ids, "
-                    f"dispatched, processed_at, false, message_type FROM {self._processed} "
+            return (f"SELECT 1, {_documents('NULL::jsonb')}, NULL::integer, key, "
+                    f"{_OUTGOING}, dispatched, processed_at, false, message_type "
+                    f"FROM {self._processed} p "
                     "WHERE aggregate_type = %s AND aggregate_id = %s AND key = %s",
                     (INBOX, aggregate_id, key or aggregate_id))
-        return (f"""SELECT a.version, a.state, a.state_version, p.key, p.outgoing,
-                           p.outgoing_ids, p.dispatched, p.processed_at, a.completed,
+        return (f"""SELECT a.version, {_documents('a.state')}, a.state_version, p.key,
+                           {_OUTGOING}, p.dispatched, p.processed_at, a.completed,
                            p.message_type
                     FROM (SELECT 1) AS one
                     LEFT JOIN {self._aggregates} a
@@ -1331,15 +1335,25 @@ def _record(aggregate_type: str, aggregate_id: str, row: Any) -> AggregateRecord
     """The record a load's row describes (none: the aggregate does not exist)."""
     if row is None:
         return AggregateRecord(aggregate_type, aggregate_id)
-    (version, state, state_version, found_key, outgoing, outgoing_ids, dispatched, at,
-     completed, message_type) = row
+    (version, documents, state_version, found_key, outgoing, dispatched, at, completed,
+     message_type) = row
+    state, outgoing_ids = from_json(documents)  # one parse of both (see _documents)
     processed = {}
     if found_key is not None:
         processed[found_key] = _entry(found_key, outgoing, outgoing_ids, dispatched, at,
                                       message_type)
-    return _kept_state(AggregateRecord(aggregate_type, aggregate_id, version or 0, state,
-                                       processed, completed=bool(completed),
-                                       state_version=state_version))
+    if completed:
+        return _kept_state(AggregateRecord(aggregate_type, aggregate_id, version or 0, state,
+                                           processed, completed=True,
+                                           state_version=state_version))
+    # AggregateRecord(...) of a live record (or none), every field given: a frozen
+    # dataclass sets each through object.__setattr__, twice a load of every message.
+    record = _new_record(AggregateRecord)
+    record.__dict__.update(aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           version=version or 0, state=state, processed=processed,
+                           updated_at=None, completed=False, state_version=state_version,
+                           final_state=None)
+    return record
 
 
 def _kept_state(record: AggregateRecord) -> AggregateRecord:
@@ -1431,14 +1445,24 @@ class _Refused(Exception):
 
 def _entry(key: str, outgoing: Any, outgoing_ids: Any, dispatched: Any,
            at: Any, message_type: str | None = None) -> ProcessedMessage:
-    return ProcessedMessage(
+    # ProcessedMessage(...), every field given, as _record makes its record
+    entry = _new_record(ProcessedMessage)
+    entry.__dict__.update(
         key=key,
-        outgoing=tuple(Envelope.from_record(record) for record in outgoing or ()),
-        outgoing_ids=tuple(outgoing_ids or ()),
+        outgoing=tuple([Envelope.from_record(record) for record in outgoing])
+        if outgoing else (),
+        outgoing_ids=tuple(outgoing_ids) if outgoing_ids else (),
         dispatched=bool(dispatched),
         at=at,
+        attempts=0,
+        stored_bytes=0,
         message_type=message_type,
     )
+    return entry
+
+
+#: An instance of a dataclass without its ``__init__``: the caller sets every field.
+_new_record = object.__new__
 
 
 def _has_column(connection: psycopg.Connection[Any], table: str, column: str) -> bool:
@@ -1462,6 +1486,18 @@ def _renewed(pool: ConnectionPool) -> ConnectionPool:
     return ConnectionPool(pool.conninfo, min_size=pool.min_size, max_size=pool.max_size,
                           open=False, timeout=pool.timeout, kwargs=pool.kwargs,
                           name=pool.name, configure=pg_json.read_quickly)
+
+
+#: A load's outgoing messages of a processed row: none once they are compacted (an empty
+#: array, which ``NULL`` stands for, read without a JSON parse).
+_OUTGOING = "NULLIF(p.outgoing, '[]'::jsonb)"
+
+
+def _documents(state: str) -> str:
+    """A load's column of its aggregate's ``state`` and its processed row's outgoing ids,
+    as the text of one JSON array: parsed once (:func:`_record`), not twice, each by
+    psycopg's JSON loader."""
+    return f"jsonb_build_array({state}, p.outgoing_ids)::text"
 
 
 #: Takes the transaction-level advisory locks of an array (given as its text), in the

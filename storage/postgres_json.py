@@ -63,6 +63,10 @@ def jsonb_array(texts: Iterable[str]) -> Jsonb:
 
 
 def read_quickly(connection: psycopg.Connection[Any]) -> None:
-    """A connection pool's ``configure``: ``connection`` reads ``json`` and ``jsonb``
-    values with pydantic-core's parser."""
+    """A connection pool's ``configure`` (of autocommit connections): ``connection`` reads
+    ``json`` and ``jsonb`` values with pydantic-core's parser, and ``timestamptz`` values
+    in UTC, the session's time zone (the same instants; psycopg converts a value to any
+    other zone, ``Etc/UTC`` included, one by one, and idembus reads them in UTC)."""
     set_json_loads(from_json, connection)
+    if connection.info.parameter_status("TimeZone") != "UTC":
+        connection.execute("SET TIME ZONE 'UTC'")

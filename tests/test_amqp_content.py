@@ -7,6 +7,7 @@ import datetime
 from typing import Any
 
 import amqp
+import amqp.method_framing
 import pytest
 from amqp import spec
 from amqp.exceptions import RecoverableConnectionError, UnexpectedFrame
@@ -40,6 +41,52 @@ SHAPES = [
 def test_a_header_reads_as_py_amqp_reads_it(properties):
     raw = b"prefix" + header(**properties) + b"rest"
     assert amqp_content.decode_basic(raw, 6) == decode_properties_basic(raw, 6)
+
+
+ASCII_SHAPES = [
+    {"application_headers": {"idembus.message_id": "m-1", "": "", "k": "\x00\x7f"}},
+    {"content_type": "application/json", "message_id": "m-1", "type": "PlaceOrder",
+     "application_headers": {"idembus.intent": "send", "idembus.time_sent": "2026"}},
+    {"application_headers": {"a" * 100: "v" * 1100}},  # sizes of ASCII octets alone
+]
+
+
+@pytest.mark.parametrize("properties", ASCII_SHAPES)
+def test_an_ascii_table_reads_as_py_amqp_reads_it_in_one_decode(properties):
+    raw = b"prefix" + header(**properties) + b"rest"
+    ours = amqp_content.decode_basic(raw, 6)
+    assert ours == decode_properties_basic(raw, 6)
+    table = ours[0]["application_headers"]
+    assert type(table) is amqp_content.TextTable
+    assert all(type(name) is str and type(value) is str for name, value in table.items())
+    assert table.plain
+
+
+@pytest.mark.parametrize("properties", [
+    {"application_headers": {"x-death": "x", "k": "v"}},  # a broker's name
+    {"application_headers": {"k": "v"}, "type": "naïve"},  # a property that is not ASCII
+    {"application_headers": {"k": "x-v"}},  # maybe a broker's name: read as before
+])
+def test_a_header_with_a_broker_name_or_beyond_ascii_is_not_plain(properties):
+    raw = header(**properties)
+    ours = amqp_content.decode_basic(raw, 0)
+    assert ours == decode_properties_basic(raw, 0)
+    assert not getattr(ours[0]["application_headers"], "plain", False)
+
+
+def test_a_table_with_a_size_octet_beyond_ascii_is_read_byte_by_byte():
+    raw = header(application_headers={"a" * 200: "v"})  # 200: a size octet beyond ASCII
+    ours = amqp_content.decode_basic(raw, 0)
+    assert ours == decode_properties_basic(raw, 0)
+    assert type(ours[0]["application_headers"]) is dict
+
+
+def test_an_ascii_table_whose_sizes_overrun_it_is_read_as_before():
+    raw = bytearray(header(application_headers={"k": "value"}))
+    at = raw.index(b"value") - 4
+    raw[at:at + 4] = (200).to_bytes(4, "big")  # the value's size runs past the table
+    ours = amqp_content.decode_basic(bytes(raw) + b"\0" * 300, 0)
+    assert type(ours[0]["application_headers"]) is dict
 
 
 def test_table_text_that_is_not_utf8_stays_bytes_as_py_amqp_leaves_it():
@@ -80,6 +127,25 @@ def test_the_frame_handler_assembles_a_delivery_and_refuses_frames_out_of_order(
     assert connection.bytes_recv == 5
     with pytest.raises(UnexpectedFrame):
         on_frame((3, 1, b"x"))
+
+
+@pytest.mark.parametrize("body", [b"", b"hello"])
+def test_a_body_in_one_frame_or_none_completes_the_delivery_as_py_amqp_does(body):
+    ours: list[tuple[Any, ...]] = []
+    theirs: list[tuple[Any, ...]] = []
+    method = b"\x00\x3c\x00\x3c" + b"args"
+    content = (b"\x00\x3c\x00\x00" + len(body).to_bytes(8, "big")
+               + header(message_id="m", application_headers={"h": "v"}))
+    frames = [(1, 1, method), (2, 1, content)] + ([(3, 1, body)] if body else [])
+    for made, into in ((amqp_content.frame_handler, ours),
+                       (amqp.method_framing.frame_handler, theirs)):
+        on_frame = made(type("Connection", (), {"bytes_recv": 0})(),
+                        lambda *args, into=into: into.append(args))
+        assert [on_frame(frame) for frame in frames][-1] is True
+    [(*call, message)], [(*expected, py_amqps)] = ours, theirs
+    assert call == expected
+    assert (message.body, message.properties, message.body_received, message.ready) == (
+        py_amqps.body, py_amqps.properties, py_amqps.body_received, py_amqps.ready)
 
 
 def test_a_header_that_is_not_utf8_is_read_again_as_the_handler_is_told():
@@ -172,3 +238,14 @@ def test_a_delivery_on_a_closed_connection_raises_as_py_amqp_does():
     connection.channels = None  # type: ignore[assignment]
     with pytest.raises(RecoverableConnectionError):
         _deliver(connection)
+
+
+def test_a_started_message_has_the_fields_py_amqp_gives_it():
+    def fields(message: Any) -> dict[str, Any]:
+        return {name: getattr(message, name) for cls in type(message).__mro__
+                for name in getattr(cls, "__slots__", ())}
+
+    method = spec.Basic.Deliver
+    started = amqp_content._Message.started(method, b"args")
+    assert fields(started) == fields(amqp_content._Message(frame_method=method,
+                                                           frame_args=b"args"))

@@ -139,6 +139,93 @@ def test_a_drain_handles_the_frames_already_read_without_the_socket(pair):
         amqp_reads.drain(connection, 0.05)
 
 
+class DeliveryHandler(FakeKombuConnection):
+    """A frame handler as py-amqp's: a method with content is complete after its body;
+    each frame sees what the buffer holds then (a handler may read the connection)."""
+
+    def __init__(self, transport: Any, *, fail_at: bytes | None = None) -> None:
+        super().__init__(transport)
+        self.seen: list[bytes] = []
+        self.fail_at = fail_at
+
+    def on_inbound_frame(self, frame: Any) -> bool:
+        kind, _, payload = frame
+        if payload == self.fail_at:
+            raise UnexpectedFrame("refused")
+        self.handled.append(bytes(payload))
+        self.seen.append(self.transport._read_buffer)
+        return kind == 3 or (kind == 1 and payload[:4] != DELIVER)
+
+
+DELIVER = struct.pack(">HH", 60, 60)
+
+
+def delivery(body: bytes) -> bytes:
+    header = struct.pack(">HHQH", 60, 0, len(body), 0)
+    return frame(DELIVER + b"args") + frame(header, kind=2) + frame(body, kind=3)
+
+
+def test_a_delivery_is_handled_whole_from_the_buffer_cut_before_its_body(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    peer.sendall(frame(b"first") + delivery(b"one") + delivery(b"two") + frame(b"x")[:3])
+    connection = DeliveryHandler(transport)
+    transport.read_frame()  # the first read takes every byte sent so far
+
+    amqp_reads.drain(connection, 1.0)
+    assert connection.handled[-1] == b"one" and len(connection.handled) == 3
+    # the body's handling sees the buffer as py-amqp would leave it: the rest only
+    assert connection.seen[-1] == delivery(b"two") + frame(b"x")[:3]
+    assert transport._read_buffer == delivery(b"two") + frame(b"x")[:3]
+    amqp_reads.drain(connection, 1.0)
+    assert connection.handled[-1] == b"two"
+    assert transport._read_buffer == frame(b"x")[:3] and connection.drained == 0
+
+
+def test_every_frame_read_already_is_handled_at_once_for_a_batch(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    peer.sendall(frame(b"first") + delivery(b"one") + delivery(b"two") + frame(b"x")[:3])
+    connection = DeliveryHandler(transport)
+    transport.read_frame()
+
+    amqp_reads.drain(connection, 1.0, every=True)
+    assert connection.handled[-1] == b"two" and len(connection.handled) == 6
+    assert transport._read_buffer == frame(b"x")[:3] and connection.drained == 0
+    # nothing whole left: the socket is read, as without ``every``
+    peer.sendall(frame(b"x")[3:])
+    amqp_reads.drain(connection, 1.0, every=True)
+    assert connection.handled[-1] == b"x" and connection.drained == 1
+
+
+def test_frames_that_complete_nothing_are_cut_and_the_socket_read_after_them(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    whole = delivery(b"body")
+    body_at = len(whole) - len(frame(b"body", kind=3))
+    peer.sendall(frame(b"first") + whole[:body_at + 2])
+    connection = DeliveryHandler(transport)
+    transport.read_frame()
+
+    peer.sendall(whole[body_at + 2:])
+    amqp_reads.drain(connection, 1.0, every=True)
+    assert connection.handled[-1] == b"body" and connection.drained == 1
+    assert transport._read_buffer == b""
+
+
+def test_a_frame_refused_mid_delivery_leaves_the_buffer_after_it(pair):
+    transport, peer = pair
+    amqp_reads.read_in_chunks(transport)
+    header = struct.pack(">HHQH", 60, 0, 3, 0)
+    peer.sendall(frame(b"first") + delivery(b"one") + frame(b"next"))
+    connection = DeliveryHandler(transport, fail_at=header)
+    transport.read_frame()
+
+    with pytest.raises(UnexpectedFrame, match="refused"):
+        amqp_reads.drain(connection, 1.0)
+    assert transport._read_buffer == frame(b"one", kind=3) + frame(b"next")
+
+
 def test_what_is_read_already_is_readable_without_a_wait_or_a_system_call(pair):
     transport, peer = pair
     amqp_reads.read_in_chunks(transport)

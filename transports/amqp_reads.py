@@ -36,6 +36,12 @@ from amqp.exceptions import UnexpectedFrame
 
 #: The octet that ends every frame.
 _FRAME_END = 0xCE
+#: The class and method ids of the methods whose content follows them, as a method
+#: frame's payload starts: ``basic.return``, ``basic.deliver``, ``basic.get-ok``.
+_CONTENT_METHODS = frozenset({b"\x00\x3c\x00\x32", b"\x00\x3c\x00\x3c",
+                              b"\x00\x3c\x00\x47"})
+#: A content header's body size (after its class id and weight) when there is no body.
+_NO_BODY = bytes(8)
 #: The least a ``recv`` asks for: far more than a batch of small deliveries, and below
 #: the allocator's threshold for a separate mapping (glibc: 128 KiB).
 CHUNK = 64 * 1024
@@ -61,24 +67,55 @@ def _chunked(recv: Callable[[int], bytes]) -> Callable[[int], bytes]:
     return receive
 
 
-def drain(connection: Any, timeout: float) -> None:
+def drain(connection: Any, timeout: float, *, every: bool = False) -> None:
     """``connection.drain_events(timeout=timeout)`` (a kombu connection to RabbitMQ): one
     whole method read and handled, or ``TimeoutError``. The frames py-amqp holds in its
-    read buffer already are handled first, straight from it (:func:`_buffered_frame`),
-    without the socket's timeout set and restored, nor kombu's and py-amqp's layers
-    around each read; the rest as kombu reads it. A connection without py-amqp's buffer
-    drains as kombu drains it."""
+    read buffer already are handled first, straight from it, without the socket's timeout
+    set and restored, nor kombu's and py-amqp's layers around each read; the rest as kombu
+    reads it. A connection without py-amqp's buffer drains as kombu drains it.
+
+    A frame taken from the buffer is cut from it (the rest copied) only before a frame
+    that may complete a method, whose handling may read the connection again: a
+    delivery's method and content header frames, which only start a message
+    (:func:`_starts_content`), are cut with the frame after them, so that a delivery costs
+    one copy of what follows it in the buffer, not three.
+
+    ``every``: the caller's handlers of what arrives only take note of it (a batch's
+    consumer, which collects deliveries), never reading the connection meanwhile: then
+    every whole frame of the buffer is handled, the buffer cut once after the last, and
+    the socket read only when they complete no method."""
     # kombu's ``connection`` property checks the connection at each call; an unusable one
     # has no transport (or no kombu connection at all), and drains as kombu drains it.
     amqp_connection: Any = getattr(connection, "_connection", None)
-    transport = getattr(amqp_connection, "transport", None)
-    if type(getattr(transport, "_read_buffer", None)) is bytes:
+    transport: Any = getattr(amqp_connection, "transport", None)
+    buffered = getattr(transport, "_read_buffer", None)
+    if type(buffered) is bytes:
         on_frame = amqp_connection.on_inbound_frame
-        frame = _buffered_frame(transport)
-        while frame is not None:
-            if on_frame(frame):
-                return
-            frame = _buffered_frame(transport)
+        at = 0  # where the frames not handled yet start in ``buffered``
+        completed = False
+        size = len(buffered)
+        try:
+            # each whole frame (what _whole_frame_end tells, without a call a frame)
+            while size >= at + 8 and size > (
+                    end := at + 7 + int.from_bytes(buffered[at + 3:at + 7], "big")):
+                if buffered[end] != _FRAME_END:
+                    raise UnexpectedFrame(
+                        f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
+                kind, payload = buffered[at], buffered[at + 7:end]
+                frame = (kind, int.from_bytes(buffered[at + 1:at + 3], "big"), payload)
+                at = end + 1
+                if not every and not _starts_content(kind, payload):
+                    transport._read_buffer = buffered = buffered[at:]
+                    at, size = 0, len(buffered)
+                if on_frame(frame):
+                    if not every:
+                        return
+                    completed = True
+        finally:
+            if at:  # what was handled leaves the buffer (an error too: as py-amqp reads)
+                transport._read_buffer = buffered[at:]
+        if completed:
+            return
     connection.drain_events(timeout=timeout)
 
 
@@ -106,24 +143,20 @@ def readable_within(connection: Any, timeout: float) -> bool:
     return bool(readable)
 
 
-def _whole_frame_end(buffered: bytes) -> int | None:
-    """Where the first frame of ``buffered`` ends (the index of its frame-end octet), or
-    ``None`` while ``buffered`` does not hold the whole frame."""
-    if len(buffered) < 8:
+def _whole_frame_end(buffered: bytes, at: int = 0) -> int | None:
+    """Where the frame at ``at`` of ``buffered`` ends (the index of its frame-end octet),
+    or ``None`` while ``buffered`` does not hold the whole frame."""
+    if len(buffered) < at + 8:
         return None
-    end = 7 + int.from_bytes(buffered[3:7], "big")
+    end = at + 7 + int.from_bytes(buffered[at + 3:at + 7], "big")
     return end if len(buffered) > end else None
 
 
-def _buffered_frame(transport: Any) -> tuple[int, int, bytes] | None:
-    """The first frame of py-amqp's read buffer, taken out of it, as its ``read_frame``
-    gives it (and with its error for a frame that does not end as a frame must); ``None``
-    while the buffer does not hold a whole frame."""
-    buffered: bytes = transport._read_buffer
-    end = _whole_frame_end(buffered)
-    if end is None:
-        return None
-    if buffered[end] != _FRAME_END:
-        raise UnexpectedFrame(f"Received frame_end {buffered[end]:#04x} while expecting 0xce")
-    transport._read_buffer = buffered[end + 1:]
-    return buffered[0], int.from_bytes(buffered[1:3], "big"), buffered[7:end]
+def _starts_content(kind: int, payload: bytes) -> bool:
+    """Whether a frame of ``kind`` with ``payload`` only starts a message, the content
+    frames after it still to come: the method frame of ``basic.deliver``, ``basic.return``
+    or ``basic.get-ok``, or a content header whose body size is not 0. Handling it only
+    notes it; nothing else is called."""
+    if kind == 1:
+        return payload[:4] in _CONTENT_METHODS
+    return kind == 2 and payload[4:12] != _NO_BODY

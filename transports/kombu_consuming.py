@@ -88,10 +88,12 @@ class KombuConsuming(KombuCore):
             ready.clear()  # what a lost connection had delivered, the broker delivers again
             outage = _broker_errors(connection)
 
+            native_requeue, events_exchange = self._is_amqp, self.exchange_name
+
             def on_message(message: kombu.Message) -> None:
                 ready.append(_KombuDelivery(queue, message, outage=outage,
-                                            native_requeue=self._is_amqp,
-                                            events_exchange=self.exchange_name))
+                                            native_requeue=native_requeue,
+                                            events_exchange=events_exchange))
 
             return on_message
 
@@ -327,14 +329,20 @@ class KombuConsuming(KombuCore):
         if not self._is_amqp or len(held) < 2 or len(held) != len(deliveries):
             super().ack_many(deliveries)
             return
-        tags = sorted(delivery.delivery_tag for delivery in held)
-        channels = {id(delivery.channel) for delivery in held}
-        if (len(channels) != 1 or any(delivery.settled for delivery in held)
-                or tags != list(range(tags[0], tags[0] + len(tags)))):
+        # one look at each (its kombu message's tag and channel), no call for each
+        channel = held[0]._message.channel
+        tags: list[int] = []
+        for delivery in held:
+            message = delivery._message
+            if delivery.settled or message.channel is not channel:
+                super().ack_many(deliveries)
+                return
+            tags.append(message.delivery_tag)
+        ordered = sorted(tags)
+        if ordered != list(range(ordered[0], ordered[0] + len(ordered))):
             super().ack_many(deliveries)
             return
-        last = max(held, key=lambda delivery: delivery.delivery_tag)
-        last.ack_up_to_here()
+        held[tags.index(ordered[-1])].ack_up_to_here()
         for delivery in held:
             delivery.settled = True
 
@@ -386,10 +394,12 @@ def _drain_within(connection: kombu.Connection, timeout: float) -> None:
     """:func:`.amqp_reads.drain` for a batch's short waits on RabbitMQ: ``TimeoutError``
     unless something comes within ``timeout`` (waited for to the microsecond,
     :func:`.amqp_reads.readable_within`; a socket timeout waits whole milliseconds), then
-    one method read. Never a non-blocking read: py-amqp spins on one that stops mid-frame."""
+    every frame read already, or one method read. Never a non-blocking read: py-amqp
+    spins on one that stops mid-frame."""
     if not amqp_reads.readable_within(connection, timeout):
         raise TimeoutError
-    amqp_reads.drain(connection, max(timeout, AT_ONCE))
+    # a batch's consumer only collects deliveries: every frame read already at once
+    amqp_reads.drain(connection, max(timeout, AT_ONCE), every=True)
 
 
 def _arrives_within(connection: kombu.Connection, ready: list[Delivery],

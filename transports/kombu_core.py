@@ -14,6 +14,7 @@ from typing import Any
 
 import kombu
 from kombu import Exchange
+from kombu.transport import pyamqp
 
 from ..errors import ConfigurationError
 from ..logs import Throttle
@@ -22,7 +23,7 @@ from ..redaction import redact
 from . import amqp_reads, delays
 from .base import Transport
 from .kombu_errors import _connection_failure
-from .kombu_frames import _lenient_frames, _RawBody
+from .kombu_frames import _lenient_frames, _RawAmqpBody, _RawBody
 from .kombu_in_process import in_process_tags
 from .reply_leases import check_lease
 
@@ -218,7 +219,8 @@ class KombuCore(Transport):
         base = type(channel).Message
         raw = self._raw_message_classes.get(base)
         if raw is None:
-            raw = type(f"Raw{base.__name__}", (_RawBody, base), {})
+            mixin = _RawAmqpBody if base is pyamqp.Message else _RawBody
+            raw = type(f"Raw{base.__name__}", (mixin, base), {})
             self._raw_message_classes[base] = raw
         channel.Message = raw
         return channel

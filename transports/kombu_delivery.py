@@ -16,6 +16,7 @@ from .. import hierarchy, wire
 from ..wire import encoding_problem as _encoding_problem
 from ..wire import joined as _joined
 from . import amqp_properties, delays
+from .amqp_content import TextTable
 from .base import Delivery
 from .errors import TransportUnavailable
 from .kombu_frames import _as_bytes
@@ -33,24 +34,43 @@ class _KombuDelivery(Delivery):
                  outage: tuple[type[BaseException], ...] = (),
                  events_exchange: str | None = None) -> None:
         try:
-            raw = _senders_headers(message.headers or {})
-            if message.properties.keys() & amqp_properties.NAMES:  # set logic, no call
-                raw = amqp_properties.merged(raw, message.properties)
-            headers, problem = wire.text_headers(raw)
-            problem = _joined(problem, _encoding_problem(raw, message.content_encoding),
-                              _foreign_key(message, headers, events_exchange))
+            table = message.headers
+            if type(table) is TextTable and table.plain:
+                # Read from ASCII alone, properties included, without a broker's x- name:
+                # text as it is, nothing to leave out (see TextTable).
+                raw: Mapping[Any, Any] = table
+                if message.properties.keys() & amqp_properties.NAMES:
+                    raw = amqp_properties.merged(table, message.properties)
+                headers: Mapping[str, str] = dict(table) if raw is table else raw
+                problem = None
+            else:
+                raw = _senders_headers(table or {})
+                if message.properties.keys() & amqp_properties.NAMES:  # set logic, no call
+                    raw = amqp_properties.merged(raw, message.properties)
+                headers, problem = wire.text_headers(raw)
+            content_encoding = message.content_encoding
+            # the usual case told at once: no compression, a plain encoding, not an event
+            encoding = (None if "compression" not in raw and (
+                content_encoding is None or content_encoding in wire.PLAIN_ENCODINGS)
+                else _encoding_problem(raw, content_encoding))
+            foreign = (None if events_exchange is None or (message.delivery_info or {}).get(
+                "exchange") != events_exchange
+                else _foreign_key(message, headers, events_exchange))
+            if problem or encoding or foreign:
+                problem = _joined(problem, encoding, foreign)
         except Exception as exc:  # input nobody foresaw: refused, never a stopped consumer
             log.exception("could not read the headers of a message of %r", queue)
             headers, problem = {}, f"its headers could not be read: {wire.shown(exc)}"
-        super().__init__(
-            queue=queue,
-            headers=headers,
-            body=_as_bytes(message.body, message.content_encoding),
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            redelivered=bool(message.delivery_info.get("redelivered")),
-            wire_error=problem,
-        )
+        # Delivery.__init__'s fields, set here without its call with seven keywords (as
+        # Delivery._stand_for sets them), once a delivery
+        self.queue = queue
+        self.headers = headers
+        body = message.body
+        self.body = body if type(body) is bytes else _as_bytes(body, message.content_encoding)
+        self.content_type = message.content_type
+        self.content_encoding = message.content_encoding
+        self.redelivered = bool(message.delivery_info.get("redelivered"))
+        self.wire_error = problem
         self._message = message
         self.settled = settled
         self._native_requeue = native_requeue

@@ -31,7 +31,7 @@ from ..errors import BusError, MalformedMessage, MessageError
 from ..expiry import expiry_of
 from ..failures import MAX_EXCEPTION_MESSAGE, failure_headers
 from ..handlers.registration import HandlerBinding
-from ..logs import loggable, message_context, message_logger, per_message_level
+from ..logs import LIMIT, loggable, message_context, message_logger, per_message_level
 from ..messages import Message
 from ..pipeline import (
     HandlerCall,
@@ -349,7 +349,7 @@ class MessageProcessor:
         attempts = 0
         outages = 0
         outcome: Outcome | None = None
-        dispatching = _Dispatching()
+        dispatching: _Dispatching | None = None  # once there is something to send
         commit_may_have_landed = False
         while True:
             attempts += 1
@@ -363,7 +363,9 @@ class MessageProcessor:
                             delivery if last else None))
                         if outcome.discarded:
                             self._discarded(handler_name, delivery.headers)
-                    self._dispatch(outcome, delivery.headers, dispatching)
+                    if outcome.outgoing:  # else born dispatched: nothing to send or mark
+                        dispatching = dispatching or _Dispatching()
+                        self._dispatch(outcome, delivery.headers, dispatching)
                     self._recovery.recovered()
                     return outcome
                 except SkipMessage as skip:
@@ -583,15 +585,22 @@ def _invoking(invoker: HandlerInvoker, binding: HandlerBinding, call: HandlerCal
 
 
 def _logged_id(headers: Mapping[str, str]) -> str:
-    """The message id of ``headers`` as a log line carries it (:func:`loggable`)."""
+    """The message id of ``headers`` as a log line carries it (:func:`loggable`; a short
+    printable one is its own, told here without the call)."""
     message_id = headers.get(h.MESSAGE_ID)
-    return loggable(message_id) if message_id else "a message without id"
+    if not message_id:
+        return "a message without id"
+    if len(message_id) <= LIMIT and message_id.isprintable():
+        return message_id
+    return loggable(message_id)
 
 
 def _logged_type(headers: Mapping[str, str]) -> str | None:
     """The message type of ``headers`` as a log line carries it (:func:`loggable`)."""
     message_type = headers.get(h.MESSAGE_TYPE)
-    return loggable(message_type) if message_type is not None else None
+    if message_type is None or len(message_type) <= LIMIT and message_type.isprintable():
+        return message_type
+    return loggable(message_type)
 
 
 def undecodable(error: Exception) -> MalformedMessage:
