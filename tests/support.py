@@ -139,12 +139,14 @@ def delayed_poller(endpoint: str, transport: Transport, storage: Any,
                              **options)
 
 
-def eventually(condition: Callable[[], bool], timeout: float = 120.0) -> bool:
-    """Look at ``condition`` (a query of a broker or a database, which tells no one when it
-    changes) every 100 ms until it holds; ``False`` if it still does not after ``timeout``."""
+def eventually(condition: Callable[[], bool], timeout: float = 120.0,
+               interval: float = 0.1) -> bool:
+    """Look at ``condition`` (a query of a broker, a database or another process, which
+    tells no one when it changes) every ``interval`` seconds until it holds; ``False`` if it
+    still does not after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.1)
+        time.sleep(interval)
     return True

@@ -30,6 +30,7 @@ from idembus.storage.memory import MemoryStorage
 from idembus.storage.postgres import PostgresStorage
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import AMQP_URL, POSTGRES_URL, require_service
+from tests.support import eventually
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HOURS = datetime.timedelta(hours=1)
@@ -152,15 +153,6 @@ def app(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[], Endpoint]], s
     return make
 
 
-def poll_until(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def run_until(argv: Sequence[str], done: Callable[[], bool]) -> tuple[int, bool]:
     """Run ``idembus *argv`` in this process until ``done()`` holds (15 s at most), then
     send it SIGTERM as an operator would; its exit status, and whether ``done()`` held."""
@@ -169,7 +161,8 @@ def run_until(argv: Sequence[str], done: Callable[[], bool]) -> tuple[int, bool]
     held: list[bool] = []
 
     def terminate_when_done() -> None:
-        held.append(poll_until(lambda: returned.is_set() or done()) and not returned.is_set())
+        came = eventually(lambda: returned.is_set() or done(), timeout=15.0, interval=0.01)
+        held.append(came and not returned.is_set())
         if not returned.is_set():
             os.kill(os.getpid(), signal.SIGTERM)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -23,7 +22,7 @@ from idembus.storage.errors import StorageAccessDenied
 from idembus.storage.memory import MemoryStorage
 from idembus.transports.errors import DestinationRefused, TransportUnavailable
 from idembus.transports.kombu import KombuTransport
-from tests.support import delayed_poller, outbox_relay
+from tests.support import delayed_poller, eventually, outbox_relay
 
 LATER = datetime.timedelta(seconds=1)
 
@@ -296,7 +295,7 @@ def test_an_outbox_the_database_refuses_logs_at_error_and_shows_it_until_it_work
     dispatcher.start()
     try:
         # Then it says so at ERROR and in its health, under its own name, and keeps trying
-        assert wait_until(lambda: storage.refusals >= 2)
+        assert eventually(lambda: storage.refusals >= 2, timeout=10.0, interval=0.005)
         assert "password authentication failed" in health.problems()[dispatcher.name]
         assert any(record.levelno == logging.ERROR and "password authentication" in
                    record.getMessage() for record in caplog.records)
@@ -304,15 +303,9 @@ def test_an_outbox_the_database_refuses_logs_at_error_and_shows_it_until_it_work
         # When the database takes it again, the entry is repaired and the problem is gone
         storage.allow.set()
         dispatcher.wake()
-        assert wait_until(lambda: pending(storage) == [] and not health.problems())
+        assert eventually(lambda: pending(storage) == [] and not health.problems(), timeout=10.0,
+                          interval=0.005)
     finally:
         dispatcher.stop()
 
 
-def wait_until(condition: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True

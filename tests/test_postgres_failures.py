@@ -9,10 +9,9 @@ import datetime
 import secrets
 import sys
 import threading
-import time
 import types
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -31,7 +30,14 @@ from idembus.storage.postgres import PostgresStorage
 from idembus.transports.errors import TransportUnavailable
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import POSTGRES_URL, require_service
-from tests.support import Account, AccountHandler, Deposit, Deposited, SignalCounter
+from tests.support import (
+    Account,
+    AccountHandler,
+    Deposit,
+    Deposited,
+    SignalCounter,
+    eventually,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -85,16 +91,6 @@ def with_settings(conninfo: str, **settings: str) -> str:
     """``conninfo`` whose sessions start with these server settings."""
     options = " ".join(f"-c {name}={value}" for name, value in settings.items())
     return f"{conninfo}{'&' if '?' in conninfo else '?'}options={quote(options, safe='')}"
-
-
-def poll_until(condition: Callable[[], bool], timeout: float = 15.0) -> bool:
-    """Look at ``condition`` every 20 ms until it holds or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_public_create_is_granted_back_after_the_limited_role_is_done() -> None:
@@ -260,7 +256,8 @@ def test_a_connection_the_administrator_ends_is_an_outage_and_the_next_attempt_r
         # When an administrator terminates its session
         with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
             admin.execute(f"SELECT pg_terminate_backend(pid) FROM ({sessions}) s", (name,))
-            assert poll_until(lambda: admin.execute(sessions, (name,)).fetchone() is None)
+            assert eventually(lambda: admin.execute(sessions, (name,)).fetchone() is None,
+                              timeout=15.0, interval=0.02)
 
         # Then its next request meets an outage, and the one after reconnects
         with pytest.raises(StorageUnavailable) as raised:
@@ -417,7 +414,8 @@ def test_two_endpoints_on_one_database_each_deliver_the_messages_they_deferred(
         sales.start()
 
         # Then sales delivers it, with its own broker
-        assert poll_until(lambda: sales_broker.pending(target) == 1)
+        assert eventually(lambda: sales_broker.pending(target) == 1, timeout=15.0,
+                          interval=0.02)
         assert sales_broker.sent == [deferred] and billing_broker.sent == []
     finally:
         billing.close()

@@ -25,6 +25,7 @@ from idembus.transports.kombu_replies import LEASED_QUEUES
 from idembus.transports.mongo import MongoTransport
 from idembus.transports.postgres import PostgresTransport
 from tests.conftest import MONGODB_URL, POSTGRES_URL, REDIS_URL
+from tests.support import eventually
 from tests.test_requests import GetQuote, Quote, Quotes, requester_process
 
 pytestmark = pytest.mark.parametrize(
@@ -112,17 +113,6 @@ def late_reply(queue: str) -> Envelope:
         body='{"item": "tea", "price": 7}', destination=queue)
 
 
-def poll(condition: Callable[[], bool], timeout: float) -> bool:
-    """Whether ``condition()`` came true within ``timeout`` seconds (looked at 10 times a
-    second: what is polled is another process's doing, or the passing of a lease)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 @contextlib.contextmanager
 def dead_requester(make_transport: Callable[..., Any], transport_url: str,
                    destination: str) -> Iterator[str]:
@@ -142,7 +132,7 @@ def dead_requester(make_transport: Callable[..., Any], transport_url: str,
     with contextlib.ExitStack() as stack:
         requester, queue = stack.enter_context(requester_process(
             _REQUESTER, transport_url, where(responder), destination, str(LEASE)))
-        assert poll(lambda: responder.pending(destination) == 1, 60), "no request came"
+        assert eventually(lambda: responder.pending(destination) == 1, 60), "no request came"
         if isinstance(responder, PostgresTransport):
             holder = stack.enter_context(psycopg.connect(transport_url, autocommit=True))
             taken = threading.Thread(target=holder.execute, args=(
@@ -174,7 +164,7 @@ def test_the_reply_queue_of_a_killed_requester_and_its_late_reply_go_within_a_le
         assert held(responder, dead) == 1
     # Then, within the dead requester's lease (and a turn of the sweeps), its queue and
     # the reply in it are gone:
-    assert poll(lambda: not declared(responder, dead), LEASE + 15), "the queue stayed"
+    assert eventually(lambda: not declared(responder, dead), LEASE + 15), "the queue stayed"
     assert held(responder, dead) == 0
     # And the live requester's queue, kept past that lease, still gets its replies ...
     assert declared(responder, live)
@@ -182,7 +172,7 @@ def test_the_reply_queue_of_a_killed_requester_and_its_late_reply_go_within_a_le
     assert shop.bus.request(GetQuote(item="tea"), timeout=30) == Quote(item="tea", price=7)
     # ... while the answer to the dead requester's request, sent after the sweep, left
     # nothing behind.
-    assert poll(lambda: pricing.is_idle(), 30)
+    assert eventually(lambda: pricing.is_idle(), 30)
     assert not declared(responder, dead) and held(responder, dead) == 0
     assert declared(responder, live)
 
