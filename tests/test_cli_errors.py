@@ -43,6 +43,7 @@ from idembus.handlers import AggregateHandler, Handler, handles
 from idembus.runtime.recoverability.policy import Recoverability
 from idembus.storage.memory import MemoryStorage
 from idembus.testing import wait_until_idle
+from idembus.transports import kombu_frames
 from idembus.transports.kombu import KombuTransport
 from tests.conftest import ALL_TRANSPORT_URLS, is_kombu_url, required_transport
 from tests.support import Account, Deposit, Deposited, Ledger, SignalCounter
@@ -616,8 +617,11 @@ def held(monkeypatch: pytest.MonkeyPatch, transport_url: str) -> HeldMessages:
     """Every message the transport hands this process: a raw message of idembus's kombu
     channels, or a delivery of a database transport (a row, a document)."""
     spy = HeldMessages()
-    if is_kombu_url(transport_url):
-        held_class: Any = kombu_transport._RawBody
+    if transport_url.startswith(("amqp", "pyamqp")):
+        # RabbitMQ's messages set their fields in one call, past _RawBody.__init__
+        held_class: Any = kombu_frames._RawAmqpBody
+    elif is_kombu_url(transport_url):
+        held_class = kombu_transport._RawBody
     elif transport_url.startswith("postgres"):
         from idembus.transports.postgres import _PostgresDelivery as held_class
     else:

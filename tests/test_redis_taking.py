@@ -135,6 +135,27 @@ def test_a_consumer_killed_in_its_handler_loses_nothing():
     assert delivery.redelivered
 
 
+@pytest.mark.timeout(60)
+def test_a_sweep_lock_left_by_a_killed_process_holds_up_redelivery_a_lease_at_most():
+    require_service(REDIS_URL, "Redis")
+    transport = _transport()  # a partition lease of 1 s
+    queue = f"taking-{uuid.uuid4().hex[:8]}"
+    transport.declare(queue)
+    # Given kombu's lock around the sweep of timed-out unacknowledged messages, taken as a
+    # process takes it and never given back (the process was killed during a sweep)
+    with transport._channel() as channel:
+        assert channel.unacked_mutex_expire == 1
+        assert channel.client.set(channel.unacked_mutex_key, "killed", nx=True,
+                                  ex=channel.unacked_mutex_expire) or channel.client.ttl(
+            channel.unacked_mutex_key) <= 1
+    # And a consumer killed inside its handler (the message recorded as unacked)
+    _killed(queue, "handler", transport)
+    # When another consumer runs, then it gets the message again once the lock expired,
+    # not after kombu's 300 s
+    delivery = _first_delivery(transport, queue, timeout=20)
+    assert delivery.body == b"killed at handler" and delivery.redelivered
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("priority", [None, 9])
 def test_a_foreign_kombu_producers_message_is_consumed(priority):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -142,6 +143,10 @@ class KombuCore(Transport):
             # A consumer's landing lists (:mod:`.redis_taking`) outlive a killed process as
             # long as its partitions' leases.
             options.setdefault("landing_lease", self.partition_lease)
+            # kombu's lock around a sweep of unacknowledged messages whose visibility timed
+            # out: a process killed while it held it stopped every sweep for kombu's 300 s;
+            # a sweep takes milliseconds, so a killed holder now delays them a lease at most.
+            options.setdefault("unacked_mutex_expire", max(1, math.ceil(self.partition_lease)))
         #: How many partitions each queue was declared with (``declare_partitions``).
         self._partition_counts: dict[str, int] = {}
         #: On Redis, this process's leases on each queue's partitions.
