@@ -57,6 +57,14 @@ def _transport() -> KombuTransport:
                           transport_options={"visibility_timeout": 1})
 
 
+def _declared() -> tuple[KombuTransport, str]:
+    """A transport (:func:`_transport`) and a new queue it declared."""
+    transport = _transport()
+    queue = f"taking-{uuid.uuid4().hex[:8]}"
+    transport.declare(queue)
+    return transport, queue
+
+
 def _first_delivery(transport: KombuTransport, queue: str, timeout: float) -> Delivery:
     """The first delivery a consumer of ``queue`` gets (acknowledged) within ``timeout``."""
     got: queues.Queue[Delivery] = queues.Queue()
@@ -98,9 +106,7 @@ def _killed(queue: str, where: str, transport: KombuTransport) -> None:
 @pytest.mark.timeout(60)
 def test_a_consumer_killed_between_the_move_and_the_unacked_record_loses_nothing():
     require_service(REDIS_URL, "Redis")
-    transport = _transport()
-    queue = f"taking-{uuid.uuid4().hex[:8]}"
-    transport.declare(queue)
+    transport, queue = _declared()
     # Given a consumer killed once it moved the message, before it recorded it as unacked
     _killed(queue, "record", transport)
     with transport._channel() as channel:
@@ -123,9 +129,7 @@ def test_a_consumer_killed_between_the_move_and_the_unacked_record_loses_nothing
 @pytest.mark.timeout(60)
 def test_a_consumer_killed_in_its_handler_loses_nothing():
     require_service(REDIS_URL, "Redis")
-    transport = _transport()
-    queue = f"taking-{uuid.uuid4().hex[:8]}"
-    transport.declare(queue)
+    transport, queue = _declared()
     # Given a consumer killed inside its handler (the message recorded as unacked)
     _killed(queue, "handler", transport)
     # When another consumer runs (kombu's visibility timeout is 1 s here)
@@ -138,9 +142,7 @@ def test_a_consumer_killed_in_its_handler_loses_nothing():
 @pytest.mark.timeout(60)
 def test_a_sweep_lock_left_by_a_killed_process_holds_up_redelivery_a_lease_at_most():
     require_service(REDIS_URL, "Redis")
-    transport = _transport()  # a partition lease of 1 s
-    queue = f"taking-{uuid.uuid4().hex[:8]}"
-    transport.declare(queue)
+    transport, queue = _declared()  # a partition lease of 1 s
     # Given kombu's lock around the sweep of timed-out unacknowledged messages, taken as a
     # process takes it and never given back (the process was killed during a sweep)
     with transport._channel() as channel:
@@ -160,9 +162,7 @@ def test_a_sweep_lock_left_by_a_killed_process_holds_up_redelivery_a_lease_at_mo
 @pytest.mark.parametrize("priority", [None, 9])
 def test_a_foreign_kombu_producers_message_is_consumed(priority):
     require_service(REDIS_URL, "Redis")
-    transport = _transport()
-    queue = f"taking-{uuid.uuid4().hex[:8]}"
-    transport.declare(queue)
+    transport, queue = _declared()
     # Given a message a plain kombu producer put on the queue (a priority list with 9)
     with kombu.Connection(REDIS_URL) as connection:
         producer = connection.Producer()
